@@ -1,0 +1,711 @@
+"""What the three training scripts share because it changes a measured number.
+
+dp_train.py, ddp_train.py and fsdp_train.py each keep inline what a strategy *is* (process
+group, model wrapper, sampler, training step, metric reduction, saving). This module holds what
+must be identical across them so their numbers can be compared:
+
+- the command-line flags (``add_common_args``) and their resolved defaults (``resolve_args``),
+- the datasets (TinyImageNet in its original layout, CIFAR-10, MNIST, built-in synthetic data),
+- the models (ResNet-50 and any torchvision classifier, the CIFAR-10 CNN, the MNIST net),
+- the evaluation pass (``evaluate``), which counts every validation sample exactly once,
+- the output contract: the epoch line and the ``[METRIC]`` line with its list of keys
+  (``METRIC_KEYS``), which collect_results.py imports so the two cannot drift,
+- memory statistics and the distributed environment as torchrun or Slurm describe it.
+
+Importing this module has no side effects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+# --------------------------------------------------------------------------------------------
+# Output contract
+# --------------------------------------------------------------------------------------------
+
+#: Keys of every ``[METRIC]`` line, in order. The final line adds ``FINAL_KEYS``.
+METRIC_KEYS = (
+    "strategy", "model", "dataset", "device", "world_size", "nodes", "gpus_per_node",
+    "per_gpu_batch", "global_batch", "amp", "epoch", "epochs", "lr",
+    "train_loss", "train_acc", "val_loss", "val_acc", "train_images", "val_images",
+    "epoch_time_s", "throughput_img_s", "peak_mem_mib", "peak_mem_per_gpu_mib",
+)
+#: Extra keys of the one ``[METRIC]`` line printed after the last epoch (``final=1``).
+FINAL_KEYS = ("final", "total_time_s")
+METRIC_PREFIX = "[METRIC]"
+
+EPOCH_LINE = ("Epoch [{epoch}/{epochs}] LR: {lr:.6f} | Loss (train, val): {train_loss:.3f}, "
+              "{val_loss:.3f} | Accuracy (train, val): {train_acc:.2f}%, {val_acc:.2f}% | "
+              "Throughput: {throughput_img_s:.1f} img/s")
+
+
+def format_epoch_line(m: dict) -> str:
+    """The per-epoch line users know from the workshop (values global across ranks)."""
+    return EPOCH_LINE.format(**m)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else format(value, ".7g")
+    if isinstance(value, (list, tuple)):  # per-GPU values: "812.5/640.1"
+        return "/".join(_fmt(v) for v in value)
+    text = str(value)
+    return text.replace(" ", "_") or "-"
+
+
+def format_metric_line(m: dict, final: bool = False) -> str:
+    """``[METRIC] key=value ...`` with exactly METRIC_KEYS (+ FINAL_KEYS on the last line)."""
+    keys = METRIC_KEYS + (FINAL_KEYS if final else ())
+    missing = [k for k in keys if k not in m and k != "final"]
+    if missing:
+        raise KeyError(f"metric line lacks {missing}")
+    values = dict(m, final=1)
+    return METRIC_PREFIX + " " + " ".join(f"{k}={_fmt(values[k])}" for k in keys)
+
+
+def parse_metric_line(line: str) -> dict | None:
+    """Parse one ``[METRIC]`` line into {key: str}; None when the line is not one."""
+    at = line.find(METRIC_PREFIX)
+    if at < 0:
+        return None
+    fields = {}
+    for token in line[at + len(METRIC_PREFIX):].split():
+        key, sep, value = token.partition("=")
+        if not sep:
+            return None
+        fields[key] = value
+    return fields if all(k in fields for k in METRIC_KEYS) else None
+
+
+# --------------------------------------------------------------------------------------------
+# Errors a user can fix
+# --------------------------------------------------------------------------------------------
+
+class UsageError(Exception):
+    """A problem the user can fix: printed as one sentence naming the fix, exit code 2."""
+
+
+def fail_cleanly(err: UsageError, rank_env: "DistEnv | None" = None) -> int:
+    """Print a UsageError once per node (every local rank sees the same problem) and return 2."""
+    if rank_env is None or rank_env.local_rank == 0:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+    return 2
+
+
+# --------------------------------------------------------------------------------------------
+# Flags
+# --------------------------------------------------------------------------------------------
+
+DATASETS = ("tinyimagenet", "cifar10", "mnist", "synthetic")
+DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_net",
+                 "synthetic": "resnet50"}
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags every training script takes, with the same names, defaults and meaning."""
+    g = parser.add_argument_group("data and model")
+    g.add_argument("--data-dir", default=os.environ.get("DATA_DIR") or None,
+                   help="dataset root (default: $DATA_DIR). For TinyImageNet the folder holding "
+                        "wnids.txt, train/ and val/ in the original layout")
+    g.add_argument("--dataset", choices=DATASETS, default=None,
+                   help="default: tinyimagenet when a data dir is given, else synthetic "
+                        "(built-in, learnable, no download)")
+    g.add_argument("--model", default=None,
+                   help="resnet50, cnn (CIFAR-10 CNN), mnist_net, or any torchvision "
+                        "classification model name; default follows the dataset "
+                        "(tinyimagenet/synthetic: resnet50, cifar10: cnn, mnist: mnist_net)")
+    g.add_argument("--synthetic-size", type=int, default=2048,
+                   help="training samples of the synthetic dataset (validation gets a quarter)")
+    g = parser.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=3, help="number of epochs")
+    g.add_argument("--batch-size", type=int, default=64,
+                   help="batch size PER PROCESS/GPU; the global batch is this times the number "
+                        "of GPUs and is printed at start")
+    g.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
+    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    g.add_argument("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
+    g.add_argument("--step-size", type=int, default=2,
+                   help="StepLR: multiply the learning rate by --gamma every this many epochs")
+    g.add_argument("--gamma", type=float, default=0.1, help="StepLR decay factor")
+    g.add_argument("--amp", choices=("fp16", "bf16", "off"), default=None,
+                   help="mixed precision: fp16 (autocast + GradScaler), bf16 (autocast, no "
+                        "scaler) or off; default fp16 on CUDA, off on CPU")
+    g = parser.add_argument_group("run")
+    g.add_argument("--num-workers", type=int, default=None,
+                   help="DataLoader workers per process (default: from $SLURM_CPUS_PER_TASK or "
+                        "the CPUs this process may use, shared by the processes of the node, "
+                        "at most 8)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed for model init, shuffling and synthetic data")
+    g.add_argument("--max-steps-per-epoch", type=int, default=0,
+                   help="stop each training epoch after this many steps (0 = whole epoch); "
+                        "for smoke runs and benchmarks")
+    g.add_argument("--save-model", default=None, metavar="PATH",
+                   help="at the end rank 0 saves the unwrapped model's state_dict here "
+                        "(load with torch.load(PATH, weights_only=True))")
+    g.add_argument("--dist-timeout", type=int, default=600,
+                   help="seconds a collective or the process-group start may wait for other "
+                        "ranks before the run fails instead of hanging")
+    return parser
+
+
+def _default_workers(env: "DistEnv") -> int:
+    cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+    try:
+        total = int(cpus) if cpus else len(os.sched_getaffinity(0))
+    except (ValueError, AttributeError):
+        total = os.cpu_count() or 1
+    # torchrun starts the node's processes inside ONE Slurm task: they share its CPUs.
+    # Started by srun directly, each process is its own task with its own CPUs.
+    share = total // env.local_world_size if env.source == "torchrun" else total
+    return max(0, min(8, share - 1))
+
+
+def resolve_args(args: argparse.Namespace, env: "DistEnv", device: torch.device) -> None:
+    """Fill the defaults that depend on other flags or on the machine; reject impossible ones."""
+    if args.dataset is None:
+        args.dataset = "tinyimagenet" if args.data_dir else "synthetic"
+    if args.model is None:
+        args.model = DEFAULT_MODEL[args.dataset]
+    if args.amp is None:
+        args.amp = "fp16" if device.type == "cuda" else "off"
+    if args.num_workers is None:
+        args.num_workers = _default_workers(env)
+    for flag in ("epochs", "batch_size", "synthetic_size", "step_size", "dist_timeout"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got "
+                             f"{getattr(args, flag)}")
+    for flag in ("num_workers", "max_steps_per_epoch"):
+        if getattr(args, flag) < 0:
+            raise UsageError(f"--{flag.replace('_', '-')} cannot be negative")
+    if args.lr <= 0:
+        raise UsageError(f"--lr must be positive, got {args.lr}")
+    check_model(args.model, input_shape(args))  # before any download or data scan
+
+
+def input_shape(args) -> tuple:
+    """Image shape (C, H, W) the dataset delivers; synthetic data takes the model's."""
+    fixed = {"tinyimagenet": (3, 64, 64), "cifar10": (3, 32, 32), "mnist": (1, 28, 28)}
+    return fixed.get(args.dataset) or synthetic_shape(args.model)[0]
+
+
+def amp_dtype(args) -> torch.dtype | None:
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[args.amp]
+
+
+# --------------------------------------------------------------------------------------------
+# Distributed environment (torchrun, or srun without torchrun)
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    source: str  # "torchrun", "slurm" or "single"
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+def _int_env(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except ValueError:
+        raise UsageError(f"${name}={os.environ[name]!r} is not an integer: unset it or fix the "
+                         f"launcher that sets it") from None
+
+
+def dist_env() -> DistEnv:
+    """Rank layout from torchrun (RANK/LOCAL_RANK/WORLD_SIZE) or, started by ``srun`` without
+    torchrun, from SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; one process otherwise.
+
+    Under the Slurm fallback MASTER_ADDR defaults to the step's first node and MASTER_PORT to
+    20000 + job id % 20000 (the launchers use the same rule), so ``srun python ddp_train.py``
+    works without extra exports.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        world = _int_env("WORLD_SIZE")
+        local_world = (_int_env("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ
+                       else world)
+        return DistEnv(_int_env("RANK"), _int_env("LOCAL_RANK") if "LOCAL_RANK" in os.environ
+                       else 0, world, local_world, "torchrun")
+    # SLURM_STEP_ID is set inside an srun step, not in the batch script itself, where
+    # SLURM_NTASKS describes the whole job and one plain `python` would wait for its peers.
+    if "SLURM_PROCID" in os.environ and "SLURM_STEP_ID" in os.environ:
+        world = _int_env("SLURM_STEP_NUM_TASKS") if "SLURM_STEP_NUM_TASKS" in os.environ \
+            else _int_env("SLURM_NTASKS")
+        nodes = _int_env("SLURM_STEP_NUM_NODES") if "SLURM_STEP_NUM_NODES" in os.environ \
+            else _int_env("SLURM_NNODES") if "SLURM_NNODES" in os.environ else 1
+        env = DistEnv(_int_env("SLURM_PROCID"), _int_env("SLURM_LOCALID"), world,
+                      max(1, world // max(1, nodes)), "slurm")
+        if world > 1 and "MASTER_ADDR" not in os.environ:
+            os.environ["MASTER_ADDR"] = _slurm_first_node()
+        if world > 1:
+            job = os.environ.get("SLURM_JOB_ID", "0")
+            os.environ.setdefault("MASTER_PORT", str(20000 + int(job) % 20000))
+        return env
+    return DistEnv(0, 0, 1, 1, "single")
+
+
+def _slurm_first_node() -> str:
+    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise UsageError("started by srun but SLURM_JOB_NODELIST is unset: export MASTER_ADDR "
+                         "and MASTER_PORT, or start the job with torchrun")
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        return out[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        raise UsageError(f"could not expand the Slurm node list {nodelist!r} with scontrol: "
+                         f"export MASTER_ADDR=<first node> before srun") from None
+
+
+def init_process_group(backend: str, env: DistEnv, timeout_s: int) -> None:
+    """Join the global process group (all ranks). A single process gets an in-memory store,
+    so `python script.py` needs no MASTER_ADDR/PORT and runs the same DDP/FSDP code path."""
+    from datetime import timedelta
+    timeout = timedelta(seconds=timeout_s)
+    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            raise UsageError("MASTER_PORT is not set: start with torchrun (which sets it) or "
+                             "export MASTER_ADDR and MASTER_PORT")
+        dist.init_process_group(backend, init_method="env://", rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
+
+
+def rank0_first(fn):
+    """Run ``fn`` (e.g. a download) on rank 0 while the other ranks wait, then on the others.
+
+    A UsageError on rank 0 reaches every rank through the broadcast, so nobody waits forever.
+    Without a process group (DataParallel) it simply runs ``fn``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return fn()
+    result, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = fn()
+        except UsageError as exc:
+            error = str(exc)
+    box = [error]
+    dist.broadcast_object_list(box, src=0)  # collective: every rank waits here for rank 0
+    if box[0] is not None:
+        raise UsageError(box[0])
+    return fn() if dist.get_rank() != 0 else result
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+IMG_EXTENSIONS = (".jpeg", ".jpg", ".png")
+NORMALIZE = {  # channel mean and std of each dataset's training split
+    "tinyimagenet": ((0.4802, 0.4481, 0.3975), (0.2770, 0.2691, 0.2821)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "mnist": ((0.1307,), (0.3081,)),
+}
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    input_shape: tuple  # (C, H, W)
+    name: str
+    description: str
+
+
+class ImageList(Dataset):
+    """(path, label) pairs read with PIL. Used for TinyImageNet train and val alike."""
+
+    def __init__(self, samples, transform):
+        self.samples = samples
+        self.targets = [label for _, label in samples]
+        self.transform = transform
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        from PIL import Image
+        path, label = self.samples[index]
+        with Image.open(path) as img:  # some TinyImageNet images are greyscale
+            img = img.convert("RGB")
+        return self.transform(img), label
+
+
+def _images_in(folder: Path) -> list:
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMG_EXTENSIONS)
+
+
+def scan_tinyimagenet(root) -> tuple:
+    """Read TinyImageNet's ORIGINAL layout: classes from wnids.txt (sorted), train images from
+    train/<wnid>/images/, val labels from val/val_annotations.txt (val/images/ is one flat
+    folder; reading it with ImageFolder would give every image the same label). A val folder
+    already split into val/<wnid>/[images/] is accepted too.
+
+    Returns (classes, train_samples, val_samples) with samples as (path, class index).
+    """
+    root = Path(root)
+    hint = "point --data-dir at the tiny-imagenet-200 folder (it holds wnids.txt, train/, val/)"
+    if not root.is_dir():
+        raise UsageError(f"data dir {root} does not exist: {hint}")
+    wnids_file = root / "wnids.txt"
+    if not wnids_file.is_file():
+        raise UsageError(f"{wnids_file} is missing: {hint}")
+    classes = sorted({w.strip() for w in wnids_file.read_text().split() if w.strip()})
+    if not classes:
+        raise UsageError(f"{wnids_file} lists no class ids: restore it from the dataset archive")
+    index = {wnid: i for i, wnid in enumerate(classes)}
+
+    train_dir = root / "train"
+    if not train_dir.is_dir():
+        raise UsageError(f"{train_dir} is missing: {hint}")
+    for d in sorted(p for p in train_dir.iterdir() if p.is_dir()):
+        if d.name not in index:
+            raise UsageError(f"train/{d.name} is not listed in wnids.txt: remove the folder "
+                             f"or restore wnids.txt from the dataset archive")
+    train = []
+    for wnid in classes:
+        folder = train_dir / wnid / "images"
+        if not folder.is_dir():
+            folder = train_dir / wnid
+        if not folder.is_dir():
+            raise UsageError(f"no training folder for class {wnid} (expected "
+                             f"{train_dir / wnid / 'images'}): {hint}")
+        images = _images_in(folder)
+        if not images:
+            raise UsageError(f"{folder} holds no images: restore it from the dataset archive")
+        train += [(str(p), index[wnid]) for p in images]
+
+    val_dir = root / "val"
+    annotations = val_dir / "val_annotations.txt"
+    val = []
+    if annotations.is_file():
+        images_dir = val_dir / "images"
+        for lineno, line in enumerate(annotations.read_text().splitlines(), 1):
+            parts = line.split()
+            if not parts:
+                continue
+            if len(parts) < 2:
+                raise UsageError(f"{annotations}:{lineno} is malformed (expected "
+                                 f"'<file> <wnid> ...'): restore it from the dataset archive")
+            name, wnid = parts[0], parts[1]
+            if wnid not in index:
+                raise UsageError(f"{annotations}:{lineno} names class {wnid}, which is not in "
+                                 f"wnids.txt: the data dir mixes two datasets; restore both "
+                                 f"files from the same archive")
+            path = images_dir / name
+            if not path.is_file():
+                raise UsageError(f"{annotations}:{lineno} names {path}, which does not exist: "
+                                 f"restore val/images/ from the dataset archive")
+            val.append((str(path), index[wnid]))
+    elif val_dir.is_dir() and any((val_dir / w).is_dir() for w in classes):
+        for wnid in classes:  # already reorganised into one folder per class
+            folder = val_dir / wnid / "images" if (val_dir / wnid / "images").is_dir() \
+                else val_dir / wnid
+            if folder.is_dir():
+                val += [(str(p), index[wnid]) for p in _images_in(folder)]
+    else:
+        raise UsageError(f"{annotations} is missing and val/ is not split into class folders: "
+                         f"the labels of val/images/ live only in val_annotations.txt; restore "
+                         f"it from the dataset archive")
+    if not val:
+        raise UsageError(f"{val_dir} holds no validation images: restore it from the archive")
+    return classes, train, val
+
+
+class SyntheticImages(Dataset):
+    """Learnable, deterministic stand-in data: each class has its own smooth pattern, each
+    sample adds its own noise. Loss falls and accuracy rises, so a run shows learning without
+    any download. Sample ``i`` is the same for every rank and every run with the same seed.
+    """
+
+    def __init__(self, size: int, shape: tuple, num_classes: int, seed: int, split: str):
+        self.size, self.shape, self.num_classes = size, tuple(shape), num_classes
+        g = torch.Generator().manual_seed(seed)
+        coarse = torch.rand(num_classes, shape[0], 4, 4, generator=g) * 2 - 1
+        self.prototypes = F.interpolate(coarse, size=shape[1:], mode="bilinear",
+                                        align_corners=False)
+        self.base = (seed % 1_000_003) * 4_000_000_000 + (0 if split == "train" else 2**31)
+        self.targets = [i % num_classes for i in range(size)]
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        label = index % self.num_classes
+        g = torch.Generator().manual_seed(self.base + index)
+        noise = torch.randn(self.shape, generator=g)
+        return self.prototypes[label] + noise, label
+
+
+def synthetic_shape(model_name: str) -> tuple:
+    """Synthetic data is shaped for the model: (input shape, number of classes)."""
+    if model_name == "cnn":
+        return (3, 32, 32), 10
+    if model_name == "mnist_net":
+        return (1, 28, 28), 10
+    return (3, 64, 64), 200
+
+
+def build_data(args, is_main: bool) -> DataBundle:
+    """Train and val datasets for ``args.dataset``. Downloads (CIFAR-10, MNIST) run on rank 0
+    first; call after the process group exists."""
+    from torchvision import transforms as T
+    if args.dataset == "synthetic":
+        shape, classes = synthetic_shape(args.model)
+        n_val = max(1, args.synthetic_size // 4)
+        return DataBundle(
+            SyntheticImages(args.synthetic_size, shape, classes, args.seed, "train"),
+            SyntheticImages(n_val, shape, classes, args.seed, "val"), classes, shape,
+            "synthetic", f"synthetic (built-in, learnable; no dataset read): "
+                         f"{args.synthetic_size} train / {n_val} val, {classes} classes, "
+                         f"{'x'.join(map(str, shape))}")
+    if args.dataset == "tinyimagenet":
+        if not args.data_dir:
+            raise UsageError("--dataset tinyimagenet needs --data-dir (or $DATA_DIR) pointing "
+                             "at the tiny-imagenet-200 folder")
+        classes, train, val = scan_tinyimagenet(args.data_dir)
+        norm = T.Normalize(*NORMALIZE["tinyimagenet"])
+        train_tf = T.Compose([T.RandomCrop(64, padding=4), T.RandomHorizontalFlip(),
+                              T.ToTensor(), norm])
+        val_tf = T.Compose([T.ToTensor(), norm])
+        return DataBundle(ImageList(train, train_tf), ImageList(val, val_tf), len(classes),
+                          (3, 64, 64), "tinyimagenet",
+                          f"TinyImageNet at {args.data_dir}: {len(train)} train / {len(val)} "
+                          f"val, {len(classes)} classes")
+    return _torchvision_data(args, is_main)
+
+
+def _torchvision_data(args, is_main: bool) -> DataBundle:
+    from torchvision import datasets, transforms as T
+    root = Path(args.data_dir or "data")
+    mean, std = NORMALIZE[args.dataset]
+    if args.dataset == "cifar10":
+        cls, shape, archive = datasets.CIFAR10, (3, 32, 32), "cifar-10-python.tar.gz"
+        train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(),
+                              T.ToTensor(), T.Normalize(mean, std)])
+    else:
+        cls, shape, archive = datasets.MNIST, (1, 28, 28), "MNIST/raw/*-ubyte.gz"
+        train_tf = T.Compose([T.ToTensor(), T.Normalize(mean, std)])
+    val_tf = T.Compose([T.ToTensor(), T.Normalize(mean, std)])
+
+    def load(download: bool):
+        try:
+            return (cls(str(root), train=True, transform=train_tf, download=download),
+                    cls(str(root), train=False, transform=val_tf, download=download))
+        except (OSError, RuntimeError) as exc:  # URLError is an OSError
+            raise UsageError(f"could not load {args.dataset} from {root} ({exc.__class__.__name__}"
+                             f": {str(exc)[:120]}); without network, put {archive} (from the "
+                             f"official site) in {root.resolve()} and pass --data-dir "
+                             f"{root}") from None
+
+    # rank 0 downloads (once per shared file system), the others read what it wrote
+    train, val = rank0_first(lambda: load(download=is_main))
+    return DataBundle(train, val, 10, shape, args.dataset,
+                      f"{args.dataset} at {root}: {len(train)} train / {len(val)} val, 10 classes")
+
+
+def real_samples(sampler) -> int:
+    """How many of this rank's validation indices are real. A DistributedSampler without
+    shuffle pads the stream by repeating the first samples so every rank gets the same count;
+    rank r's real samples are r, r + world, r + 2*world, ... and come before its padding."""
+    return len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+class CifarCNN(nn.Module):
+    """The small CIFAR-10 CNN. No BatchNorm and no dropout: a step depends only on the batch,
+    so runs are exactly comparable across world sizes."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        )
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(64 * 8 * 8, 256),
+                                        nn.ReLU(inplace=True), nn.Linear(256, num_classes))
+
+    def forward(self, x):
+        # x.shape[1:], not x.shape: the batch dimension differs per rank and per last batch
+        assert x.shape[1:] == (3, 32, 32), f"cnn expects 3x32x32 images, got {tuple(x.shape[1:])}"
+        return self.classifier(self.features(x))
+
+
+class MnistNet(nn.Module):
+    """The MNIST net of the workshop (two convolutions, dropout, two linear layers)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, num_classes)
+
+    def forward(self, x):
+        assert x.shape[1:] == (1, 28, 28), f"mnist_net expects 1x28x28, got {tuple(x.shape[1:])}"
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        x = torch.flatten(self.dropout1(x), 1)
+        return self.fc2(self.dropout2(F.relu(self.fc1(x))))  # logits for CrossEntropyLoss
+
+
+def check_model(name: str, shape: tuple) -> None:
+    """Reject a model that cannot take the dataset's images, naming a model that can."""
+    shown = "x".join(map(str, shape))
+    if name == "cnn" and tuple(shape) != (3, 32, 32):
+        raise UsageError(f"--model cnn takes 3x32x32 images (cifar10 or synthetic), not "
+                         f"{shown}: choose --model resnet50")
+    if name == "mnist_net" and tuple(shape) != (1, 28, 28):
+        raise UsageError(f"--model mnist_net takes 1x28x28 images (mnist or synthetic), not "
+                         f"{shown}: choose another --model")
+    if name in ("cnn", "mnist_net"):
+        return
+    from torchvision import models
+    if name not in models.list_models(module=models):
+        raise UsageError(f"unknown --model {name!r}: use resnet50, cnn, mnist_net or a "
+                         f"torchvision classification model such as resnet18 or "
+                         f"mobilenet_v3_small")
+    if shape[0] != 3:
+        raise UsageError(f"--model {name} takes 3-channel images and this dataset has "
+                         f"{shape[0]}: use --model mnist_net for MNIST")
+
+
+def build_model(name: str, num_classes: int, input_shape: tuple) -> nn.Module:
+    """A fresh model; the caller seeds torch first so every rank builds the same weights."""
+    check_model(name, input_shape)
+    if name == "cnn":
+        return CifarCNN(num_classes)
+    if name == "mnist_net":
+        return MnistNet(num_classes)
+    from torchvision import models
+    return models.get_model(name, weights=None, num_classes=num_classes)
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation, memory, timing, provenance
+# --------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate(model, loader, device, dtype, n_real: int) -> torch.Tensor:
+    """Local validation sums [loss_sum, correct, count] on ``device`` (no host sync here).
+
+    Only the first ``n_real`` samples of this rank's stream are counted, so padding added by
+    the DistributedSampler is never counted twice. Every rank runs the same number of batches,
+    which FSDP needs (each forward all-gathers parameters with every rank).
+    """
+    model.eval()
+    sums = torch.zeros(3, device=device, dtype=torch.float64)
+    seen = 0
+    for images, labels in loader:
+        images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            logits = model(images)
+        keep = max(0, min(labels.size(0), n_real - seen))  # host-side count, no sync
+        seen += labels.size(0)
+        if keep:
+            logits, labels = logits[:keep].float(), labels[:keep]
+            sums[0] += F.cross_entropy(logits, labels, reduction="sum")
+            sums[1] += (logits.argmax(1) == labels).sum()
+            sums[2] += keep
+    return sums
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA ``max_memory_allocated`` on a GPU, else the peak
+    resident set size of the process (what the OS had to give it)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so the clock measures work done, not work queued."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:
+    """Lines logged once at start by rank 0: versions, devices, layout, resolved arguments."""
+    import torchvision
+    cuda = torch.version.cuda or "n/a"
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "n/a"
+    if device.type == "cuda":
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    else:
+        names = f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+    args_text = " ".join(f"{k}={v}" for k, v in sorted(vars(args).items()))
+    return [
+        f"torch {torch.__version__} | torchvision {torchvision.__version__} | CUDA {cuda} | "
+        f"NCCL {nccl} | python {platform.python_version()} | host {platform.node()}",
+        f"devices: {names}",
+        f"layout: world_size={env.world_size} nodes={env.nodes} "
+        f"processes_per_node={env.local_world_size} backend={backend} device={device.type} "
+        f"(ranks from {env.source})",
+        f"args: {args_text}",
+    ]
+
+
+def save_state_dict(state: dict, path) -> None:
+    """Write atomically (temporary file, then rename), so a crash never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def check_writable(path) -> None:
+    """Fail before training, not after it, when --save-model cannot be written."""
+    if path is None:
+        return
+    parent = Path(path).resolve().parent
+    probe = parent
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK):
+        raise UsageError(f"cannot write --save-model {path}: {probe} is not writable; choose "
+                         f"another path")
+    if shutil.disk_usage(probe).free < 50 * 2**20:
+        raise UsageError(f"less than 50 MiB free under {probe} for --save-model: free space "
+                         f"or choose another path")

@@ -1,0 +1,203 @@
+"""DistributedDataParallel (DDP): one process per GPU, a full model replica in each, gradients
+averaged with an all-reduce during backward. ResNet-50 on TinyImageNet by default.
+
+Run it:
+    python ddp_train.py                                  # 1 process; built-in synthetic data
+    torchrun --nproc-per-node 2 ddp_train.py             # 2 processes (CPU: gloo, GPU: NCCL)
+    torchrun --nproc-per-node 4 ddp_train.py --data-dir /data/tiny-imagenet-200
+    sbatch launch/multi_node.slurm --epochs 3 --batch-size 512
+    srun --ntasks-per-node 4 --gpus-per-node 4 python ddp_train.py   # srun without torchrun
+
+Every epoch rank 0 prints one line with metrics reduced over ALL ranks, then one
+machine-readable ``[METRIC]`` line (keys: common.METRIC_KEYS):
+
+    Epoch [3/3] LR: 0.001000 | Loss (train, val): 5.149, 5.664 | Accuracy (train, val): ...
+
+``--batch-size`` is per process (per GPU); the global batch is batch size x world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+import common
+from common import UsageError
+
+STRATEGY = "ddp"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Data-parallel training with DistributedDataParallel (one process per GPU).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return common.add_common_args(parser)
+
+
+def setup_distributed(args, env: common.DistEnv):
+    """Pick the device and backend, then join the process group (every rank takes part)."""
+    if torch.cuda.is_available():
+        visible = torch.cuda.device_count()
+        if env.local_world_size > visible:
+            raise UsageError(f"{env.local_world_size} processes were started on this node but "
+                             f"only {visible} GPU(s) are visible: use --nproc-per-node "
+                             f"{visible} (or request more GPUs)")
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)  # before any CUDA work, so NCCL binds the right GPU
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    common.init_process_group(backend, env, args.dist_timeout)
+    return device, backend
+
+
+def train(args, env: common.DistEnv) -> int:
+    device, backend = setup_distributed(args, env)
+    common.resolve_args(args, env, device)
+    rank, world = env.rank, env.world_size
+    is_main = rank == 0
+
+    def print0(*a):
+        if is_main:
+            print(*a, flush=True)
+
+    for line in common.provenance(args, env, device, backend):
+        print0(line)
+    if device.type == "cpu":
+        print0("note: no GPU visible: training on CPU with the gloo backend")
+
+    data = common.build_data(args, is_main)
+    common.check_writable(args.save_model)
+    global_batch = args.batch_size * world
+    if global_batch > len(data.train):
+        raise UsageError(f"global batch {global_batch} ({args.batch_size} per process x {world}) "
+                         f"is larger than the {len(data.train)} training samples: lower "
+                         f"--batch-size")
+    if data.name == "synthetic":
+        print0("note: no --data-dir given, so this run uses built-in synthetic data "
+               "(numbers show the pipeline, not TinyImageNet accuracy)")
+    print0(f"data: {data.description}")
+    print0(f"global batch: {global_batch} = {args.batch_size} per process x {world} processes")
+
+    # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
+    torch.manual_seed(args.seed)
+    model = common.build_model(args.model, data.num_classes, data.input_shape).to(device)
+    # DDP: a full replica per process; backward all-reduces gradient buckets across ranks.
+    model = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None)
+
+    # Each rank reads a disjoint shard of the training set; the permutation depends on
+    # (seed, epoch) only, so all ranks agree on it. drop_last keeps the shards equal.
+    train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True,
+                                       seed=args.seed, drop_last=True)
+    val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
+    loader_kw = dict(batch_size=args.batch_size, num_workers=args.num_workers,
+                     pin_memory=device.type == "cuda",
+                     persistent_workers=args.num_workers > 0)
+    train_loader = DataLoader(data.train, sampler=train_sampler, drop_last=True, **loader_kw)
+    val_loader = DataLoader(data.val, sampler=val_sampler, **loader_kw)
+    val_real = common.real_samples(val_sampler)
+
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=args.step_size,
+                                                gamma=args.gamma)
+    dtype = common.amp_dtype(args)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+
+    steps = len(train_loader)
+    if args.max_steps_per_epoch:
+        steps = min(steps, args.max_steps_per_epoch)
+    metrics = {}
+    start = common.now()
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
+        lr = optimizer.param_groups[0]["lr"]
+        model.train()
+        loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # stays on the device:
+        correct = torch.zeros((), device=device, dtype=torch.float64)   # no host sync per step
+        seen = 0
+        common.synchronize(device)
+        t0 = common.now()
+        for step, (images, labels) in enumerate(train_loader):
+            if step >= steps:
+                break
+            images = images.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=dtype or torch.float32,
+                                enabled=dtype is not None):
+                outputs = model(images)
+                loss = criterion(outputs, labels)
+            # backward: DDP all-reduces (averages) each gradient bucket across all ranks
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            loss_sum += loss.detach().double() * labels.size(0)
+            correct += (outputs.argmax(1) == labels).sum()
+            seen += labels.size(0)
+        common.synchronize(device)
+        train_time = common.now() - t0
+        scheduler.step()
+
+        val_sums = common.evaluate(model, val_loader, device, dtype, val_real)
+
+        # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. One host
+        # sync per epoch (the .tolist() below), not one per step.
+        totals = torch.stack([loss_sum, correct,
+                              torch.tensor(float(seen), device=device, dtype=torch.float64)])
+        totals = torch.cat([totals, val_sums])
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        t_loss, t_correct, t_n, v_loss, v_correct, v_n = totals.tolist()
+        time_t = torch.tensor([train_time], device=device, dtype=torch.float64)
+        dist.all_reduce(time_t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        peaks = torch.zeros(world, device=device, dtype=torch.float64)
+        peaks[rank] = common.peak_memory_mib(device)
+        dist.all_reduce(peaks, op=dist.ReduceOp.SUM)  # every rank's peak, for the per-GPU list
+        epoch_time = time_t.item()
+
+        metrics = dict(
+            strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
+            world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
+            per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
+            epoch=epoch + 1, epochs=args.epochs, lr=lr,
+            train_loss=t_loss / max(t_n, 1), train_acc=100.0 * t_correct / max(t_n, 1),
+            val_loss=v_loss / max(v_n, 1), val_acc=100.0 * v_correct / max(v_n, 1),
+            train_images=int(t_n), val_images=int(v_n), epoch_time_s=epoch_time,
+            throughput_img_s=t_n / epoch_time if epoch_time > 0 else 0.0,
+            peak_mem_mib=max(peaks.tolist()), peak_mem_per_gpu_mib=peaks.tolist(),
+        )
+        print0(common.format_epoch_line(metrics))
+        print0(common.format_metric_line(metrics))
+
+    total_time = common.now() - start
+    if args.save_model and is_main:
+        common.save_state_dict(model.module.state_dict(), args.save_model)  # unwrapped weights
+        print0(f"saved model state_dict to {args.save_model}")
+    metrics["total_time_s"] = total_time
+    print0(common.format_metric_line(metrics, final=True))
+    print0(f"Total time: {total_time:.1f} s")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    env = None
+    try:
+        env = common.dist_env()
+        return train(args, env)
+    except UsageError as err:
+        return common.fail_cleanly(err, env)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Shared test helpers: run the training scripts as a user would (python or torchrun), parse
+their output with the same parser the project ships, and build a small TinyImageNet tree."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(TESTS))
+
+import common  # noqa: E402
+from make_tinyimagenet import make_tree  # noqa: E402
+
+EPOCH_RE = re.compile(
+    r"^Epoch \[(\d+)/(\d+)\] LR: (\d+\.\d{6}) \| Loss \(train, val\): (\d+\.\d{3}), "
+    r"(\d+\.\d{3}) \| Accuracy \(train, val\): (\d+\.\d{2})%, (\d+\.\d{2})% \| "
+    r"Throughput: (\d+\.\d) img/s$", re.M)
+
+# Tiny, fast settings for the CIFAR-10 CNN on synthetic data (fp32, no workers).
+FAST = ["--model", "cnn", "--synthetic-size", "256", "--batch-size", "16", "--epochs", "2",
+        "--num-workers", "0", "--amp", "off"]
+
+
+def env_for_tests(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    for k in list(env):  # a test run inside a Slurm job or torchrun must not inherit its ranks
+        if k.startswith("SLURM_") or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                             "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            del env[k]
+    env.pop("DATA_DIR", None)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run_script(script: str, args=(), nproc: int | None = None, timeout: int = 600,
+               env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """`python script args` or, with nproc, `torchrun --standalone --nproc-per-node N ...`."""
+    if nproc is None:
+        cmd = [sys.executable, str(REPO / script), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", str(REPO / script), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=env_for_tests(env), cwd=cwd or REPO)
+
+
+def metrics(stdout: str) -> list:
+    return [m for m in map(common.parse_metric_line, stdout.splitlines()) if m]
+
+
+def epoch_lines(stdout: str) -> list:
+    return EPOCH_RE.findall(stdout)
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_imagenet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data") / "tiny-imagenet-200"
+    info = make_tree(root, classes=4, train_per_class=40, val_per_class=10)
+    return root, info

@@ -1,0 +1,96 @@
+"""Generate a small dataset in TinyImageNet's exact original layout, with learnable classes.
+
+    tiny-imagenet-200/
+        wnids.txt                      one class id (wnid) per line, in no particular order
+        words.txt                      wnid<TAB>name
+        train/<wnid>/images/<wnid>_<k>.JPEG
+        train/<wnid>/<wnid>_boxes.txt
+        val/images/val_<k>.JPEG        ONE flat folder: labels only in val_annotations.txt
+        val/val_annotations.txt        val_<k>.JPEG<TAB><wnid><TAB>x0<TAB>y0<TAB>x1<TAB>y1
+        test/images/test_<k>.JPEG      unlabelled
+
+Each class has its own colour and stripe direction plus per-image noise, so a small network
+learns it in a few epochs. Val images are shuffled across classes, as in the real set, so a
+loader that reads val/ with ImageFolder gets them wrong.
+
+    python tests/make_tinyimagenet.py /tmp/tiny --classes 10 --train-per-class 50 --val-per-class 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+
+def class_image(class_idx: int, n_classes: int, rng: np.random.Generator, size: int = 64):
+    hue = class_idx / max(1, n_classes)
+    base = np.array([np.sin(2 * np.pi * (hue + k / 3)) * 0.5 + 0.5 for k in range(3)]) * 200 + 25
+    yy, xx = np.mgrid[0:size, 0:size]
+    direction = (xx if class_idx % 2 else yy) + (class_idx // 2) * 3
+    stripes = ((direction // 4) % 2)[..., None] * 40.0
+    img = base[None, None, :] + stripes + rng.normal(0, 12, (size, size, 3))
+    return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
+
+
+def make_tree(root, classes: int = 4, train_per_class: int = 40, val_per_class: int = 10,
+              test_images: int = 4, seed: int = 0, grey_every: int = 17) -> dict:
+    """Write the tree; return {"wnids": [...], "val_labels": {filename: wnid}}."""
+    root = Path(root)
+    rng = np.random.default_rng(seed)
+    pyrng = random.Random(seed)
+    wnids = [f"n{rng.integers(10**7, 10**8 - 1):08d}" for _ in range(classes)]
+    (root / "train").mkdir(parents=True, exist_ok=True)
+    shuffled = list(wnids)
+    pyrng.shuffle(shuffled)  # wnids.txt is not sorted in the real archive either
+    (root / "wnids.txt").write_text("".join(w + "\n" for w in shuffled))
+    (root / "words.txt").write_text("".join(f"{w}\tclass {i}\n" for i, w in enumerate(wnids)))
+    sorted_index = {w: i for i, w in enumerate(sorted(wnids))}
+    counter = 0
+    for w in wnids:
+        folder = root / "train" / w / "images"
+        folder.mkdir(parents=True, exist_ok=True)
+        boxes = []
+        for k in range(train_per_class):
+            img = class_image(sorted_index[w], classes, rng)
+            counter += 1
+            if grey_every and counter % grey_every == 0:
+                img = img.convert("L")  # the real set has a few greyscale images
+            name = f"{w}_{k}.JPEG"
+            img.save(folder / name, quality=90)
+            boxes.append(f"{name}\t0\t0\t63\t63\n")
+        (root / "train" / w / f"{w}_boxes.txt").write_text("".join(boxes))
+    labels = [w for w in wnids for _ in range(val_per_class)]
+    pyrng.shuffle(labels)
+    (root / "val" / "images").mkdir(parents=True, exist_ok=True)
+    lines, val_labels = [], {}
+    for k, w in enumerate(labels):
+        name = f"val_{k}.JPEG"
+        class_image(sorted_index[w], classes, rng).save(root / "val" / "images" / name, quality=90)
+        lines.append(f"{name}\t{w}\t0\t0\t63\t63\n")
+        val_labels[name] = w
+    (root / "val" / "val_annotations.txt").write_text("".join(lines))
+    (root / "test" / "images").mkdir(parents=True, exist_ok=True)
+    for k in range(test_images):
+        class_image(k % classes, classes, rng).save(root / "test" / "images" / f"test_{k}.JPEG")
+    return {"wnids": wnids, "val_labels": val_labels}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="folder to create (the tiny-imagenet-200 equivalent)")
+    p.add_argument("--classes", type=int, default=10, help="number of classes")
+    p.add_argument("--train-per-class", type=int, default=50, help="training images per class")
+    p.add_argument("--val-per-class", type=int, default=10, help="validation images per class")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    a = p.parse_args(argv)
+    make_tree(a.out, a.classes, a.train_per_class, a.val_per_class, seed=a.seed)
+    print(f"wrote {a.classes} classes to {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

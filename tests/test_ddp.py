@@ -1,0 +1,274 @@
+"""ddp_train.py end to end on CPU (gloo): output contract, exact equivalence of 1 and 2
+processes, exact validation counting, TinyImageNet's original layout, and clean errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+import common
+from conftest import FAST, REPO, check_ok, env_for_tests, epoch_lines, metrics, run_script
+
+
+def test_torchrun_two_processes_prints_contract_lines():
+    proc = run_script("ddp_train.py", FAST, nproc=2)
+    check_ok(proc)
+    out = proc.stdout
+    assert "synthetic" in out and "note: no --data-dir given" in out
+    assert "global batch: 32 = 16 per process x 2 processes" in out
+    lines = epoch_lines(out)
+    assert [(e, n) for e, n, *_ in lines] == [("1", "2"), ("2", "2")]
+    ms = metrics(out)
+    assert len(ms) == 3 and "final" not in ms[0] and ms[-1]["final"] == "1"
+    assert float(ms[-1]["total_time_s"]) > 0
+    for m in ms:
+        assert set(common.METRIC_KEYS) <= set(m)
+        assert (m["strategy"], m["world_size"], m["nodes"], m["gpus_per_node"]) == \
+            ("ddp", "2", "1", "2")
+        assert (m["per_gpu_batch"], m["global_batch"], m["device"]) == ("16", "32", "cpu")
+        assert m["train_images"] == "256" and m["val_images"] == "64"
+        assert len(m["peak_mem_per_gpu_mib"].split("/")) == 2
+        assert float(m["throughput_img_s"]) > 0
+    # epoch line and [METRIC] line carry the same numbers
+    e = lines[-1]
+    m = ms[1]
+    assert float(e[3]) == pytest.approx(float(m["train_loss"]), abs=1e-3)
+    assert float(e[6]) == pytest.approx(float(m["val_acc"]), abs=1e-2)
+
+
+def _weights(path):
+    return torch.load(path, weights_only=True)
+
+
+def test_two_processes_equal_one_process_with_double_batch(tmp_path):
+    """2 processes x batch B must end with the same weights as 1 process x batch 2B: this is
+    only true if DDP averages gradients and the shards are disjoint halves of each batch."""
+    common_args = ["--model", "cnn", "--synthetic-size", "320", "--epochs", "2",
+                   "--num-workers", "0", "--amp", "off", "--seed", "3", "--lr", "0.02"]
+    one = run_script("ddp_train.py", common_args + ["--batch-size", "32",
+                                                     "--save-model", str(tmp_path / "one.pt")])
+    two = run_script("ddp_train.py", common_args + ["--batch-size", "16",
+                                                     "--save-model", str(tmp_path / "two.pt")],
+                     nproc=2)
+    check_ok(one)
+    check_ok(two)
+    w1, w2 = _weights(tmp_path / "one.pt"), _weights(tmp_path / "two.pt")
+    assert w1.keys() == w2.keys() and not any(k.startswith("module.") for k in w1)
+    fresh = common.build_model("cnn", 10, (3, 32, 32)).state_dict()
+    assert w1.keys() == fresh.keys()
+    moved = diff = 0.0
+    for k in w1:
+        # float sums in another order differ in the last bits; 20 SGD steps keep that ~1e-5
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=1e-4)
+        diff = max(diff, (w1[k] - w2[k]).abs().max().item())
+        moved = max(moved, (w1[k] - fresh[k]).abs().max().item())
+    assert moved > 1000 * diff  # training moved the weights far more than the two runs differ
+    # validation of the same weights: 80 samples split over 2 ranks, counted exactly once
+    m1, m2 = metrics(one.stdout)[-1], metrics(two.stdout)[-1]
+    assert m1["val_images"] == m2["val_images"] == "80"
+    assert float(m1["val_loss"]) == pytest.approx(float(m2["val_loss"]), rel=1e-4)
+    assert m1["val_acc"] == m2["val_acc"]
+    assert m1["train_images"] == m2["train_images"] == "320"
+
+
+def test_validation_counts_each_sample_once_when_world_does_not_divide(tmp_path):
+    """65 val samples over 2 ranks: DistributedSampler pads rank 1 with a duplicate."""
+    args = FAST + ["--synthetic-size", "260", "--save-model", str(tmp_path / "m.pt")]
+    proc = run_script("ddp_train.py", args, nproc=2)
+    check_ok(proc)
+    m = metrics(proc.stdout)[-1]
+    assert m["val_images"] == "65"
+    # recompute the validation metrics of the saved weights in one process, no sampler
+    model = common.build_model("cnn", 10, (3, 32, 32))
+    model.load_state_dict(_weights(tmp_path / "m.pt"))
+    model.eval()
+    val = common.SyntheticImages(65, (3, 32, 32), 10, 0, "val")
+    x = torch.stack([val[i][0] for i in range(65)])
+    y = torch.tensor([val[i][1] for i in range(65)])
+    with torch.no_grad():
+        logits = model(x)
+    loss = torch.nn.functional.cross_entropy(logits, y).item()
+    acc = 100.0 * (logits.argmax(1) == y).float().mean().item()
+    assert float(m["val_loss"]) == pytest.approx(loss, rel=1e-4)
+    assert float(m["val_acc"]) == pytest.approx(acc, abs=1e-3)
+
+
+@pytest.mark.parametrize("n,world", [(100, 2), (101, 2), (101, 3), (7, 4), (64, 4)])
+def test_train_shards_disjoint_and_cover(n, world):
+    """The train sampler exactly as ddp_train.py builds it: disjoint shards covering the set
+    less at most world-1 samples (drop_last), a new permutation each epoch."""
+    dataset = list(range(n))
+    perms = []
+    for epoch in (0, 1):
+        shards = []
+        for rank in range(world):
+            s = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
+                                   seed=0, drop_last=True)
+            s.set_epoch(epoch)
+            shards.append(list(s))
+        flat = [i for shard in shards for i in shard]
+        assert len(flat) == len(set(flat)), "a sample was given to two ranks"
+        assert len({len(s) for s in shards}) == 1
+        assert n - len(flat) < world
+        perms.append(flat)
+    assert perms[0] != perms[1]
+
+
+@pytest.mark.parametrize("n,world", [(65, 2), (10, 3), (3, 4), (64, 4), (1, 2)])
+def test_real_samples_matches_padding(n, world):
+    dataset = list(range(n))
+    counted = []
+    for rank in range(world):
+        s = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
+        k = common.real_samples(s)
+        counted += list(s)[:k]
+    assert sorted(counted) == dataset
+
+
+def test_tinyimagenet_labels_follow_annotations(tiny_imagenet):
+    root, info = tiny_imagenet
+    classes, train, val = common.scan_tinyimagenet(root)
+    assert classes == sorted(info["wnids"]) and len(classes) == 4
+    index = {w: i for i, w in enumerate(classes)}
+    assert len(val) == 40 and len(train) == 160
+    for path, label in val:
+        assert label == index[info["val_labels"][os.path.basename(path)]]
+    for path, label in train:
+        assert classes[label] in path
+    # ImageFolder on the raw val folder would give every image label 0
+    assert len({label for _, label in val}) == 4
+
+
+def test_tinyimagenet_reorganised_val_folder(tiny_imagenet, tmp_path):
+    root, info = tiny_imagenet
+    copy = tmp_path / "tin"
+    shutil.copytree(root, copy)
+    for name, wnid in info["val_labels"].items():
+        (copy / "val" / wnid).mkdir(exist_ok=True)
+        shutil.move(copy / "val" / "images" / name, copy / "val" / wnid / name)
+    (copy / "val" / "val_annotations.txt").unlink()
+    (copy / "val" / "images").rmdir()
+    classes, _, val = common.scan_tinyimagenet(copy)
+    index = {w: i for i, w in enumerate(classes)}
+    assert sorted((os.path.basename(p), l) for p, l in val) == \
+        sorted((n, index[w]) for n, w in info["val_labels"].items())
+
+
+def test_tinyimagenet_training_learns(tiny_imagenet):
+    root, _ = tiny_imagenet
+    proc = run_script("ddp_train.py", ["--data-dir", str(root), "--model", "resnet18",
+                                       "--epochs", "4", "--batch-size", "16", "--lr", "0.02",
+                                       "--num-workers", "1"], nproc=2)
+    check_ok(proc)
+    ms = metrics(proc.stdout)
+    assert ms[-1]["dataset"] == "tinyimagenet" and ms[-1]["val_images"] == "40"
+    assert "4 classes" in proc.stdout
+    best = max(float(m["val_acc"]) for m in ms)
+    assert best >= 60.0, proc.stdout  # chance is 25%
+
+
+def test_srun_without_torchrun_uses_slurm_variables(tmp_path):
+    """Two processes started the way `srun python ddp_train.py` starts them."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = env_for_tests({"SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+                             "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_NNODES": "1",
+                             "SLURM_JOB_ID": "123", "MASTER_ADDR": "127.0.0.1",
+                             "MASTER_PORT": str(port)})
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "ddp_train.py"), *FAST],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    m = metrics(outs[0][0])[-1]
+    assert m["world_size"] == "2" and m["train_images"] == "256"
+    assert "ranks from slurm" in outs[0][0]
+    assert metrics(outs[1][0]) == []  # only rank 0 prints
+
+
+def test_dist_env_ignores_batch_step(monkeypatch):
+    """In the batch script (no SLURM_STEP_ID) SLURM_NTASKS describes the whole job: a plain
+    `python ddp_train.py` there must run alone instead of waiting for peers."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_STEP_ID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    assert common.dist_env().world_size == 1
+
+
+BAD_INPUTS = [
+    (["--data-dir", "/nonexistent/tiny"], "does not exist"),
+    (["--dataset", "tinyimagenet"], "needs --data-dir"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+    (["--model", "cnn", "--synthetic-size", "64", "--batch-size", "100"], "lower --batch-size"),
+    (["--model", "no_such_net"], "unknown --model"),
+    (["--dataset", "mnist", "--model", "cnn"], "--model cnn takes 3x32x32"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUTS)
+def test_bad_input_exits_2_with_one_line(args, message, tmp_path):
+    if args[:2] == ["--dataset", "mnist"]:
+        args = args + ["--data-dir", str(tmp_path)]
+    proc = run_script("ddp_train.py", args + ["--epochs", "1"], timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len([l for l in proc.stderr.splitlines() if l.startswith("error:")]) == 1
+
+
+def _broken_tree(src, dst, damage):
+    shutil.copytree(src, dst)
+    damage(dst)
+    return dst
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda d: shutil.rmtree(d / "train"), "train is missing"),
+    (lambda d: (d / "val" / "val_annotations.txt").unlink(), "val_annotations.txt is missing"),
+    (lambda d: (d / "wnids.txt").unlink(), "wnids.txt is missing"),
+    (lambda d: (d / "val" / "val_annotations.txt").write_text("val_0.JPEG\tn99999999\t0\t0\n"),
+     "not in wnids.txt"),
+    (lambda d: (d / "train" / "n00000001" / "images").mkdir(parents=True), "not listed in"),
+])
+def test_malformed_tinyimagenet_exits_2(tiny_imagenet, tmp_path, damage, message):
+    root, _ = tiny_imagenet
+    bad = _broken_tree(root, tmp_path / "bad", damage)
+    proc = run_script("ddp_train.py", ["--data-dir", str(bad), "--epochs", "1"], timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cifar10_without_network_says_where_to_put_files(tmp_path):
+    proc = run_script("ddp_train.py", ["--dataset", "cifar10", "--data-dir", str(tmp_path),
+                                       "--epochs", "1"], timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cifar-10-python.tar.gz" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_more_processes_than_gpus_is_a_usage_error(monkeypatch, capsys):
+    import ddp_train
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4",
+                 "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(k, v)
+    assert ddp_train.main(FAST) == 2
+    err = capsys.readouterr().err
+    assert "4 processes were started on this node but only 2 GPU(s)" in err
+    assert "--nproc-per-node 2" in err
+
+
+def test_bad_flag_is_rejected_by_argparse():
+    proc = run_script("ddp_train.py", ["--no-such-flag"], timeout=60)
+    assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr
