@@ -1,0 +1,287 @@
+"""analyze_memory.py on hand-written logs shaped like real nvidia-smi and psrecord output.
+
+Every expected number below is worked out by hand from the fixture files in
+tests/fixtures/memory/, so a wrong mean, a wrong tie-break or a skipped-line bug changes it.
+"""
+
+import csv
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import analyze_memory as am  # noqa: E402
+
+SCRIPT = ROOT / "analyze_memory.py"
+FIX = ROOT / "tests" / "fixtures" / "memory"
+RUN = FIX / "run"
+N1_GPU = RUN / "gpu_memory" / "n1.csv"
+N2_GPU = RUN / "gpu_memory" / "n2.csv"
+N1_CPU = RUN / "cpu_memory" / "n1.txt"
+N2_CPU = RUN / "cpu_memory" / "n2.csv"
+
+# gpu_memory/n1.csv, GPU 0: 0, 15872, 15872 (logged as "15872 MiB"), 17920, 17920, 18944;
+# the [N/A] sample is skipped. Sum 86528 / 6 = 14421.333...; 15872 and 17920 both occur twice,
+# the tie goes to the larger: 17920 (not the peak 18944, not the first-seen 15872).
+# GPU 1: 0, 15360 x3, 19456 = 65536 / 5 = 13107.2; the truncated last line "..., 194" is skipped.
+# gpu_memory/n2.csv (units on every value), GPU 0: 513, 20480, 20480, 21504 = 62977 / 4;
+# the three [Unknown Error] samples are skipped. GPU 1: 513, 20992, 21504, 21504, 20992, 22016 =
+# 107521 / 6 = 17920.1666...; tie 20992/21504 -> 21504; the sample glued to a repeated header
+# (logger killed and restarted with >>) is skipped.
+EXPECTED_RUN_GPU_LINES = [
+    "[n1 - GPU 0] Peak = 18944 MiB, Avg = 14421.33 MiB, Mode = 17920 MiB",
+    "[n1 - GPU 1] Peak = 19456 MiB, Avg = 13107.20 MiB, Mode = 15360 MiB",
+    "[n2 - GPU 0] Peak = 21504 MiB, Avg = 15744.25 MiB, Mode = 20480 MiB",
+    "[n2 - GPU 1] Peak = 22016 MiB, Avg = 17920.17 MiB, Mode = 21504 MiB",
+]
+# cpu_memory/n1.txt (psrecord plain): RSS 7.871, 62.582, 1843.250, 2411.004, 2398.512 -> sum
+# 6723.219 / 5 = 1344.6438; CPU 0, 19.9, 103.7, 398.2, 396.1 -> 917.9 / 5 = 183.58; the
+# truncated last line is skipped.
+# cpu_memory/n2.csv (psrecord csv): RSS 7.87109375, 62.58203125, 2048.5, 2560.75 -> 4679.703125
+# / 4 = 1169.92578; CPU 0, 19.9, 212.4, 396.1 -> 628.4 / 4 = 157.1.
+EXPECTED_RUN_CPU_LINES = [
+    "[n1 - CPU] Peak RSS = 2411.00 MB, Avg RSS = 1344.64 MB, Peak CPU = 398.2%, Avg CPU = 183.6%",
+    "[n2 - CPU] Peak RSS = 2560.75 MB, Avg RSS = 1169.93 MB, Peak CPU = 396.1%, Avg CPU = 157.1%",
+]
+
+
+def run_cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=60)
+
+
+# --------------------------------------------------------------------------------------------
+# Parsers, through the function API
+# --------------------------------------------------------------------------------------------
+
+def test_gpu_log_with_ugly_lines_exact_numbers():
+    records, skips = am.parse_gpu_log(N1_GPU)
+    assert [tuple(r) for r in records] == [am.GPU_KEYS] * 2
+    g0, g1 = records
+    assert (g0["node"], g0["gpu"], g0["name"]) == ("n1", 0, "NVIDIA H100 80GB HBM3")
+    assert (g0["samples"], g0["peak_mib"], g0["avg_mib"], g0["mode_mib"]) == (6, 18944, 14421.33,
+                                                                               17920)
+    assert (g1["samples"], g1["peak_mib"], g1["avg_mib"], g1["mode_mib"]) == (5, 19456, 13107.2,
+                                                                               15360)
+    assert g0["total_mib"] == g1["total_mib"] == 81559
+    assert skips == {am.SKIP_UNAVAILABLE: 1, am.SKIP_INCOMPLETE: 1}
+    assert g0["skipped_lines"] == g1["skipped_lines"] == 2
+
+
+def test_gpu_log_with_units_and_glued_header():
+    (g0, g1), skips = am.parse_gpu_log(N2_GPU)
+    assert (g0["samples"], g0["peak_mib"], g0["avg_mib"], g0["mode_mib"]) == (4, 21504, 15744.25,
+                                                                               20480)
+    assert (g1["samples"], g1["peak_mib"], g1["avg_mib"], g1["mode_mib"]) == (6, 22016, 17920.17,
+                                                                               21504)
+    assert g0["total_mib"] == 81559
+    assert skips == {am.SKIP_UNAVAILABLE: 3, am.SKIP_MALFORMED: 1}
+
+
+def test_mode_tie_goes_to_the_larger_value():
+    from collections import Counter
+    assert am._mode(Counter({500: 2, 700: 2, 900: 1})) == 700
+    assert am._mode(Counter({700: 2, 500: 3})) == 500
+
+
+def test_psrecord_plain_and_csv_exact_numbers():
+    r1, skips1 = am.parse_cpu_log(N1_CPU)
+    assert tuple(r1) == am.CPU_KEYS
+    assert (r1["node"], r1["samples"], r1["duration_s"]) == ("n1", 5, 2.0)
+    assert (r1["peak_rss_mb"], r1["avg_rss_mb"]) == (2411.0, 1344.64)
+    assert (r1["peak_cpu_pct"], r1["avg_cpu_pct"], r1["max_nproc"]) == (398.2, 183.6, None)
+    assert skips1 == {am.SKIP_INCOMPLETE: 1}
+
+    r2, skips2 = am.parse_cpu_log(N2_CPU)
+    assert (r2["node"], r2["samples"], r2["duration_s"], r2["max_nproc"]) == ("n2", 4, 1.5, 9)
+    assert (r2["peak_rss_mb"], r2["avg_rss_mb"]) == (2560.75, 1169.93)
+    assert (r2["peak_cpu_pct"], r2["avg_cpu_pct"]) == (396.1, 157.1)
+    assert not skips2
+
+
+def test_psrecord_later_version_with_extra_columns(tmp_path):
+    # Newer psrecord adds Swap (MB) and, with --include-io, four I/O columns; a line that lost
+    # its I/O columns is malformed, not a sample.
+    log = tmp_path / "n7.txt"
+    log.write_text(
+        "# Elapsed time   CPU (%)     Real (MB)   Virtual (MB)  Swap (MB)    Read count"
+        "   Write count   Read bytes  Write bytes \n"
+        "       0.000       10.000      100.000      200.000        0.000     1     2     3     4\n"
+        "       0.500       30.000      300.000      400.000        0.000     1     2     3     4\n"
+        "       1.000       50.000      999.000      400.000        0.000\n")
+    r, skips = am.parse_cpu_log(log)
+    assert (r["samples"], r["peak_rss_mb"], r["avg_rss_mb"], r["avg_cpu_pct"]) == (2, 300.0,
+                                                                                   200.0, 20.0)
+    assert skips == {am.SKIP_MALFORMED: 1}
+
+
+def test_kind_is_detected_by_content_not_extension(tmp_path):
+    gpu_as_txt = tmp_path / "whatever.txt"
+    shutil.copy(N1_GPU, gpu_as_txt)
+    cpu_as_csv = tmp_path / "psrecord.log"
+    shutil.copy(N1_CPU, cpu_as_csv)
+    assert am.sniff(gpu_as_txt) == (am.KIND_GPU, False)
+    assert am.sniff(cpu_as_csv) == (am.KIND_CPU, False)
+    assert am.sniff(N2_CPU) == (am.KIND_CPU, False)
+    assert am.sniff(RUN / "slurm-4242.out") == (None, False)
+    assert am.sniff(FIX / "bad" / "empty.csv") == (None, True)
+
+
+def test_summarize_paths_walks_a_run_directory_in_sorted_order():
+    gpu, cpu, problems = am.summarize_paths([RUN])
+    assert problems == []
+    assert [am.format_gpu_line(r) for r in gpu] == EXPECTED_RUN_GPU_LINES
+    assert [am.format_cpu_line(r) for r in cpu] == EXPECTED_RUN_CPU_LINES
+    # The same file twice (directly and through its directory) is summarised once.
+    gpu2, _, _ = am.summarize_paths([N1_GPU, RUN / "gpu_memory"])
+    assert [(r["node"], r["gpu"]) for r in gpu2] == [("n1", 0), ("n1", 1), ("n2", 0), ("n2", 1)]
+
+
+def test_summarize_paths_reports_bad_inputs_without_raising(tmp_path):
+    notes = []
+    gpu, cpu, problems = am.summarize_paths(
+        [N1_GPU, tmp_path / "missing.csv", FIX / "bad" / "header_only.csv"], notes)
+    assert len(gpu) == 2 and cpu == []
+    assert len(problems) == 2
+    assert "missing.csv" in problems[0] and "no such file" in problems[0]
+    assert "header_only.csv" in problems[1] and "no usable samples" in problems[1]
+    assert len(notes) == 1 and "n1.csv" in notes[0] and "skipped 2 line(s)" in notes[0]
+
+
+def test_text_lines_round_trip_through_the_regexes():
+    gpu, cpu, _ = am.summarize_paths([RUN])
+    for r in gpu:
+        m = am.GPU_LINE_RE.fullmatch(am.format_gpu_line(r))
+        assert (m["node"], int(m["gpu"]), float(m["avg_mib"])) == (r["node"], r["gpu"],
+                                                                     r["avg_mib"])
+    for r in cpu:
+        m = am.CPU_LINE_RE.fullmatch(am.format_cpu_line(r))
+        assert float(m["avg_rss_mb"]) == r["avg_rss_mb"]
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+def test_cli_prints_the_workshop_line_exactly():
+    # gpu_memory_log.csv, GPU 0: 0, 521, 2213, 26000, then 26532 x 15 -> sum 426714 / 19 =
+    # 22458.6316 -> the line from the workshop README, character for character.
+    p = run_cli(FIX / "gpu_memory_log.csv")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == ("[gpu_memory_log - GPU 0] Peak = 26532 MiB, Avg = 22458.63 MiB, "
+                        "Mode = 26532 MiB\n")
+    assert p.stderr == ""
+
+
+def test_cli_run_directory_text_output():
+    p = run_cli(RUN)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == EXPECTED_RUN_GPU_LINES + EXPECTED_RUN_CPU_LINES
+    # One note per file with skipped lines, on stderr, naming the file and the count.
+    notes = p.stderr.splitlines()
+    assert len(notes) == 3 and all(n.startswith("note: ") for n in notes)
+    assert any("n2.csv: skipped 4 line(s)" in n for n in notes)
+
+
+def test_cli_json():
+    p = run_cli("--json", RUN)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert set(out) == {"gpu", "cpu", "problems"} and out["problems"] == []
+    assert [tuple(r) for r in out["gpu"]] == [am.GPU_KEYS] * 4
+    assert [tuple(r) for r in out["cpu"]] == [am.CPU_KEYS] * 2
+    n2g1 = out["gpu"][3]
+    assert (n2g1["node"], n2g1["gpu"], n2g1["samples"], n2g1["peak_mib"], n2g1["avg_mib"],
+            n2g1["mode_mib"], n2g1["total_mib"]) == ("n2", 1, 6, 22016, 17920.17, 21504, 81559)
+    assert out["cpu"][1]["avg_rss_mb"] == 1169.93 and out["cpu"][1]["max_nproc"] == 9
+
+
+def test_cli_csv():
+    p = run_cli("--csv", RUN)
+    assert p.returncode == 0, p.stderr
+    rows = list(csv.DictReader(io.StringIO(p.stdout)))
+    assert tuple(rows[0]) == am.CSV_KEYS
+    assert [r["kind"] for r in rows] == ["gpu"] * 4 + ["cpu"] * 2
+    n1g0 = rows[0]
+    assert (n1g0["node"], n1g0["gpu"], n1g0["peak_mib"], n1g0["avg_mib"], n1g0["mode_mib"]) == (
+        "n1", "0", "18944", "14421.33", "17920")
+    assert n1g0["peak_rss_mb"] == ""
+    assert (rows[4]["node"], rows[4]["avg_rss_mb"], rows[4]["max_nproc"]) == ("n1", "1344.64", "")
+
+
+def test_cli_missing_path_exit_2_one_line():
+    p = run_cli("runs/does-not-exist-123/")
+    assert p.returncode == 2
+    assert p.stdout == ""
+    assert "Traceback" not in p.stderr
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and "does-not-exist-123" in lines[0] and "no such file" in lines[0]
+
+
+def test_cli_empty_file_names_it():
+    p = run_cli(FIX / "bad" / "empty.csv")
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and "empty.csv" in lines[0] and "empty" in lines[0].split(":", 2)[2]
+
+
+def test_cli_unrecognised_file_and_header_only_file():
+    p = run_cli(FIX / "bad" / "notes.txt")
+    assert p.returncode == 2 and "notes.txt" in p.stderr and "not an nvidia-smi" in p.stderr
+    p = run_cli(FIX / "bad" / "header_only.csv")
+    assert p.returncode == 2 and "header_only.csv" in p.stderr and "no usable samples" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_cli_partial_failure_prints_good_files_and_exits_1(tmp_path):
+    # A run where node 3's logger died before writing anything.
+    (tmp_path / "gpu_memory").mkdir()
+    shutil.copy(N1_GPU, tmp_path / "gpu_memory" / "n1.csv")
+    (tmp_path / "gpu_memory" / "n3.csv").write_text("")
+    p = run_cli(tmp_path)
+    assert p.returncode == 1
+    assert p.stdout.splitlines() == EXPECTED_RUN_GPU_LINES[:2]
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "n3.csv" in errors[0] and "empty" in errors[0]
+
+
+def test_cli_directory_without_logs_is_an_error(tmp_path):
+    (tmp_path / "slurm-1.out").write_text("hello\n")
+    p = run_cli(tmp_path)
+    assert p.returncode == 2 and p.stdout == ""
+    assert "no nvidia-smi or psrecord logs found" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_cli_help_documents_the_statistics():
+    p = run_cli("--help")
+    assert p.returncode == 0
+    assert "on a tie, the larger value" in p.stdout
+    assert "--json" in p.stdout and "--csv" in p.stdout and "Exit status" in p.stdout
+
+
+def test_import_has_no_side_effects():
+    p = subprocess.run([sys.executable, "-c", "import analyze_memory"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout == "" and p.stderr == ""
+
+
+def test_main_callable_in_process(capsys):
+    assert am.main([str(FIX / "gpu_memory_log.csv"), "--json"]) == 0
+    (rec,) = json.loads(capsys.readouterr().out)["gpu"]
+    assert (rec["peak_mib"], rec["avg_mib"], rec["mode_mib"], rec["samples"]) == (26532, 22458.63,
+                                                                                  26532, 19)
+
+
+@pytest.mark.parametrize("argv", [[], ["--json", "--csv", "x"]])
+def test_bad_command_line_exits_2(argv):
+    with pytest.raises(SystemExit) as e:
+        am.main(argv)
+    assert e.value.code == 2
