@@ -1,0 +1,209 @@
+"""DataParallel (``nn.DataParallel``): ONE process drives all GPUs of one node. Every step it
+scatters the batch from GPU 0 to the GPUs, copies the model from GPU 0 to every GPU, runs the
+replicas in Python threads, gathers the outputs back on GPU 0, and sums the gradients on GPU 0.
+
+Run it (same flags and output lines as ddp_train.py, plus --gpus):
+    python dp_train.py                                    # all visible GPUs (or the CPU)
+    python dp_train.py --gpus 2 --data-dir /data/tiny-imagenet-200
+    STRATEGY=dp sbatch launch/multi_gpu.slurm             # one process on one node
+
+When is DataParallel still reasonable? A quick experiment on one machine with 2 GPUs and a
+small model, where changing one line beats setting up a launcher. Why DDP is recommended
+instead: DDP runs one process per GPU, so there is no Python GIL shared by all replicas, no
+model copy from GPU 0 every step (each process keeps its replica and only gradients are
+all-reduced), no output gather and loss on GPU 0, and it works across nodes. GPU 0 also holds
+more memory than the others under DataParallel (the gathered outputs, the loss, the master
+gradients); that imbalance is why this script reports every GPU's peak, not only GPU 0's.
+
+``--batch-size`` is per GPU here too: the DataLoader batch is batch size x GPUs, which
+DataParallel splits into one chunk per GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+import common
+from common import UsageError
+
+STRATEGY = "dp"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Data-parallel training with nn.DataParallel (one process, all GPUs).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    common.add_common_args(parser)
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="number of GPUs to use (default: all visible)")
+    return parser
+
+
+class AutocastForward(nn.Module):
+    """Enter autocast inside forward: DataParallel runs each replica in its own thread, and
+    autocast's dtype is per thread (outside, a bf16 choice would reach replicas as fp16)."""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype):
+        super().__init__()
+        self.module, self.device_type, self.dtype = module, device_type, dtype
+
+    def forward(self, x):
+        with torch.autocast(self.device_type, dtype=self.dtype or torch.float32,
+                            enabled=self.dtype is not None):
+            return self.module(x)
+
+
+def setup_devices(args):
+    """No process group: one process, the GPUs it drives, or the CPU."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("dp_train.py is a single process that drives all GPUs itself: run it "
+                         "with python, not torchrun --nproc-per-node > 1")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.gpus is not None and args.gpus < 1:
+        raise UsageError(f"--gpus must be at least 1, got {args.gpus}")
+    if visible == 0:
+        if args.gpus:
+            raise UsageError(f"--gpus {args.gpus} was asked for but no GPU is visible: drop "
+                             f"--gpus to train on the CPU, or run on a GPU node")
+        return torch.device("cpu"), []
+    n = visible if args.gpus is None else args.gpus
+    if n > visible:
+        raise UsageError(f"--gpus {n} but only {visible} GPU(s) are visible: use --gpus "
+                         f"{visible} (or request more GPUs)")
+    return torch.device("cuda", 0), list(range(n))
+
+
+def train(args) -> int:
+    device, gpu_ids = setup_devices(args)
+    env = common.DistEnv(0, 0, 1, 1, "single")
+    common.resolve_args(args, env, device)
+    n_dev = max(1, len(gpu_ids))
+
+    for line in common.provenance(args, env, device, "none (single process)"):
+        print(line, flush=True)
+    if device.type == "cpu":
+        print("note: no GPU visible: DataParallel runs on the CPU as a single device", flush=True)
+    else:
+        print(f"DataParallel over GPUs {gpu_ids} (scatter from and gather on GPU 0)", flush=True)
+
+    data = common.build_data(args, True)
+    common.check_writable(args.save_model)
+    global_batch = args.batch_size * n_dev
+    if global_batch > len(data.train):
+        raise UsageError(f"global batch {global_batch} ({args.batch_size} per GPU x {n_dev}) is "
+                         f"larger than the {len(data.train)} training samples: lower "
+                         f"--batch-size")
+    if data.name == "synthetic":
+        print("note: no --data-dir given, so this run uses built-in synthetic data "
+              "(numbers show the pipeline, not TinyImageNet accuracy)", flush=True)
+    print(f"data: {data.description}", flush=True)
+    print(f"global batch: {global_batch} = {args.batch_size} per GPU x {n_dev} GPU(s), one "
+          f"DataLoader batch split by DataParallel", flush=True)
+
+    torch.manual_seed(args.seed)
+    net = common.build_model(args.model, data.num_classes, data.input_shape).to(device)
+    dtype = common.amp_dtype(args)
+    # DataParallel: the master copy lives on GPU 0 and is replicated to every GPU each step.
+    model = nn.DataParallel(AutocastForward(net, device.type, dtype),
+                            device_ids=gpu_ids or None)
+
+    # The same sampler as the other scripts at world size 1: the same shuffling order.
+    train_sampler = DistributedSampler(data.train, num_replicas=1, rank=0, shuffle=True,
+                                       seed=args.seed, drop_last=True)
+    val_sampler = DistributedSampler(data.val, num_replicas=1, rank=0, shuffle=False)
+    loader_kw = dict(batch_size=global_batch, num_workers=args.num_workers,
+                     pin_memory=device.type == "cuda",
+                     persistent_workers=args.num_workers > 0)
+    train_loader = DataLoader(data.train, sampler=train_sampler, drop_last=True, **loader_kw)
+    val_loader = DataLoader(data.val, sampler=val_sampler, **loader_kw)
+
+    criterion = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=args.step_size,
+                                                gamma=args.gamma)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+
+    steps = len(train_loader)
+    if args.max_steps_per_epoch:
+        steps = min(steps, args.max_steps_per_epoch)
+    metrics = {}
+    start = common.now()
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)
+        lr = optimizer.param_groups[0]["lr"]
+        model.train()
+        loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # stays on the device:
+        correct = torch.zeros((), device=device, dtype=torch.float64)   # no host sync per step
+        seen = 0
+        for i in gpu_ids:
+            common.synchronize(torch.device("cuda", i))
+        t0 = common.now()
+        for step, (images, labels) in enumerate(train_loader):
+            if step >= steps:
+                break
+            images = images.to(device, non_blocking=True)  # to GPU 0; DataParallel scatters
+            labels = labels.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            outputs = model(images)  # replicate, scatter, parallel forward, gather on GPU 0
+            loss = criterion(outputs.float(), labels)  # on GPU 0
+            scaler.scale(loss).backward()  # gradients of all replicas are summed on GPU 0
+            scaler.step(optimizer)
+            scaler.update()
+            loss_sum += loss.detach().double() * labels.size(0)
+            correct += (outputs.argmax(1) == labels).sum()
+            seen += labels.size(0)
+        for i in gpu_ids:
+            common.synchronize(torch.device("cuda", i))
+        epoch_time = common.now() - t0
+        scheduler.step()
+
+        # One process sees every sample: these sums are already global.
+        v_loss, v_correct, v_n = common.evaluate(model, val_loader, device, None,
+                                                 common.real_samples(val_sampler)).tolist()
+        t_loss, t_correct = loss_sum.item(), correct.item()  # one host sync per epoch
+        if gpu_ids:
+            peaks = [common.peak_memory_mib(torch.device("cuda", i)) for i in gpu_ids]
+        else:
+            peaks = [common.peak_memory_mib(device)]
+
+        metrics = dict(
+            strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
+            world_size=n_dev, nodes=1, gpus_per_node=n_dev,
+            per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
+            epoch=epoch + 1, epochs=args.epochs, lr=lr,
+            train_loss=t_loss / max(seen, 1), train_acc=100.0 * t_correct / max(seen, 1),
+            val_loss=v_loss / max(v_n, 1), val_acc=100.0 * v_correct / max(v_n, 1),
+            train_images=seen, val_images=int(v_n), epoch_time_s=epoch_time,
+            throughput_img_s=seen / epoch_time if epoch_time > 0 else 0.0,
+            peak_mem_mib=max(peaks), peak_mem_per_gpu_mib=peaks,
+        )
+        print(common.format_epoch_line(metrics), flush=True)
+        print(common.format_metric_line(metrics), flush=True)
+
+    total_time = common.now() - start
+    if args.save_model:
+        common.save_state_dict(net.state_dict(), args.save_model)  # the unwrapped model
+        print(f"saved model state_dict to {args.save_model}", flush=True)
+    metrics["total_time_s"] = total_time
+    print(common.format_metric_line(metrics, final=True), flush=True)
+    print(f"Total time: {total_time:.1f} s", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return train(args)
+    except UsageError as err:
+        return common.fail_cleanly(err)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

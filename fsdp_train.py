@@ -1,0 +1,270 @@
+"""Fully Sharded Data Parallel (FSDP2, ``torch.distributed.fsdp.fully_shard``): one process per
+GPU like DDP, but each rank keeps only a 1/N shard of the parameters, gradients and optimizer
+state. Before a block runs, its parameters are all-gathered; after backward, its gradients are
+reduce-scattered so each rank receives only the gradient of its own shard.
+
+Run it (same flags and output lines as ddp_train.py, plus --sharding):
+    python fsdp_train.py                                  # 1 process; built-in synthetic data
+    torchrun --nproc-per-node 2 fsdp_train.py             # 2 processes (CPU: gloo, GPU: NCCL)
+    torchrun --nproc-per-node 4 fsdp_train.py --data-dir /data/tiny-imagenet-200 --sharding full
+    STRATEGY=fsdp sbatch launch/multi_node.slurm --sharding hybrid
+
+--sharding, and what each trades:
+    full     FULL_SHARD. Parameters are freed again after each block's forward and all-gathered
+             a second time in backward. Least memory (params, grads and optimizer state all
+             1/N), most communication (2 all-gathers + 1 reduce-scatter per block and step).
+    grad-op  SHARD_GRAD_OP. Parameters stay gathered from forward to backward: one all-gather
+             less per block, but the whole unsharded model is resident during the step.
+             Gradients and optimizer state are still sharded.
+    hybrid   HSDP. A 2-D device mesh (nodes x GPUs per node): shard inside a node over the fast
+             links, replicate across nodes, and all-reduce gradients between the replicas. Less
+             traffic on the slower inter-node network; per-GPU memory like `full` on one node.
+
+Mixed precision goes through ``MixedPrecisionPolicy``: parameters are gathered in the --amp
+dtype (half the all-gather traffic), gradients are reduced in fp32. BatchNorm layers are
+sharded as their own units with an fp32 policy, because BatchNorm weights and statistics in
+fp16 lose precision (a known FSDP + BatchNorm pitfall); the rest of the block runs under
+autocast as in ddp_train.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.utils.data import DataLoader, DistributedSampler
+from torchvision.models.resnet import ResNet
+
+import common
+from common import UsageError
+
+STRATEGY = "fsdp"
+SHARDING = ("full", "grad-op", "hybrid")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Data-parallel training with FSDP2 (fully_shard): parameters, gradients "
+                    "and optimizer state sharded across processes.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    common.add_common_args(parser)
+    parser.add_argument("--sharding", choices=SHARDING, default="full",
+                        help="full: reshard parameters after forward (least memory); grad-op: "
+                             "keep them gathered until backward (less communication); hybrid: "
+                             "shard within a node, replicate across nodes (HSDP)")
+    return parser
+
+
+def setup_distributed(args, env: common.DistEnv):
+    """Pick the device and backend, join the process group, and build the device mesh."""
+    if torch.cuda.is_available():
+        visible = torch.cuda.device_count()
+        if env.local_world_size > visible:
+            raise UsageError(f"{env.local_world_size} processes were started on this node but "
+                             f"only {visible} GPU(s) are visible: use --nproc-per-node "
+                             f"{visible} (or request more GPUs)")
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)  # before any CUDA work, so NCCL binds the right GPU
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    common.init_process_group(backend, env, args.dist_timeout)
+    if args.sharding == "hybrid":
+        if env.world_size % env.local_world_size:
+            raise UsageError("--sharding hybrid needs the same number of processes on every "
+                             "node: start torchrun with one --nproc-per-node for all nodes")
+        # rows = nodes (replicas), columns = GPUs of one node (shards)
+        mesh = init_device_mesh(device.type, (env.nodes, env.local_world_size),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (env.world_size,), mesh_dim_names=("shard",))
+    return device, backend, mesh
+
+
+def shard_units(model: nn.Module) -> list:
+    """The blocks that become FSDP units (one all-gather / reduce-scatter each)."""
+    if isinstance(model, ResNet):  # every bottleneck (or basic) block of the four stages
+        return [block for stage in (model.layer1, model.layer2, model.layer3, model.layer4)
+                for block in stage]
+    if isinstance(model, (common.CifarCNN, common.MnistNet)):  # every layer with weights
+        return [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    units = []  # other torchvision models: the children of their top-level containers
+    for child in model.children():
+        units += list(child.children()) if isinstance(child, nn.Sequential) else [child]
+    return [u for u in units if any(True for _ in u.parameters())]
+
+
+def apply_fsdp(model: nn.Module, mesh, args) -> nn.Module:
+    dtype = common.amp_dtype(args)
+    reshard = args.sharding != "grad-op"  # grad-op keeps parameters gathered after forward
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if dtype is not None:  # BatchNorm in its own fp32 units (bottom-up: these come first)
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                fully_shard(m, mesh=mesh, reshard_after_forward=reshard, mp_policy=fp32)
+    for unit in shard_units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)  # the rest
+    return model
+
+
+def train(args, env: common.DistEnv) -> int:
+    device, backend, mesh = setup_distributed(args, env)
+    common.resolve_args(args, env, device)
+    rank, world = env.rank, env.world_size
+    is_main = rank == 0
+
+    def print0(*a):
+        if is_main:
+            print(*a, flush=True)
+
+    for line in common.provenance(args, env, device, backend):
+        print0(line)
+    if device.type == "cpu":
+        print0("note: no GPU visible: training on CPU with the gloo backend")
+    print0(f"sharding: {args.sharding} over mesh {tuple(mesh.shape)} "
+           f"{mesh.mesh_dim_names}")
+
+    data = common.build_data(args, is_main)
+    common.check_writable(args.save_model)
+    global_batch = args.batch_size * world
+    if global_batch > len(data.train):
+        raise UsageError(f"global batch {global_batch} ({args.batch_size} per process x {world}) "
+                         f"is larger than the {len(data.train)} training samples: lower "
+                         f"--batch-size")
+    if data.name == "synthetic":
+        print0("note: no --data-dir given, so this run uses built-in synthetic data "
+               "(numbers show the pipeline, not TinyImageNet accuracy)")
+    print0(f"data: {data.description}")
+    print0(f"global batch: {global_batch} = {args.batch_size} per process x {world} processes")
+
+    # Same seed on every rank: identical full weights before sharding, so each rank keeps
+    # its slice of the same model.
+    torch.manual_seed(args.seed)
+    model = common.build_model(args.model, data.num_classes, data.input_shape).to(device)
+    model = apply_fsdp(model, mesh, args)
+
+    train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True,
+                                       seed=args.seed, drop_last=True)
+    val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
+    loader_kw = dict(batch_size=args.batch_size, num_workers=args.num_workers,
+                     pin_memory=device.type == "cuda",
+                     persistent_workers=args.num_workers > 0)
+    train_loader = DataLoader(data.train, sampler=train_sampler, drop_last=True, **loader_kw)
+    val_loader = DataLoader(data.val, sampler=val_sampler, **loader_kw)
+    val_real = common.real_samples(val_sampler)
+
+    criterion = nn.CrossEntropyLoss()
+    # The optimizer sees the sharded parameters: its momentum buffers are sharded too.
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=args.step_size,
+                                                gamma=args.gamma)
+    dtype = common.amp_dtype(args)
+    # Each rank checks only its gradient shard for inf/NaN; the sharded scaler all-reduces
+    # the verdict so every rank skips (or takes) the same steps.
+    scaler = ShardedGradScaler(device.type, enabled=args.amp == "fp16")
+
+    steps = len(train_loader)
+    if args.max_steps_per_epoch:
+        steps = min(steps, args.max_steps_per_epoch)
+    metrics = {}
+    start = common.now()
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)
+        lr = optimizer.param_groups[0]["lr"]
+        model.train()
+        loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # stays on the device:
+        correct = torch.zeros((), device=device, dtype=torch.float64)   # no host sync per step
+        seen = 0
+        common.synchronize(device)
+        t0 = common.now()
+        for step, (images, labels) in enumerate(train_loader):
+            if step >= steps:
+                break
+            images = images.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            # forward: each unit all-gathers its parameters from all ranks, then (full) frees
+            with torch.autocast(device.type, dtype=dtype or torch.float32,
+                                enabled=dtype is not None):
+                outputs = model(images)
+                loss = criterion(outputs.float(), labels)
+            # backward: re-gather (full), then reduce-scatter gradients: each rank keeps the
+            # averaged gradient of its own shard
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)  # updates only this rank's shard
+            scaler.update()
+            loss_sum += loss.detach().double() * labels.size(0)
+            correct += (outputs.argmax(1) == labels).sum()
+            seen += labels.size(0)
+        common.synchronize(device)
+        train_time = common.now() - t0
+        scheduler.step()
+
+        val_sums = common.evaluate(model, val_loader, device, dtype, val_real)
+
+        # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide.
+        totals = torch.stack([loss_sum, correct,
+                              torch.tensor(float(seen), device=device, dtype=torch.float64)])
+        totals = torch.cat([totals, val_sums])
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        t_loss, t_correct, t_n, v_loss, v_correct, v_n = totals.tolist()
+        time_t = torch.tensor([train_time], device=device, dtype=torch.float64)
+        dist.all_reduce(time_t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        peaks = torch.zeros(world, device=device, dtype=torch.float64)
+        peaks[rank] = common.peak_memory_mib(device)  # what sharding saves shows up here
+        dist.all_reduce(peaks, op=dist.ReduceOp.SUM)
+        epoch_time = time_t.item()
+
+        metrics = dict(
+            strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
+            world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
+            per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
+            epoch=epoch + 1, epochs=args.epochs, lr=lr,
+            train_loss=t_loss / max(t_n, 1), train_acc=100.0 * t_correct / max(t_n, 1),
+            val_loss=v_loss / max(v_n, 1), val_acc=100.0 * v_correct / max(v_n, 1),
+            train_images=int(t_n), val_images=int(v_n), epoch_time_s=epoch_time,
+            throughput_img_s=t_n / epoch_time if epoch_time > 0 else 0.0,
+            peak_mem_mib=max(peaks.tolist()), peak_mem_per_gpu_mib=peaks.tolist(),
+        )
+        print0(common.format_epoch_line(metrics))
+        print0(common.format_metric_line(metrics))
+
+    total_time = common.now() - start
+    if args.save_model:
+        # collective: every rank sends its shards; rank 0 receives the full tensors on CPU
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+        if is_main:
+            common.save_state_dict(full, args.save_model)
+            print0(f"saved full (unsharded) model state_dict to {args.save_model}")
+    metrics["total_time_s"] = total_time
+    print0(common.format_metric_line(metrics, final=True))
+    print0(f"Total time: {total_time:.1f} s")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    env = None
+    try:
+        env = common.dist_env()
+        return train(args, env)
+    except UsageError as err:
+        return common.fail_cleanly(err, env)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""dp_train.py and fsdp_train.py against ddp_train.py: same flags, same lines, same weights."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common
+from conftest import FAST, REPO, check_ok, env_for_tests, epoch_lines, metrics, run_script
+
+EQUIV = ["--model", "cnn", "--synthetic-size", "320", "--epochs", "2", "--num-workers", "0",
+         "--amp", "off", "--seed", "5", "--lr", "0.02", "--batch-size", "16"]
+
+
+def _flags(script: str) -> set:
+    proc = run_script(script, ["--help"], timeout=120)
+    check_ok(proc)
+    return set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", proc.stdout))
+
+
+def test_all_scripts_share_the_flags_of_ddp_train():
+    ddp, dp, fsdp = _flags("ddp_train.py"), _flags("dp_train.py"), _flags("fsdp_train.py")
+    assert {"--data-dir", "--batch-size", "--amp", "--save-model", "--dist-timeout"} <= ddp
+    assert dp - ddp == {"--gpus"} and ddp - dp == set()
+    assert fsdp - ddp == {"--sharding"} and ddp - fsdp == set()
+
+
+def test_dp_runs_on_cpu_and_prints_both_lines():
+    proc = run_script("dp_train.py", FAST)
+    check_ok(proc)
+    assert "DataParallel runs on the CPU as a single device" in proc.stdout
+    assert len(epoch_lines(proc.stdout)) == 2
+    m = metrics(proc.stdout)[-1]
+    assert (m["strategy"], m["world_size"], m["train_images"], m["val_images"]) == \
+        ("dp", "1", "256", "64")
+
+
+@pytest.mark.parametrize("sharding", ["full", "grad-op", "hybrid"])
+def test_fsdp_two_processes_each_sharding(sharding):
+    proc = run_script("fsdp_train.py", FAST + ["--sharding", sharding], nproc=2)
+    check_ok(proc)
+    assert len(epoch_lines(proc.stdout)) == 2
+    ms = metrics(proc.stdout)
+    assert len(ms) == 3 and ms[-1]["final"] == "1"
+    assert (ms[-1]["strategy"], ms[-1]["world_size"]) == ("fsdp", "2")
+    assert f"sharding: {sharding}" in proc.stdout
+
+
+def test_same_metric_keys_for_every_strategy():
+    keys = set()
+    for script, nproc, extra in (("ddp_train.py", 2, []), ("fsdp_train.py", 2, []),
+                                 ("dp_train.py", None, [])):
+        proc = run_script(script, FAST + ["--epochs", "1"] + extra, nproc=nproc)
+        check_ok(proc)
+        m = metrics(proc.stdout)
+        keys.add(tuple(m[0]))
+        keys.add(tuple(m[-1]))
+    assert keys == {common.METRIC_KEYS, common.METRIC_KEYS + common.FINAL_KEYS}
+
+
+@pytest.fixture(scope="module")
+def ddp_weights(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ddp") / "ddp.pt"
+    proc = run_script("ddp_train.py", EQUIV + ["--save-model", str(path)], nproc=2)
+    check_ok(proc)
+    return torch.load(path, weights_only=True), metrics(proc.stdout)[-1]
+
+
+def _assert_same_weights(ref, other):
+    assert ref.keys() == other.keys()
+    for k in ref:
+        assert other[k].shape == ref[k].shape, k  # gathered full tensors, not shards
+        torch.testing.assert_close(other[k], ref[k], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("sharding", ["full", "grad-op"])
+def test_fsdp_ends_with_the_same_weights_as_ddp(ddp_weights, sharding, tmp_path):
+    ref, ref_m = ddp_weights
+    path = tmp_path / "fsdp.pt"
+    proc = run_script("fsdp_train.py", EQUIV + ["--sharding", sharding, "--save-model", str(path)],
+                      nproc=2)
+    check_ok(proc)
+    _assert_same_weights(ref, torch.load(path, weights_only=True))
+    m = metrics(proc.stdout)[-1]
+    assert float(m["train_loss"]) == pytest.approx(float(ref_m["train_loss"]), rel=1e-4)
+    assert m["val_images"] == ref_m["val_images"] == "80"
+
+
+def test_fsdp_hybrid_across_two_nodes_matches_ddp(ddp_weights, tmp_path):
+    """Two torchrun 'nodes' of one process each: a 2x1 mesh (replicate x shard)."""
+    ref, _ = ddp_weights
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = tmp_path / "hsdp.pt"
+    procs = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=hsdp-test", str(REPO / "fsdp_train.py"), *EQUIV,
+               "--sharding", "hybrid", "--save-model", str(path)]
+        procs.append(subprocess.Popen(cmd, env=env_for_tests(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    out = "".join(o for o, _ in outs)
+    assert "sharding: hybrid over mesh (2, 1)" in out
+    m = metrics(out)[-1]
+    assert (m["nodes"], m["gpus_per_node"], m["world_size"]) == ("2", "1", "2")
+    _assert_same_weights(ref, torch.load(path, weights_only=True))
+
+
+def test_dp_on_one_device_matches_ddp_single_process(tmp_path):
+    args = EQUIV[:-2] + ["--batch-size", "32"]
+    check_ok(run_script("dp_train.py", args + ["--save-model", str(tmp_path / "dp.pt")]))
+    check_ok(run_script("ddp_train.py", args + ["--save-model", str(tmp_path / "ddp.pt")]))
+    _assert_same_weights(torch.load(tmp_path / "ddp.pt", weights_only=True),
+                         torch.load(tmp_path / "dp.pt", weights_only=True))
+
+
+@pytest.mark.parametrize("script,args,message", [
+    ("dp_train.py", ["--gpus", "2"], "no GPU is visible"),
+    ("dp_train.py", ["--data-dir", "/nonexistent"], "does not exist"),
+    ("fsdp_train.py", ["--data-dir", "/nonexistent"], "does not exist"),
+    ("fsdp_train.py", ["--model", "cnn", "--dataset", "tinyimagenet", "--data-dir", "/tmp"],
+     "--model cnn takes 3x32x32"),
+])
+def test_bad_input_exits_2(script, args, message):
+    proc = run_script(script, args, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_dp_refuses_torchrun_with_several_processes():
+    proc = run_script("dp_train.py", FAST, nproc=2, timeout=120)
+    assert proc.returncode != 0
+    assert "run it with python, not torchrun" in proc.stderr
