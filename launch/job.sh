@@ -1,0 +1,177 @@
+#!/bin/bash
+# The one job skeleton behind launch/baseline.slurm, multi_gpu.slurm, multi_node.slurm (under
+# Slurm) and launch/local.sh (without Slurm). Every count comes from Slurm; nothing is repeated.
+#
+#   bash launch/job.sh [TRAINING ARGS...]     (the .slurm files and local.sh call it for you)
+#
+# What it does: source launch/site.sh if present, resolve ${STRATEGY}_train.py, make one run
+# directory, then start launch/node.sh once per node (srun --ntasks-per-node=1; directly without
+# Slurm), which runs the memory loggers and one torchrun (ddp, fsdp) or one python (dp) there.
+# The training output is tee'd into train.log; afterwards analyze_memory.py summarises the
+# memory logs. The job's exit code is the training's, whatever the analysis does.
+#
+# Variables (all optional; defaults run on a generic cluster):
+#   STRATEGY      ddp | fsdp | dp (ddp): runs $REPO_DIR/${STRATEGY}_train.py
+#   TRAIN_SCRIPT  run this script instead of ${STRATEGY}_train.py
+#   REPO_DIR      repository root (the .slurm files find it; see there)
+#   PYTHON        interpreter command, split on spaces (python), e.g.
+#                 "apptainer exec --nv img.sif python"; torchrun = "$PYTHON -m torch.distributed.run"
+#   DATA_DIR      dataset root, read by the training script (unset: synthetic data)
+#   RUNS_DIR      parent of the run directories ($SLURM_SUBMIT_DIR/runs, locally $PWD/runs)
+#   LOG_INTERVAL  seconds between memory samples (5)
+#   NPROC_PER_NODE  processes per node (default: GPUs on the node, 1 without GPUs)
+#   SITE_SH       site file to source (launch/site.sh; empty = none)
+#   SRUN_EXTRA_ARGS extra srun options, split on spaces (e.g. --container-image=...)
+#   NCCL_DEBUG (WARN), NCCL_SOCKET_IFNAME (unset: NCCL chooses),
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING (1), OMP_NUM_THREADS (CPUs / processes per node: node.sh)
+#
+# Run directory: ${RUNS_DIR}/<job-name>-<job-id>/ with train.log, job.env, gpu_memory/<node>.csv,
+# cpu_memory/<node>.txt, memory_summary.txt and memory_summary.json.
+set -euo pipefail
+
+LAUNCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+: "${REPO_DIR:=$(dirname "$LAUNCH_DIR")}"
+export REPO_DIR
+
+# ---- site specifics: the one optional place (see launch/site.sh.example) ----------------------
+SITE_SH=${SITE_SH-$LAUNCH_DIR/site.sh}
+if [ -n "$SITE_SH" ] && [ -f "$SITE_SH" ]; then
+  echo "site settings: $SITE_SH"
+  set +u  # module and conda scripts read unset variables
+  # shellcheck source=/dev/null
+  source "$SITE_SH"
+  set -u
+fi
+
+# ---- defaults, each overridable from the environment -----------------------------------------
+: "${STRATEGY:=ddp}"
+: "${PYTHON:=python}"
+: "${LOG_INTERVAL:=5}"
+: "${NCCL_DEBUG:=WARN}"
+: "${TORCH_NCCL_ASYNC_ERROR_HANDLING:=1}"
+: "${PYTHONFAULTHANDLER:=1}"
+: "${SRUN_EXTRA_ARGS:=}"
+export STRATEGY PYTHON LOG_INTERVAL NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING PYTHONFAULTHANDLER
+if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then export NCCL_SOCKET_IFNAME; fi  # e.g. ib0; unset = auto
+if [ -n "${DATA_DIR:-}" ]; then export DATA_DIR; fi
+read -ra python_cmd <<<"$PYTHON"
+read -ra srun_extra <<<"$SRUN_EXTRA_ARGS"
+
+case $STRATEGY in
+  ddp | fsdp) mode=torchrun ;;
+  dp) mode=python ;;  # nn.DataParallel: one process drives every GPU of one node
+  *) echo "error: STRATEGY=$STRATEGY is not one of ddp, fsdp, dp" >&2; exit 2 ;;
+esac
+TRAIN_SCRIPT=${TRAIN_SCRIPT:-$REPO_DIR/${STRATEGY}_train.py}
+if [ ! -f "$TRAIN_SCRIPT" ]; then
+  echo "error: $TRAIN_SCRIPT not found: STRATEGY=$STRATEGY needs ${STRATEGY}_train.py in" \
+    "REPO_DIR=$REPO_DIR (pick another STRATEGY or set REPO_DIR)" >&2
+  exit 2
+fi
+
+# ---- layout: from Slurm, or this one machine --------------------------------------------------
+if [ -n "${SLURM_JOB_ID:-}" ]; then
+  job_id=$SLURM_JOB_ID
+  job_name=${SLURM_JOB_NAME:-job}
+  submit_dir=${SLURM_SUBMIT_DIR:-$PWD}
+  hostnames=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+  mapfile -t nodes <<<"$hostnames"
+  nnodes=${SLURM_NNODES:-${#nodes[@]}}
+  export MASTER_ADDR=${nodes[0]}
+  export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))  # differs for two jobs sharing a node
+  export RDZV_ENDPOINT="$MASTER_ADDR:$MASTER_PORT" RDZV_ID=$SLURM_JOB_ID
+else
+  job_id=$(date +%Y%m%d-%H%M%S)-$$
+  job_name=${JOB_NAME:-local}
+  submit_dir=$PWD
+  nodes=("$(hostname -s)")
+  nnodes=1
+  unset RDZV_ENDPOINT  # torchrun --standalone picks a free port
+fi
+if [ "$mode" = python ] && [ "$nnodes" -gt 1 ]; then
+  echo "warning: STRATEGY=dp runs one process on ${nodes[0]}; $((nnodes - 1)) node(s) stay idle"
+  nnodes=1
+fi
+export NNODES=$nnodes
+gpus_per_node=$(bash "$LAUNCH_DIR/node.sh" --gpus)  # same rule node.sh applies on each node
+nproc=${NPROC_PER_NODE:-$gpus_per_node}
+if [ "$mode" = python ]; then
+  world_size=1 per_node="one process for all GPUs"
+else
+  world_size=$((nnodes * nproc)) per_node="$nproc per node"
+fi
+
+RUN_DIR="${RUNS_DIR:-$submit_dir/runs}/$job_name-$job_id"
+export RUN_DIR
+mkdir -p "$RUN_DIR/gpu_memory" "$RUN_DIR/cpu_memory"
+
+launch=()
+if [ -n "${SLURM_JOB_ID:-}" ]; then
+  # One task per node; 22.05+ srun no longer inherits --cpus-per-task from sbatch: pass it.
+  launch=(srun --kill-on-bad-exit=1 --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1)
+  if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then launch+=(--cpus-per-task="$SLURM_CPUS_PER_TASK"); fi
+  launch+=("${srun_extra[@]}")
+fi
+launch+=(bash "$LAUNCH_DIR/node.sh" "$mode" "$TRAIN_SCRIPT" "$@")
+
+start=$(date '+%Y-%m-%d %H:%M:%S')
+{
+  printf '%s=%q\n' JOB_ID "$job_id" JOB_NAME "$job_name" STRATEGY "$STRATEGY" \
+    NODES "$nnodes" NODELIST "${nodes[*]:0:$nnodes}" GPUS_PER_NODE "$gpus_per_node" \
+    NPROC_PER_NODE "$nproc" WORLD_SIZE "$world_size" TRAIN_SCRIPT "$TRAIN_SCRIPT" \
+    TRAIN_ARGS "$*" COMMAND "${launch[*]}" REPO_DIR "$REPO_DIR" SUBMIT_DIR "$submit_dir" \
+    RUN_DIR "$RUN_DIR" MASTER_ADDR "${MASTER_ADDR:-}" MASTER_PORT "${MASTER_PORT:-}" \
+    PYTHON "$PYTHON" START_TIME "$start"
+} >"$RUN_DIR/job.env"
+
+cat <<EOF
+============================================================
+job id        : $job_id ($job_name)
+strategy      : $STRATEGY -> $TRAIN_SCRIPT $*
+nodes         : $nnodes (${nodes[*]:0:$nnodes})
+GPUs per node : $gpus_per_node
+processes     : $world_size ($per_node)
+rendezvous    : ${RDZV_ENDPOINT:-standalone}
+data          : ${DATA_DIR:-built-in synthetic data (DATA_DIR unset)}
+NCCL          : NCCL_DEBUG=$NCCL_DEBUG NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-<auto>} \
+TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING
+run dir       : $RUN_DIR
+start         : $start
+============================================================
+EOF
+
+# ---- training: output to the job log and train.log; keep its exit code -----------------------
+set +e
+"${launch[@]}" 2>&1 | tee "$RUN_DIR/train.log"
+rc=${PIPESTATUS[0]}
+set -e
+echo "training exit code: $rc"
+
+# ---- memory summary: printed and saved; a failure here never replaces the training result ----
+shopt -s nullglob
+logs=("$RUN_DIR"/gpu_memory/*.csv "$RUN_DIR"/cpu_memory/*.txt)
+analyze="$REPO_DIR/analyze_memory.py"
+if [ ! -f "$analyze" ]; then
+  echo "memory summary skipped: $analyze not found"
+elif [ ${#logs[@]} -eq 0 ]; then
+  echo "memory summary skipped: no memory logs in $RUN_DIR"
+else
+  echo "== memory summary ($RUN_DIR/memory_summary.txt)"
+  set +e
+  # analyze_memory.py walks the run directory and reads only files that look like memory logs.
+  "${python_cmd[@]}" "$analyze" "$RUN_DIR" 2>&1 | tee "$RUN_DIR/memory_summary.txt"
+  arc=${PIPESTATUS[0]}
+  if [ "$arc" -eq 0 ]; then
+    "${python_cmd[@]}" "$analyze" --json "$RUN_DIR" >"$RUN_DIR/memory_summary.json"
+    arc=$?
+  fi
+  set -e
+  if [ "$arc" -ne 0 ]; then
+    echo "warning: memory analysis failed (exit $arc); the job keeps the training exit code $rc"
+  fi
+fi
+
+end=$(date '+%Y-%m-%d %H:%M:%S')
+printf '%s=%q\n' END_TIME "$end" EXIT_CODE "$rc" >>"$RUN_DIR/job.env"
+echo "end           : $end (exit code $rc)"
+exit "$rc"

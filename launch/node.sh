@@ -1,0 +1,139 @@
+#!/bin/bash
+# Per-node wrapper: start the memory loggers on THIS node, run the training launcher, stop the
+# loggers on every exit path. launch/job.sh starts it once per node (`srun --ntasks-per-node=1`
+# under Slurm, directly without Slurm), so the GPU logger runs inside the step that owns the
+# node's GPUs (cgroup device constraints) and every node writes its own logs.
+#
+#   node.sh torchrun SCRIPT [ARGS...]   one torchrun on this node, NPROC_PER_NODE workers
+#   node.sh python SCRIPT [ARGS...]     one plain python process (dp: one process, all GPUs)
+#   node.sh --gpus                      print the number of GPUs on this node and exit
+#
+# Environment (set by job.sh; defaults work for a single node):
+#   RUN_DIR          run directory (required): logs go to gpu_memory/<node>.csv and
+#                    cpu_memory/<node>.txt
+#   NODE_NAME        log file name ($SLURMD_NODENAME, else `hostname -s`)
+#   LOG_INTERVAL     seconds between memory samples (5; nvidia-smi rounds down, at least 1)
+#   PYTHON           interpreter command, split on spaces (python)
+#   NPROC_PER_NODE   workers per node (default: GPUs on this node, see gpus_on_node)
+#   NNODES           torchrun --nnodes ($SLURM_NNODES, else 1)
+#   RDZV_ENDPOINT    host:port of the c10d rendezvous; unset = torchrun --standalone
+#   RDZV_ID          rendezvous id ($SLURM_JOB_ID, else "local")
+#   NVIDIA_SMI, PSRECORD   logger commands (nvidia-smi, psrecord); a missing one is skipped
+#   OMP_NUM_THREADS  default: CPUs of the task (at most `nproc`) / workers on the node, >= 1
+set -euo pipefail
+
+# GPUs on this node: what Slurm gave the step, else the CUDA_VISIBLE_DEVICES list, else 1.
+gpus_on_node() {
+  local devices
+  if [[ ${SLURM_GPUS_ON_NODE:-} =~ ^[1-9][0-9]*$ ]]; then
+    echo "$SLURM_GPUS_ON_NODE"
+  elif [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+    IFS=, read -ra devices <<<"$CUDA_VISIBLE_DEVICES"
+    echo "${#devices[@]}"
+  else
+    echo 1
+  fi
+}
+
+if [ "${1:-}" = --gpus ]; then
+  gpus_on_node
+  exit 0
+fi
+if [ $# -lt 2 ] || { [ "$1" != torchrun ] && [ "$1" != python ]; }; then
+  echo "usage: $0 torchrun|python SCRIPT [ARGS...]  |  $0 --gpus" >&2
+  exit 2
+fi
+launcher=$1
+shift
+
+: "${RUN_DIR:?RUN_DIR must name the run directory (launch/job.sh sets it)}"
+: "${LOG_INTERVAL:=5}"
+: "${PYTHON:=python}"
+: "${NVIDIA_SMI:=nvidia-smi}"
+: "${PSRECORD:=psrecord}"
+node=${NODE_NAME:-${SLURMD_NODENAME:-$(hostname -s)}}
+read -ra python_cmd <<<"$PYTHON"
+nproc=${NPROC_PER_NODE:-$(gpus_on_node)}
+if ! [[ $nproc =~ ^[1-9][0-9]*$ ]]; then
+  echo "[$node] error: $nproc workers per node: NPROC_PER_NODE must be a positive integer" >&2
+  exit 2
+fi
+# Split the task's CPUs between the workers (torchrun would otherwise force 1 with a warning);
+# `nproc` caps it where Slurm does not bind CPUs and a node claims more CPUs than it has.
+cpus=$(nproc)
+if [ -n "${SLURM_CPUS_PER_TASK:-}" ] && [ "$SLURM_CPUS_PER_TASK" -lt "$cpus" ]; then
+  cpus=$SLURM_CPUS_PER_TASK
+fi
+: "${OMP_NUM_THREADS:=$((cpus / nproc > 0 ? cpus / nproc : 1))}"
+export OMP_NUM_THREADS
+
+if [ "$launcher" = torchrun ]; then
+  cmd=("${python_cmd[@]}" -m torch.distributed.run  # = torchrun, from the chosen interpreter
+    --nnodes="${NNODES:-${SLURM_NNODES:-1}}" --nproc-per-node="$nproc")
+  if [ -n "${RDZV_ENDPOINT:-}" ]; then
+    cmd+=(--rdzv-backend=c10d --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-local}}"
+      --rdzv-endpoint="$RDZV_ENDPOINT")
+  else
+    cmd+=(--standalone)
+  fi
+  cmd+=("$@")
+else
+  cmd=("${python_cmd[@]}" "$@")
+fi
+
+gpu_log="$RUN_DIR/gpu_memory/$node.csv"
+cpu_log="$RUN_DIR/cpu_memory/$node.txt"
+mkdir -p "$RUN_DIR/gpu_memory" "$RUN_DIR/cpu_memory"
+gpu_pid="" cpu_pid="" train_pid=""
+
+# Runs on every exit path (normal end, failure, set -e, scancel/kill-on-bad-exit via TERM).
+# shellcheck disable=SC2317  # reached through the EXIT trap
+stop_all() {
+  local rc=$? p stopped=()
+  trap - EXIT INT TERM HUP
+  if [ -n "$train_pid" ] && kill -0 "$train_pid" 2>/dev/null; then
+    kill -TERM "$train_pid" 2>/dev/null || true  # torchrun forwards it to its workers
+    wait "$train_pid" 2>/dev/null || true
+  fi
+  for p in $gpu_pid $cpu_pid; do
+    kill -TERM "$p" 2>/dev/null || true
+    wait "$p" 2>/dev/null || true
+    stopped+=("$p")
+  done
+  echo "[$node] loggers stopped (pids: ${stopped[*]:-none}); exit code $rc"
+  exit "$rc"
+}
+trap stop_all EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
+trap 'exit 129' HUP
+
+if command -v "$NVIDIA_SMI" >/dev/null 2>&1; then
+  smi_interval=${LOG_INTERVAL%.*}  # nvidia-smi -l takes whole seconds
+  [ "${smi_interval:-0}" -ge 1 ] 2>/dev/null || smi_interval=1
+  "$NVIDIA_SMI" --query-gpu=timestamp,index,name,memory.used,memory.total \
+    --format=csv,nounits -l "$smi_interval" >"$gpu_log" &
+  gpu_pid=$!
+  echo "[$node] GPU memory log: $gpu_log (every ${smi_interval}s)"
+else
+  echo "[$node] nvidia-smi not found: GPU memory logging skipped"
+fi
+
+echo "[$node] running: ${cmd[*]}"
+"${cmd[@]}" &
+train_pid=$!
+
+if command -v "$PSRECORD" >/dev/null 2>&1; then
+  # Its own messages go nowhere: only the log file belongs in the run directory.
+  "$PSRECORD" "$train_pid" --include-children --interval "$LOG_INTERVAL" \
+    --log "$cpu_log" >/dev/null &
+  cpu_pid=$!
+  echo "[$node] CPU memory log: $cpu_log (every ${LOG_INTERVAL}s)"
+else
+  echo "[$node] psrecord not found: CPU memory logging skipped (pip install psrecord)"
+fi
+
+rc=0
+wait "$train_pid" || rc=$?
+train_pid=""
+exit "$rc"

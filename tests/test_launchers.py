@@ -1,0 +1,435 @@
+"""Tests for the launchers: launch/{baseline,multi_gpu,multi_node}.slurm, job.sh, node.sh, local.sh.
+
+The Slurm tests submit the real .slurm files to a real Slurm 22.05 cluster that this module starts
+on the test machine (tests/slurm_lab.sh: nodes n1..n4 on one host, 8 fake GPUs each), and train
+the real ddp_train.py on CPU (gloo) with a tiny CNN. They need root (slurmctld, slurmd, munged)
+and the Slurm packages; .ci/run installs them, and elsewhere this module installs them itself
+when it is root with apt-get, or skips with the reason. LAUNCHER_TESTS_SLURM=0 skips them.
+
+    python -m pytest tests/test_launchers.py -q
+
+All Slurm jobs are submitted at once (module fixture ``jobs``, two --dependency chains), so two
+run at a time on the lab's nodes; each test then waits for its own job. Every job is submitted from a temporary
+directory with REPO_DIR unset, so the .slurm files must find the repository themselves.
+A fake ``nvidia-smi`` (written below) stands in for the GPU logger where a test needs one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+import common  # noqa: E402  (the parser of the [METRIC] lines the training scripts write)
+
+LAUNCH = REPO / "launch"
+LAB_SH = REPO / "tests" / "slurm_lab.sh"
+SHELL_SCRIPTS = sorted([*LAUNCH.glob("*.sh"), *LAUNCH.glob("*.slurm"),
+                        LAUNCH / "site.sh.example", LAB_SH])
+# A tiny run: two epochs of a small CNN on built-in synthetic data, a few seconds of CPU.
+TINY = ["--model", "cnn", "--synthetic-size", "128", "--batch-size", "16", "--epochs", "2",
+        "--num-workers", "0"]
+JOB_TIMEOUT_S = 600  # from submission; a chained job also waits for its predecessors
+EPOCH_RE = re.compile(r"Epoch \[(\d+)/(\d+)\] LR: .* \| Throughput: [\d.]+ img/s")
+FAKE_SMI = """#!{python}
+# Fake nvidia-smi for the launcher tests: the --query-gpu CSV of real nvidia-smi, one row per
+# GPU in CUDA_VISIBLE_DEVICES every -l seconds; records its pid in $FAKE_SMI_PIDS.
+import os, sys, time
+interval = float(sys.argv[sys.argv.index("-l") + 1]) if "-l" in sys.argv else 1.0
+if os.environ.get("FAKE_SMI_PIDS"):
+    with open(os.environ["FAKE_SMI_PIDS"], "a") as f:
+        f.write(f"{{os.getpid()}}\\n")
+gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",") if g]
+print("timestamp, index, name, memory.used [MiB], memory.total [MiB]", flush=True)
+n = 0
+while True:
+    for i, _ in enumerate(gpus):
+        stamp = time.strftime("%Y/%m/%d %H:%M:%S")
+        print(f"{{stamp}}.000, {{i}}, Fake GPU, {{1000 + 10 * i + 100 * (n % 2)}}, 32768",
+              flush=True)
+    n += 1
+    time.sleep(interval)
+"""
+
+
+# ---------------------------------------------------------------------------- helpers
+def base_env(tmp: Path, fake_gpus: bool = False) -> dict:
+    """The environment for a launcher: this interpreter's bin dir first on PATH (python,
+    torchrun, psrecord), REPO_DIR and other launcher knobs cleared, 1 s memory samples."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+    for k in ("REPO_DIR", "RUNS_DIR", "STRATEGY", "TRAIN_SCRIPT", "PYTHON", "NPROC",
+              "NPROC_PER_NODE", "JOB_NAME", "DATA_DIR", "CUDA_VISIBLE_DEVICES"):
+        env.pop(k, None)
+    path = [str(Path(sys.executable).parent), env.get("PATH", "/usr/bin:/bin")]
+    if fake_gpus:
+        bindir = tmp / "fakebin"
+        bindir.mkdir(parents=True, exist_ok=True)
+        smi = bindir / "nvidia-smi"
+        smi.write_text(FAKE_SMI.format(python=sys.executable))
+        smi.chmod(0o755)
+        path.insert(0, str(bindir))
+        env["FAKE_SMI_PIDS"] = str(tmp / "fake_smi.pids")
+    env.update(PATH=os.pathsep.join(path), LOG_INTERVAL="1", SITE_SH="",
+               PYTHONUNBUFFERED="1")
+    return env
+
+
+def read_env_file(path: Path) -> dict:
+    """job.env: KEY=value lines, values shell-quoted (printf %q)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        key, _, value = line.partition("=")
+        words = shlex.split(value)
+        out[key] = words[0] if words else ""
+    return out
+
+
+def alive(pid: int) -> bool:
+    """A zombie counts as dead (exited, not yet reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def processes_mentioning(text: str) -> list:
+    """Live processes whose command line contains ``text`` (e.g. a psrecord --log path)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd and alive(int(proc.name)):
+            found.append(f"{proc.name}: {cmd}")
+    return found
+
+
+def assert_loggers_gone(tmp: Path, run_dir: Path) -> None:
+    pids_file = tmp / "fake_smi.pids"
+    if pids_file.exists():
+        pids = [int(p) for p in pids_file.read_text().split()]
+        assert pids, "the fake nvidia-smi never started"
+        for _ in range(20):  # the trap has run by now; allow the kernel a moment
+            if not any(alive(p) for p in pids):
+                break
+            time.sleep(0.25)
+        assert not [p for p in pids if alive(p)], "nvidia-smi logger left running"
+    assert processes_mentioning(str(run_dir)) == [], "a logger of this run is still running"
+
+
+def has_tool(name: str, env: dict) -> bool:
+    return shutil.which(name, path=env["PATH"]) is not None
+
+
+def check_run_dir(run_dir: Path, nodes: list, gpu_logs: bool, cpu_logs: bool) -> None:
+    """The layout every run directory shares, whichever way it was launched."""
+    assert (run_dir / "train.log").is_file() and (run_dir / "job.env").is_file()
+    gpu = sorted(p.name for p in (run_dir / "gpu_memory").iterdir())
+    cpu = sorted(p.name for p in (run_dir / "cpu_memory").iterdir())
+    assert gpu == (sorted(f"{n}.csv" for n in nodes) if gpu_logs else [])
+    assert cpu == (sorted(f"{n}.txt" for n in nodes) if cpu_logs else [])
+    if gpu_logs or cpu_logs:
+        summary = (run_dir / "memory_summary.txt").read_text()
+        data = json.loads((run_dir / "memory_summary.json").read_text())
+        assert data, "empty JSON summary"
+        for node in nodes:
+            if gpu_logs:
+                assert re.search(rf"\[{node} - GPU 0\] Peak = \d+ MiB, Avg = [\d.]+ MiB", summary)
+            if cpu_logs:
+                assert f"[{node} - CPU] Peak RSS = " in summary
+
+
+def check_training_log(text: str, strategy: str, world_size: int, nodes: int,
+                       gpus_per_node: int | None) -> None:
+    """Both epoch lines from rank 0, and every [METRIC] line with the expected layout."""
+    epochs = EPOCH_RE.findall(text)
+    assert [e for e in epochs if e[1] == "2"] == [("1", "2"), ("2", "2")], epochs
+    metrics = [m for m in map(common.parse_metric_line, text.splitlines()) if m]
+    assert len(metrics) == 3, metrics  # one per epoch + the final line
+    layout = {(m["strategy"], m["world_size"], m["nodes"]) for m in metrics}
+    assert layout == {(strategy, str(world_size), str(nodes))}, layout
+    if gpus_per_node is not None:
+        assert {m["gpus_per_node"] for m in metrics} == {str(gpus_per_node)}
+
+
+# ---------------------------------------------------------------------------- static checks
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=lambda p: p.name)
+def test_shellcheck(script):
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed (apt-get install -y shellcheck)")
+    res = subprocess.run(["shellcheck", "--shell=bash", str(script)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_slurm_files_share_one_skeleton():
+    """Scale comes from Slurm: no .slurm file hard-codes torchrun, srun or a process count."""
+    for name in ("baseline", "multi_gpu", "multi_node"):
+        text = (LAUNCH / f"{name}.slurm").read_text()
+        assert text.startswith("#!/bin/bash\n")
+        assert "#SBATCH --output=%x-%j.out" in text and f"#SBATCH --job-name={name}" in text
+        assert "set -euo pipefail" in text and 'launch/job.sh" "$@"' in text
+        body = text.split("set -euo pipefail")[1]
+        assert "torchrun" not in body and "srun" not in body and "nproc" not in body
+
+
+# ---------------------------------------------------------------------------- without Slurm
+def test_local_sh_two_processes(tmp_path):
+    """local.sh: the Slurm run directory, loggers and summary around torchrun, no Slurm."""
+    env = base_env(tmp_path, fake_gpus=True)
+    env["RUNS_DIR"] = str(tmp_path / "runs")
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--", *TINY],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert run_dir.name.startswith("local-")
+    info = read_env_file(run_dir / "job.env")
+    node = info["NODELIST"]
+    assert (info["STRATEGY"], info["NODES"], info["NPROC_PER_NODE"], info["WORLD_SIZE"],
+            info["EXIT_CODE"]) == ("ddp", "1", "2", "2", "0")
+    assert "--standalone" in out and "--nproc-per-node=2" in out
+    check_training_log((run_dir / "train.log").read_text(), "ddp", 2, 1, 2)
+    check_run_dir(run_dir, [node], gpu_logs=True, cpu_logs=has_tool("psrecord", env))
+    assert f"[{node}] loggers stopped" in out
+    assert_loggers_gone(tmp_path, run_dir)  # no Slurm here to clean up: the trap did it
+
+
+@pytest.mark.parametrize("strategy,repo,message", [
+    ("dp", "empty", "dp_train.py not found"),
+    ("zero", "repo", "STRATEGY=zero is not one of ddp, fsdp, dp"),
+])
+def test_missing_training_script_is_one_line_and_exit_2(tmp_path, strategy, repo, message):
+    env = base_env(tmp_path)
+    env["STRATEGY"] = strategy
+    if repo == "empty":  # a repository without dp_train.py
+        env["REPO_DIR"] = str(tmp_path)
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert res.stdout == ""
+    assert res.stderr.count("\n") == 1 and message in res.stderr, res.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_local_sh_rejects_a_bad_process_count(tmp_path):
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "two"],
+                         cwd=tmp_path, env=base_env(tmp_path), capture_output=True, text=True)
+    assert res.returncode == 2 and "positive integer" in res.stderr
+
+
+# ---------------------------------------------------------------------------- a real Slurm
+def _run_lab(cmd, env, timeout):
+    return subprocess.run(["bash", str(LAB_SH), *cmd], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def slurm_lab(tmp_path_factory):
+    """A Slurm cluster (4 nodes x 8 fake GPUs) on this machine for the whole test session."""
+    if os.environ.get("LAUNCHER_TESTS_SLURM") == "0":
+        pytest.skip("LAUNCHER_TESTS_SLURM=0")
+    if os.geteuid() != 0:
+        pytest.skip("starting slurmctld/slurmd/munged needs root")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    missing = [c for c in ("slurmctld", "slurmd", "sbatch", "munged")
+               if shutil.which(c) is None and not os.path.exists(f"/usr/sbin/{c}")]
+    if missing:
+        if shutil.which("apt-get") is None:
+            pytest.skip(f"Slurm not installed ({', '.join(missing)}) and no apt-get to install it")
+        res = _run_lab(["install"], env, 900)
+        if res.returncode != 0:
+            pytest.skip("could not install Slurm with apt-get: "
+                        + (res.stderr or res.stdout)[-500:])
+    res = _run_lab(["up"], env, 180)
+    assert res.returncode == 0, f"tests/slurm_lab.sh up failed:\n{res.stdout}\n{res.stderr}"
+    conf = re.search(r"SLURM_CONF=(\S+)\)", res.stdout).group(1)
+    env["SLURM_CONF"] = conf
+    yield env
+    _run_lab(["down"], env, 120)
+
+
+class Job:
+    """One sbatch submission from its own directory; ``result()`` waits for the end."""
+
+    def __init__(self, lab_env, tmp: Path, slurm_file: str, sbatch_args=(), train_args=(),
+                 fake_gpus=False, extra_env=None, after: "Job | None" = None):
+        self.tmp = tmp
+        tmp.mkdir(parents=True)
+        self.env = base_env(tmp, fake_gpus)
+        self.env["SLURM_CONF"] = lab_env["SLURM_CONF"]
+        self.env.update(extra_env or {})
+        if after is not None:  # start when that job has ended, whatever its outcome
+            sbatch_args = [f"--dependency=afterany:{after.id}", *sbatch_args]
+        cmd = ["sbatch", "--parsable", *sbatch_args, str(LAUNCH / slurm_file), *train_args]
+        res = subprocess.run(cmd, cwd=tmp, env=self.env, capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode == 0, f"{cmd}: {res.stderr}"
+        self.id = int(res.stdout.strip().split(";")[0])
+        self._result = None
+
+    def result(self):
+        """(state, exit code, job output text, run dir) once the job has left the queue."""
+        if self._result is None:
+            res = _run_lab(["wait", str(self.id), str(JOB_TIMEOUT_S)], self.env,
+                           JOB_TIMEOUT_S + 30)
+            m = re.search(rf"job {self.id}: (\w+) ExitCode=(\d+):(\d+)", res.stdout)
+            assert m, f"job {self.id} did not finish: {res.stdout}{res.stderr}"
+            (out,) = self.tmp.glob(f"*-{self.id}.out")  # --output=%x-%j.out in the submit dir
+            (run_dir,) = (self.tmp / "runs").glob(f"*-{self.id}")
+            self._result = m.group(1), int(m.group(2)), out.read_text(), run_dir
+        return self._result
+
+
+PROBE = """#!/bin/bash
+#SBATCH --output=%x-%j.out
+#SBATCH --ntasks-per-node=1
+env | sort > batch.env
+srun --ntasks-per-node=1 bash -c 'env | sort > "step.$SLURM_PROCID.env"'
+"""
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_lab, tmp_path_factory):
+    """Submit every job up front, in two chains (--dependency) so that at most two trainings
+    share the 2-core CI box at a time (memory), while one chain's start-up overlaps the
+    other's training."""
+    root = tmp_path_factory.mktemp("jobs")
+    site = root / "site.sh"
+    site.write_text('echo "site.sh was sourced on $SLURMD_NODENAME"\nexport SITE_MARK=yes\n')
+    probe_dir = root / "probe"
+    probe_dir.mkdir()
+    (probe_dir / "probe.sh").write_text(PROBE)
+    probe = subprocess.run(["sbatch", "--parsable", "--job-name=probe", "--nodes=2",
+                            "--gpus-per-node=2", "probe.sh"], cwd=probe_dir, env=slurm_lab,
+                           capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr
+    jobs = {"probe": (int(probe.stdout.strip()), probe_dir)}
+    jobs["baseline"] = Job(slurm_lab, root / "baseline", "baseline.slurm", train_args=TINY,
+                           extra_env={"SITE_SH": str(site)})
+    jobs["multi_node"] = Job(slurm_lab, root / "multi_node", "multi_node.slurm",
+                             ["--nodes=2", "--gpus-per-node=1"], TINY, fake_gpus=True)
+    jobs["multi_gpu"] = Job(slurm_lab, root / "multi_gpu", "multi_gpu.slurm",
+                            ["--gpus-per-node=2"], TINY, after=jobs["baseline"])
+    jobs["bad_flag"] = Job(slurm_lab, root / "bad_flag", "multi_node.slurm",
+                           ["--nodes=2", "--gpus-per-node=1", "--job-name=bad_flag"],
+                           ["--no-such-flag"], fake_gpus=True, after=jobs["multi_node"])
+    jobs["dp"] = Job(slurm_lab, root / "dp", "multi_gpu.slurm", ["--gpus-per-node=2"], TINY,
+                     extra_env={"STRATEGY": "dp"}, after=jobs["bad_flag"])
+    return jobs
+
+
+def check_slurm_job(job: Job, nodes: int, gpus: int, fake_gpus: bool, strategy: str = "ddp"):
+    state, code, out, run_dir = job.result()
+    assert (state, code) == ("COMPLETED", 0), out
+    info = read_env_file(run_dir / "job.env")
+    node_names = info["NODELIST"].split()
+    world = 1 if strategy == "dp" else nodes * gpus
+    assert len(node_names) == nodes == int(info["NODES"])
+    assert (info["JOB_ID"], info["STRATEGY"], info["GPUS_PER_NODE"], info["WORLD_SIZE"],
+            info["EXIT_CODE"]) == (str(job.id), strategy, str(gpus), str(world), "0")
+    assert info["REPO_DIR"] == str(REPO)  # found without REPO_DIR, submitted from elsewhere
+    assert info["SUBMIT_DIR"] == str(job.tmp) and run_dir.parent == job.tmp / "runs"
+    assert info["MASTER_ADDR"] == node_names[0]
+    assert info["MASTER_PORT"] == str(20000 + job.id % 20000)
+    assert info["TRAIN_ARGS"] == " ".join(TINY)
+    for line in (f"job id        : {job.id}", f"nodes         : {nodes}",
+                 f"GPUs per node : {gpus}", "start         : ", "end           : "):
+        assert line in out
+    if strategy == "dp":  # one plain python process, no torchrun
+        assert f"[{node_names[0]}] running: python {REPO}/dp_train.py --model" in out
+        assert "torch.distributed.run" not in out
+    else:
+        assert f"-m torch.distributed.run --nnodes={nodes} --nproc-per-node={gpus} " \
+               f"--rdzv-backend=c10d --rdzv-id={job.id} " \
+               f"--rdzv-endpoint={node_names[0]}:{info['MASTER_PORT']} {REPO}/{strategy}_train.py" \
+               in out
+    train_log = (run_dir / "train.log").read_text()
+    # dp reports the GPUs it drives (none here, on CPU); ddp one process per (fake) GPU.
+    check_training_log(train_log, strategy, world, nodes, None if strategy == "dp" else gpus)
+    assert train_log.strip() in out  # train.log is also in the job's output file
+    has_smi = fake_gpus or has_tool("nvidia-smi", job.env)
+    for node in node_names:
+        assert f"[{node}] loggers stopped" in out
+        if not has_smi:
+            assert f"[{node}] nvidia-smi not found: GPU memory logging skipped" in out
+    check_run_dir(run_dir, node_names, gpu_logs=has_smi, cpu_logs=has_tool("psrecord", job.env))
+    assert "== memory summary" in out and (run_dir / "memory_summary.txt").read_text() in out
+    assert_loggers_gone(job.tmp, run_dir)
+    return out, run_dir
+
+
+def test_slurm_baseline_one_gpu(jobs):
+    out, _ = check_slurm_job(jobs["baseline"], nodes=1, gpus=1, fake_gpus=False)
+    assert "site.sh was sourced on n" in out  # SITE_SH: the one optional site file
+
+
+def test_slurm_multi_gpu_two_gpus(jobs):
+    check_slurm_job(jobs["multi_gpu"], nodes=1, gpus=2, fake_gpus=False)
+
+
+def test_slurm_dp_runs_one_python_process(jobs):
+    if not (REPO / "dp_train.py").exists():
+        pytest.skip("dp_train.py not in the repository yet")
+    check_slurm_job(jobs["dp"], nodes=1, gpus=2, fake_gpus=False, strategy="dp")
+
+
+def test_slurm_multi_node_logs_gpu_memory_on_every_node(jobs):
+    _, run_dir = check_slurm_job(jobs["multi_node"], nodes=2, gpus=1, fake_gpus=True)
+    # Each node's logger ran on that node, inside the step (not only the batch host).
+    for csv in (run_dir / "gpu_memory").iterdir():
+        rows = csv.read_text().splitlines()
+        assert rows[0].startswith("timestamp, index, name, memory.used") and len(rows) >= 2
+
+
+def test_slurm_bad_flag_fails_the_job_and_stops_the_loggers(jobs):
+    job = jobs["bad_flag"]
+    state, code, out, run_dir = job.result()
+    assert state == "FAILED" and code != 0, out
+    assert "error: unrecognized arguments: --no-such-flag" in out
+    info = read_env_file(run_dir / "job.env")
+    assert info["EXIT_CODE"] == str(code)  # the training's code, not the analysis'
+    for node in info["NODELIST"].split():
+        assert re.search(rf"\[{node}\] loggers stopped \(pids: [\d ]+\); exit code [1-9]", out)
+    assert_loggers_gone(job.tmp, run_dir)
+
+
+def test_slurm_env_in_batch_script_vs_srun_step(jobs, slurm_lab):
+    """What the training script's srun fallback relies on: SLURM_STEP_ID (and the SLURM_STEP_*
+    counts) exist only inside an srun step, while SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID are
+    also set in the batch script, where SLURM_NTASKS counts the whole job (and is absent when
+    the job asked for no task count)."""
+    job_id, tmp = jobs["probe"]
+    res = _run_lab(["wait", str(job_id), str(JOB_TIMEOUT_S)], slurm_lab, JOB_TIMEOUT_S + 30)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+    def load(name):
+        return dict(line.split("=", 1) for line in (tmp / name).read_text().splitlines()
+                    if line.startswith("SLURM"))
+
+    batch = load("batch.env")
+    steps = [load(f"step.{i}.env") for i in range(2)]
+    assert (batch["SLURM_PROCID"], batch["SLURM_LOCALID"], batch["SLURM_NTASKS"]) == ("0", "0", "2")
+    assert batch["SLURM_GPUS_ON_NODE"] == "2"
+    for key in ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST"):
+        assert key not in batch
+    assert sorted(s["SLURM_PROCID"] for s in steps) == ["0", "1"]
+    for s in steps:
+        assert (s["SLURM_STEP_ID"], s["SLURM_STEP_NUM_TASKS"], s["SLURM_NTASKS"],
+                s["SLURM_LOCALID"], s["SLURM_GPUS_ON_NODE"]) == ("0", "2", "2", "0", "2")
