@@ -105,9 +105,35 @@ class UsageError(Exception):
 
 def fail_cleanly(err: UsageError, rank_env: "DistEnv | None" = None) -> int:
     """Print a UsageError once per node (every local rank sees the same problem) and return 2."""
+    text = str(err)
+    if "Original Traceback" in text:  # raised in a DataLoader worker: keep only its sentence
+        text = text.strip().splitlines()[-1].partition("UsageError: ")[2] or text
     if rank_env is None or rank_env.local_rank == 0:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        print(f"error: {text}", file=sys.stderr, flush=True)
     return 2
+
+
+def collective_failed(err: Exception, rank_env: "DistEnv | None") -> int:
+    """A collective failed or timed out (a peer died, the network broke): say so and exit 1
+    instead of waiting forever."""
+    rank = rank_env.rank if rank_env else 0
+    first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+    print(f"error: rank {rank}: a collective with the other ranks failed or timed out "
+          f"({err.__class__.__name__}: {first}); another rank probably died first: look for its "
+          f"error above, or raise --dist-timeout if the job is merely slow", file=sys.stderr,
+          flush=True)
+    return 1
+
+
+def report_skipped(train_seen: float, train_expected: int, val_seen: float, val_total: int,
+                   print0) -> None:
+    """End-of-epoch count of images dropped because they could not be read."""
+    skipped_train = int(train_expected - train_seen)
+    skipped_val = int(val_total - val_seen)
+    if skipped_train > 0 or skipped_val > 0:
+        print0(f"warning: skipped {skipped_train} unreadable training and {skipped_val} "
+               f"validation image(s) this epoch (see the warnings above; --strict stops at "
+               f"the first)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,6 +190,23 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dist-timeout", type=int, default=600,
                    help="seconds a collective or the process-group start may wait for other "
                         "ranks before the run fails instead of hanging")
+    g.add_argument("--strict", action="store_true",
+                   help="stop at the first unreadable image (naming it) instead of skipping it")
+    g.add_argument("--check", action="store_true",
+                   help="run only the preflight checks and an all-reduce sanity and bandwidth "
+                        "test across all ranks, then exit")
+    g = parser.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="save a checkpoint here at the end of every epoch (and every "
+                        "--checkpoint-every steps); resume from it with --resume auto")
+    g.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="also checkpoint every N training steps (0 = only at epoch ends)")
+    g.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
+                   help="keep the newest K checkpoints, delete older ones")
+    g.add_argument("--resume", default="auto", metavar="{auto,never,PATH}",
+                   help="auto: continue from the newest usable checkpoint in --checkpoint-dir "
+                        "(a fresh start if there is none); never: always start fresh; PATH: "
+                        "this checkpoint")
     return parser
 
 
@@ -193,7 +236,12 @@ def resolve_args(args: argparse.Namespace, env: "DistEnv", device: torch.device)
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got "
                              f"{getattr(args, flag)}")
-    for flag in ("num_workers", "max_steps_per_epoch"):
+    if args.keep_checkpoints < 1:
+        raise UsageError("--keep-checkpoints must be at least 1")
+    if args.resume not in ("auto", "never") and not Path(args.resume).exists():
+        raise UsageError(f"--resume {args.resume}: no such checkpoint; use auto, never, or the "
+                         f"path of a checkpoint file or folder")
+    for flag in ("num_workers", "max_steps_per_epoch", "checkpoint_every"):
         if getattr(args, flag) < 0:
             raise UsageError(f"--{flag.replace('_', '-')} cannot be negative")
     if args.lr <= 0:
@@ -343,12 +391,19 @@ class DataBundle:
 
 
 class ImageList(Dataset):
-    """(path, label) pairs read with PIL. Used for TinyImageNet train and val alike."""
+    """(path, label) pairs read with PIL. Used for TinyImageNet train and val alike.
 
-    def __init__(self, samples, transform):
+    An unreadable image (corrupt, truncated, zero bytes) becomes None, which
+    ``collate_skip_unreadable`` drops from its batch, with a warning naming the file; with
+    ``strict`` it raises a UsageError naming the file instead. Either way the DataLoader
+    worker does not crash.
+    """
+
+    def __init__(self, samples, transform, strict: bool = False):
         self.samples = samples
         self.targets = [label for _, label in samples]
         self.transform = transform
+        self.strict = strict
 
     def __len__(self):
         return len(self.samples)
@@ -356,9 +411,28 @@ class ImageList(Dataset):
     def __getitem__(self, index):
         from PIL import Image
         path, label = self.samples[index]
-        with Image.open(path) as img:  # some TinyImageNet images are greyscale
-            img = img.convert("RGB")
+        try:
+            with Image.open(path) as img:  # some TinyImageNet images are greyscale
+                img = img.convert("RGB")
+        except (OSError, ValueError, SyntaxError) as exc:  # PIL's errors for broken files
+            reason = f"{exc.__class__.__name__}: {str(exc)[:100]}"
+            if self.strict:
+                raise UsageError(f"unreadable image {path} ({reason}): replace or delete it, "
+                                 f"or drop --strict to skip such files") from None
+            print(f"warning: skipping unreadable image {path} ({reason})", file=sys.stderr,
+                  flush=True)
+            return None
         return self.transform(img), label
+
+
+def collate_skip_unreadable(batch):
+    """default_collate without the samples ImageList could not read."""
+    from torch.utils.data import default_collate
+    kept = [item for item in batch if item is not None]
+    if not kept:
+        raise UsageError(f"all {len(batch)} images of a batch are unreadable: the data dir is "
+                         f"damaged; restore it from the dataset archive")
+    return default_collate(kept)
 
 
 def _images_in(folder: Path) -> list:
@@ -427,6 +501,13 @@ def scan_tinyimagenet(root) -> tuple:
                 raise UsageError(f"{annotations}:{lineno} names {path}, which does not exist: "
                                  f"restore val/images/ from the dataset archive")
             val.append((str(path), index[wnid]))
+        annotated = {Path(p).name for p, _ in val}
+        stray = [p.name for p in _images_in(images_dir) if p.name not in annotated] \
+            if images_dir.is_dir() else []
+        if stray:
+            raise UsageError(f"{len(stray)} image(s) in {images_dir} have no line in "
+                             f"{annotations} (first: {stray[0]}): restore both from the same "
+                             f"dataset archive")
     elif val_dir.is_dir() and any((val_dir / w).is_dir() for w in classes):
         for wnid in classes:  # already reorganised into one folder per class
             folder = val_dir / wnid / "images" if (val_dir / wnid / "images").is_dir() \
@@ -498,7 +579,8 @@ def build_data(args, is_main: bool) -> DataBundle:
         train_tf = T.Compose([T.RandomCrop(64, padding=4), T.RandomHorizontalFlip(),
                               T.ToTensor(), norm])
         val_tf = T.Compose([T.ToTensor(), norm])
-        return DataBundle(ImageList(train, train_tf), ImageList(val, val_tf), len(classes),
+        return DataBundle(ImageList(train, train_tf, args.strict),
+                          ImageList(val, val_tf, args.strict), len(classes),
                           (3, 64, 64), "tinyimagenet",
                           f"TinyImageNet at {args.data_dir}: {len(train)} train / {len(val)} "
                           f"val, {len(classes)} classes")
@@ -686,15 +768,6 @@ def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:
     ]
 
 
-def save_state_dict(state: dict, path) -> None:
-    """Write atomically (temporary file, then rename), so a crash never leaves half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
 def check_writable(path) -> None:
     """Fail before training, not after it, when --save-model cannot be written."""
     if path is None:
@@ -709,3 +782,248 @@ def check_writable(path) -> None:
     if shutil.disk_usage(probe).free < 50 * 2**20:
         raise UsageError(f"less than 50 MiB free under {probe} for --save-model: free space "
                          f"or choose another path")
+
+
+# --------------------------------------------------------------------------------------------
+# Fault tolerance: checkpoints, resume, stop requests, preflight, collective check
+# --------------------------------------------------------------------------------------------
+
+#: Exit code after a checkpoint taken on SIGUSR1/SIGTERM: "requeue me, I will resume".
+REQUEUE_EXIT = 75
+#: Exit code when the loss became NaN/inf (nothing was saved over the last good checkpoint).
+NONFINITE_EXIT = 3
+CHECKPOINT_RE = r"^ckpt-e(\d+)-s(\d+)(\.pt)?$"
+
+
+def checkpoint_name(epoch: int, step: int) -> str:
+    """Name of the checkpoint taken after ``step`` steps of epoch index ``epoch`` (0-based);
+    the end of epoch e is (e + 1, 0). Zero-padded, so names sort in training order."""
+    return f"ckpt-e{epoch:04d}-s{step:07d}"
+
+
+def list_checkpoints(directory) -> list:
+    """Complete checkpoints in ``directory``, newest first. Temporary files and folders of an
+    interrupted save never match (they are renamed into place only once complete)."""
+    import re
+    if not directory or not Path(directory).is_dir():
+        return []
+    found = []
+    for p in Path(directory).iterdir():
+        m = re.match(CHECKPOINT_RE, p.name)
+        if m:
+            found.append(((int(m.group(1)), int(m.group(2))), p))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def prune_checkpoints(directory, keep: int) -> None:
+    for old in list_checkpoints(directory)[keep:]:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj, path) -> None:
+    """torch.save to a temporary file, fsync, rename: a crash leaves the old file or the new
+    one, never half a file under the final name."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def save_state_dict(state: dict, path) -> None:
+    """--save-model: the bare state_dict, written atomically."""
+    atomic_save(state, path)
+
+
+def resume_candidates(args) -> list:
+    """Checkpoints to try, newest first: [] for a fresh start."""
+    if args.resume == "never":
+        return []
+    if args.resume != "auto":
+        return [Path(args.resume)]
+    return list_checkpoints(args.checkpoint_dir)
+
+
+def load_newest(candidates: list, load_one, print0):
+    """Return ``load_one(path)`` for the newest candidate that loads, warning about each one
+    that does not. Checkpoints exist but none loads: a UsageError, never a silent fresh start."""
+    for path in candidates:
+        try:
+            return load_one(path)
+        except UsageError:
+            raise
+        except Exception as exc:  # truncated zip, bad pickle, missing DCP shard, ...
+            print0(f"warning: checkpoint {path} is unusable ({exc.__class__.__name__}: "
+                   f"{str(exc)[:160]}); trying the previous one")
+    if candidates:
+        raise UsageError(f"none of the {len(candidates)} checkpoint(s) in "
+                         f"{candidates[0].parent} could be loaded: move them away and pass "
+                         f"--resume never to start fresh, or point --resume at a good one")
+    return None
+
+
+def rng_state() -> dict:
+    """This process's random state (torch CPU and current CUDA device, Python)."""
+    import random
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import random
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class SkipFirst(torch.utils.data.Sampler):
+    """Wrap a (Distributed)Sampler and skip the first ``skip`` indices of the next epoch, so a
+    run resumed mid-epoch does not see the batches it already trained on."""
+
+    def __init__(self, sampler):
+        self.sampler, self.skip = sampler, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        import itertools
+        return itertools.islice(iter(self.sampler), self.skip, None)
+
+    def __len__(self):
+        return max(0, len(self.sampler) - self.skip)
+
+
+class StopRequest:
+    """SIGUSR1 (Slurm's warning before the time limit) or SIGTERM (preemption) asks the run to
+    checkpoint at the next step boundary and exit with REQUEUE_EXIT.
+
+    Ranks receive the signal at slightly different times, so they vote: every step each rank
+    contributes its flag to an all-reduce (MAX) on a CPU (gloo) group, started without
+    waiting; the result is read one step later, when it has long arrived. All ranks therefore
+    stop after the same step, and no GPU sync is added to the step.
+    """
+
+    def __init__(self, world_size: int):
+        import signal
+        self.requested = 0
+        self.signame = ""
+        self._buf = torch.zeros(1, dtype=torch.int32)
+        self._work = None
+        self._group = None
+        if world_size > 1:  # a gloo group for the vote, whatever the training backend
+            self._group = dist.new_group(backend="gloo")
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        import signal
+        self.requested = 1
+        self.signame = signal.Signals(signum).name
+
+    def should_stop(self) -> bool:
+        """Call once per step on every rank; True on all ranks at the same step."""
+        if self._group is None:
+            return bool(self.requested)
+        agreed = False
+        if self._work is not None:
+            self._work.wait()
+            agreed = bool(self._buf.item())
+        self._buf.fill_(self.requested)
+        self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group,
+                                     async_op=True)
+        return agreed
+
+    def finish(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
+class NonFiniteLoss(Exception):
+    """The loss became NaN/inf in a way GradScaler does not absorb."""
+
+
+def check_finite(bad_steps: torch.Tensor, first_bad: torch.Tensor, epoch: int, scaler) -> None:
+    """Host sync, called only before a checkpoint and at the end of an epoch. With fp16, a few
+    non-finite losses are overflows that GradScaler skips; it is fatal once the scale has
+    collapsed below 1 (the overflow never goes away). Otherwise any non-finite loss is fatal."""
+    if bad_steps.item() == 0:
+        return
+    if scaler.is_enabled() and scaler.get_scale() >= 1.0:
+        return
+    raise NonFiniteLoss(f"the loss became NaN or inf at epoch {epoch + 1}, step "
+                        f"{int(first_bad.item()) + 1}; nothing was saved after the last good "
+                        f"checkpoint: lower --lr or check the data, then resume from it")
+
+
+def track_finite(loss, step: int, bad_steps, first_bad) -> None:
+    """Device-side bookkeeping of non-finite losses: no host sync in the training step."""
+    bad = ~torch.isfinite(loss.detach())
+    bad_steps += bad.to(bad_steps.dtype)
+    first_bad.copy_(torch.where(bad & (first_bad < 0), torch.full_like(first_bad, step),
+                                first_bad))
+
+
+def check_checkpoint_dir(directory, model) -> None:
+    """Preflight: the checkpoint dir is writable and has room for a few checkpoints."""
+    if directory is None:
+        return
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create --checkpoint-dir {path} ({exc.strerror}): choose a "
+                         f"writable folder") from None
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"--checkpoint-dir {path} is not writable: choose another folder")
+    per_ckpt = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # +momentum
+    need = per_ckpt * 3
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise UsageError(f"--checkpoint-dir {path} has {free / 2**20:.0f} MiB free but "
+                         f"checkpoints need about {need / 2**20:.0f} MiB: free space or choose "
+                         f"another folder")
+
+
+def collective_check(device: torch.device, world: int, print0) -> None:
+    """--check: an all-reduce with a known answer, then its bandwidth (as nccl-tests reports
+    it: algbw = bytes / time, busbw = algbw * 2 (n - 1) / n). Every rank takes part."""
+    rank = dist.get_rank()
+    probe = torch.full((4,), float(rank + 1), device=device)
+    dist.all_reduce(probe)
+    expected = world * (world + 1) / 2
+    got = probe[0].item()
+    if got != expected:
+        raise RuntimeError(f"all-reduce returned {got}, expected {expected}: the collective "
+                           f"backend is broken between these ranks")
+    mib = 64 if device.type == "cuda" else 16
+    data = torch.ones(mib * 2**20 // 4, device=device)
+    for _ in range(2):  # warm-up: connections, buffers
+        dist.all_reduce(data)
+    synchronize(device)
+    iters = 5
+    t0 = now()
+    for _ in range(iters):
+        dist.all_reduce(data)
+    synchronize(device)
+    seconds = (now() - t0) / iters
+    algbw = mib * 2**20 / seconds / 1e9
+    busbw = algbw * 2 * (world - 1) / world if world > 1 else 0.0
+    print0(f"check: all-reduce OK across {world} rank(s) (sum {got:g} == {expected:g}); "
+           f"{mib} MiB in {seconds * 1e3:.2f} ms: algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s")

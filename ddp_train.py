@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,34 @@ def setup_distributed(args, env: common.DistEnv):
     return device, backend
 
 
+def save_checkpoint(path, model, optimizer, scheduler, scaler, epoch, step, partial, metrics,
+                    args, is_main) -> None:
+    """DDP: every replica is identical, so rank 0 writes one file. Collective: every rank
+    takes part (the RNG states of all ranks are gathered into the file)."""
+    rngs = [None] * dist.get_world_size()
+    dist.all_gather_object(rngs, common.rng_state())
+    if is_main:
+        common.atomic_save({
+            "model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+            "epoch": epoch, "step": step, "partial": partial, "metrics": metrics,
+            "rng": rngs, "args": vars(args), "world_size": dist.get_world_size(),
+        }, path)
+        common.prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
+
+
+def load_checkpoint(path, model, optimizer, scheduler, scaler, rank) -> dict:
+    # weights_only: a checkpoint holds tensors and plain values, it cannot run code
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    scaler.load_state_dict(state["scaler"])
+    rngs = state["rng"]
+    common.set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
+    return dict(state, path=str(path))
+
+
 def train(args, env: common.DistEnv) -> int:
     device, backend = setup_distributed(args, env)
     common.resolve_args(args, env, device)
@@ -88,6 +117,11 @@ def train(args, env: common.DistEnv) -> int:
     # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(args.seed)
     model = common.build_model(args.model, data.num_classes, data.input_shape).to(device)
+    common.check_checkpoint_dir(args.checkpoint_dir, model)
+    if args.check:
+        common.collective_check(device, world, print0)
+        print0("preflight OK: data, batch size, devices and checkpoint dir")
+        return 0
     # DDP: a full replica per process; backward all-reduces gradient buckets across ranks.
     model = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None)
 
@@ -95,11 +129,12 @@ def train(args, env: common.DistEnv) -> int:
     # (seed, epoch) only, so all ranks agree on it. drop_last keeps the shards equal.
     train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True,
                                        seed=args.seed, drop_last=True)
+    train_batches = common.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
     loader_kw = dict(batch_size=args.batch_size, num_workers=args.num_workers,
-                     pin_memory=device.type == "cuda",
+                     pin_memory=device.type == "cuda", collate_fn=common.collate_skip_unreadable,
                      persistent_workers=args.num_workers > 0)
-    train_loader = DataLoader(data.train, sampler=train_sampler, drop_last=True, **loader_kw)
+    train_loader = DataLoader(data.train, sampler=train_batches, drop_last=True, **loader_kw)
     val_loader = DataLoader(data.val, sampler=val_sampler, **loader_kw)
     val_real = common.real_samples(val_sampler)
 
@@ -111,21 +146,57 @@ def train(args, env: common.DistEnv) -> int:
     dtype = common.amp_dtype(args)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
+    start_epoch, start_step, partial, metrics = 0, 0, None, {}
+    state = common.load_newest(
+        common.resume_candidates(args),
+        lambda p: load_checkpoint(p, model, optimizer, scheduler, scaler, rank), print0)
+    if state:
+        start_epoch, start_step = state["epoch"], state["step"]
+        partial, metrics = state["partial"], state["metrics"]
+        print0(f"Resumed from epoch {start_epoch + 1}, step {start_step} ({state['path']})")
+
     steps = len(train_loader)
     if args.max_steps_per_epoch:
         steps = min(steps, args.max_steps_per_epoch)
-    metrics = {}
+    stop = common.StopRequest(world)
+    bad_steps = torch.zeros((), device=device, dtype=torch.int64)  # non-finite losses seen,
+    first_bad = torch.full((), -1, device=device, dtype=torch.int64)  # on the device
     start = common.now()
-    for epoch in range(args.epochs):
+    for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
+        skip = start_step if epoch == start_epoch else 0
+        train_batches.skip = skip * args.batch_size
         lr = optimizer.param_groups[0]["lr"]
         model.train()
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # stays on the device:
         correct = torch.zeros((), device=device, dtype=torch.float64)   # no host sync per step
-        seen = 0
+        seen, elapsed = 0, 0.0
+        if skip and partial:  # the part of this epoch done before the interruption
+            elapsed = partial["time"]
+            if is_main:  # global sums: added once, by rank 0, before the reduction
+                loss_sum += partial["loss_sum"]
+                correct += partial["correct"]
+                seen = partial["seen"]
+        bad_steps.zero_()
+        first_bad.fill_(-1)
+
+        def checkpoint(step: int) -> None:
+            """Mid-epoch checkpoint (collective): partial sums reduced so a resume can finish
+            this epoch's metrics."""
+            common.check_finite(bad_steps, first_bad, epoch, scaler)  # host sync
+            sums = torch.stack([loss_sum, correct, torch.tensor(float(seen), device=device,
+                                                                dtype=torch.float64)])
+            dist.all_reduce(sums)
+            part = dict(zip(("loss_sum", "correct", "seen"), sums.tolist()),
+                        time=elapsed + common.now() - t0)
+            part["seen"] = int(part["seen"])
+            save_checkpoint(Path(args.checkpoint_dir) / common.checkpoint_name(epoch, step),
+                            model, optimizer, scheduler, scaler, epoch, step, part, metrics,
+                            args, is_main)
+
         common.synchronize(device)
         t0 = common.now()
-        for step, (images, labels) in enumerate(train_loader):
+        for step, (images, labels) in enumerate(train_loader, start=skip):
             if step >= steps:
                 break
             images = images.to(device, non_blocking=True)
@@ -142,8 +213,23 @@ def train(args, env: common.DistEnv) -> int:
             loss_sum += loss.detach().double() * labels.size(0)
             correct += (outputs.argmax(1) == labels).sum()
             seen += labels.size(0)
+            common.track_finite(loss, step, bad_steps, first_bad)
+            done = step + 1
+            if args.checkpoint_dir and args.checkpoint_every and done % args.checkpoint_every \
+                    == 0 and done < steps:
+                checkpoint(done)
+            if stop.should_stop():  # all ranks agree on the same step
+                if args.checkpoint_dir:
+                    checkpoint(done)
+                    print0(f"{stop.signame}: checkpoint saved at epoch {epoch + 1}, step "
+                           f"{done}; exiting with code {common.REQUEUE_EXIT} to be requeued")
+                else:
+                    print0(f"{stop.signame}: stopping without a checkpoint (no "
+                           f"--checkpoint-dir); exiting with code {common.REQUEUE_EXIT}")
+                return common.REQUEUE_EXIT
         common.synchronize(device)
-        train_time = common.now() - t0
+        train_time = elapsed + common.now() - t0
+        common.check_finite(bad_steps, first_bad, epoch, scaler)  # host sync, once per epoch
         scheduler.step()
 
         val_sums = common.evaluate(model, val_loader, device, dtype, val_real)
@@ -175,11 +261,20 @@ def train(args, env: common.DistEnv) -> int:
         )
         print0(common.format_epoch_line(metrics))
         print0(common.format_metric_line(metrics))
+        common.report_skipped(t_n, steps * global_batch, v_n, len(data.val), print0)
+        if args.checkpoint_dir:
+            save_checkpoint(Path(args.checkpoint_dir) / common.checkpoint_name(epoch + 1, 0),
+                            model, optimizer, scheduler, scaler, epoch + 1, 0, None, metrics,
+                            args, is_main)
+    stop.finish()
 
     total_time = common.now() - start
     if args.save_model and is_main:
         common.save_state_dict(model.module.state_dict(), args.save_model)  # unwrapped weights
         print0(f"saved model state_dict to {args.save_model}")
+    if not metrics:
+        print0("nothing to train: the checkpoint is already past --epochs")
+        return 0
     metrics["total_time_s"] = total_time
     print0(common.format_metric_line(metrics, final=True))
     print0(f"Total time: {total_time:.1f} s")
@@ -194,6 +289,11 @@ def main(argv=None) -> int:
         return train(args, env)
     except UsageError as err:
         return common.fail_cleanly(err, env)
+    except common.NonFiniteLoss as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return common.NONFINITE_EXIT
+    except dist.DistError as err:  # a peer died or a collective timed out: never hang
+        return common.collective_failed(err, env)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

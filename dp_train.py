@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -79,6 +80,29 @@ def setup_devices(args):
     return torch.device("cuda", 0), list(range(n))
 
 
+def save_checkpoint(path, net, optimizer, scheduler, scaler, epoch, step, partial, metrics,
+                    args) -> None:
+    """DataParallel: one process, one file; the master weights live on GPU 0."""
+    common.atomic_save({
+        "model": net.state_dict(), "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+        "epoch": epoch, "step": step, "partial": partial, "metrics": metrics,
+        "rng": [common.rng_state()], "args": vars(args), "world_size": 1,
+    }, path)
+    common.prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
+
+
+def load_checkpoint(path, net, optimizer, scheduler, scaler) -> dict:
+    # weights_only: a checkpoint holds tensors and plain values, it cannot run code
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    net.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    scaler.load_state_dict(state["scaler"])
+    common.set_rng_state(state["rng"][0])
+    return dict(state, path=str(path))
+
+
 def train(args) -> int:
     device, gpu_ids = setup_devices(args)
     env = common.DistEnv(0, 0, 1, 1, "single")
@@ -108,6 +132,12 @@ def train(args) -> int:
 
     torch.manual_seed(args.seed)
     net = common.build_model(args.model, data.num_classes, data.input_shape).to(device)
+    common.check_checkpoint_dir(args.checkpoint_dir, net)
+    if args.check:
+        print(f"check: no process group (DataParallel is one process); {n_dev} device(s): "
+              f"{gpu_ids or ['cpu']}", flush=True)
+        print("preflight OK: data, batch size, devices and checkpoint dir", flush=True)
+        return 0
     dtype = common.amp_dtype(args)
     # DataParallel: the master copy lives on GPU 0 and is replicated to every GPU each step.
     model = nn.DataParallel(AutocastForward(net, device.type, dtype),
@@ -116,11 +146,12 @@ def train(args) -> int:
     # The same sampler as the other scripts at world size 1: the same shuffling order.
     train_sampler = DistributedSampler(data.train, num_replicas=1, rank=0, shuffle=True,
                                        seed=args.seed, drop_last=True)
+    train_batches = common.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=1, rank=0, shuffle=False)
     loader_kw = dict(batch_size=global_batch, num_workers=args.num_workers,
-                     pin_memory=device.type == "cuda",
+                     pin_memory=device.type == "cuda", collate_fn=common.collate_skip_unreadable,
                      persistent_workers=args.num_workers > 0)
-    train_loader = DataLoader(data.train, sampler=train_sampler, drop_last=True, **loader_kw)
+    train_loader = DataLoader(data.train, sampler=train_batches, drop_last=True, **loader_kw)
     val_loader = DataLoader(data.val, sampler=val_sampler, **loader_kw)
 
     criterion = nn.CrossEntropyLoss()
@@ -130,22 +161,50 @@ def train(args) -> int:
                                                 gamma=args.gamma)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
+    start_epoch, start_step, partial, metrics = 0, 0, None, {}
+    state = common.load_newest(
+        common.resume_candidates(args),
+        lambda p: load_checkpoint(p, net, optimizer, scheduler, scaler), print)
+    if state:
+        start_epoch, start_step = state["epoch"], state["step"]
+        partial, metrics = state["partial"], state["metrics"]
+        print(f"Resumed from epoch {start_epoch + 1}, step {start_step} ({state['path']})",
+              flush=True)
+
     steps = len(train_loader)
     if args.max_steps_per_epoch:
         steps = min(steps, args.max_steps_per_epoch)
-    metrics = {}
+    stop = common.StopRequest(1)
+    bad_steps = torch.zeros((), device=device, dtype=torch.int64)  # non-finite losses seen,
+    first_bad = torch.full((), -1, device=device, dtype=torch.int64)  # on the device
     start = common.now()
-    for epoch in range(args.epochs):
+    for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)
+        skip = start_step if epoch == start_epoch else 0
+        train_batches.skip = skip * global_batch
         lr = optimizer.param_groups[0]["lr"]
         model.train()
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # stays on the device:
         correct = torch.zeros((), device=device, dtype=torch.float64)   # no host sync per step
-        seen = 0
+        seen, elapsed = 0, 0.0
+        if skip and partial:  # the part of this epoch done before the interruption
+            loss_sum += partial["loss_sum"]
+            correct += partial["correct"]
+            seen, elapsed = partial["seen"], partial["time"]
+        bad_steps.zero_()
+        first_bad.fill_(-1)
+
+        def checkpoint(step: int) -> None:
+            common.check_finite(bad_steps, first_bad, epoch, scaler)  # host sync
+            part = dict(loss_sum=loss_sum.item(), correct=correct.item(), seen=seen,
+                        time=elapsed + common.now() - t0)
+            save_checkpoint(Path(args.checkpoint_dir) / common.checkpoint_name(epoch, step),
+                            net, optimizer, scheduler, scaler, epoch, step, part, metrics, args)
+
         for i in gpu_ids:
             common.synchronize(torch.device("cuda", i))
         t0 = common.now()
-        for step, (images, labels) in enumerate(train_loader):
+        for step, (images, labels) in enumerate(train_loader, start=skip):
             if step >= steps:
                 break
             images = images.to(device, non_blocking=True)  # to GPU 0; DataParallel scatters
@@ -159,9 +218,24 @@ def train(args) -> int:
             loss_sum += loss.detach().double() * labels.size(0)
             correct += (outputs.argmax(1) == labels).sum()
             seen += labels.size(0)
+            common.track_finite(loss, step, bad_steps, first_bad)
+            done = step + 1
+            if args.checkpoint_dir and args.checkpoint_every and done % args.checkpoint_every \
+                    == 0 and done < steps:
+                checkpoint(done)
+            if stop.should_stop():
+                if args.checkpoint_dir:
+                    checkpoint(done)
+                    print(f"{stop.signame}: checkpoint saved at epoch {epoch + 1}, step {done}; "
+                          f"exiting with code {common.REQUEUE_EXIT} to be requeued", flush=True)
+                else:
+                    print(f"{stop.signame}: stopping without a checkpoint (no --checkpoint-dir);"
+                          f" exiting with code {common.REQUEUE_EXIT}", flush=True)
+                return common.REQUEUE_EXIT
         for i in gpu_ids:
             common.synchronize(torch.device("cuda", i))
-        epoch_time = common.now() - t0
+        epoch_time = elapsed + common.now() - t0
+        common.check_finite(bad_steps, first_bad, epoch, scaler)  # host sync, once per epoch
         scheduler.step()
 
         # One process sees every sample: these sums are already global.
@@ -186,11 +260,18 @@ def train(args) -> int:
         )
         print(common.format_epoch_line(metrics), flush=True)
         print(common.format_metric_line(metrics), flush=True)
+        common.report_skipped(seen, steps * global_batch, v_n, len(data.val), print)
+        if args.checkpoint_dir:
+            save_checkpoint(Path(args.checkpoint_dir) / common.checkpoint_name(epoch + 1, 0),
+                            net, optimizer, scheduler, scaler, epoch + 1, 0, None, metrics, args)
 
     total_time = common.now() - start
     if args.save_model:
         common.save_state_dict(net.state_dict(), args.save_model)  # the unwrapped model
         print(f"saved model state_dict to {args.save_model}", flush=True)
+    if not metrics:
+        print("nothing to train: the checkpoint is already past --epochs", flush=True)
+        return 0
     metrics["total_time_s"] = total_time
     print(common.format_metric_line(metrics, final=True), flush=True)
     print(f"Total time: {total_time:.1f} s", flush=True)
@@ -203,6 +284,9 @@ def main(argv=None) -> int:
         return train(args)
     except UsageError as err:
         return common.fail_cleanly(err)
+    except common.NonFiniteLoss as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return common.NONFINITE_EXIT
 
 
 if __name__ == "__main__":

@@ -1,0 +1,267 @@
+"""Checkpoint/resume, stop signals, dead ranks, preflight, bad images and NaN losses (CPU)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import common
+from conftest import REPO, check_ok, env_for_tests, metrics, run_script
+
+# 20 steps per epoch at 1 x 16 (10 per rank at 2 x 16... per rank 160 samples / 16 = 10)
+RUN = ["--model", "cnn", "--synthetic-size", "320", "--batch-size", "16", "--epochs", "2",
+       "--num-workers", "0", "--amp", "off", "--seed", "7", "--lr", "0.02"]
+
+
+def _torchrun(script, args, nproc):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", str(REPO / script), *args]
+
+
+def _start(cmd):
+    return subprocess.Popen(cmd, env=env_for_tests(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_for(predicate, timeout=240):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _children(pid):
+    try:
+        return [c.pid for c in psutil.Process(pid).children()]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_job(proc):
+    """SIGKILL torchrun and its workers (torchrun starts them in their own sessions)."""
+    for pid in _children(proc.pid) + [proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def _same_weights(a, b):
+    wa, wb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ref") / "ref.pt"
+    check_ok(run_script("ddp_train.py", RUN + ["--save-model", str(path)], nproc=2))
+    return path
+
+
+def test_ddp_killed_after_first_checkpoint_resumes_to_same_weights(uninterrupted, tmp_path):
+    ck = tmp_path / "ck"
+    args = RUN + ["--checkpoint-dir", str(ck), "--checkpoint-every", "3"]
+    proc = _start(_torchrun("ddp_train.py", args, 2))
+    assert _wait_for(lambda: common.list_checkpoints(ck) or proc.poll() is not None)
+    _kill_job(proc)  # the whole job, as a node failure would
+    assert common.list_checkpoints(ck), "no checkpoint before the kill"
+    resumed = run_script("ddp_train.py", args + ["--save-model", str(tmp_path / "r.pt")],
+                         nproc=2)
+    check_ok(resumed)
+    assert "Resumed from epoch 1, step " in resumed.stdout
+    _same_weights(uninterrupted, tmp_path / "r.pt")
+    m = metrics(resumed.stdout)[-1]
+    assert m["epoch"] == "2" and m["train_images"] == "320"  # the epoch is counted whole
+    assert len(common.list_checkpoints(ck)) == 2  # --keep-checkpoints 2
+
+
+def test_sigusr1_checkpoints_exits_75_and_resumes(uninterrupted, tmp_path):
+    """What the Slurm launcher does before the time limit: USR1 to every training process."""
+    ck = tmp_path / "ck"
+    args = RUN + ["--checkpoint-dir", str(ck)]
+    proc = _start(_torchrun("ddp_train.py", args, 2))
+    assert _wait_for(lambda: len(_children(proc.pid)) == 2)
+    time.sleep(6)  # well inside the run (it takes ~10 s or more here)
+    for child in _children(proc.pid):
+        os.kill(child, signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode != 0, out
+    assert "SIGUSR1: checkpoint saved at epoch" in out
+    assert f"exiting with code {common.REQUEUE_EXIT}" in out
+    resumed = run_script("ddp_train.py", args + ["--save-model", str(tmp_path / "r.pt")],
+                         nproc=2)
+    check_ok(resumed)
+    assert "Resumed from epoch" in resumed.stdout
+    _same_weights(uninterrupted, tmp_path / "r.pt")
+
+
+def test_dp_sigterm_exit_code_is_75(tmp_path):
+    ck = tmp_path / "ck"
+    proc = _start([sys.executable, str(REPO / "dp_train.py"), *RUN, "--epochs", "30",
+                   "--checkpoint-dir", str(ck)])
+    assert _wait_for(lambda: common.list_checkpoints(ck) or proc.poll() is not None)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == common.REQUEUE_EXIT, out
+    assert "SIGTERM: checkpoint saved" in out
+
+
+def test_fsdp_checkpoint_resumes_at_another_world_size(uninterrupted, tmp_path):
+    """Sharded DCP checkpoint written by 2 ranks, read by 1 rank with the same global batch:
+    the run ends where the uninterrupted 2-rank run ends (which equals DDP's)."""
+    ck = tmp_path / "ck"
+    first = run_script("fsdp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck)],
+                       nproc=2)
+    check_ok(first)
+    (latest,) = common.list_checkpoints(ck)[:1]
+    assert latest.is_dir() and (latest / "meta.pt").is_file()
+    assert len(list(latest.glob("*.distcp"))) == 2  # one shard file per rank
+    args = RUN[:]
+    args[args.index("--batch-size") + 1] = "32"
+    resumed = run_script("fsdp_train.py", args + ["--checkpoint-dir", str(ck), "--save-model",
+                                                  str(tmp_path / "r.pt")])
+    check_ok(resumed)
+    assert "Resumed from epoch 2, step 0" in resumed.stdout
+    _same_weights(uninterrupted, tmp_path / "r.pt")
+    # the sharded checkpoint can also be turned into one plain file without any process group
+    out = tmp_path / "full.pt"
+    subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils",
+                    "dcp_to_torch", str(common.list_checkpoints(ck)[0]), str(out)], check=True,
+                   capture_output=True, env=env_for_tests())
+    assert set(torch.load(out, weights_only=True)["model"]) == \
+        set(torch.load(tmp_path / "r.pt", weights_only=True))
+
+
+def test_corrupt_newest_checkpoint_falls_back_with_warning(tmp_path):
+    ck = tmp_path / "ck"
+    check_ok(run_script("ddp_train.py", RUN + ["--checkpoint-dir", str(ck)]))
+    newest, previous = common.list_checkpoints(ck)
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a full disk
+    proc = run_script("ddp_train.py", RUN + ["--epochs", "3", "--checkpoint-dir", str(ck)])
+    check_ok(proc)
+    assert f"warning: checkpoint {newest} is unusable" in proc.stdout
+    assert f"Resumed from epoch 2, step 0 ({previous})" in proc.stdout
+    # none usable: a clear error, not a silent fresh start
+    for p in common.list_checkpoints(ck):
+        p.write_bytes(b"garbage")
+    proc = run_script("ddp_train.py", RUN + ["--epochs", "5", "--checkpoint-dir", str(ck)])
+    assert proc.returncode == 2
+    assert "could be loaded" in proc.stderr and "--resume never" in proc.stderr
+
+
+def test_resume_never_and_missing_path(tmp_path):
+    ck = tmp_path / "ck"
+    check_ok(run_script("ddp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck)]))
+    fresh = run_script("ddp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck),
+                                              "--resume", "never"])
+    check_ok(fresh)
+    assert "Resumed" not in fresh.stdout
+    bad = run_script("ddp_train.py", RUN + ["--resume", str(tmp_path / "nope.pt")])
+    assert bad.returncode == 2 and "no such checkpoint" in bad.stderr
+
+
+def test_killed_rank_ends_the_job_quickly():
+    proc = _start(_torchrun("ddp_train.py", RUN + ["--epochs", "50", "--dist-timeout", "30"], 2))
+    assert _wait_for(lambda: len(_children(proc.pid)) == 2)
+    time.sleep(4)
+    victim = max(_children(proc.pid))
+    t0 = time.time()
+    os.kill(victim, signal.SIGKILL)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        _kill_job(proc)
+        pytest.fail("the job did not end within 60 s of a rank dying")
+    assert proc.returncode != 0
+    assert time.time() - t0 < 60
+    assert f"(pid: {victim})" in out or "exitcode: -9" in out, out[-2000:]
+
+
+def test_check_runs_preflight_and_all_reduce_only():
+    proc = run_script("ddp_train.py", ["--check", "--model", "cnn"], nproc=2)
+    check_ok(proc)
+    assert "check: all-reduce OK across 2 rank(s) (sum 3 == 3)" in proc.stdout
+    assert "busbw" in proc.stdout and "preflight OK" in proc.stdout
+    assert "Epoch [" not in proc.stdout
+    proc = run_script("fsdp_train.py", ["--check", "--model", "cnn"], nproc=2)
+    check_ok(proc)
+    assert "all-reduce OK across 2 rank(s)" in proc.stdout
+
+
+def test_preflight_unwritable_checkpoint_dir_exits_2():
+    proc = run_script("ddp_train.py", ["--model", "cnn", "--checkpoint-dir",
+                                       "/etc/hostname/ck"])
+    assert proc.returncode == 2
+    assert "cannot create --checkpoint-dir" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_preflight_unannotated_val_image_exits_2(tiny_imagenet, tmp_path):
+    root, _ = tiny_imagenet
+    bad = tmp_path / "tin"
+    shutil.copytree(root, bad)
+    shutil.copy(bad / "val" / "images" / "val_0.JPEG", bad / "val" / "images" / "extra.JPEG")
+    proc = run_script("ddp_train.py", ["--data-dir", str(bad), "--check"])
+    assert proc.returncode == 2
+    assert "have no line in" in proc.stderr and "extra.JPEG" in proc.stderr
+
+
+@pytest.fixture
+def damaged_tree(tiny_imagenet, tmp_path):
+    root, info = tiny_imagenet
+    bad = tmp_path / "tin"
+    shutil.copytree(root, bad)
+    wnid = sorted(info["wnids"])[0]
+    (bad / "train" / wnid / "images" / f"{wnid}_0.JPEG").write_bytes(b"")  # zero bytes
+    truncated = bad / "train" / wnid / "images" / f"{wnid}_1.JPEG"
+    truncated.write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    return bad, truncated
+
+
+def test_corrupt_images_are_skipped_and_counted(damaged_tree):
+    bad, _ = damaged_tree
+    proc = run_script("ddp_train.py", ["--data-dir", str(bad), "--model", "resnet18",
+                                       "--epochs", "1", "--batch-size", "16",
+                                       "--num-workers", "2"])
+    check_ok(proc)
+    assert "warning: skipped 2 unreadable training and 0 validation image(s)" in proc.stdout
+    assert proc.stderr.count("warning: skipping unreadable image") == 2
+    assert metrics(proc.stdout)[-1]["train_images"] == "158"
+
+
+def test_strict_names_the_corrupt_file(damaged_tree):
+    bad, _ = damaged_tree
+    proc = run_script("ddp_train.py", ["--data-dir", str(bad), "--model", "resnet18",
+                                       "--epochs", "1", "--batch-size", "16", "--strict",
+                                       "--num-workers", "1"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "unreadable image" in proc.stderr and ".JPEG" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_nan_loss_stops_naming_epoch_and_step_and_keeps_good_checkpoints(tmp_path):
+    ck = tmp_path / "ck"
+    proc = run_script("ddp_train.py", RUN + ["--lr", "1e9", "--checkpoint-dir", str(ck),
+                                             "--checkpoint-every", "1"], nproc=2)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "the loss became NaN or inf at epoch 1, step" in out
+    for path in common.list_checkpoints(ck):  # only checkpoints from before the blow-up
+        state = torch.load(path, weights_only=True)
+        assert all(torch.isfinite(t).all() for t in state["model"].values()), path
+    proc = run_script("dp_train.py", RUN + ["--lr", "1e9"])
+    assert proc.returncode == common.NONFINITE_EXIT
+    assert "the loss became NaN or inf at epoch 1, step" in proc.stderr
