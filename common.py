@@ -113,6 +113,18 @@ def fail_cleanly(err: UsageError, rank_env: "DistEnv | None" = None) -> int:
     return 2
 
 
+def end_process(code: int) -> None:
+    """Exit with ``code`` without the interpreter's teardown (see ddp_train.py's last lines):
+    DataLoader workers and other child processes are stopped first, stdio is flushed."""
+    import multiprocessing
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(5)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def collective_failed(err: Exception, rank_env: "DistEnv | None") -> int:
     """A collective failed or timed out (a peer died, the network broke): say so and exit 1
     instead of waiting forever."""

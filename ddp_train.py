@@ -284,9 +284,11 @@ def train(args, env: common.DistEnv) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     env = None
+    rc = None
     try:
         env = common.dist_env()
-        return train(args, env)
+        rc = train(args, env)
+        return rc
     except UsageError as err:
         return common.fail_cleanly(err, env)
     except common.NonFiniteLoss as err:
@@ -296,8 +298,14 @@ def main(argv=None) -> int:
         return common.collective_failed(err, env)
     finally:
         if dist.is_initialized():
+            if rc is not None:  # all ranks got here: let each finish its last collective
+                dist.barrier()  # before any of them tears gloo/NCCL down (else: abort at exit)
             dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The run is over and the process group destroyed. Some torch releases (2.15 on CPU/gloo)
+    # can still abort in a C++ destructor during interpreter teardown ("terminate called
+    # without an active exception", SIGABRT), turning a finished run into a failed job; so
+    # flush, stop leftover worker processes, and leave without that teardown.
+    common.end_process(main())

@@ -65,8 +65,10 @@ def test_two_processes_equal_one_process_with_double_batch(tmp_path):
     assert w1.keys() == fresh.keys()
     moved = diff = 0.0
     for k in w1:
-        # float sums in another order differ in the last bits; 20 SGD steps keep that ~1e-5
-        torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=1e-4)
+        # Float sums in another order differ in the last bits, and 20 SGD steps through ReLU
+        # kinks grow that: torch 2.15 on CPU ends at 2e-4 on one bias of the classifier (whose
+        # weights moved 0.03). A wrong average or overlapping shards move weights by ~0.1.
+        torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=5e-4)
         diff = max(diff, (w1[k] - w2[k]).abs().max().item())
         moved = max(moved, (w1[k] - fresh[k]).abs().max().item())
     assert moved > 1000 * diff  # training moved the weights far more than the two runs differ

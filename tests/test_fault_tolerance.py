@@ -89,24 +89,36 @@ def test_ddp_killed_after_first_checkpoint_resumes_to_same_weights(uninterrupted
     assert len(common.list_checkpoints(ck)) == 2  # --keep-checkpoints 2
 
 
-def test_sigusr1_checkpoints_exits_75_and_resumes(uninterrupted, tmp_path):
-    """What the Slurm launcher does before the time limit: USR1 to every training process."""
+def test_sigusr1_checkpoints_exits_75_and_resumes(tmp_path):
+    """What the Slurm launcher does before the time limit: USR1 to every training process.
+    Sent when epoch 1 of 6 is printed (handlers installed, most of the run still ahead), so the
+    test does not depend on how fast this machine trains."""
+    long_run = [a if a != "2" else "6" for a in RUN]  # --epochs 6
+    assert long_run[long_run.index("--epochs") + 1] == "6"
+    ref = tmp_path / "ref.pt"
+    check_ok(run_script("ddp_train.py", long_run + ["--save-model", str(ref)], nproc=2))
     ck = tmp_path / "ck"
-    args = RUN + ["--checkpoint-dir", str(ck)]
+    args = long_run + ["--checkpoint-dir", str(ck)]
     proc = _start(_torchrun("ddp_train.py", args, 2))
-    assert _wait_for(lambda: len(_children(proc.pid)) == 2)
-    time.sleep(6)  # well inside the run (it takes ~10 s or more here)
+    head = []
+    for line in proc.stdout:
+        head.append(line)
+        if line.startswith("Epoch [1/6]"):
+            break
+    assert head and head[-1].startswith("Epoch [1/6]"), "".join(head)
     for child in _children(proc.pid):
         os.kill(child, signal.SIGUSR1)
-    out, _ = proc.communicate(timeout=240)
+    rest, _ = proc.communicate(timeout=240)
+    out = "".join(head) + rest
     assert proc.returncode != 0, out
     assert "SIGUSR1: checkpoint saved at epoch" in out
-    assert f"exiting with code {common.REQUEUE_EXIT}" in out
+    assert f"exiting with code {common.REQUEUE_EXIT} to be requeued" in out
+    assert "Epoch [6/6]" not in out  # it really stopped early
     resumed = run_script("ddp_train.py", args + ["--save-model", str(tmp_path / "r.pt")],
                          nproc=2)
     check_ok(resumed)
     assert "Resumed from epoch" in resumed.stdout
-    _same_weights(uninterrupted, tmp_path / "r.pt")
+    _same_weights(ref, tmp_path / "r.pt")
 
 
 def test_dp_sigterm_exit_code_is_75(tmp_path):
