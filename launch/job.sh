@@ -22,11 +22,26 @@
 #   NPROC_PER_NODE  processes per node (default: GPUs on the node, 1 without GPUs)
 #   SITE_SH       site file to source (launch/site.sh; empty = none)
 #   SRUN_EXTRA_ARGS extra srun options, split on spaces (e.g. --container-image=...)
+#   CHECKPOINT_DIR  passed as --checkpoint-dir ($RUN_DIR/checkpoints; empty = no checkpoints;
+#                 ignored when the training arguments name --checkpoint-dir themselves)
+#   CHECK_ONLY    1 = run only the training script's --check (preflight + all-reduce test)
+#   REQUEUE       1 (default) = requeue the job after the training checkpointed on a stop signal
+#   RUN_DIR       continue in this existing run directory (default: a new one, see below)
 #   NCCL_DEBUG (WARN), NCCL_SOCKET_IFNAME (unset: NCCL chooses),
 #   TORCH_NCCL_ASYNC_ERROR_HANDLING (1), OMP_NUM_THREADS (CPUs / processes per node: node.sh)
 #
 # Run directory: ${RUNS_DIR}/<job-name>-<job-id>/ with train.log, job.env, gpu_memory/<node>.csv,
-# cpu_memory/<node>.txt, memory_summary.txt and memory_summary.json.
+# cpu_memory/<node>.txt, checkpoints/, memory_summary.txt and memory_summary.json. A requeued job
+# keeps its job id, so it comes back to the same directory (and RUN_DIR=... continues any run):
+# train.log is appended to, and each later attempt logs memory to <node>.restart<N>.csv/.txt
+# beside the first attempt's logs.
+#
+# Stop signals (time limit, preemption): the .slurm files ask Slurm for SIGUSR1 120 s before the
+# time limit (#SBATCH --signal=B:USR1@120). This script traps USR1 and TERM and forwards them to
+# the training processes on every node (scancel --signal, which reaches the job steps but not this
+# batch shell); the training checkpoints at its next step and exits 75, and this script then runs
+# `scontrol requeue`. The requeued job resumes from $RUN_DIR/checkpoints by itself (--resume auto).
+# A job that was cancelled (scancel) is not requeued; its checkpoint stays for a later RUN_DIR=...
 set -euo pipefail
 
 LAUNCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -101,9 +116,30 @@ else
   world_size=$((nnodes * nproc)) per_node="$nproc per node"
 fi
 
-RUN_DIR="${RUNS_DIR:-$submit_dir/runs}/$job_name-$job_id"
+if [ -n "${RUN_DIR:-}" ]; then
+  if [ ! -d "$RUN_DIR" ]; then
+    echo "error: RUN_DIR=$RUN_DIR does not exist: unset RUN_DIR for a new run directory, or" \
+      "name an existing one to continue it" >&2
+    exit 2
+  fi
+  echo "continuing in RUN_DIR=$RUN_DIR"
+else
+  RUN_DIR="${RUNS_DIR:-$submit_dir/runs}/$job_name-$job_id"
+fi
+RUN_DIR=$(mkdir -p "$RUN_DIR" && cd "$RUN_DIR" && pwd)
 export RUN_DIR
 mkdir -p "$RUN_DIR/gpu_memory" "$RUN_DIR/cpu_memory"
+restarts=${SLURM_RESTART_COUNT:-0}
+
+# Training arguments added here: checkpoints in the run directory (so a requeued job resumes),
+# and --check for CHECK_ONLY=1.
+extra_args=()
+: "${CHECKPOINT_DIR=$RUN_DIR/checkpoints}"
+for arg in "$@"; do
+  case $arg in --checkpoint-dir | --checkpoint-dir=*) CHECKPOINT_DIR="" ;; esac
+done
+if [ -n "$CHECKPOINT_DIR" ]; then extra_args+=(--checkpoint-dir "$CHECKPOINT_DIR"); fi
+if [ "${CHECK_ONLY:-0}" = 1 ]; then extra_args+=(--check); fi
 
 launch=()
 if [ -n "${SLURM_JOB_ID:-}" ]; then
@@ -112,7 +148,7 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then launch+=(--cpus-per-task="$SLURM_CPUS_PER_TASK"); fi
   launch+=("${srun_extra[@]}")
 fi
-launch+=(bash "$LAUNCH_DIR/node.sh" "$mode" "$TRAIN_SCRIPT" "$@")
+launch+=(bash "$LAUNCH_DIR/node.sh" "$mode" "$TRAIN_SCRIPT" "$@" "${extra_args[@]}")
 
 start=$(date '+%Y-%m-%d %H:%M:%S')
 {
@@ -121,7 +157,7 @@ start=$(date '+%Y-%m-%d %H:%M:%S')
     NPROC_PER_NODE "$nproc" WORLD_SIZE "$world_size" TRAIN_SCRIPT "$TRAIN_SCRIPT" \
     TRAIN_ARGS "$*" COMMAND "${launch[*]}" REPO_DIR "$REPO_DIR" SUBMIT_DIR "$submit_dir" \
     RUN_DIR "$RUN_DIR" MASTER_ADDR "${MASTER_ADDR:-}" MASTER_PORT "${MASTER_PORT:-}" \
-    PYTHON "$PYTHON" START_TIME "$start"
+    PYTHON "$PYTHON" CHECKPOINT_DIR "$CHECKPOINT_DIR" RESTARTS "$restarts" START_TIME "$start"
 } >"$RUN_DIR/job.env"
 
 cat <<EOF
@@ -136,16 +172,74 @@ data          : ${DATA_DIR:-built-in synthetic data (DATA_DIR unset)}
 NCCL          : NCCL_DEBUG=$NCCL_DEBUG NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-<auto>} \
 TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING
 run dir       : $RUN_DIR
+checkpoints   : ${CHECKPOINT_DIR:-none}
+restarts      : $restarts
 start         : $start
 ============================================================
 EOF
 
 # ---- training: output to the job log and train.log; keep its exit code -----------------------
-set +e
-"${launch[@]}" 2>&1 | tee "$RUN_DIR/train.log"
-rc=${PIPESTATUS[0]}
-set -e
-echo "training exit code: $rc"
+# The training runs in the background and this shell waits for it, because bash runs a trap only
+# between commands: a foreground pipeline would hold back the stop signal until the very end.
+launch_pid=""
+stop_signal=""
+resend_pid=""
+# shellcheck disable=SC2317  # reached through the traps below
+send_stop() {
+  if [ -n "${SLURM_JOB_ID:-}" ]; then
+    scancel --signal="$1" "$SLURM_JOB_ID" 2>/dev/null || true  # every job step, not this shell
+  elif [ -n "$launch_pid" ]; then
+    kill -s "$1" "$launch_pid" 2>/dev/null || true  # node.sh forwards it to the training
+  fi
+}
+# shellcheck disable=SC2317
+forward_stop() {
+  [ -z "$stop_signal" ] || return 0
+  stop_signal=$1
+  echo "job received SIG$1 at $(date '+%H:%M:%S'): asking the training to checkpoint and stop"
+  send_stop "$1"
+  # SIGTERM reaches every process of the job from Slurm itself. A USR1 that lands before the
+  # training has installed its handler (start-up) or before the step exists would be lost:
+  # repeat it every 10 s until the training has stopped (the handler only sets a flag).
+  [ "$1" = USR1 ] || return 0
+  (
+    trap - USR1 TERM
+    while kill -0 "$launch_pid" 2>/dev/null; do
+      sleep 10
+      send_stop "$1"
+    done
+  ) &
+  resend_pid=$!
+}
+trap 'forward_stop USR1' USR1
+trap 'forward_stop TERM' TERM
+
+log_size=$(stat -c %s "$RUN_DIR/train.log" 2>/dev/null || echo 0)
+exec {log_fd}> >(tee -a "$RUN_DIR/train.log")
+tee_pid=$!
+"${launch[@]}" >&"$log_fd" 2>&1 &
+launch_pid=$!
+rc=0
+while :; do
+  wait "$launch_pid" && rc=0 || rc=$?
+  # wait returns early (>128) when a trapped signal arrives; the training is still running then
+  if kill -0 "$launch_pid" 2>/dev/null; then continue; fi
+  break
+done
+trap - USR1 TERM
+if [ -n "$resend_pid" ]; then kill "$resend_pid" 2>/dev/null || true; fi
+exec {log_fd}>&-
+wait "$tee_pid" 2>/dev/null || true
+
+# Did the training stop after checkpointing for a requeue? dp_train.py exits 75 itself; torchrun
+# turns its workers' 75 into 1, so also read rank 0's line from this attempt's part of train.log.
+requeue_ckpt=0
+if tail -c +"$((log_size + 1))" "$RUN_DIR/train.log" | grep -q "exiting with code 75 to be requeued"
+then
+  requeue_ckpt=1
+  rc=75
+fi
+echo "training exit code: $rc${stop_signal:+ (after SIG$stop_signal)}"
 
 # ---- memory summary: printed and saved; a failure here never replaces the training result ----
 shopt -s nullglob
@@ -174,4 +268,24 @@ fi
 end=$(date '+%Y-%m-%d %H:%M:%S')
 printf '%s=%q\n' END_TIME "$end" EXIT_CODE "$rc" >>"$RUN_DIR/job.env"
 echo "end           : $end (exit code $rc)"
+
+# ---- requeue after a stop checkpoint -----------------------------------------------------------
+if [ "$requeue_ckpt" = 1 ]; then
+  state=""
+  if [ -n "${SLURM_JOB_ID:-}" ]; then
+    state=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p')
+  fi
+  if [ -z "${SLURM_JOB_ID:-}" ]; then
+    echo "stopped after a checkpoint: continue with RUN_DIR=$RUN_DIR bash launch/local.sh ..."
+  elif [ "${REQUEUE:-1}" != 1 ] || [ "$state" != RUNNING ]; then
+    echo "stopped after a checkpoint; not requeued (REQUEUE=${REQUEUE:-1}, job state" \
+      "${state:-unknown}): continue with RUN_DIR=$RUN_DIR sbatch ..."
+  elif scontrol requeue "$SLURM_JOB_ID"; then
+    # Slurm ends this attempt now and starts the job again later, in this run directory.
+    echo "requeued job $SLURM_JOB_ID: it resumes from ${CHECKPOINT_DIR:-its checkpoint} when it" \
+      "starts again"
+  else
+    echo "warning: scontrol requeue $SLURM_JOB_ID failed: continue with RUN_DIR=$RUN_DIR sbatch ..."
+  fi
+fi
 exit "$rc"

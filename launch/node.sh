@@ -10,7 +10,7 @@
 #
 # Environment (set by job.sh; defaults work for a single node):
 #   RUN_DIR          run directory (required): logs go to gpu_memory/<node>.csv and
-#                    cpu_memory/<node>.txt
+#                    cpu_memory/<node>.txt (<node>.restart<N>.* when the run directory already has them)
 #   NODE_NAME        log file name ($SLURMD_NODENAME, else `hostname -s`)
 #   LOG_INTERVAL     seconds between memory samples (5; nvidia-smi rounds down, at least 1)
 #   PYTHON           interpreter command, split on spaces (python)
@@ -20,6 +20,12 @@
 #   RDZV_ID          rendezvous id ($SLURM_JOB_ID, else "local")
 #   NVIDIA_SMI, PSRECORD   logger commands (nvidia-smi, psrecord); a missing one is skipped
 #   OMP_NUM_THREADS  default: CPUs of the task (at most `nproc`) / workers on the node, >= 1
+#
+# Signals: SIGUSR1 (job.sh forwards Slurm's time-limit warning) is passed on to the training
+# processes only: torchrun's workers, or the one dp process. Everything this script starts runs
+# with SIGUSR1 ignored, so a USR1 sent to the whole step cannot kill torchrun or a logger; the
+# training scripts install their own handler. SIGTERM ends the training (torchrun forwards it to
+# its workers, which checkpoint and exit 75) and then the loggers.
 set -euo pipefail
 
 # GPUs on this node: what Slurm gave the step, else the CUDA_VISIBLE_DEVICES list, else 1.
@@ -81,8 +87,15 @@ else
   cmd=("${python_cmd[@]}" "$@")
 fi
 
-gpu_log="$RUN_DIR/gpu_memory/$node.csv"
-cpu_log="$RUN_DIR/cpu_memory/$node.txt"
+# A requeued or continued run (same RUN_DIR) keeps the earlier attempts' logs beside its own.
+log_name=$node
+attempt=0
+while [ -e "$RUN_DIR/gpu_memory/$log_name.csv" ] || [ -e "$RUN_DIR/cpu_memory/$log_name.txt" ]; do
+  attempt=$((attempt + 1))
+  log_name="$node.restart$attempt"
+done
+gpu_log="$RUN_DIR/gpu_memory/$log_name.csv"
+cpu_log="$RUN_DIR/cpu_memory/$log_name.txt"
 mkdir -p "$RUN_DIR/gpu_memory" "$RUN_DIR/cpu_memory"
 gpu_pid="" cpu_pid="" train_pid=""
 
@@ -103,16 +116,27 @@ stop_all() {
   echo "[$node] loggers stopped (pids: ${stopped[*]:-none}); exit code $rc"
   exit "$rc"
 }
+# shellcheck disable=SC2317  # reached through the USR1 trap
+forward_usr1() {
+  [ -n "$train_pid" ] || return 0
+  if [ "$launcher" = torchrun ]; then
+    pkill -USR1 -P "$train_pid" || true  # the workers, not torchrun (USR1 would end it)
+  else
+    kill -USR1 "$train_pid" 2>/dev/null || true
+  fi
+  echo "[$node] SIGUSR1 passed on to the training processes"
+}
 trap stop_all EXIT
 trap 'exit 143' TERM
 trap 'exit 130' INT
 trap 'exit 129' HUP
+trap forward_usr1 USR1
 
 if command -v "$NVIDIA_SMI" >/dev/null 2>&1; then
   smi_interval=${LOG_INTERVAL%.*}  # nvidia-smi -l takes whole seconds
   [ "${smi_interval:-0}" -ge 1 ] 2>/dev/null || smi_interval=1
-  "$NVIDIA_SMI" --query-gpu=timestamp,index,name,memory.used,memory.total \
-    --format=csv,nounits -l "$smi_interval" >"$gpu_log" &
+  (trap '' USR1; exec "$NVIDIA_SMI" --query-gpu=timestamp,index,name,memory.used,memory.total \
+    --format=csv,nounits -l "$smi_interval") >"$gpu_log" &
   gpu_pid=$!
   echo "[$node] GPU memory log: $gpu_log (every ${smi_interval}s)"
 else
@@ -120,13 +144,13 @@ else
 fi
 
 echo "[$node] running: ${cmd[*]}"
-"${cmd[@]}" &
+(trap '' USR1; exec "${cmd[@]}") &
 train_pid=$!
 
 if command -v "$PSRECORD" >/dev/null 2>&1; then
   # Its own messages go nowhere: only the log file belongs in the run directory.
-  "$PSRECORD" "$train_pid" --include-children --interval "$LOG_INTERVAL" \
-    --log "$cpu_log" >/dev/null &
+  (trap '' USR1; exec "$PSRECORD" "$train_pid" --include-children --interval "$LOG_INTERVAL" \
+    --log "$cpu_log") >/dev/null &
   cpu_pid=$!
   echo "[$node] CPU memory log: $cpu_log (every ${LOG_INTERVAL}s)"
 else
@@ -134,6 +158,11 @@ else
 fi
 
 rc=0
-wait "$train_pid" || rc=$?
+while :; do
+  wait "$train_pid" && rc=0 || rc=$?
+  # wait returns early (>128) when the USR1 trap runs; the training is still going then
+  if kill -0 "$train_pid" 2>/dev/null; then continue; fi
+  break
+done
 train_pid=""
 exit "$rc"

@@ -21,6 +21,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +42,9 @@ SHELL_SCRIPTS = sorted([*LAUNCH.glob("*.sh"), *LAUNCH.glob("*.slurm"),
 TINY = ["--model", "cnn", "--synthetic-size", "128", "--batch-size", "16", "--epochs", "2",
         "--num-workers", "0"]
 JOB_TIMEOUT_S = 600  # from submission; a chained job also waits for its predecessors
+# Long enough to meet the time-limit warning: 8 epochs of 4000 images, ~45 s on 2 idle cores.
+REQUEUE_RUN = ["--model", "cnn", "--synthetic-size", "4000", "--batch-size", "16", "--epochs",
+               "8", "--num-workers", "0", "--amp", "off"]
 EPOCH_RE = re.compile(r"Epoch \[(\d+)/(\d+)\] LR: .* \| Throughput: [\d.]+ img/s")
 FAKE_SMI = """#!{python}
 # Fake nvidia-smi for the launcher tests: the --query-gpu CSV of real nvidia-smi, one row per
@@ -234,6 +238,66 @@ def test_local_sh_rejects_a_bad_process_count(tmp_path):
     assert res.returncode == 2 and "positive integer" in res.stderr
 
 
+def test_local_sh_usr1_checkpoints_then_run_dir_resumes(tmp_path):
+    """The stop path without Slurm: USR1 to the job script reaches the torchrun workers through
+    node.sh (torchrun itself must survive it), they checkpoint into the run directory and the
+    job exits 75; RUN_DIR=<that dir> continues it to the end, keeping both attempts' logs."""
+    env = base_env(tmp_path)
+    env["RUNS_DIR"] = str(tmp_path / "runs")
+    cmd = ["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--", *REQUEUE_RUN]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    head = []
+    for line in proc.stdout:
+        head.append(line)
+        if line.startswith("Epoch [1/8]"):
+            break
+    assert head and head[-1].startswith("Epoch [1/8]"), "".join(head)
+    proc.send_signal(signal.SIGUSR1)  # to job.sh, as Slurm's --signal=B:USR1 does
+    out = "".join(head) + proc.communicate(timeout=300)[0]
+    assert proc.returncode == 75, out
+    assert "SIGUSR1 passed on to the training processes" in out
+    assert "training exit code: 75 (after SIGUSR1)" in out
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert f"continue with RUN_DIR={run_dir} bash launch/local.sh" in out
+    assert read_env_file(run_dir / "job.env")["EXIT_CODE"] == "75"
+    assert list((run_dir / "checkpoints").iterdir()), "no checkpoint in the run directory"
+
+    env["RUN_DIR"] = str(run_dir)
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"continuing in RUN_DIR={run_dir}" in res.stdout
+    log = (run_dir / "train.log").read_text()
+    assert "Resumed from epoch" in log and log.count("Epoch [8/8]") == 1
+    assert sorted({int(e) for e, t in EPOCH_RE.findall(log) if t == "8"}) == list(range(1, 9))
+    assert read_env_file(run_dir / "job.env")["EXIT_CODE"] == "0"
+    if has_tool("psrecord", env):
+        node = read_env_file(run_dir / "job.env")["NODELIST"]
+        assert sorted(p.name for p in (run_dir / "cpu_memory").iterdir()) == \
+            [f"{node}.restart1.txt", f"{node}.txt"]
+    assert_loggers_gone(tmp_path, run_dir)
+
+
+def test_local_sh_check_only_and_bad_run_dir(tmp_path):
+    env = base_env(tmp_path)
+    env.update(RUNS_DIR=str(tmp_path / "runs"), CHECK_ONLY="1")
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--",
+                          *TINY], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "check: all-reduce OK across 2 rank(s)" in res.stdout
+    assert "preflight OK" in res.stdout and "Epoch [" not in res.stdout
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert f"--checkpoint-dir {run_dir}/checkpoints --check" in res.stdout
+
+    env = base_env(tmp_path)
+    env["RUN_DIR"] = str(tmp_path / "no-such-run")
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.count("\n") == 1 and "RUN_DIR=" in res.stderr and "does not exist" in res.stderr
+
+
 # ---------------------------------------------------------------------------- a real Slurm
 def _run_lab(cmd, env, timeout):
     return subprocess.run(["bash", str(LAB_SH), *cmd], env=env, capture_output=True,
@@ -327,6 +391,11 @@ def jobs(slurm_lab, tmp_path_factory):
                              ["--nodes=2", "--gpus-per-node=1"], TINY, fake_gpus=True)
     jobs["multi_gpu"] = Job(slurm_lab, root / "multi_gpu", "multi_gpu.slurm",
                             ["--gpus-per-node=2"], TINY, after=jobs["baseline"])
+    # A 1-minute time limit with the warning 40 s before it: Slurm's USR1 arrives ~20 s in,
+    # while this ~45 s (unloaded) training is running.
+    jobs["requeue"] = Job(slurm_lab, root / "requeue", "multi_gpu.slurm",
+                          ["--gpus-per-node=2", "--time=1", "--signal=B:USR1@40",
+                           "--job-name=requeue"], REQUEUE_RUN, after=jobs["multi_gpu"])
     jobs["bad_flag"] = Job(slurm_lab, root / "bad_flag", "multi_node.slurm",
                            ["--nodes=2", "--gpus-per-node=1", "--job-name=bad_flag"],
                            ["--no-such-flag"], fake_gpus=True, after=jobs["multi_node"])
@@ -433,3 +502,52 @@ def test_slurm_env_in_batch_script_vs_srun_step(jobs, slurm_lab):
     for s in steps:
         assert (s["SLURM_STEP_ID"], s["SLURM_STEP_NUM_TASKS"], s["SLURM_NTASKS"],
                 s["SLURM_LOCALID"], s["SLURM_GPUS_ON_NODE"]) == ("0", "2", "2", "0", "2")
+
+
+def test_slurm_time_limit_requeues_and_resumes(jobs, slurm_lab):
+    """The time limit, for real: Slurm sends USR1 40 s before it (#SBATCH --signal), job.sh
+    forwards it, the training checkpoints and exits 75, job.sh runs `scontrol requeue`, and the
+    requeued job (same id, same run directory) resumes from the checkpoint by itself.
+
+    Once the job has requeued itself the test acts as an operator would: it lets the pending
+    job start now (Slurm otherwise holds a requeued job ~2 minutes, Reason=BeginTime) and
+    raises its time limit, so the resumed attempt can finish instead of being stopped again."""
+    job = jobs["requeue"]
+    env = dict(job.env)
+    deadline = time.time() + JOB_TIMEOUT_S
+    freed = False
+    while time.time() < deadline and not freed:
+        info = subprocess.run(["scontrol", "-o", "show", "job", str(job.id)], env=env,
+                              capture_output=True, text=True).stdout
+        state = re.search(r"JobState=(\w+)", info).group(1)
+        restarts = int(re.search(r"Restarts=(\d+)", info).group(1))
+        if restarts >= 1:
+            update = ["TimeLimit=10"] + (["StartTime=now"] if state == "PENDING" else [])
+            res = subprocess.run(["scontrol", "update", f"JobId={job.id}", *update], env=env,
+                                 capture_output=True, text=True)
+            assert res.returncode == 0, res.stderr
+            freed = True
+        elif state in ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED"):
+            break
+        time.sleep(0.5)
+    state, code, out, run_dir = job.result()
+    assert freed, f"the job was never requeued (ended {state}):\n{out}"
+    assert (state, code) == ("COMPLETED", 0), out
+    # first attempt: Slurm's warning, forwarded, checkpoint, exit 75, requeue
+    assert "job received SIGUSR1" in out and "SIGUSR1 passed on to the training processes" in out
+    assert "exiting with code 75 to be requeued" in out
+    assert "training exit code: 75 (after SIGUSR1)" in out
+    assert f"requeued job {job.id}: it resumes from {run_dir}/checkpoints" in out
+    # second attempt: same run directory, resumed, all epochs done once
+    log = (run_dir / "train.log").read_text()
+    assert re.search(r"Resumed from epoch \d+, step \d+ \(" + re.escape(str(run_dir)), log), log
+    done = sorted({int(e) for e, total in EPOCH_RE.findall(log) if total == "8"})
+    assert done == list(range(1, 9)), done
+    info = read_env_file(run_dir / "job.env")  # rewritten by the last attempt
+    assert (info["RESTARTS"], info["EXIT_CODE"]) == ("1", "0")
+    metrics = [m for m in map(common.parse_metric_line, log.splitlines()) if m]
+    assert metrics[-1].get("final") == "1" and metrics[-1]["epoch"] == "8"
+    # both attempts kept their memory logs
+    assert sorted(p.name for p in (run_dir / "cpu_memory").iterdir()) == \
+        sorted(f"{n}{suffix}.txt" for n in info["NODELIST"].split() for suffix in ("", ".restart1"))
+    assert_loggers_gone(job.tmp, run_dir)
