@@ -170,6 +170,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="resnet50, cnn (CIFAR-10 CNN), mnist_net, or any torchvision "
                         "classification model name; default follows the dataset "
                         "(tinyimagenet/synthetic: resnet50, cifar10: cnn, mnist: mnist_net)")
+    g.add_argument("--data-cache", nargs="?", const="auto", default=None, metavar="DIR",
+                   help="TinyImageNet only: decode each split once into a memory-mapped uint8 "
+                        "array in DIR (no DIR: a folder beside the data dir, or ~/.cache when "
+                        "that is read-only) and augment batches on the device; far faster than "
+                        "decoding JPEGs every epoch")
     g.add_argument("--synthetic-size", type=int, default=2048,
                    help="training samples of the synthetic dataset (validation gets a quarter)")
     g = parser.add_argument_group("optimisation")
@@ -186,6 +191,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--amp", choices=("fp16", "bf16", "off"), default=None,
                    help="mixed precision: fp16 (autocast + GradScaler), bf16 (autocast, no "
                         "scaler) or off; default fp16 on CUDA, off on CPU")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (first steps are slower while it compiles)")
     g = parser.add_argument_group("run")
     g.add_argument("--num-workers", type=int, default=None,
                    help="DataLoader workers per process (default: from $SLURM_CPUS_PER_TASK or "
@@ -259,6 +266,9 @@ def resolve_args(args: argparse.Namespace, env: "DistEnv", device: torch.device)
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
     check_model(args.model, input_shape(args))  # before any download or data scan
+    if args.data_cache and args.dataset != "tinyimagenet":
+        raise UsageError(f"--data-cache works with TinyImageNet only, not --dataset "
+                         f"{args.dataset}: drop --data-cache")
 
 
 def input_shape(args) -> tuple:
@@ -400,6 +410,7 @@ class DataBundle:
     input_shape: tuple  # (C, H, W)
     name: str
     description: str
+    device_augment: "DeviceAugment | None" = None  # cache path: uint8 batches finished on device
 
 
 class ImageList(Dataset):
@@ -587,6 +598,8 @@ def build_data(args, is_main: bool) -> DataBundle:
             raise UsageError("--dataset tinyimagenet needs --data-dir (or $DATA_DIR) pointing "
                              "at the tiny-imagenet-200 folder")
         classes, train, val = scan_tinyimagenet(args.data_dir)
+        if args.data_cache:
+            return _cached_tinyimagenet(args, classes, train, val)
         norm = T.Normalize(*NORMALIZE["tinyimagenet"])
         train_tf = T.Compose([T.RandomCrop(64, padding=4), T.RandomHorizontalFlip(),
                               T.ToTensor(), norm])
@@ -716,7 +729,7 @@ def build_model(name: str, num_classes: int, input_shape: tuple) -> nn.Module:
 # --------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def evaluate(model, loader, device, dtype, n_real: int) -> torch.Tensor:
+def evaluate(model, loader, device, dtype, n_real: int, prepare=None) -> torch.Tensor:
     """Local validation sums [loss_sum, correct, count] on ``device`` (no host sync here).
 
     Only the first ``n_real`` samples of this rank's stream are counted, so padding added by
@@ -729,6 +742,8 @@ def evaluate(model, loader, device, dtype, n_real: int) -> torch.Tensor:
     for images, labels in loader:
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
+        if prepare is not None:
+            images = prepare(images, train=False)
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             logits = model(images)
         keep = max(0, min(labels.size(0), n_real - seen))  # host-side count, no sync
@@ -1039,3 +1054,231 @@ def collective_check(device: torch.device, world: int, print0) -> None:
     busbw = algbw * 2 * (world - 1) / world if world > 1 else 0.0
     print0(f"check: all-reduce OK across {world} rank(s) (sum {got:g} == {expected:g}); "
            f"{mib} MiB in {seconds * 1e3:.2f} ms: algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s")
+
+
+# --------------------------------------------------------------------------------------------
+# Fast input: the decoded uint8 cache (--data-cache), batch loading, on-device augmentation
+# --------------------------------------------------------------------------------------------
+
+CACHE_VERSION = 1
+
+
+class CachedSplit(Dataset):
+    """A split decoded once into a memory-mapped uint8 array (N x 64 x 64 x 3) plus labels.
+
+    Indexed with a whole batch of indices (the DataLoader gets a BatchSampler), so one numpy
+    fancy-index read replaces a JPEG decode and a PIL transform per image.
+    """
+
+    def __init__(self, images_file, labels_file):
+        import numpy as np
+        self.images = np.load(images_file, mmap_mode="r")
+        self.labels = torch.from_numpy(np.load(labels_file))
+        self.targets = self.labels.tolist()
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, indices):
+        import numpy as np
+        idx = np.asarray(indices, dtype=np.int64)
+        return torch.from_numpy(np.ascontiguousarray(self.images[idx])), self.labels[idx]
+
+
+def _decode_rgb(path):
+    import numpy as np
+    from PIL import Image
+    try:
+        with Image.open(path) as img:
+            return np.asarray(img.convert("RGB").resize((64, 64)) if img.size != (64, 64)
+                              else img.convert("RGB"), dtype=np.uint8)
+    except (OSError, ValueError, SyntaxError) as exc:
+        return f"{exc.__class__.__name__}: {str(exc)[:100]}"
+
+
+def _file_list_checksum(root: Path, samples) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for path, label in samples:
+        p = Path(path)
+        h.update(f"{p.relative_to(root)}\t{label}\t{p.stat().st_size}\n".encode())
+    return h.hexdigest()
+
+
+def default_cache_dir(data_dir) -> Path:
+    """Beside the data (tiny-imagenet-200 -> tiny-imagenet-200-cache) when that is writable,
+    else under the user's cache dir."""
+    data_dir = Path(data_dir).resolve()
+    beside = data_dir.parent / f"{data_dir.name}-cache"
+    if (beside.is_dir() and os.access(beside, os.W_OK)) or \
+            (not beside.exists() and os.access(data_dir.parent, os.W_OK)):
+        return beside
+    import hashlib
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    tag = hashlib.sha256(str(data_dir).encode()).hexdigest()[:12]
+    return base / "dp-toolkit" / f"{data_dir.name}-{tag}"
+
+
+def cache_is_valid(directory: Path, split: str, checksum: str, count: int) -> bool:
+    import json
+    import numpy as np
+    meta_file = directory / f"{split}_meta.json"
+    try:
+        meta = json.loads(meta_file.read_text())
+        images = np.load(directory / f"{split}_u8.npy", mmap_mode="r")
+        labels = np.load(directory / f"{split}_labels.npy", mmap_mode="r")
+    except (OSError, ValueError):
+        return False
+    return (meta.get("version") == CACHE_VERSION and meta.get("checksum") == checksum
+            and meta.get("sources") == count and images.shape == (meta["count"], 64, 64, 3)
+            and labels.shape == (meta["count"],))
+
+
+def build_cache(directory: Path, split: str, root: Path, samples, strict: bool,
+                workers: int, log) -> None:
+    """Decode ``samples`` into {split}_u8.npy / {split}_labels.npy / {split}_meta.json,
+    written under temporary names and renamed into place (meta last), so a reader never sees
+    half a cache. Unreadable images are left out (counted), or named with ``strict``."""
+    import json
+    from multiprocessing import get_context
+    import numpy as np
+    directory.mkdir(parents=True, exist_ok=True)
+    checksum = _file_list_checksum(root, samples)
+    tag = f".tmp-{platform.node()}-{os.getpid()}"
+    t0 = now()
+    arrays, labels, bad = [], [], []
+    paths = [p for p, _ in samples]
+    with get_context("fork").Pool(max(1, workers)) as pool:
+        for (path, label), img in zip(samples, pool.imap(_decode_rgb, paths, chunksize=256)):
+            if isinstance(img, str):
+                if strict:
+                    raise UsageError(f"unreadable image {path} ({img}): replace or delete it, "
+                                     f"or drop --strict to skip such files")
+                bad.append(path)
+                continue
+            arrays.append(img)
+            labels.append(label)
+    images_tmp = directory / f"{split}_u8.npy{tag}"
+    out = np.lib.format.open_memmap(images_tmp, mode="w+", dtype=np.uint8,
+                                    shape=(len(arrays), 64, 64, 3))
+    for i, a in enumerate(arrays):
+        out[i] = a
+    out.flush()
+    del out
+    labels_tmp = directory / f"{split}_labels.npy{tag}"
+    with open(labels_tmp, "wb") as f:
+        np.save(f, np.asarray(labels, dtype=np.int64))
+    os.replace(images_tmp, directory / f"{split}_u8.npy")
+    os.replace(labels_tmp, directory / f"{split}_labels.npy")
+    meta_tmp = directory / f"{split}_meta.json{tag}"
+    meta_tmp.write_text(json.dumps({"version": CACHE_VERSION, "checksum": checksum,
+                                    "count": len(arrays), "sources": len(samples),
+                                    "skipped": bad[:20], "skipped_count": len(bad)}))
+    os.replace(meta_tmp, directory / f"{split}_meta.json")
+    log(f"data cache: decoded {len(arrays)} {split} images into {directory} in "
+        f"{now() - t0:.1f} s" + (f" ({len(bad)} unreadable left out, e.g. {bad[0]})"
+                                 if bad else ""))
+
+
+def _cached_tinyimagenet(args, classes, train, val) -> DataBundle:
+    root = Path(args.data_dir)
+    directory = default_cache_dir(root) if args.data_cache == "auto" else Path(args.data_cache)
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+    log = (lambda m: print(m, flush=True)) if local_rank == 0 else (lambda m: None)
+    error = None
+    if local_rank == 0:  # one builder per node; the others wait at the barrier below
+        try:
+            for split, samples in (("train", train), ("val", val)):
+                checksum = _file_list_checksum(root, samples)
+                if not cache_is_valid(directory, split, checksum, len(samples)):
+                    log(f"data cache: building {split} in {directory} (first use, or the "
+                        f"dataset changed)")
+                    build_cache(directory, split, root, samples, args.strict,
+                                max(1, args.num_workers), log)
+        except OSError as exc:
+            error = (f"cannot write the data cache in {directory} ({exc.strerror}): pass "
+                     f"--data-cache DIR with a writable DIR")
+        except UsageError as exc:
+            error = str(exc)
+    if dist.is_available() and dist.is_initialized():
+        # every rank: wait until each node's builder is done, and learn about its failure
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, error)
+        error = next((e for e in everyone if e), None)
+    if error:
+        raise UsageError(error)
+    train_set = CachedSplit(directory / "train_u8.npy", directory / "train_labels.npy")
+    val_set = CachedSplit(directory / "val_u8.npy", directory / "val_labels.npy")
+    return DataBundle(train_set, val_set, len(classes), (3, 64, 64), "tinyimagenet",
+                      f"TinyImageNet at {args.data_dir} via the uint8 cache {directory}: "
+                      f"{len(train_set)} train / {len(val_set)} val, {len(classes)} classes",
+                      DeviceAugment(*NORMALIZE["tinyimagenet"]))
+
+
+class DeviceAugment:
+    """What the folder path does per image with PIL, done per batch on the device: uint8 NHWC
+    -> (train) random crop with 4 pixels of zero padding and a random horizontal flip -> float
+    in [0, 1] -> normalize. Without augmentation the NCHW result keeps the NHWC memory
+    (channels_last)."""
+
+    def __init__(self, mean, std):
+        self.mean_std = (mean, std)
+        self._cache = {}
+
+    def _stats(self, device):
+        if device not in self._cache:  # made once per device: no copy in the training step
+            mean, std = self.mean_std
+            self._cache[device] = (torch.tensor(mean, device=device).view(1, -1, 1, 1),
+                                   torch.tensor(std, device=device).view(1, -1, 1, 1))
+        return self._cache[device]
+
+    def __call__(self, images: torch.Tensor, train: bool) -> torch.Tensor:
+        x = images.permute(0, 3, 1, 2)  # uint8 NCHW view: crop and flip 1-byte pixels
+        if train:
+            b, c, h, w = x.shape
+            pad = 4
+            x = F.pad(x, (pad, pad, pad, pad))  # zeros, like RandomCrop(padding=4) on the PIL image
+            dy = torch.randint(0, 2 * pad + 1, (b, 1, 1, 1), device=x.device)
+            dx = torch.randint(0, 2 * pad + 1, (b, 1, 1, 1), device=x.device)
+            flip = torch.rand(b, 1, 1, 1, device=x.device) < 0.5
+            rows = torch.arange(h, device=x.device).view(1, 1, h, 1) + dy
+            x = x.gather(2, rows.expand(b, c, h, w + 2 * pad))  # crop rows
+            cols = torch.arange(w, device=x.device).view(1, 1, 1, w)
+            cols = torch.where(flip, w - 1 - cols, cols) + dx  # a flip is reversed columns
+            x = x.gather(3, cols.expand(b, c, h, w))  # crop (and flip) columns
+        x = x.float().div_(255)
+        mean, std = self._stats(x.device)
+        return (x - mean) / std
+
+
+def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool = False):
+    """The DataLoader, tuned the same way for every strategy: pinned memory on CUDA,
+    persistent workers and a deeper prefetch. A cached split is read a batch at a time."""
+    from torch.utils.data import BatchSampler, DataLoader
+    kw = dict(num_workers=args.num_workers, pin_memory=device.type == "cuda",
+              persistent_workers=args.num_workers > 0)
+    if args.num_workers > 0:
+        kw["prefetch_factor"] = 4
+    if isinstance(dataset, CachedSplit):
+        return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last),
+                          batch_size=None, **kw)
+    return DataLoader(dataset, sampler=sampler, batch_size=batch_size, drop_last=drop_last,
+                      collate_fn=collate_skip_unreadable, **kw)
+
+
+def input_pipeline(data: DataBundle, model: nn.Module, device: torch.device):
+    """(model, prepare): on CUDA, conv nets go channels_last (faster convolutions with AMP);
+    ``prepare(images, train)`` finishes a batch on the device (cache-path augmentation, memory
+    format). Called by every strategy so their inputs are identical."""
+    channels_last = device.type == "cuda" and any(isinstance(m, nn.Conv2d)
+                                                  for m in model.modules())
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    augment = data.device_augment
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+
+    def prepare(images, train: bool):
+        if augment is not None:
+            images = augment(images, train)
+        return images.contiguous(memory_format=layout)  # no-op when already in that layout
+    return model, prepare

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 import common
 from common import UsageError
@@ -38,7 +38,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Data-parallel training with DistributedDataParallel (one process per GPU).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    return common.add_common_args(parser)
+    common.add_common_args(parser)
+    g = parser.add_argument_group("DDP")
+    g.add_argument("--bucket-cap-mb", type=float, default=25,
+                   help="gradient bucket size: larger buckets mean fewer, bigger all-reduces")
+    g.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="gradients are views into the all-reduce buckets: saves a copy of every "
+                        "gradient per step and the memory of one gradient set (measured on 2 "
+                        "CPU cores, ResNet-18, world size 1: ~13%% faster)")
+    g.add_argument("--static-graph", action="store_true",
+                   help="tell DDP the graph is the same every step (lets it skip per-step "
+                        "bookkeeping)")
+    return parser
 
 
 def setup_distributed(args, env: common.DistEnv):
@@ -51,6 +63,7 @@ def setup_distributed(args, env: common.DistEnv):
                              f"{visible} (or request more GPUs)")
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)  # before any CUDA work, so NCCL binds the right GPU
+        torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -122,8 +135,13 @@ def train(args, env: common.DistEnv) -> int:
         common.collective_check(device, world, print0)
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
+    model, prepare = common.input_pipeline(data, model, device)
     # DDP: a full replica per process; backward all-reduces gradient buckets across ranks.
-    model = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None)
+    model = DDP(model, device_ids=[env.local_rank] if device.type == "cuda" else None,
+                bucket_cap_mb=args.bucket_cap_mb,
+                gradient_as_bucket_view=args.gradient_as_bucket_view,
+                static_graph=args.static_graph)
+    step_model = torch.compile(model) if args.compile else model
 
     # Each rank reads a disjoint shard of the training set; the permutation depends on
     # (seed, epoch) only, so all ranks agree on it. drop_last keeps the shards equal.
@@ -131,11 +149,9 @@ def train(args, env: common.DistEnv) -> int:
                                        seed=args.seed, drop_last=True)
     train_batches = common.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
-    loader_kw = dict(batch_size=args.batch_size, num_workers=args.num_workers,
-                     pin_memory=device.type == "cuda", collate_fn=common.collate_skip_unreadable,
-                     persistent_workers=args.num_workers > 0)
-    train_loader = DataLoader(data.train, sampler=train_batches, drop_last=True, **loader_kw)
-    val_loader = DataLoader(data.val, sampler=val_sampler, **loader_kw)
+    train_loader = common.make_loader(data.train, train_batches, args.batch_size, args, device,
+                                      drop_last=True)
+    val_loader = common.make_loader(data.val, val_sampler, args.batch_size, args, device)
     val_real = common.real_samples(val_sampler)
 
     criterion = nn.CrossEntropyLoss()
@@ -167,7 +183,7 @@ def train(args, env: common.DistEnv) -> int:
         skip = start_step if epoch == start_epoch else 0
         train_batches.skip = skip * args.batch_size
         lr = optimizer.param_groups[0]["lr"]
-        model.train()
+        step_model.train()
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # stays on the device:
         correct = torch.zeros((), device=device, dtype=torch.float64)   # no host sync per step
         seen, elapsed = 0, 0.0
@@ -199,12 +215,12 @@ def train(args, env: common.DistEnv) -> int:
         for step, (images, labels) in enumerate(train_loader, start=skip):
             if step >= steps:
                 break
-            images = images.to(device, non_blocking=True)
+            images = prepare(images.to(device, non_blocking=True), train=True)
             labels = labels.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=dtype or torch.float32,
                                 enabled=dtype is not None):
-                outputs = model(images)
+                outputs = step_model(images)
                 loss = criterion(outputs, labels)
             # backward: DDP all-reduces (averages) each gradient bucket across all ranks
             scaler.scale(loss).backward()
@@ -232,7 +248,7 @@ def train(args, env: common.DistEnv) -> int:
         common.check_finite(bad_steps, first_bad, epoch, scaler)  # host sync, once per epoch
         scheduler.step()
 
-        val_sums = common.evaluate(model, val_loader, device, dtype, val_real)
+        val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
 
         # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. One host
         # sync per epoch (the .tolist() below), not one per step.

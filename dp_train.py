@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 import common
 from common import UsageError
@@ -140,7 +140,9 @@ def train(args) -> int:
         return 0
     dtype = common.amp_dtype(args)
     # DataParallel: the master copy lives on GPU 0 and is replicated to every GPU each step.
-    model = nn.DataParallel(AutocastForward(net, device.type, dtype),
+    net, prepare = common.input_pipeline(data, net, device)
+    inner = torch.compile(net) if args.compile else net
+    model = nn.DataParallel(AutocastForward(inner, device.type, dtype),
                             device_ids=gpu_ids or None)
 
     # The same sampler as the other scripts at world size 1: the same shuffling order.
@@ -148,11 +150,9 @@ def train(args) -> int:
                                        seed=args.seed, drop_last=True)
     train_batches = common.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=1, rank=0, shuffle=False)
-    loader_kw = dict(batch_size=global_batch, num_workers=args.num_workers,
-                     pin_memory=device.type == "cuda", collate_fn=common.collate_skip_unreadable,
-                     persistent_workers=args.num_workers > 0)
-    train_loader = DataLoader(data.train, sampler=train_batches, drop_last=True, **loader_kw)
-    val_loader = DataLoader(data.val, sampler=val_sampler, **loader_kw)
+    train_loader = common.make_loader(data.train, train_batches, global_batch, args, device,
+                                      drop_last=True)
+    val_loader = common.make_loader(data.val, val_sampler, global_batch, args, device)
 
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=args.momentum,
@@ -207,7 +207,8 @@ def train(args) -> int:
         for step, (images, labels) in enumerate(train_loader, start=skip):
             if step >= steps:
                 break
-            images = images.to(device, non_blocking=True)  # to GPU 0; DataParallel scatters
+            # to GPU 0 (DataParallel scatters from there), then finished on GPU 0
+            images = prepare(images.to(device, non_blocking=True), train=True)
             labels = labels.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             outputs = model(images)  # replicate, scatter, parallel forward, gather on GPU 0
@@ -240,7 +241,8 @@ def train(args) -> int:
 
         # One process sees every sample: these sums are already global.
         v_loss, v_correct, v_n = common.evaluate(model, val_loader, device, None,
-                                                 common.real_samples(val_sampler)).tolist()
+                                                 common.real_samples(val_sampler),
+                                                 prepare).tolist()
         t_loss, t_correct = loss_sum.item(), correct.item()  # one host sync per epoch
         if gpu_ids:
             peaks = [common.peak_memory_mib(torch.device("cuda", i)) for i in gpu_ids]

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 from torchvision.models.resnet import ResNet
 
 import common
@@ -77,6 +77,7 @@ def setup_distributed(args, env: common.DistEnv):
                              f"{visible} (or request more GPUs)")
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)  # before any CUDA work, so NCCL binds the right GPU
+        torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -202,7 +203,9 @@ def train(args, env: common.DistEnv) -> int:
         common.collective_check(device, world, print0)
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
+    model, prepare = common.input_pipeline(data, model, device)
     model = apply_fsdp(model, mesh, args)
+    step_model = torch.compile(model) if args.compile else model
 
     # Each rank reads a disjoint shard of the training set; the permutation depends on
     # (seed, epoch) only, so all ranks agree on it. drop_last keeps the shards equal.
@@ -210,11 +213,9 @@ def train(args, env: common.DistEnv) -> int:
                                        seed=args.seed, drop_last=True)
     train_batches = common.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
-    loader_kw = dict(batch_size=args.batch_size, num_workers=args.num_workers,
-                     pin_memory=device.type == "cuda", collate_fn=common.collate_skip_unreadable,
-                     persistent_workers=args.num_workers > 0)
-    train_loader = DataLoader(data.train, sampler=train_batches, drop_last=True, **loader_kw)
-    val_loader = DataLoader(data.val, sampler=val_sampler, **loader_kw)
+    train_loader = common.make_loader(data.train, train_batches, args.batch_size, args, device,
+                                      drop_last=True)
+    val_loader = common.make_loader(data.val, val_sampler, args.batch_size, args, device)
     val_real = common.real_samples(val_sampler)
 
     criterion = nn.CrossEntropyLoss()
@@ -249,7 +250,7 @@ def train(args, env: common.DistEnv) -> int:
         skip = start_step if epoch == start_epoch else 0
         train_batches.skip = skip * args.batch_size
         lr = optimizer.param_groups[0]["lr"]
-        model.train()
+        step_model.train()
         loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # stays on the device:
         correct = torch.zeros((), device=device, dtype=torch.float64)   # no host sync per step
         seen, elapsed = 0, 0.0
@@ -281,13 +282,13 @@ def train(args, env: common.DistEnv) -> int:
         for step, (images, labels) in enumerate(train_loader, start=skip):
             if step >= steps:
                 break
-            images = images.to(device, non_blocking=True)
+            images = prepare(images.to(device, non_blocking=True), train=True)
             labels = labels.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             # forward: each unit all-gathers its parameters from all ranks, then (full) frees
             with torch.autocast(device.type, dtype=dtype or torch.float32,
                                 enabled=dtype is not None):
-                outputs = model(images)
+                outputs = step_model(images)
                 loss = criterion(outputs.float(), labels)
             # backward: re-gather (full), then reduce-scatter gradients: each rank keeps the
             # averaged gradient of its own shard
@@ -316,7 +317,7 @@ def train(args, env: common.DistEnv) -> int:
         common.check_finite(bad_steps, first_bad, epoch, scaler)  # host sync, once per epoch
         scheduler.step()
 
-        val_sums = common.evaluate(model, val_loader, device, dtype, val_real)
+        val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
 
         # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. One host
         # sync per epoch (the .tolist() below), not one per step.

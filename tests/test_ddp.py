@@ -274,3 +274,68 @@ def test_more_processes_than_gpus_is_a_usage_error(monkeypatch, capsys):
 def test_bad_flag_is_rejected_by_argparse():
     proc = run_script("ddp_train.py", ["--no-such-flag"], timeout=60)
     assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr
+
+
+def test_cache_and_folder_paths_give_the_same_pixels_and_labels(tiny_imagenet, tmp_path):
+    """--data-cache must not change what the model sees: same labels, same pixels before
+    augmentation, and the on-device augmentation is a crop of the zero-padded image, flipped
+    or not, exactly as the PIL path does it."""
+    import argparse
+    root, _ = tiny_imagenet
+    args = argparse.Namespace(data_dir=str(root), dataset="tinyimagenet", model="resnet18",
+                              strict=False, num_workers=1, data_cache=str(tmp_path / "c"),
+                              seed=0)
+    cached = common.build_data(args, True)
+    args.data_cache = None
+    folder = common.build_data(args, True)
+    assert cached.train.targets == folder.train.targets
+    assert cached.val.targets == folder.val.targets
+    norm = cached.device_augment
+    idx = list(range(len(folder.val)))
+    u8, labels = cached.val[idx]
+    assert labels.tolist() == folder.val.targets
+    got = norm(u8, train=False)
+    want = torch.stack([folder.val[i][0] for i in idx])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # training pixels: the un-augmented folder image (ToTensor + Normalize) vs the cache
+    from torchvision import transforms as T
+    plain = T.Compose([T.ToTensor(), T.Normalize(*common.NORMALIZE["tinyimagenet"])])
+    tr_u8, _ = cached.train[list(range(8))]
+    from PIL import Image
+    for i in range(8):
+        with Image.open(folder.train.samples[i][0]) as img:
+            ref = plain(img.convert("RGB"))
+        torch.testing.assert_close(norm(tr_u8[i:i + 1], train=False)[0], ref, atol=1e-5, rtol=0)
+    # augmentation: every output is one of the 2 x 81 crops/flips of the padded image
+    torch.manual_seed(0)
+    aug = norm(tr_u8[:4], train=True)
+    base = norm(tr_u8[:4], train=False)
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1) for v in common.NORMALIZE["tinyimagenet"])
+    padded = torch.nn.functional.pad(base * std + mean, (4, 4, 4, 4))
+    padded = (padded - mean) / std
+    for b in range(4):
+        found = any(torch.allclose(aug[b], c, atol=1e-5)
+                    for dy in range(9) for dx in range(9)
+                    for c in (padded[b, :, dy:dy + 64, dx:dx + 64],
+                              padded[b, :, dy:dy + 64, dx:dx + 64].flip(-1)))
+        assert found, f"sample {b} is not a padded crop (or its flip)"
+
+
+def test_cache_is_reused_and_rebuilt_when_the_data_changes(tiny_imagenet, tmp_path):
+    root, info = tiny_imagenet
+    data = tmp_path / "tin"
+    shutil.copytree(root, data)
+    args = ["--data-dir", str(data), "--data-cache", "--model", "resnet18", "--epochs", "1",
+            "--batch-size", "16", "--max-steps-per-epoch", "1", "--num-workers", "0"]
+    first = run_script("ddp_train.py", args)
+    check_ok(first)
+    assert "data cache: building train" in first.stdout
+    assert (tmp_path / "tin-cache" / "train_u8.npy").is_file()  # beside the data
+    second = run_script("ddp_train.py", args)
+    check_ok(second)
+    assert "data cache: building" not in second.stdout  # reused
+    wnid = sorted(info["wnids"])[1]
+    os.remove(data / "train" / wnid / "images" / f"{wnid}_3.JPEG")
+    third = run_script("ddp_train.py", args)
+    check_ok(third)
+    assert "data cache: building train" in third.stdout and "159 train" in third.stdout

@@ -26,8 +26,10 @@ def _flags(script: str) -> set:
 def test_all_scripts_share_the_flags_of_ddp_train():
     ddp, dp, fsdp = _flags("ddp_train.py"), _flags("dp_train.py"), _flags("fsdp_train.py")
     assert {"--data-dir", "--batch-size", "--amp", "--save-model", "--dist-timeout"} <= ddp
-    assert dp - ddp == {"--gpus"} and ddp - dp == set()
-    assert fsdp - ddp == {"--sharding"} and ddp - fsdp == set()
+    ddp_only = {"--bucket-cap-mb", "--gradient-as-bucket-view",
+                "--no-gradient-as-bucket-view", "--static-graph"}
+    assert dp - ddp == {"--gpus"} and ddp - dp == ddp_only
+    assert fsdp - ddp == {"--sharding"} and ddp - fsdp == ddp_only
 
 
 def test_dp_runs_on_cpu_and_prints_both_lines():
