@@ -1,0 +1,640 @@
+"""Submit a scaling study: strategies x GPUs per node x nodes, one Slurm job and one run directory
+each, all under one study directory with a manifest (study.json) of the matrix and the exact
+commands. `python collect_results.py STUDY_DIR --plot` then turns it into tables and plots.
+
+    python launch/run_benchmarks.py --dry-run                      # print the sbatch commands only
+    python launch/run_benchmarks.py --strategies ddp fsdp --gpus 1 2 4 8 -- --epochs 3
+    python launch/run_benchmarks.py --gpus 1 2 4 8 --nodes 1 2 4 8 --multi-node-gpus 4   # the
+                                       # workshop's two tables: 1-8 GPUs on 1 node, 2-8 nodes x 4
+    python launch/run_benchmarks.py --scaling strong --global-batch 512 --gpus 1 2 4 8
+    python launch/run_benchmarks.py --resume --study-dir runs/study-20250101-120000
+    python launch/run_benchmarks.py --local --strategies ddp fsdp --gpus 1 2 --per-gpu-batch 16 \\
+        -- --model cnn --synthetic-size 256 --epochs 2 --num-workers 0   # on this machine (CPU ok)
+
+Everything after "--" goes to the training script (ddp_train.py, fsdp_train.py, dp_train.py);
+the batch size does not: the study sets --batch-size per run from the scaling mode.
+
+The matrix: for every strategy, every nodes value, every GPUs-per-node value (with
+--multi-node-gpus, runs on more than one node use only those GPUs per node); the default is
+--strategies dp ddp fsdp --gpus 1 2 4 8 --nodes 1. Each run is one job of the repository's
+launchers:
+    1 node, 1 GPU      launch/baseline.slurm
+    1 node, G GPUs     launch/multi_gpu.slurm
+    N nodes x G GPUs   launch/multi_node.slurm
+submitted as `sbatch --parsable --job-name=<strategy>-<N>n<G>g --nodes=N --gpus-per-node=G
+--cpus-per-task=<G x --cpus-per-gpu> --output=STUDY/%x-%j.out [--sbatch-args]
+--export=ALL,STRATEGY=...,RUNS_DIR=STUDY launch/<file>.slurm --batch-size B TRAINING ARGS`, so
+the run directory is STUDY/<job name>-<job id>/ (launch/job.sh). CPUs grow with the GPUs so
+that every GPU gets the same DataLoader workers at every scale. dp (nn.DataParallel) is one
+process on one node: its runs on more than one node are skipped, and said so.
+
+Scaling modes (recorded in study.json and in every row of collect_results.py):
+    weak    (default) the per-GPU batch is fixed (--per-gpu-batch, default 64, the training
+            scripts' default); the global batch grows with the GPUs
+    strong  the global batch is fixed (--global-batch); per-GPU batch = global / GPUs, and a
+            configuration it does not divide is skipped, and said so
+
+--local runs the same matrix on this machine, one run after the other, through
+launch/local.sh (single-node runs only; without GPUs each "GPU" is one CPU process, gloo):
+    STRATEGY=... RUNS_DIR=STUDY JOB_NAME=... PYTHON=<this python> bash launch/local.sh
+        --nproc-per-node G -- --batch-size B TRAINING ARGS
+Its output goes to the terminal and to STUDY/<job name>-<time>.out.
+
+--resume (with --study-dir) re-reads study.json and the run directories and submits only the
+runs that are missing or failed: a run that finished (ok), or whose job is still in squeue, is
+left alone. Without matrix flags it resumes the whole study; with them, that part of it (new
+configurations are added). The training arguments, batch and scaling mode must be the study's.
+It reads the runs with collect_results.py, so it needs the training's Python environment.
+
+Environment: everything launch/job.sh reads passes through (DATA_DIR, PYTHON, LOG_INTERVAL,
+CHECKPOINT_DIR, OMP_NUM_THREADS, site settings) and is recorded in study.json; RUN_DIR, NPROC
+and NPROC_PER_NODE are dropped: the study sets each run's directory and processes.
+Exit status: 0 all submitted (or, --local, all runs ok); 1 a submission or local run failed;
+2 a bad flag or study directory (one sentence naming the fix); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+LAUNCH_DIR = Path(__file__).resolve().parent
+REPO_DIR = LAUNCH_DIR.parent
+MANIFEST = "study.json"  # collect_results.MANIFEST (not imported: that module needs torch)
+STRATEGIES = ("dp", "ddp", "fsdp")
+DEFAULT_PER_GPU_BATCH = 64  # the training scripts' --batch-size default (a test checks it)
+SLURM_FILES = {"baseline": "baseline.slurm", "multi_gpu": "multi_gpu.slurm",
+               "multi_node": "multi_node.slurm"}
+DP_ONE_NODE = "DataParallel (dp) is one process on one node; use ddp or fsdp across nodes"
+# Variables the launchers read that change what is measured: recorded with each invocation.
+PROVENANCE_ENV = ("DATA_DIR", "PYTHON", "LOG_INTERVAL", "CHECKPOINT_DIR", "OMP_NUM_THREADS",
+                  "CUDA_VISIBLE_DEVICES", "SITE_SH", "SRUN_EXTRA_ARGS", "NCCL_DEBUG",
+                  "NCCL_SOCKET_IFNAME", "CHECK_ONLY", "REQUEUE")
+# Variables the study sets itself for every run: an exported value would leak into every job.
+DROPPED_ENV = ("RUN_DIR", "NPROC", "NPROC_PER_NODE")
+
+
+class StudyError(Exception):
+    """A problem the user can fix: printed as one sentence, exit code 2."""
+
+
+@dataclass
+class Planned:
+    """One configuration of the matrix and how it is run."""
+    name: str
+    strategy: str
+    nodes: int
+    gpus_per_node: int
+    scaling: str
+    per_gpu_batch: int | None
+    global_batch: int | None
+    skipped: str = ""
+    argv: tuple = ()
+    env: tuple = ()      # (KEY, value) pairs set for the command (--local)
+    launcher: str = ""
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def command(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env)
+        return (env + " " if env else "") + shlex.join(self.argv)
+
+    def entry(self) -> dict:
+        return {"name": self.name, "strategy": self.strategy, "nodes": self.nodes,
+                "gpus_per_node": self.gpus_per_node, "gpus": self.gpus,
+                "scaling": self.scaling, "per_gpu_batch": self.per_gpu_batch,
+                "global_batch": self.global_batch, "launcher": self.launcher,
+                "command": self.command if not self.skipped else "",
+                "skipped": self.skipped, "attempts": []}
+
+
+# --------------------------------------------------------------------------------------------
+# The matrix
+# --------------------------------------------------------------------------------------------
+
+def run_name(strategy: str, nodes: int, gpus: int) -> str:
+    return f"{strategy}-{nodes}n{gpus}g"
+
+
+def local_gpus() -> int:
+    """GPUs this machine offers a local run: CUDA_VISIBLE_DEVICES, else nvidia-smi -L."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+
+
+def plan(settings: dict, study: Path, local: bool, gpus_here: int) -> list:
+    """Every configuration of the matrix, in order (strategy, nodes, GPUs per node)."""
+    planned = []
+    for strategy in settings["strategies"]:
+        for nodes in settings["nodes"]:
+            gpu_values = settings["gpus"]
+            if nodes > 1 and settings["multi_node_gpus"]:
+                gpu_values = settings["multi_node_gpus"]
+            for g in gpu_values:
+                planned.append(plan_one(settings, study, local, gpus_here, strategy, nodes, g))
+    return planned
+
+
+def plan_one(settings, study, local, gpus_here, strategy, nodes, g) -> Planned:
+    gpus = nodes * g
+    scaling = settings["scaling"]
+    if scaling == "weak":
+        per_gpu, global_batch = settings["per_gpu_batch"], settings["per_gpu_batch"] * gpus
+    else:
+        global_batch = settings["global_batch"]
+        per_gpu = global_batch // gpus if global_batch % gpus == 0 else None
+    p = Planned(run_name(strategy, nodes, g), strategy, nodes, g, scaling, per_gpu, global_batch)
+    if strategy == "dp" and nodes > 1:
+        p.skipped = DP_ONE_NODE
+    elif per_gpu is None:
+        p.skipped = (f"strong scaling: global batch {global_batch} does not divide by {gpus} "
+                     f"GPUs; pick a global batch that all GPU counts divide")
+    elif local and nodes > 1:
+        p.skipped = "--local runs on this one machine; multi-node runs need Slurm"
+    elif local and strategy == "dp" and g > 1 and gpus_here < g:
+        p.skipped = (f"dp with {g} GPUs needs {g} GPUs on this machine, which has {gpus_here} "
+                     f"(DataParallel is one process: on CPU it drives one device)")
+    elif local and gpus_here and g > gpus_here:
+        p.skipped = f"{g} processes need {g} GPUs; this machine has {gpus_here}"
+    if p.skipped:
+        return p
+    train = ["--batch-size", str(per_gpu), *settings["train_args"]]
+    if local:
+        p.launcher = "launch/local.sh"
+        if strategy == "dp" and gpus_here:
+            train = ["--gpus", str(g), *train]  # DataParallel would take every visible GPU
+        nproc = [] if strategy == "dp" else ["--nproc-per-node", str(g)]
+        p.env = (("STRATEGY", strategy), ("RUNS_DIR", str(study)), ("JOB_NAME", p.name),
+                 ("PYTHON", os.environ.get("PYTHON") or sys.executable))
+        p.argv = ("bash", str(LAUNCH_DIR / "local.sh"), *nproc, "--", *train)
+    else:
+        kind = "multi_node" if nodes > 1 else "multi_gpu" if g > 1 else "baseline"
+        p.launcher = f"launch/{SLURM_FILES[kind]}"
+        p.argv = ("sbatch", "--parsable", f"--job-name={p.name}", f"--nodes={nodes}",
+                  f"--gpus-per-node={g}", f"--cpus-per-task={settings['cpus_per_gpu'] * g}",
+                  f"--output={study}/%x-%j.out", *settings["sbatch_args"],
+                  f"--export=ALL,STRATEGY={strategy},RUNS_DIR={study}",
+                  str(LAUNCH_DIR / SLURM_FILES[kind]), *train)
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# Settings, and the study manifest
+# --------------------------------------------------------------------------------------------
+
+SETTING_FLAGS = {  # setting -> the flag that sets it, for messages
+    "scaling": "--scaling", "per_gpu_batch": "--per-gpu-batch", "global_batch": "--global-batch",
+    "cpus_per_gpu": "--cpus-per-gpu", "sbatch_args": "--sbatch-args",
+    "train_args": "the training arguments after --",
+}
+
+
+def check_train_args(train_args: list) -> None:
+    for arg in train_args:
+        flag = arg.split("=")[0]
+        if flag.startswith("--batch"):  # argparse also takes abbreviations such as --batch
+            raise StudyError(f"{arg} after --: the study sets --batch-size for every run; use "
+                             f"--per-gpu-batch N (weak scaling) or --scaling strong "
+                             f"--global-batch N instead")
+        if flag.startswith("--checkpoint-d"):
+            raise StudyError(f"{arg} after --: every run would share one checkpoint folder and "
+                             f"resume from the others' checkpoints; drop it (each run "
+                             f"checkpoints in its own run directory)")
+        if flag == "--gpus":
+            raise StudyError(f"{arg} after --: the study sets the GPUs of every run; use --gpus "
+                             f"before the --")
+
+
+def settings_from(args, train_args: list) -> dict:
+    """The study's settings from the command line; None where a flag was not given."""
+    return {"strategies": args.strategies, "gpus": args.gpus, "nodes": args.nodes,
+            "multi_node_gpus": args.multi_node_gpus, "scaling": args.scaling,
+            "per_gpu_batch": args.per_gpu_batch, "global_batch": args.global_batch,
+            "cpus_per_gpu": args.cpus_per_gpu,
+            "sbatch_args": shlex.split(args.sbatch_args) if args.sbatch_args is not None else None,
+            "train_args": train_args}
+
+
+def fill_defaults(s: dict) -> dict:
+    s = dict(s)
+    s["strategies"] = _unique(s["strategies"] or list(STRATEGIES))
+    s["gpus"] = _unique(s["gpus"] or [1, 2, 4, 8])
+    s["nodes"] = _unique(s["nodes"] or [1])
+    s["multi_node_gpus"] = _unique(s["multi_node_gpus"] or [])
+    s["scaling"] = s["scaling"] or "weak"
+    if s["scaling"] == "weak":
+        if s["global_batch"] is not None:
+            raise StudyError("--global-batch is for --scaling strong; with weak scaling set the "
+                             "per-GPU batch with --per-gpu-batch")
+        s["per_gpu_batch"] = s["per_gpu_batch"] or DEFAULT_PER_GPU_BATCH
+    else:
+        if s["per_gpu_batch"] is not None:
+            raise StudyError("--per-gpu-batch is for weak scaling; with --scaling strong set the "
+                             "global batch with --global-batch (per-GPU batch = global / GPUs)")
+        if s["global_batch"] is None:
+            raise StudyError("--scaling strong needs --global-batch N: the global batch that "
+                             "stays fixed while the GPUs grow")
+    s["cpus_per_gpu"] = s["cpus_per_gpu"] or 4
+    s["sbatch_args"] = s["sbatch_args"] or []
+    for flag, values in (("--gpus", s["gpus"]), ("--nodes", s["nodes"]),
+                         ("--multi-node-gpus", s["multi_node_gpus"])):
+        bad = [v for v in values if v < 1]
+        if bad:
+            raise StudyError(f"{flag} {bad[0]}: counts must be at least 1")
+    for key in ("per_gpu_batch", "global_batch", "cpus_per_gpu"):
+        if s[key] is not None and s[key] < 1:
+            raise StudyError(f"{SETTING_FLAGS[key]} {s[key]}: must be at least 1")
+    check_train_args(s["train_args"])
+    return s
+
+
+def _unique(values: list) -> list:
+    return list(dict.fromkeys(values))
+
+
+def merge_resume(given: dict, manifest: dict) -> dict:
+    """--resume: the study's settings, checked against those given again on the command line."""
+    saved = manifest["settings"]
+    merged = dict(saved)
+    for key in ("strategies", "gpus", "nodes", "multi_node_gpus"):
+        if given[key]:  # a part of the matrix (new configurations are added)
+            merged[key] = given[key]
+    for key, flag in SETTING_FLAGS.items():
+        value = given[key]
+        if key == "train_args" and not value:
+            continue
+        if value is not None and value != saved.get(key):
+            raise StudyError(f"this study was made with {flag} {_show(saved.get(key))}, not "
+                             f"{_show(value)}: resume it with the same settings (or leave the "
+                             f"flag out), or start a new study with another --study-dir")
+    return merged
+
+
+def _show(value) -> str:
+    if isinstance(value, list):
+        return shlex.join(str(v) for v in value) if value else "(none)"
+    return "(none)" if value is None else str(value)
+
+
+def write_manifest(study: Path, manifest: dict) -> None:
+    """Atomically, so an interrupted submission never leaves half a manifest."""
+    tmp = study / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, study / MANIFEST)
+
+
+def read_manifest(study: Path) -> dict:
+    path = study / MANIFEST
+    if not path.is_file():
+        raise StudyError(f"--resume: no {MANIFEST} in {study}; point --study-dir at a study "
+                         f"that launch/run_benchmarks.py made, or start one without --resume")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        if not (isinstance(manifest["settings"], dict) and isinstance(manifest["runs"], list)
+                and manifest["mode"] in ("slurm", "local")):
+            raise ValueError("settings, runs or mode malformed")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise StudyError(f"{path} is not a study manifest ({e.__class__.__name__}: {e}); "
+                         f"restore it or start a new study with another --study-dir") from None
+    return manifest
+
+
+# --------------------------------------------------------------------------------------------
+# --resume: what still needs running
+# --------------------------------------------------------------------------------------------
+
+def queued_job_ids() -> set | None:
+    """Job ids of this user still in Slurm's queue (pending, running, requeued); None if
+    squeue is not there to ask."""
+    if shutil.which("squeue") is None:
+        return None
+    try:
+        out = subprocess.run(["squeue", "--noheader", "--format=%i",
+                              f"--user={getpass.getuser()}"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise StudyError(f"squeue did not answer ({e}); retry when the Slurm controller "
+                         f"responds, so that queued jobs are not submitted twice") from None
+    if out.returncode != 0:
+        raise StudyError(f"squeue failed ({out.stderr.strip()[:200]}); retry when the Slurm "
+                         f"controller responds, so that queued jobs are not submitted twice")
+    return {line.strip() for line in out.stdout.splitlines() if line.strip()}
+
+
+def resume_states(study: Path, manifest: dict, names: list) -> dict:
+    """{name: (needs running, why)} from the run directories (collect_results' statuses)."""
+    sys.path.insert(0, str(REPO_DIR))
+    import collect_results  # noqa: E402  (imports torch through common.py: only for --resume)
+
+    try:
+        runs = collect_results.load_study(study)
+    except collect_results.UsageError as e:
+        raise StudyError(str(e)) from None
+    by_name = {}
+    for run in runs:
+        by_name.setdefault(run.name, []).append(run)
+    entries = {e["name"]: e for e in manifest["runs"]}
+    slurm = manifest["mode"] == "slurm"
+    queued = queued_job_ids() if slurm else set()
+    states = {}
+    for name in names:
+        attempts = [a for a in entries.get(name, {}).get("attempts", [])]
+        ids = [str(a["job_id"]) for a in attempts if a.get("job_id")]
+        runs_of = sorted(by_name.get(name, []),
+                         key=lambda r: collect_results._PREFERENCE[r.status])
+        best = runs_of[0] if runs_of else None
+        if best is not None and best.status == collect_results.OK:
+            states[name] = (False, f"done ({best.label})")
+            continue
+        still = [i for i in ids if queued and i in queued]
+        if still:
+            states[name] = (False, f"job {still[-1]} is still in squeue")
+            continue
+        why = f"{best.status}: {best.detail}" if best else "not run yet"
+        if slurm and ids and queued is None:
+            why += f"; squeue not found, so whether job {ids[-1]} is still queued is unknown"
+        states[name] = (True, why)
+    return states
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
+
+def child_env(p: Planned) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in DROPPED_ENV}
+    env.update(dict(p.env))
+    if p.env:  # --local: psrecord and friends from this interpreter's environment
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def submit(p: Planned, study: Path) -> dict:
+    try:
+        out = subprocess.run(list(p.argv), capture_output=True, text=True, env=child_env(p),
+                             timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise StudyError(f"sbatch for {p.name} did not run ({e})") from None
+    job_id = out.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
+    if out.returncode != 0 or not job_id.isdigit():
+        said = " / ".join((out.stderr or out.stdout).strip().splitlines())
+        raise StudyError(f"sbatch for {p.name} failed (exit {out.returncode}): {said[:300]}")
+    print(f"submitted {p.name}: job {job_id} -> {study / f'{p.name}-{job_id}'}", flush=True)
+    return {"job_id": job_id, "submitted": _now(), "command": p.command,
+            "run_dir": str(study / f"{p.name}-{job_id}")}
+
+
+def run_local(p: Planned, study: Path) -> dict:
+    """One local run, its output to the terminal and STUDY/<name>-<time>.out; exit code 130
+    when Ctrl-C stopped it."""
+    before = set(study.glob(f"{p.name}-*/"))
+    output = study / f"{p.name}-{datetime.now():%Y%m%d-%H%M%S}.out"
+    attempt = {"job_id": "", "submitted": _now(), "command": p.command, "output": str(output)}
+    print(f"== {p.name}: {p.command}", flush=True)
+    with open(output, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(list(p.argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=child_env(p), errors="replace")
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                log.write(line)
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            proc.wait()  # the run got the same SIGINT (same terminal): let it clean up
+            rc = 130
+    new = sorted(set(study.glob(f"{p.name}-*/")) - before)
+    if new:
+        attempt["run_dir"] = str(new[-1])
+        attempt["job_id"] = new[-1].name[len(p.name) + 1:]
+    attempt["exit_code"] = rc
+    print(f"== {p.name}: exit code {rc}"
+          + (f" -> {attempt['run_dir']}" if new else " (no run directory)"), flush=True)
+    return attempt
+
+
+def _now() -> str:
+    return datetime.now().isoformat(timespec="seconds")
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python launch/run_benchmarks.py", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [options] [-- TRAINING ARGS]")
+    m = parser.add_argument_group("the matrix")
+    m.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=None,
+                   help="strategies to run (default: dp ddp fsdp)")
+    m.add_argument("--gpus", nargs="+", type=int, default=None, metavar="G",
+                   help="GPUs per node (default: 1 2 4 8); without GPUs (--local) processes")
+    m.add_argument("--nodes", nargs="+", type=int, default=None, metavar="N",
+                   help="numbers of nodes (default: 1)")
+    m.add_argument("--multi-node-gpus", nargs="+", type=int, default=None, metavar="G",
+                   help="GPUs per node for the runs on more than one node (default: every "
+                        "--gpus value); --multi-node-gpus 4 gives the workshop's node table")
+    b = parser.add_argument_group("batch and scaling mode")
+    b.add_argument("--scaling", choices=("weak", "strong"), default=None,
+                   help="weak: per-GPU batch fixed (default); strong: global batch fixed")
+    b.add_argument("--per-gpu-batch", type=int, default=None, metavar="B",
+                   help=f"weak scaling: batch size PER GPU, the same in every run (default "
+                        f"{DEFAULT_PER_GPU_BATCH}); the global batch is B x GPUs")
+    b.add_argument("--global-batch", type=int, default=None, metavar="B",
+                   help="strong scaling: the GLOBAL batch, the same in every run; per-GPU "
+                        "batch = B / GPUs")
+    r = parser.add_argument_group("where and how")
+    r.add_argument("--study-dir", default=None, metavar="DIR",
+                   help="the study directory: study.json and one run directory per job "
+                        "(default: runs/study-<date>-<time>; --resume needs it)")
+    r.add_argument("--dry-run", action="store_true",
+                   help="print the commands (a shell script) and exit; submits nothing, "
+                        "writes nothing")
+    r.add_argument("--local", action="store_true",
+                   help="run the single-node part of the matrix on this machine through "
+                        "launch/local.sh, one run after the other (CPU: gloo processes)")
+    r.add_argument("--resume", action="store_true",
+                   help="submit only the runs of --study-dir that are missing or failed")
+    r.add_argument("--cpus-per-gpu", type=int, default=None, metavar="C",
+                   help="sbatch --cpus-per-task = C x GPUs per node (default 4, as in the "
+                        ".slurm files), so DataLoader workers per GPU stay the same")
+    r.add_argument("--sbatch-args", default=None, metavar="'ARGS'",
+                   help="extra sbatch options for every job, one quoted string, e.g. "
+                        "'--partition=gpu --time=00:30:00 --account=proj'")
+    return parser
+
+
+def split_argv(argv: list) -> tuple:
+    if "--" in argv:
+        at = argv.index("--")
+        return argv[:at], argv[at + 1:]
+    return argv, []
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ours, train_args = split_argv(argv)
+    args = build_parser().parse_args(ours)
+    try:
+        return study(args, train_args, argv)
+    except StudyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def open_study(args, given: dict, mode: str) -> tuple:
+    """(study directory, manifest, settings): a new study, or the one --resume names."""
+    if args.resume:
+        if not args.study_dir:
+            raise StudyError("--resume needs --study-dir: the study directory to resume")
+        study_dir = Path(args.study_dir).resolve()
+        manifest = read_manifest(study_dir)
+        if manifest["mode"] != mode:
+            raise StudyError(f"{study_dir} is a {manifest['mode']} study; resume it "
+                             f"{'with' if manifest['mode'] == 'local' else 'without'} --local")
+        settings = fill_defaults(merge_resume(given, manifest))
+    else:
+        settings = fill_defaults(given)
+        study_dir = Path(args.study_dir or f"runs/study-{datetime.now():%Y%m%d-%H%M%S}").resolve()
+        if (study_dir / MANIFEST).exists():
+            raise StudyError(f"{study_dir} already holds a study ({MANIFEST}); add --resume to "
+                             f"run its missing or failed runs, or pick a new --study-dir")
+        if study_dir.exists() and not study_dir.is_dir():
+            raise StudyError(f"--study-dir {study_dir} is a file; name a directory")
+        manifest = {"version": 1, "created": _now(), "mode": mode,
+                    "repo": str(REPO_DIR), "settings": settings, "invocations": [], "runs": []}
+    if "," in str(study_dir) and mode == "slurm":
+        raise StudyError(f"--study-dir {study_dir} contains a comma, which sbatch --export "
+                         f"cannot pass; pick a path without commas")
+    return study_dir, manifest, settings
+
+
+def select(planned: list, states: dict | None) -> tuple:
+    """(runs to start, the lines that say so): commands, and # comments for the rest."""
+    todo, lines = [], []
+    for p in planned:
+        if p.skipped:
+            lines.append(f"# skip {p.name}: {p.skipped}")
+        elif states is not None and not states[p.name][0]:
+            lines.append(f"# {p.name}: {states[p.name][1]}; not run again")
+        else:
+            if states is not None:
+                lines.append(f"# {p.name}: {states[p.name][1]}")
+            lines.append(p.command)
+            todo.append(p)
+    return todo, lines
+
+
+def record_plan(study_dir: Path, manifest: dict, settings: dict, planned: list, resume: bool,
+                argv: list) -> dict:
+    """Write study.json before anything runs; returns its entries by name."""
+    study_dir.mkdir(parents=True, exist_ok=True)
+    if resume:  # the matrix only grows: a resumed part keeps the rest of the study
+        for key in ("strategies", "gpus", "nodes", "multi_node_gpus"):
+            settings[key] = _unique(manifest["settings"][key] + settings[key])
+    manifest["settings"] = settings
+    manifest["invocations"].append(
+        {"time": _now(), "command": shlex.join(["python", "launch/run_benchmarks.py", *argv]),
+         "env": {k: os.environ[k] for k in PROVENANCE_ENV if k in os.environ}})
+    entries = {e["name"]: e for e in manifest["runs"]}
+    for p in planned:
+        entry = entries.get(p.name)
+        if entry is None:
+            entries[p.name] = p.entry()
+            manifest["runs"].append(entries[p.name])
+        elif not p.skipped:
+            entry["command"] = p.command
+    write_manifest(study_dir, manifest)
+    return entries
+
+
+def study(args, train_args: list, argv: list) -> int:
+    if args.sbatch_args is not None:
+        try:
+            shlex.split(args.sbatch_args)
+        except ValueError as e:
+            raise StudyError(f"--sbatch-args {args.sbatch_args!r}: {e}; quote it as one "
+                             f"string, e.g. --sbatch-args '--partition=gpu --time=01:00:00'")
+    mode = "local" if args.local else "slurm"
+    study_dir, manifest, settings = open_study(args, settings_from(args, train_args), mode)
+    if mode == "slurm" and not args.dry_run and shutil.which("sbatch") is None:
+        raise StudyError("sbatch not found: run this on the cluster's login node, or use "
+                         "--dry-run to print the commands or --local to run on this machine")
+
+    planned = plan(settings, study_dir, args.local, local_gpus() if args.local else 0)
+    states = (resume_states(study_dir, manifest, [p.name for p in planned if not p.skipped])
+              if args.resume else None)
+    todo, lines = select(planned, states)
+    mode_text = (f"weak scaling, {settings['per_gpu_batch']} images per GPU"
+                 if settings["scaling"] == "weak"
+                 else f"strong scaling, global batch {settings['global_batch']}")
+    header = (f"# study {study_dir}: {mode_text}; {len(planned)} configurations, "
+              f"{sum(bool(p.skipped) for p in planned)} skipped, {len(todo)} to run")
+    if args.dry_run:
+        print("\n".join([header] + lines))
+        return 0
+
+    entries = record_plan(study_dir, manifest, settings, planned, args.resume, argv)
+    print("\n".join([header] + [ln for ln in lines if ln.startswith("#")]), flush=True)
+    resume_cmd = (f"python launch/run_benchmarks.py --resume --study-dir {study_dir}"
+                  + (" --local" if args.local else ""))
+    failed = []
+    try:
+        for p in todo:
+            if args.local:
+                attempt = run_local(p, study_dir)
+            else:
+                try:
+                    attempt = submit(p, study_dir)
+                except StudyError as e:
+                    attempt = {"job_id": "", "submitted": _now(), "command": p.command,
+                               "error": str(e)}
+                    entries[p.name]["attempts"].append(attempt)
+                    write_manifest(study_dir, manifest)
+                    print(f"error: {e}; fix it and submit the rest with: {resume_cmd}",
+                          file=sys.stderr)
+                    return 1
+            entries[p.name]["attempts"].append(attempt)
+            write_manifest(study_dir, manifest)
+            if attempt.get("exit_code") == 130:
+                raise KeyboardInterrupt
+            if attempt.get("exit_code", 0) != 0:
+                failed.append(f"{p.name} (exit code {attempt['exit_code']})")
+    except KeyboardInterrupt:
+        write_manifest(study_dir, manifest)
+        print(f"\ninterrupted; finish the study with: {resume_cmd}", file=sys.stderr)
+        return 130
+
+    if args.local:
+        print(f"{len(todo) - len(failed)} of {len(todo)} runs ok"
+              + (f"; failed: {', '.join(failed)}" if failed else ""))
+    else:
+        print(f"{len(todo)} jobs submitted; watch them with: squeue --me")
+    print(f"study: {study_dir}\nwhen done: python collect_results.py {study_dir} --plot"
+          + (f"\nrerun what failed: {resume_cmd}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,381 @@
+"""collect_results.py on a fixture study with known numbers (tests/fixtures/study).
+
+The fixture is a Slurm study of ResNet-50 on TinyImageNet, weak scaling at 64 images per GPU,
+3 epochs, made like launch/run_benchmarks.py and launch/job.sh make one: study.json, one run
+directory per job (job.env written with bash printf %q, train.log modelled on real output,
+nvidia-smi and psrecord logs) and Slurm .out files. What each run is:
+
+  ddp-1n1g-5001   ok        1000.0 img/s; GPU 0 samples 8000 12000 10000 10000 -> Avg 10000
+  ddp-1n2g-5002   ok        1900.0 img/s; GPU 0 Avg 10500; one [METRIC] line with rank 1's
+                            warning glued to it (unparseable), one after rank 1's text (parses)
+  ddp-1n4g-5003   failed    CUDA OOM in epoch 2, exit 1; superseded by ddp-1n4g-5010
+  ddp-1n4g-5010   ok        3600.0 img/s; GPU 0 Avg 11000
+  ddp-2n4g-5004   ok        requeued once (USR1), finished: 6800.0 img/s; GPU 0 of gn04 (first
+                            node): 10000 14000 + restart 12000 x4 -> Peak 14000, Avg 12000,
+                            Mode 12000 (gn05's GPU 0 is at 20000 and must not be used)
+  ddp-4n4g-5005   partial   killed in epoch 3, no EXIT_CODE: epoch 2 at 12800.0 img/s, Avg 12500
+  ddp-8n4g        missing   submitted as job 5006, no run directory
+  fsdp-1n1g-5101  failed    exit 1 before the first epoch: fsdp has no 1-GPU baseline
+  fsdp-1n2g-5102  ok        1800.0 img/s
+  fsdp-1n4g-5103  requeued  exit 75 after epoch 2 (3100.0 img/s)
+  fsdp-2n4g       failed    only fsdp-2n4g-5104.out: the job died before making its run directory
+  fsdp-4n4g/8n4g  missing   planned, never submitted
+  dp-1n1g/2g/4g   ok        800.0 / 1200.0 / 1600.0 img/s; GPU 0 Avg 9000 / 13500 / 18000
+  dp-2n4g ...     skipped   DataParallel runs on one node
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TESTS, env_for_tests
+
+import collect_results
+import common
+
+STUDY = TESTS / "fixtures" / "study"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def collect(paths, out: Path, *extra) -> tuple:
+    """collect_results.main in-process; returns (exit code, rows by run, results.md text)."""
+    code = collect_results.main([*map(str, paths), "--out", str(out), *extra])
+    rows, md = {}, ""
+    if (out / "results.csv").exists():
+        with open(out / "results.csv", newline="") as f:
+            rows = {r["run"]: r for r in csv.DictReader(f)}
+        md = (out / "results.md").read_text()
+    return code, rows, md
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    code, rows, md = collect([STUDY], out, "--plot")
+    assert code == 0
+    return rows, md, out
+
+
+# --------------------------------------------------------------------------------------------
+# The contract with the training scripts
+# --------------------------------------------------------------------------------------------
+
+def test_formats_come_from_the_training_code():
+    assert collect_results.METRIC_KEYS is common.METRIC_KEYS
+    used = collect_results.INT_KEYS + collect_results.FLOAT_KEYS + collect_results.LIST_KEYS
+    assert set(used) <= set(common.METRIC_KEYS + common.FINAL_KEYS)
+    # results.csv has every [METRIC] key, in the writer's order.
+    cols = collect_results.CSV_COLUMNS
+    at = cols.index(common.METRIC_KEYS[0])
+    assert cols[at:at + len(common.METRIC_KEYS)] == common.METRIC_KEYS
+    # The epoch-line regex is built from common.EPOCH_LINE and reads back what it formats.
+    m = dict(epoch=3, epochs=3, lr=0.001, train_loss=5.149, val_loss=5.664, train_acc=2.16,
+             val_acc=0.98, throughput_img_s=704.9)
+    hit = collect_results.EPOCH_RE.search("[rank0]: " + common.format_epoch_line(m))
+    assert {k: float(v) for k, v in hit.groupdict().items()} == pytest.approx(m)
+
+
+def test_a_real_metric_line_round_trips(tmp_path):
+    m = dict(strategy="ddp", model="cnn", dataset="synthetic", device="cpu", world_size=2,
+             nodes=1, gpus_per_node=2, per_gpu_batch=16, global_batch=32, amp="off", epoch=2,
+             epochs=2, lr=0.01, train_loss=2.298062, train_acc=17.1875, val_loss=2.294444,
+             val_acc=18.75, train_images=256, val_images=64, epoch_time_s=0.5164306,
+             throughput_img_s=495.7104, peak_mem_mib=771.1953,
+             peak_mem_per_gpu_mib=[771.1953, 765.1094], total_time_s=1.199915)
+    log = tmp_path / "train.log"
+    log.write_text(common.format_metric_line(m) + "\n" + common.format_metric_line(m, final=True)
+                   + "\n")
+    scan = collect_results.scan_log(log)
+    assert scan.metric_lines == 2 and not scan.bad
+    assert scan.final["throughput_img_s"] == 495.7104
+    assert scan.final["peak_mem_per_gpu_mib"] == [771.1953, 765.1094]
+    assert scan.final["_raw"]["epoch_time_s"] == "0.5164306"  # the CSV keeps the logged text
+
+
+# --------------------------------------------------------------------------------------------
+# Scaling factors and efficiencies, exactly
+# --------------------------------------------------------------------------------------------
+
+def test_scaling_factors_and_efficiencies(study):
+    rows, _, _ = study
+    expected = {
+        # run: (throughput scaling, memory avg scaling, parallel efficiency)
+        "ddp-1n1g-5001": ("1", "1", "1"),            # the baseline: 1000.0 img/s, Avg 10000
+        "ddp-1n2g-5002": ("1.9", "1.05", "0.95"),    # 1900/1000; 10500/10000; 1.9/2
+        "ddp-1n4g-5010": ("3.6", "1.1", "0.9"),      # 3600/1000; 11000/10000; 3.6/4
+        "ddp-2n4g-5004": ("6.8", "1.2", "0.85"),     # 6800/1000; 12000/10000; 6.8/(2x4)
+        "ddp-4n4g-5005": ("12.8", "1.25", "0.8"),    # epoch 2: 12800/1000; 12500/10000; 12.8/16
+        "dp-1n1g-5201": ("1", "1", "1"),             # the baseline: 800.0 img/s, Avg 9000
+        "dp-1n2g-5202": ("1.5", "1.5", "0.75"),      # 1200/800; 13500/9000; 1.5/2
+        "dp-1n4g-5203": ("2", "2", "0.5"),           # 1600/800; 18000/9000; 2.0/4
+    }
+    for run, (ts, ms, eff) in expected.items():
+        r = rows[run]
+        assert (r["throughput_scaling"], r["memory_avg_scaling"], r["parallel_efficiency"]) == (
+            ts, ms, eff), run
+    for run in ("ddp-1n2g-5002", "ddp-1n4g-5010", "ddp-2n4g-5004", "ddp-4n4g-5005"):
+        assert rows[run]["baseline"] == "ddp-1n1g-5001"
+    # fsdp's 1-GPU run failed: no factors for the others, and the CSV says why in the tables.
+    for run in ("fsdp-1n2g-5102", "fsdp-1n4g-5103"):
+        r = rows[run]
+        assert (r["throughput_scaling"], r["memory_avg_scaling"], r["parallel_efficiency"],
+                r["baseline"]) == ("", "", "", "")
+
+
+def test_final_epoch_values_and_memory(study):
+    rows, _, _ = study
+    r = rows["ddp-1n2g-5002"]
+    # The final line's values, as logged; epoch_time_s = 99968 images / 1900 img/s.
+    assert (r["epoch"], r["epochs"], r["train_loss"], r["train_acc"], r["throughput_img_s"],
+            r["epoch_time_s"], r["total_time_s"]) == (
+        "3", "3", "3.698", "19.86", "1900", "52.61474", "1902.4")
+    assert (r["world_size"], r["nodes"], r["gpus_per_node"], r["per_gpu_batch"],
+            r["global_batch"], r["scaling"]) == ("2", "1", "2", "64", "128", "weak")
+    # GPU 0: samples 9000 12000 10500 10500 -> Peak 12000, Avg 10500, Mode 10500.
+    assert (r["gpu0"], r["gpu0_peak_mib"], r["gpu0_avg_mib"], r["gpu0_mode_mib"]) == (
+        "gn02 GPU 0", "12000", "10500.0", "10500")
+    # psrecord RSS samples 812 5120 5630 5631 -> Peak 5631, Avg 17193 / 4 = 4298.25.
+    assert (r["cpu_node"], r["cpu_peak_rss_mb"], r["cpu_avg_rss_mb"]) == ("gn02", "5631.0",
+                                                                          "4298.25")
+
+
+def test_gpu0_is_the_first_nodes_and_spans_restarts(study):
+    rows, _, _ = study
+    r = rows["ddp-2n4g-5004"]
+    # gn04 (first in NODELIST), its two logs together: 10000 14000 12000 12000 12000 12000
+    # -> Peak 14000, Avg 72000/6 = 12000, Mode 12000. Either log alone gives another pair
+    # (14000/14000 or 12000/12000), and gn05's GPU 0 is at 20000.
+    assert (r["gpu0"], r["gpu0_peak_mib"], r["gpu0_avg_mib"], r["gpu0_mode_mib"]) == (
+        "gn04 GPU 0", "14000", "12000.0", "12000")
+    # CPU of gn04 over both attempts: Peak max(5120, 5310); Avg weighted by samples:
+    # (2966.0 x 2 + 3800.0 x 3) / 5 = 3466.4
+    assert (r["cpu_node"], r["cpu_peak_rss_mb"], r["cpu_avg_rss_mb"], r["restarts"]) == (
+        "gn04", "5310.0", "3466.4", "1")
+
+
+# --------------------------------------------------------------------------------------------
+# Failed, partial, requeued, missing, skipped: never dropped
+# --------------------------------------------------------------------------------------------
+
+def test_every_run_has_a_row_with_its_status(study):
+    rows, _, _ = study
+    status = {run: r["status"] for run, r in rows.items()}
+    assert status == {
+        "ddp-1n1g-5001": "ok", "ddp-1n2g-5002": "ok", "ddp-1n4g-5003": "failed",
+        "ddp-1n4g-5010": "ok", "ddp-2n4g-5004": "ok", "ddp-4n4g-5005": "partial",
+        "ddp-8n4g": "missing", "fsdp-1n1g-5101": "failed", "fsdp-1n2g-5102": "ok",
+        "fsdp-1n4g-5103": "requeued", "fsdp-2n4g": "failed", "fsdp-4n4g": "missing",
+        "fsdp-8n4g": "missing", "dp-1n1g-5201": "ok",
+        "dp-1n2g-5202": "ok", "dp-1n4g-5203": "ok", "dp-2n4g": "skipped", "dp-4n4g": "skipped",
+        "dp-8n4g": "skipped"}
+    assert rows["ddp-1n4g-5003"]["used_in_tables"] == "0"  # superseded by the --resume run
+    assert rows["ddp-1n4g-5010"]["used_in_tables"] == "1"
+    assert rows["ddp-1n4g-5003"]["exit_code"] == "1"
+    assert rows["ddp-4n4g-5005"]["epoch"] == "2" and rows["ddp-4n4g-5005"]["exit_code"] == ""
+    assert rows["fsdp-1n4g-5103"]["exit_code"] == "75"
+    assert "no launch/job.sh" in rows["fsdp-2n4g"]["detail"]
+    assert "fsdp-2n4g-5104.out" in rows["fsdp-2n4g"]["detail"]
+    assert "job 5006" in rows["ddp-8n4g"]["detail"]
+    assert "not run yet" in rows["fsdp-4n4g"]["detail"]
+    assert "one node" in rows["dp-2n4g"]["detail"]
+
+
+def test_tables_are_the_workshops_filled_in(study):
+    _, md, _ = study
+    seed_cols = ("| Config | Train Loss (Epoch 3) | Train Acc (Epoch 3) | Throughput (img/s) | "
+                 "GPU 0 Peak (MiB) | GPU 0 Avg (MiB) | GPU 0 Mode (MiB) | ")
+    assert md.count("### Multi-GPU Scaling (1 Node)") == 3  # dp, ddp, fsdp
+    assert md.count("### Multi-Node Scaling (Fixed GPUs per Node)") == 3
+    assert md.count(seed_cols + "Throughput Scaling vs 1G | Memory Avg Scaling vs 1G | "
+                                "Parallel Efficiency | Status |") == 3
+    assert md.count(seed_cols + "Throughput Scaling vs 1N | Memory Avg Scaling vs 1N | "
+                                "Parallel Efficiency | Status |") == 2  # dp has none
+    assert ("| 2 GPUs, 1 Node | 3.698 | 19.86% | 1900.0 | 12000 | 10500.00 | 10500 | 1.90× | "
+            "1.05× | 95% | ok |") in md
+    assert ("| 2 Nodes x 4 GPUs | 3.698 | 19.86% | 6800.0 | 14000 | 12000.00 | 12000 | 6.80× | "
+            "1.20× | 85% | ok |") in md
+    # partial: epoch 2's values, labelled as such
+    assert ("| 4 Nodes x 4 GPUs | 4.235 (epoch 2) | 12.44% (epoch 2) | 12800.0 | 13000 | "
+            "12500.00 | 13000 | 12.80× | 1.25× | 80% | partial: 2/3 epochs done") in md
+    assert "| 8 Nodes x 4 GPUs | — |" in md and "missing: submitted (job 5006)" in md
+    # fsdp: the failed baseline and what that means for the others
+    assert "| 1 GPU, 1 Node (baseline) | failed | failed | failed |" in md
+    assert ("| 2 GPUs, 1 Node | 3.698 | 19.86% | 1800.0 | 7000 | 6500.00 | 6500 | "
+            "no 1-GPU baseline | no 1-GPU baseline | no 1-GPU baseline | ok |") in md
+    assert "requeued: exit code 75" in md
+    assert "| 2 Nodes x 4 GPUs | failed | failed |" in md
+    assert ("Skipped: 2 Nodes x 4 GPUs, 4 Nodes x 4 GPUs, 8 Nodes x 4 GPUs: DataParallel (dp) "
+            "is one process on one node") in md
+    assert "## DataParallel (dp): weak scaling, 64 images per GPU per step" in md
+    assert "ddp-1n4g-5003: superseded in the tables by ddp-1n4g-5010 (ok)" in md
+
+
+def test_unparseable_lines_are_counted_and_reported(study, capsys, tmp_path):
+    rows, md, _ = study
+    assert rows["ddp-1n2g-5002"]["bad_metric_lines"] == "1"
+    assert rows["ddp-1n2g-5002"]["metric_lines"] == "3"  # incl. the one after rank 1's text
+    assert "**1 [METRIC] line(s) could not be parsed**" in md
+    assert "unparseable [METRIC] line at train.log:12: text without '='" in md
+    collect_results.main([str(STUDY / "ddp-1n2g-5002"), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "warning: 1 unparseable [METRIC] line(s)" in err
+    assert "ddp-1n2g-5002/train.log:12:" in err
+
+
+def test_killed_mid_write_and_no_newline(tmp_path):
+    run = tmp_path / "ddp-1n1g-7001"
+    shutil.copytree(STUDY / "ddp-1n1g-5001", run)
+    env = (run / "job.env").read_text()
+    (run / "job.env").write_text(env[:env.index("END_TIME")])  # killed: no EXIT_CODE
+    log = run / "train.log"
+    lines = log.read_text().splitlines()
+    cut = next(i for i, ln in enumerate(lines) if "final=1" in ln)
+    log.write_text("\n".join(lines[:cut]) + "\n" + lines[cut][:-12])  # the final line, cut off
+    code, rows, md = collect([run], tmp_path / "out")
+    r = rows["ddp-1n1g-7001"]
+    assert code == 0
+    assert (r["status"], r["epoch"], r["bad_metric_lines"]) == ("partial", "3", "1")
+    assert "no EXIT_CODE in job.env" in r["detail"]
+    assert "last line without its newline" in md
+
+
+def test_logs_with_only_epoch_lines(tmp_path):
+    """The workshop's own scripts print epoch lines but no [METRIC] lines."""
+    run = tmp_path / "ddp-1n1g-7002"
+    shutil.copytree(STUDY / "ddp-1n1g-5001", run)
+    log = run / "train.log"
+    log.write_text("".join(ln for ln in log.read_text().splitlines(keepends=True)
+                           if "[METRIC]" not in ln))
+    code, rows, _ = collect([run], tmp_path / "out")
+    r = rows["ddp-1n1g-7002"]
+    assert (r["status"], r["train_loss"], r["throughput_img_s"], r["world_size"]) == (
+        "ok", "3.698", "1000", "1")
+    assert "epoch lines" in r["detail"]
+
+
+def test_a_slurm_out_file_alone(tmp_path):
+    """job.sh's console output: config from [METRIC], exit code and memory from its lines."""
+    code, rows, _ = collect([STUDY / "ddp-1n1g-5001.out"], tmp_path)
+    r = rows["ddp-1n1g-5001.out"]
+    assert code == 0
+    assert (r["status"], r["exit_code"], r["job_id"], r["job_name"], r["throughput_img_s"]) == (
+        "ok", "0", "5001", "ddp-1n1g", "1000")
+    # the analyze_memory lines it printed: [gn01 - GPU 0] Peak = 12000 MiB, Avg = 10000.00 ...
+    assert (r["gpu0_peak_mib"], r["gpu0_avg_mib"], r["gpu0_mode_mib"]) == ("12000", "10000.0",
+                                                                           "10000")
+
+
+def test_cpu_runs_show_no_gpu_log(tmp_path):
+    """A CPU run has no nvidia-smi log: GPU columns say so, CPU memory comes from psrecord."""
+    run = tmp_path / "ddp-1n1g-7003"
+    shutil.copytree(STUDY / "ddp-1n1g-5001", run)
+    for f in (run / "gpu_memory").iterdir():
+        f.unlink()
+    code, rows, md = collect([run], tmp_path / "out")
+    r = rows["ddp-1n1g-7003"]
+    assert (r["gpu0"], r["gpu0_peak_mib"], r["cpu_peak_rss_mb"]) == ("n/a (no GPU log)", "",
+                                                                     "5631.0")
+    assert "| n/a (no GPU log) | n/a | n/a | 1.00× | n/a (no GPU log) | 100% | ok |" in md
+
+
+def test_memory_summary_json_when_logs_are_gone(tmp_path):
+    run = tmp_path / "ddp-1n1g-7004"
+    shutil.copytree(STUDY / "ddp-1n1g-5001", run)
+    summary = subprocess.run([sys.executable, str(REPO / "analyze_memory.py"), "--json",
+                              str(run)], capture_output=True, text=True, check=True).stdout
+    (run / "memory_summary.json").write_text(summary)
+    shutil.rmtree(run / "gpu_memory")
+    shutil.rmtree(run / "cpu_memory")
+    _, rows, _ = collect([run], tmp_path / "out")
+    assert (rows["ddp-1n1g-7004"]["gpu0_avg_mib"], rows["ddp-1n1g-7004"]["cpu_peak_rss_mb"]) == (
+        "10000.0", "5631.0")
+
+
+# --------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------
+
+def test_plots_are_real_pngs(study):
+    _, md, out = study
+    for name in collect_results.PLOTS:
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC, name
+        assert len(data) > 15_000, name  # axes, lines and labels, not an empty canvas
+        assert f"]({name})" in md
+    import matplotlib.image
+    h, w, _ = matplotlib.image.imread(out / "throughput.png").shape
+    assert (w, h) == (700, 450)  # figsize 7 x 4.5 at the default 100 dpi
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: one sentence, exit 2, no traceback
+# --------------------------------------------------------------------------------------------
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, str(REPO / "collect_results.py"), *map(str, args)],
+                          capture_output=True, text=True, env=env_for_tests(), cwd=cwd or REPO,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("case", ["missing", "empty dir", "not a log", "out is a file",
+                                  "bad manifest"])
+def test_bad_input_is_one_clear_sentence(tmp_path, case):
+    out = tmp_path / "out"
+    if case == "missing":
+        args, says = [tmp_path / "nope"], "no such file or directory"
+    elif case == "empty dir":
+        (tmp_path / "empty").mkdir()
+        args, says = [tmp_path / "empty"], "no run directories"
+    elif case == "not a log":
+        (tmp_path / "notes.txt").write_text("hello\n")
+        args, says = [tmp_path / "notes.txt"], "pass a training log"
+    elif case == "out is a file":
+        (tmp_path / "file").write_text("")
+        args, says = [STUDY / "ddp-1n1g-5001", "--out", tmp_path / "file"], "writable --out"
+    else:
+        study = tmp_path / "study"
+        shutil.copytree(STUDY, study)
+        (study / "study.json").write_text("{not json")
+        args, says = [study], "not a study manifest"
+    if case != "out is a file":
+        args += ["--out", out]
+    proc = _cli(*args)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
+
+
+def test_one_run_directory_of_a_study(tmp_path):
+    """Given one run directory, its scaling mode still comes from the study's study.json, and
+    the study's other planned runs are not listed as missing."""
+    code, rows, md = collect([STUDY / "ddp-1n2g-5002"], tmp_path)
+    assert code == 0 and list(rows) == ["ddp-1n2g-5002"]
+    assert rows["ddp-1n2g-5002"]["scaling"] == "weak"
+    assert "## DistributedDataParallel (ddp): weak scaling, 64 images per GPU per step" in md
+    assert "| 1 GPU, 1 Node (baseline) | — |" in md  # not in what was collected
+
+
+def test_strong_scaling_heading_and_a_workload_mismatch(tmp_path):
+    """A study recorded as strong scaling whose runs did not keep the global batch fixed (the
+    fixture's runs are weak scaling: 64 per GPU) is labelled, and the mismatch is flagged."""
+    study = tmp_path / "study"
+    shutil.copytree(STUDY, study)
+    manifest = json.loads((study / "study.json").read_text())
+    manifest["settings"].update(scaling="strong", per_gpu_batch=None, global_batch=256)
+    for entry in manifest["runs"]:
+        entry["scaling"] = "strong"
+    (study / "study.json").write_text(json.dumps(manifest))
+    code, rows, md = collect([study], tmp_path / "out")
+    assert code == 0 and rows["ddp-1n2g-5002"]["scaling"] == "strong"
+    assert ("## DistributedDataParallel (ddp): strong scaling, global batch "
+            "64/128/256/512/1024 (per GPU: 64)") in md
+    assert ("**Warning:** the runs differ in global_batch (64, 128, 256, 512, 1024): their "
+            "scaling factors compare different workloads.") in md

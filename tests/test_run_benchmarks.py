@@ -1,0 +1,390 @@
+"""launch/run_benchmarks.py: the exact sbatch commands of a matrix, the study manifest, --resume,
+and a real local study (ddp and fsdp at world sizes 1 and 2 on CPU) collected into tables and
+plots by collect_results.py.
+
+No Slurm is needed: the submission tests put a fake `sbatch` and `squeue` first on PATH (small
+Python scripts that record their arguments and hand out job ids), so they check exactly what
+would be submitted without a cluster, and never reach a real one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TESTS, env_for_tests
+
+import collect_results
+import common
+
+SCRIPT = REPO / "launch" / "run_benchmarks.py"
+FIXTURE_STUDY = TESTS / "fixtures" / "study"
+SLURM = REPO / "launch"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+FAKE_SBATCH = """#!{python}
+# Records its arguments and RUN_DIR (which must not leak into the jobs), prints a job id.
+import json, os, sys
+from pathlib import Path
+here = Path(__file__).parent
+calls = here / "sbatch_calls.jsonl"
+n = sum(1 for _ in open(calls)) if calls.exists() else 0
+if os.environ.get("SBATCH_FAIL_AT") == str(n + 1):
+    print("sbatch: error: Batch job submission failed: Invalid partition name specified",
+          file=sys.stderr)
+    sys.exit(1)
+with open(calls, "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:], "RUN_DIR": os.environ.get("RUN_DIR"),
+                        "NPROC_PER_NODE": os.environ.get("NPROC_PER_NODE")}}) + "\\n")
+print(7001 + n)
+"""
+FAKE_SQUEUE = """#!{python}
+# The job ids in squeue_ids.txt are "still in the queue".
+from pathlib import Path
+ids = Path(__file__).parent / "squeue_ids.txt"
+print(ids.read_text() if ids.exists() else "", end="")
+"""
+
+
+@pytest.fixture
+def fakebin(tmp_path):
+    """A directory with fake sbatch and squeue, to put first on PATH."""
+    d = tmp_path / "fakebin"
+    d.mkdir()
+    for name, text in (("sbatch", FAKE_SBATCH), ("squeue", FAKE_SQUEUE)):
+        (d / name).write_text(text.format(python=sys.executable))
+        (d / name).chmod(0o755)
+    return d
+
+
+def sbatch_calls(fakebin: Path) -> list:
+    f = fakebin / "sbatch_calls.jsonl"
+    return [json.loads(ln) for ln in f.read_text().splitlines()] if f.exists() else []
+
+
+def rb(*args, fakebin: Path | None = None, env: dict | None = None, timeout=600):
+    """python launch/run_benchmarks.py ARGS, with the fake Slurm commands first on PATH."""
+    extra = dict(env or {})
+    if fakebin is not None:
+        extra["PATH"] = f"{fakebin}{os.pathsep}{os.environ['PATH']}"
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True,
+                          text=True, env=env_for_tests(extra), cwd=REPO, timeout=timeout)
+
+
+def commands(stdout: str) -> list:
+    return [ln for ln in stdout.splitlines() if ln and not ln.startswith("#")]
+
+
+def sbatch(name, strategy, nodes, gpus, study, script, batch, train, extra=()) -> str:
+    """The sbatch line run_benchmarks.py must print, spelled out."""
+    return shlex.join([
+        "sbatch", "--parsable", f"--job-name={name}", f"--nodes={nodes}",
+        f"--gpus-per-node={gpus}", f"--cpus-per-task={4 * gpus}", f"--output={study}/%x-%j.out",
+        *extra, f"--export=ALL,STRATEGY={strategy},RUNS_DIR={study}", str(SLURM / script),
+        "--batch-size", str(batch), *train])
+
+
+# --------------------------------------------------------------------------------------------
+# The commands
+# --------------------------------------------------------------------------------------------
+
+def test_default_batch_is_the_training_scripts():
+    spec = importlib.util.spec_from_file_location("run_benchmarks", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["run_benchmarks"] = mod  # dataclasses look their module up while defining
+    spec.loader.exec_module(mod)
+    parser = common.add_common_args(argparse.ArgumentParser())
+    assert mod.DEFAULT_PER_GPU_BATCH == parser.get_default("batch_size")
+    assert mod.MANIFEST == collect_results.MANIFEST
+
+
+def test_dry_run_prints_the_multi_node_matrix(tmp_path):
+    study = tmp_path / "study"
+    proc = rb("--dry-run", "--study-dir", study, "--strategies", "dp", "ddp", "--gpus", "1", "4",
+              "--nodes", "1", "2", "--sbatch-args", "--partition=gpu --time=00:30:00",
+              "--", "--epochs", "3", "--data-dir", "/data/tiny-imagenet-200")
+    assert proc.returncode == 0, proc.stderr
+    train = ["--epochs", "3", "--data-dir", "/data/tiny-imagenet-200"]
+    extra = ["--partition=gpu", "--time=00:30:00"]
+    assert commands(proc.stdout) == [
+        sbatch("dp-1n1g", "dp", 1, 1, study, "baseline.slurm", 64, train, extra),
+        sbatch("dp-1n4g", "dp", 1, 4, study, "multi_gpu.slurm", 64, train, extra),
+        sbatch("ddp-1n1g", "ddp", 1, 1, study, "baseline.slurm", 64, train, extra),
+        sbatch("ddp-1n4g", "ddp", 1, 4, study, "multi_gpu.slurm", 64, train, extra),
+        sbatch("ddp-2n1g", "ddp", 2, 1, study, "multi_node.slurm", 64, train, extra),
+        sbatch("ddp-2n4g", "ddp", 2, 4, study, "multi_node.slurm", 64, train, extra),
+    ]
+    # The literal text, once, so a quoting change cannot hide behind the helper:
+    assert (f"sbatch --parsable --job-name=ddp-2n4g --nodes=2 --gpus-per-node=4 "
+            f"--cpus-per-task=16 --output={study}/%x-%j.out --partition=gpu --time=00:30:00 "
+            f"--export=ALL,STRATEGY=ddp,RUNS_DIR={study} {REPO}/launch/multi_node.slurm "
+            f"--batch-size 64 --epochs 3 --data-dir /data/tiny-imagenet-200\n") in proc.stdout
+    assert "# skip dp-2n1g: DataParallel (dp) is one process on one node" in proc.stdout
+    assert "# skip dp-2n4g: DataParallel (dp) is one process on one node" in proc.stdout
+    assert "8 configurations, 2 skipped, 6 to run" in proc.stdout
+    assert not study.exists()  # a dry run writes nothing
+
+
+def test_the_workshops_two_tables_and_strong_scaling(tmp_path):
+    study = tmp_path / "s"
+    proc = rb("--dry-run", "--study-dir", study, "--strategies", "fsdp", "--gpus", "1", "2",
+              "4", "8", "--nodes", "1", "2", "4", "--multi-node-gpus", "4", "--scaling",
+              "strong", "--global-batch", "256")
+    assert proc.returncode == 0, proc.stderr
+    # 1-8 GPUs on one node, then 2 and 4 nodes x 4 GPUs; per-GPU batch = 256 / GPUs.
+    assert commands(proc.stdout) == [
+        sbatch("fsdp-1n1g", "fsdp", 1, 1, study, "baseline.slurm", 256, []),
+        sbatch("fsdp-1n2g", "fsdp", 1, 2, study, "multi_gpu.slurm", 128, []),
+        sbatch("fsdp-1n4g", "fsdp", 1, 4, study, "multi_gpu.slurm", 64, []),
+        sbatch("fsdp-1n8g", "fsdp", 1, 8, study, "multi_gpu.slurm", 32, []),
+        sbatch("fsdp-2n4g", "fsdp", 2, 4, study, "multi_node.slurm", 32, []),
+        sbatch("fsdp-4n4g", "fsdp", 4, 4, study, "multi_node.slurm", 16, []),
+    ]
+    proc = rb("--dry-run", "--study-dir", study, "--strategies", "ddp", "--gpus", "1", "3",
+              "--scaling", "strong", "--global-batch", "64")
+    assert "# skip ddp-1n3g: strong scaling: global batch 64 does not divide by 3 GPUs" in (
+        proc.stdout)
+    assert commands(proc.stdout) == [sbatch("ddp-1n1g", "ddp", 1, 1, study, "baseline.slurm",
+                                            64, [])]
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--", "--batch-size", "32"], "use --per-gpu-batch N"),
+    (["--", "--batch=32"], "use --per-gpu-batch N"),
+    (["--", "--checkpoint-dir", "/tmp/ck"], "share one checkpoint folder"),
+    (["--scaling", "strong"], "needs --global-batch"),
+    (["--scaling", "strong", "--global-batch", "64", "--per-gpu-batch", "8"],
+     "--per-gpu-batch is for weak scaling"),
+    (["--global-batch", "64"], "--global-batch is for --scaling strong"),
+    (["--gpus", "0"], "--gpus 0: counts must be at least 1"),
+    (["--resume"], "--resume needs --study-dir"),
+    (["--resume", "--study-dir", "{tmp}"], "no study.json in"),
+    (["--study-dir", "{tmp}/a,b"], "contains a comma"),
+    (["--sbatch-args", "'--partition=gpu"], "quote it as one string"),
+])
+def test_bad_flags_are_one_clear_sentence(tmp_path, args, says):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    proc = rb("--dry-run", *args)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Submitting, with a fake sbatch
+# --------------------------------------------------------------------------------------------
+
+def test_submission_and_manifest(tmp_path, fakebin):
+    study = tmp_path / "study"
+    proc = rb("--study-dir", study, "--strategies", "dp", "ddp", "--gpus", "1", "2", "--nodes",
+              "1", "2", "--per-gpu-batch", "32", "--", "--epochs", "1", fakebin=fakebin,
+              env={"RUN_DIR": "/somewhere/else", "NPROC_PER_NODE": "3", "LOG_INTERVAL": "2"})
+    assert proc.returncode == 0, proc.stderr
+    calls = sbatch_calls(fakebin)
+    printed = rb("--dry-run", "--study-dir", study / "x", "--strategies", "dp", "ddp",
+                 "--gpus", "1", "2", "--nodes", "1", "2", "--per-gpu-batch", "32", "--",
+                 "--epochs", "1")
+    expected = [shlex.split(c.replace(str(study / "x"), str(study)))
+                for c in commands(printed.stdout)]
+    assert [["sbatch", *c["argv"]] for c in calls] == expected  # what ran = what dry-run prints
+    # An exported RUN_DIR or NPROC_PER_NODE would put every job in one directory or change
+    # its processes: they are not passed on.
+    assert all(c["RUN_DIR"] is None and c["NPROC_PER_NODE"] is None for c in calls)
+    manifest = json.loads((study / "study.json").read_text())
+    assert manifest["mode"] == "slurm"
+    assert manifest["settings"]["scaling"] == "weak"
+    assert manifest["settings"]["per_gpu_batch"] == 32
+    assert manifest["settings"]["train_args"] == ["--epochs", "1"]
+    assert manifest["invocations"][0]["env"]["LOG_INTERVAL"] == "2"
+    runs = {r["name"]: r for r in manifest["runs"]}
+    assert list(runs) == ["dp-1n1g", "dp-1n2g", "dp-2n1g", "dp-2n2g",
+                          "ddp-1n1g", "ddp-1n2g", "ddp-2n1g", "ddp-2n2g"]
+    assert runs["dp-2n2g"]["skipped"] and runs["dp-2n2g"]["attempts"] == []
+    assert [a["job_id"] for r in runs.values() for a in r["attempts"]] == [
+        "7001", "7002", "7003", "7004", "7005", "7006"]
+    assert runs["ddp-2n2g"]["attempts"][0]["run_dir"] == str(study / "ddp-2n2g-7006")
+    assert runs["ddp-2n2g"]["global_batch"] == 128 and runs["ddp-2n2g"]["per_gpu_batch"] == 32
+    assert runs["ddp-2n2g"]["command"] == shlex.join(["sbatch", *calls[-1]["argv"]])
+    assert "submitted ddp-2n2g: job 7006" in proc.stdout
+    # A second study in the same directory is refused; --resume is the way.
+    again = rb("--study-dir", study, "--strategies", "ddp", fakebin=fakebin)
+    assert again.returncode == 2 and "add --resume" in again.stderr
+
+
+def test_failed_submission_then_resume(tmp_path, fakebin):
+    study = tmp_path / "study"
+    args = ["--study-dir", study, "--strategies", "ddp", "--gpus", "1", "2", "4"]
+    proc = rb(*args, fakebin=fakebin, env={"SBATCH_FAIL_AT": "2"})
+    assert proc.returncode == 1
+    assert "Invalid partition name" in proc.stderr
+    assert f"--resume --study-dir {study}" in proc.stderr
+    assert [c["argv"][1] for c in sbatch_calls(fakebin)] == ["--job-name=ddp-1n1g"]
+    runs = {r["name"]: r for r in json.loads((study / "study.json").read_text())["runs"]}
+    assert runs["ddp-1n1g"]["attempts"][0]["job_id"] == "7001"
+    assert "Invalid partition name" in runs["ddp-1n2g"]["attempts"][0]["error"]
+    assert runs["ddp-1n4g"]["attempts"] == []
+
+    # Job 7001 is still queued (no run directory yet): --resume leaves it alone.
+    (fakebin / "squeue_ids.txt").write_text("7001\n")
+    proc = rb("--resume", "--study-dir", study, fakebin=fakebin)
+    assert proc.returncode == 0, proc.stderr
+    assert [c["argv"][1] for c in sbatch_calls(fakebin)] == [
+        "--job-name=ddp-1n1g", "--job-name=ddp-1n2g", "--job-name=ddp-1n4g"]
+    assert "# ddp-1n1g: job 7001 is still in squeue; not run again" in proc.stdout
+
+
+def test_resume_runs_only_what_is_missing_or_failed(tmp_path, fakebin):
+    """The fixture study: ok runs stay, a queued job stays, the rest is submitted again."""
+    study = tmp_path / "study"
+    shutil.copytree(FIXTURE_STUDY, study)
+    (fakebin / "squeue_ids.txt").write_text("4977\n5006\n")  # ddp-8n4g is still pending
+    proc = rb("--resume", "--dry-run", "--study-dir", study, fakebin=fakebin)
+    assert proc.returncode == 0, proc.stderr
+    train = ["--data-dir", "/data/tiny-imagenet-200", "--epochs", "3"]
+    extra = ["--partition=gpu", "--time=01:00:00"]
+    expected = [
+        sbatch("ddp-4n4g", "ddp", 4, 4, study, "multi_node.slurm", 64, train, extra),   # partial
+        sbatch("fsdp-1n1g", "fsdp", 1, 1, study, "baseline.slurm", 64, train, extra),   # failed
+        sbatch("fsdp-1n4g", "fsdp", 1, 4, study, "multi_gpu.slurm", 64, train, extra),  # exit 75
+        sbatch("fsdp-2n4g", "fsdp", 2, 4, study, "multi_node.slurm", 64, train, extra),  # no dir
+        sbatch("fsdp-4n4g", "fsdp", 4, 4, study, "multi_node.slurm", 64, train, extra),  # never
+        sbatch("fsdp-8n4g", "fsdp", 8, 4, study, "multi_node.slurm", 64, train, extra),  # never
+    ]
+    assert commands(proc.stdout) == expected
+    out = proc.stdout
+    assert "# ddp-1n4g: done (ddp-1n4g-5010); not run again" in out
+    assert "# ddp-8n4g: job 5006 is still in squeue; not run again" in out
+    assert "# ddp-4n4g: partial: 2/3 epochs done" in out
+    assert "# skip dp-2n4g: DataParallel (dp) is one process on one node" in out
+    assert sbatch_calls(fakebin) == []  # a dry run submits nothing
+
+    proc = rb("--resume", "--study-dir", study, fakebin=fakebin)
+    assert proc.returncode == 0, proc.stderr
+    assert [shlex.join(["sbatch", *c["argv"]]) for c in sbatch_calls(fakebin)] == expected
+    runs = {r["name"]: r for r in json.loads((study / "study.json").read_text())["runs"]}
+    assert [a["job_id"] for a in runs["fsdp-1n1g"]["attempts"]] == ["5101", "7002"]
+    assert [a["job_id"] for a in runs["ddp-1n1g"]["attempts"]] == ["5001"]
+
+
+def test_resume_keeps_the_studys_settings(tmp_path, fakebin):
+    study = tmp_path / "study"
+    shutil.copytree(FIXTURE_STUDY, study)
+    proc = rb("--resume", "--dry-run", "--study-dir", study, "--", "--epochs", "5",
+              fakebin=fakebin)
+    assert proc.returncode == 2
+    assert ("this study was made with the training arguments after -- --data-dir "
+            "/data/tiny-imagenet-200 --epochs 3, not --epochs 5") in proc.stderr
+    proc = rb("--resume", "--dry-run", "--local", "--study-dir", study, fakebin=fakebin)
+    assert proc.returncode == 2 and "is a slurm study; resume it without --local" in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# A real local study on this machine (CPU: gloo processes), collected into tables and plots
+# --------------------------------------------------------------------------------------------
+
+TINY = ["--model", "cnn", "--synthetic-size", "256", "--epochs", "2", "--num-workers", "0",
+        "--amp", "off"]
+
+
+@pytest.fixture(scope="module")
+def local_study(tmp_path_factory):
+    study = tmp_path_factory.mktemp("local") / "study"
+    proc = rb("--local", "--study-dir", study, "--strategies", "ddp", "fsdp", "--gpus", "1",
+              "2", "--nodes", "1", "--per-gpu-batch", "16", "--", *TINY,
+              env={"LOG_INTERVAL": "0.5", "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return study, proc
+
+
+def test_local_study_runs_every_configuration(local_study):
+    study, proc = local_study
+    assert "4 of 4 runs ok" in proc.stdout
+    manifest = json.loads((study / "study.json").read_text())
+    assert manifest["mode"] == "local"
+    runs = {r["name"]: r for r in manifest["runs"]}
+    assert list(runs) == ["ddp-1n1g", "ddp-1n2g", "fsdp-1n1g", "fsdp-1n2g"]
+    for name, entry in runs.items():
+        (attempt,) = entry["attempts"]
+        assert attempt["exit_code"] == 0, name
+        run_dir = Path(attempt["run_dir"])
+        assert run_dir.parent == study and run_dir.name.startswith(name + "-")
+        assert (run_dir / "train.log").is_file() and (run_dir / "job.env").is_file()
+        assert Path(attempt["output"]).is_file()  # the console output, like Slurm's .out
+    assert runs["fsdp-1n2g"]["command"].startswith(
+        f"STRATEGY=fsdp RUNS_DIR={study} JOB_NAME=fsdp-1n2g PYTHON=")
+    assert runs["fsdp-1n2g"]["command"].endswith(
+        f"launch/local.sh --nproc-per-node 2 -- --batch-size 16 {shlex.join(TINY)}")
+
+
+def test_local_study_collected(local_study, tmp_path):
+    study, _ = local_study
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, str(REPO / "collect_results.py"), str(study),
+                           "--plot", "--out", str(out)], capture_output=True, text=True,
+                          env=env_for_tests(), cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4  # a row per run
+    by = {(r["strategy"], int(r["world_size"])): r for r in rows}
+    assert set(by) == {("ddp", 1), ("ddp", 2), ("fsdp", 1), ("fsdp", 2)}
+    for (strategy, world), r in by.items():
+        assert r["status"] == "ok" and r["scaling"] == "weak"
+        assert (r["device"], r["per_gpu_batch"], r["global_batch"]) == (
+            "cpu", "16", str(16 * world))
+        assert (r["epoch"], r["epochs"], r["bad_metric_lines"]) == ("2", "2", "0")
+        assert r["gpu0"] == "n/a (no GPU log)" and float(r["cpu_peak_rss_mb"]) > 0
+        base = by[(strategy, 1)]
+        scaling = float(r["throughput_img_s"]) / float(base["throughput_img_s"])
+        assert float(r["throughput_scaling"]) == pytest.approx(scaling, abs=5e-5)
+        assert float(r["parallel_efficiency"]) == pytest.approx(scaling / world, abs=5e-5)
+        assert r["baseline"] == base["run"]
+    md = (out / "results.md").read_text()
+    for title in ("## DistributedDataParallel (ddp): weak scaling, 16 images per GPU per step",
+                  "## FSDP (fsdp): weak scaling, 16 images per GPU per step"):
+        assert title in md
+    assert md.count("### Multi-GPU Scaling (1 Node)") == 2
+    assert md.count("| 2 GPUs, 1 Node | ") == 2
+    assert md.count("No multi-node runs in this study.") == 2
+    for name in collect_results.PLOTS:
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 15_000, name
+    assert sorted(p.name for p in out.glob("*.png")) == sorted(collect_results.PLOTS)
+
+
+def test_local_resume_reruns_only_the_failed_run(local_study, tmp_path):
+    study = tmp_path / "study"
+    shutil.copytree(local_study[0], study, symlinks=True)
+    manifest = json.loads((study / "study.json").read_text())
+    failed = Path(manifest["runs"][1]["attempts"][0]["run_dir"]).name  # ddp-1n2g's run
+    env_file = study / failed / "job.env"
+    env_file.write_text(env_file.read_text().replace("EXIT_CODE=0", "EXIT_CODE=1"))
+    extra = {"LOG_INTERVAL": "0.5", "CUDA_VISIBLE_DEVICES": ""}
+
+    dry = rb("--resume", "--local", "--dry-run", "--study-dir", study, env=extra)
+    assert dry.returncode == 0, dry.stderr
+    (command,) = commands(dry.stdout)
+    assert "JOB_NAME=ddp-1n2g" in command and "--nproc-per-node 2" in command
+    assert "# ddp-1n2g: failed: exit code 1" in dry.stdout
+    assert "# ddp-1n1g: done" in dry.stdout and "# fsdp-1n2g: done" in dry.stdout
+
+    proc = rb("--resume", "--local", "--study-dir", study, env=extra)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "1 of 1 runs ok" in proc.stdout
+    entry = json.loads((study / "study.json").read_text())["runs"][1]
+    assert len(entry["attempts"]) == 2 and entry["attempts"][1]["exit_code"] == 0
+    runs = {r.label: r for r in collect_results.load_study(study)}
+    collect_results.select_and_scale(list(runs.values()))
+    assert runs[failed].status == "failed" and not runs[failed].used
+    assert runs[Path(entry["attempts"][1]["run_dir"]).name].used
