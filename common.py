@@ -18,6 +18,8 @@ Importing this module has no side effects.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
 import os
 import platform
@@ -29,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -1071,7 +1074,6 @@ class CachedSplit(Dataset):
     """
 
     def __init__(self, images_file, labels_file):
-        import numpy as np
         self.images = np.load(images_file, mmap_mode="r")
         self.labels = torch.from_numpy(np.load(labels_file))
         self.targets = self.labels.tolist()
@@ -1080,13 +1082,11 @@ class CachedSplit(Dataset):
         return len(self.labels)
 
     def __getitem__(self, indices):
-        import numpy as np
         idx = np.asarray(indices, dtype=np.int64)
         return torch.from_numpy(np.ascontiguousarray(self.images[idx])), self.labels[idx]
 
 
 def _decode_rgb(path):
-    import numpy as np
     from PIL import Image
     try:
         with Image.open(path) as img:
@@ -1097,7 +1097,6 @@ def _decode_rgb(path):
 
 
 def _file_list_checksum(root: Path, samples) -> str:
-    import hashlib
     h = hashlib.sha256()
     for path, label in samples:
         p = Path(path)
@@ -1113,15 +1112,12 @@ def default_cache_dir(data_dir) -> Path:
     if (beside.is_dir() and os.access(beside, os.W_OK)) or \
             (not beside.exists() and os.access(data_dir.parent, os.W_OK)):
         return beside
-    import hashlib
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     tag = hashlib.sha256(str(data_dir).encode()).hexdigest()[:12]
     return base / "dp-toolkit" / f"{data_dir.name}-{tag}"
 
 
 def cache_is_valid(directory: Path, split: str, checksum: str, count: int) -> bool:
-    import json
-    import numpy as np
     meta_file = directory / f"{split}_meta.json"
     try:
         meta = json.loads(meta_file.read_text())
@@ -1134,16 +1130,14 @@ def cache_is_valid(directory: Path, split: str, checksum: str, count: int) -> bo
             and labels.shape == (meta["count"],))
 
 
-def build_cache(directory: Path, split: str, root: Path, samples, strict: bool,
+def build_cache(directory: Path, split: str, samples, checksum: str, strict: bool,
                 workers: int, log) -> None:
     """Decode ``samples`` into {split}_u8.npy / {split}_labels.npy / {split}_meta.json,
     written under temporary names and renamed into place (meta last), so a reader never sees
-    half a cache. Unreadable images are left out (counted), or named with ``strict``."""
-    import json
+    half a cache. ``checksum`` is _file_list_checksum of ``samples``, stored in the meta file.
+    Unreadable images are left out (counted), or named with ``strict``."""
     from multiprocessing import get_context
-    import numpy as np
     directory.mkdir(parents=True, exist_ok=True)
-    checksum = _file_list_checksum(root, samples)
     tag = f".tmp-{platform.node()}-{os.getpid()}"
     t0 = now()
     arrays, labels, bad = [], [], []
@@ -1193,7 +1187,7 @@ def _cached_tinyimagenet(args, classes, train, val) -> DataBundle:
                 if not cache_is_valid(directory, split, checksum, len(samples)):
                     log(f"data cache: building {split} in {directory} (first use, or the "
                         f"dataset changed)")
-                    build_cache(directory, split, root, samples, args.strict,
+                    build_cache(directory, split, samples, checksum, args.strict,
                                 max(1, args.num_workers), log)
         except OSError as exc:
             error = (f"cannot write the data cache in {directory} ({exc.strerror}): pass "

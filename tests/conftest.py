@@ -62,6 +62,18 @@ def epoch_lines(stdout: str) -> list:
     return EPOCH_RE.findall(stdout)
 
 
+def read_until(proc: subprocess.Popen, prefix: str) -> str:
+    """Read a running process's text stdout line by line until a line starts with ``prefix``;
+    return what was read. Fails (with the output) if the process ends first."""
+    head = []
+    for line in proc.stdout:
+        head.append(line)
+        if line.startswith(prefix):
+            return "".join(head)
+    raise AssertionError(f"the process ended before a line starting with {prefix!r}:\n"
+                         + "".join(head))
+
+
 def check_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 

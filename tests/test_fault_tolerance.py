@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import common
-from conftest import REPO, check_ok, env_for_tests, metrics, run_script
+from conftest import REPO, check_ok, env_for_tests, metrics, read_until, run_script
 
 # 20 steps per epoch at 1 x 16 (10 per rank at 2 x 16... per rank 160 samples / 16 = 10)
 RUN = ["--model", "cnn", "--synthetic-size", "320", "--batch-size", "16", "--epochs", "2",
@@ -100,16 +100,11 @@ def test_sigusr1_checkpoints_exits_75_and_resumes(tmp_path):
     ck = tmp_path / "ck"
     args = long_run + ["--checkpoint-dir", str(ck)]
     proc = _start(_torchrun("ddp_train.py", args, 2))
-    head = []
-    for line in proc.stdout:
-        head.append(line)
-        if line.startswith("Epoch [1/6]"):
-            break
-    assert head and head[-1].startswith("Epoch [1/6]"), "".join(head)
+    head = read_until(proc, "Epoch [1/6]")
     for child in _children(proc.pid):
         os.kill(child, signal.SIGUSR1)
     rest, _ = proc.communicate(timeout=240)
-    out = "".join(head) + rest
+    out = head + rest
     assert proc.returncode != 0, out
     assert "SIGUSR1: checkpoint saved at epoch" in out
     assert f"exiting with code {common.REQUEUE_EXIT} to be requeued" in out

@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 import common  # noqa: E402  (the parser of the [METRIC] lines the training scripts write)
+from conftest import read_until  # noqa: E402
 
 LAUNCH = REPO / "launch"
 LAB_SH = REPO / "tests" / "slurm_lab.sh"
@@ -247,14 +248,9 @@ def test_local_sh_usr1_checkpoints_then_run_dir_resumes(tmp_path):
     cmd = ["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--", *REQUEUE_RUN]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    head = []
-    for line in proc.stdout:
-        head.append(line)
-        if line.startswith("Epoch [1/8]"):
-            break
-    assert head and head[-1].startswith("Epoch [1/8]"), "".join(head)
+    head = read_until(proc, "Epoch [1/8]")
     proc.send_signal(signal.SIGUSR1)  # to job.sh, as Slurm's --signal=B:USR1 does
-    out = "".join(head) + proc.communicate(timeout=300)[0]
+    out = head + proc.communicate(timeout=300)[0]
     assert proc.returncode == 75, out
     assert "SIGUSR1 passed on to the training processes" in out
     assert "training exit code: 75 (after SIGUSR1)" in out
