@@ -152,7 +152,8 @@ def train(args) -> int:
     val_sampler = DistributedSampler(data.val, num_replicas=1, rank=0, shuffle=False)
     train_loader = common.make_loader(data.train, train_batches, global_batch, args, device,
                                       drop_last=True)
-    val_loader = common.make_loader(data.val, val_sampler, global_batch, args, device)
+    val_loader = common.make_loader(data.val, val_sampler, global_batch, args, device,
+                                    start_now=True)
 
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=args.momentum,

@@ -215,7 +215,8 @@ def train(args, env: common.DistEnv) -> int:
     val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
     train_loader = common.make_loader(data.train, train_batches, args.batch_size, args, device,
                                       drop_last=True)
-    val_loader = common.make_loader(data.val, val_sampler, args.batch_size, args, device)
+    val_loader = common.make_loader(data.val, val_sampler, args.batch_size, args, device,
+                                    start_now=True)
     val_real = common.real_samples(val_sampler)
 
     criterion = nn.CrossEntropyLoss()

@@ -339,3 +339,23 @@ def test_cache_is_reused_and_rebuilt_when_the_data_changes(tiny_imagenet, tmp_pa
     third = run_script("ddp_train.py", args)
     check_ok(third)
     assert "data cache: building train" in third.stdout and "159 train" in third.stdout
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_started_loader_drops_its_early_batches(tiny_imagenet, tmp_path, cached):
+    """The validation loader forks its workers before training (see make_loader); the
+    batches they prefetch then must not leak into evaluation: every epoch yields each
+    sample exactly once, in sampler order."""
+    import argparse
+    root, _ = tiny_imagenet
+    args = argparse.Namespace(data_dir=str(root), dataset="tinyimagenet", model="resnet18",
+                              strict=False, num_workers=1, seed=0,
+                              data_cache=str(tmp_path / "c") if cached else None)
+    data = common.build_data(args, True)
+    sampler = DistributedSampler(data.val, num_replicas=1, rank=0, shuffle=False)
+    loader = common.make_loader(data.val, sampler, 7, args, torch.device("cpu"),
+                                start_now=True)
+    assert loader._iterator is not None and loader._iterator._workers[0].is_alive()
+    for _ in range(2):
+        labels = torch.cat([y for _, y in loader]).tolist()
+        assert labels == data.val.targets
