@@ -7,9 +7,10 @@ Rows (same model, batch and step count; steady-state epoch 2 of each run):
     folder     ddp_train.py reading JPEGs with PIL in DataLoader workers (the seed's way)
     cache      ddp_train.py --data-cache: uint8 batches, augmentation on the device
     synthetic  ddp_train.py on built-in synthetic data: no decoding at all (compute-bound)
-    plain      a bare loop (model, SGD, DataLoader, forward/backward/step, nothing else) on
-               the same synthetic data, timed the same way (epoch 2, first batch included):
-               ddp_train.py's DDP wrapper, logging and metrics should cost nothing
+    plain      a bare loop (model, SGD with ddp_train.py's settings, DataLoader, forward/
+               backward/step, nothing else) on the same synthetic data, timed the same way
+               (epoch 2, first batch included): ddp_train.py's DDP wrapper, logging and
+               metrics should cost nothing
 If cache is close to synthetic, the input is no longer the limit; folder far below it means
 the run is input-bound. Prints a markdown table.
 """
@@ -57,7 +58,7 @@ def plain_throughput(args) -> float:
     model = common.build_model(args.model, classes, shape).to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     data = common.SyntheticImages(args.batch_size * args.steps * 2, shape, classes, 0, "train")

@@ -1,0 +1,101 @@
+"""What ddp_train.py's step costs beyond the bare minimum, measured inside one process.
+
+    python bench/step_overhead.py                                  # ResNet-18 on CPU
+    python bench/step_overhead.py --model resnet50 --batch-size 256 # on a GPU node
+
+Three variants of one training step on the same fixed batch, run in interleaved rounds (the
+order rotating) so that the machine's drift hits each alike (separate processes differ by up to 10% on a shared VM,
+which hides a few percent):
+    bare         model, SGD, forward/backward/step
+    ddp          the same inside DistributedDataParallel (world size 1)
+    ddp+metrics  plus ddp_train.py's bookkeeping: device-side loss/accuracy sums, the
+                 non-finite check, the GradScaler calls and the stop vote
+Prints the median milliseconds per step and the cost relative to bare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import common  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="resnet18", help="model (default: resnet18)")
+    p.add_argument("--batch-size", type=int, default=64, help="batch size")
+    p.add_argument("--rounds", type=int, default=12, help="interleaved rounds (first is warm-up)")
+    p.add_argument("--steps", type=int, default=4, help="steps per variant per round")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    shape, classes = common.synthetic_shape(args.model)
+    base = common.build_model(args.model, classes, shape).to(device)
+    ids = [0] if device.type == "cuda" else None
+    models = {"bare": copy.deepcopy(base),
+              "ddp": DDP(copy.deepcopy(base), device_ids=ids, gradient_as_bucket_view=True),
+              "ddp+metrics": DDP(copy.deepcopy(base), device_ids=ids,
+                                 gradient_as_bucket_view=True)}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+            for k, m in models.items()}
+    x = torch.randn(args.batch_size, *shape, device=device)
+    y = torch.randint(0, classes, (args.batch_size,), device=device)
+    criterion = torch.nn.CrossEntropyLoss()
+    scaler = torch.amp.GradScaler(device.type, enabled=False)  # as in an fp32 run
+    stop = common.StopRequest(1)
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    correct = torch.zeros((), device=device, dtype=torch.float64)
+    bad = torch.zeros((), device=device, dtype=torch.int64)
+    first_bad = torch.full((), -1, device=device, dtype=torch.int64)
+    times = {k: [] for k in models}
+    names = list(models)
+    for rnd in range(args.rounds):
+        for name in names[rnd % 3:] + names[:rnd % 3]:  # rotate: no variant always runs last
+            model, opt = models[name], opts[name]
+            for i in range(args.steps):
+                common.synchronize(device)
+                t = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                out = model(x)
+                loss = criterion(out, y)
+                if name == "ddp+metrics":
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                    loss_sum += loss.detach().double() * y.size(0)
+                    correct += (out.argmax(1) == y).sum()
+                    common.track_finite(loss, i, bad, first_bad)
+                    stop.should_stop()
+                else:
+                    loss.backward()
+                    opt.step()
+                common.synchronize(device)
+                if rnd > 0 and i > 0:  # round 0 and each round's first step: warm-up
+                    times[name].append(time.perf_counter() - t)
+    dist.destroy_process_group()
+    bare = statistics.median(times["bare"])
+    print(f"model {args.model}, batch {args.batch_size}, {device.type}, torch "
+          f"{torch.__version__}, {args.rounds - 1} rounds x {args.steps - 1} steps measured")
+    for name, v in times.items():
+        med = statistics.median(v)
+        print(f"{name:12s} {med * 1000:8.1f} ms/step  {100 * (med / bare - 1):+5.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

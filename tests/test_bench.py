@@ -1,0 +1,42 @@
+"""The benchmark scripts run and print what bench/results/README.md quotes (tiny settings:
+the figures themselves are measured by hand, not in the tests)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from conftest import REPO, env_for_tests
+
+
+def run_bench(script, *args, timeout=300):
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), *args],
+                          capture_output=True, text=True, env=env_for_tests(), timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_input_pipeline_prints_one_line_per_path(tiny_imagenet, tmp_path):
+    root, _ = tiny_imagenet
+    out = run_bench("input_pipeline.py", "--data-dir", str(root), "--seconds", "0.5",
+                    "--batch-size", "16", "--cache-dir", str(tmp_path / "c"))
+    rates = dict(re.findall(r"^(folder|cache): (\d+) img/s$", out, re.M))
+    assert set(rates) == {"folder", "cache"} and all(int(v) > 0 for v in rates.values()), out
+
+
+def test_train_throughput_prints_the_four_rows(tiny_imagenet, tmp_path):
+    root, _ = tiny_imagenet
+    out = run_bench("train_throughput.py", "--data-dir", str(root), "--model", "resnet18",
+                    "--batch-size", "8", "--steps", "2", "--repeats", "1",
+                    "--cache-dir", str(tmp_path / "c"))
+    rows = re.findall(r"^\| (folder|cache|synthetic|plain)[^|]*\| ([\d.]+) \|", out, re.M)
+    assert [r[0] for r in rows] == ["folder", "cache", "synthetic", "plain"], out
+    assert all(float(r[1]) > 0 for r in rows)
+
+
+def test_step_overhead_prints_three_variants():
+    out = run_bench("step_overhead.py", "--model", "cnn", "--batch-size", "8", "--rounds", "2",
+                    "--steps", "2")
+    names = re.findall(r"^(bare|ddp|ddp\+metrics) +[\d.]+ ms/step +[+-][\d.]+%$", out, re.M)
+    assert names == ["bare", "ddp", "ddp+metrics"], out
