@@ -1252,7 +1252,7 @@ def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool
 
     ``start_now`` forks the workers at once (for the validation loader). Forked later, at the
     first evaluation, a worker would share the trained model's memory copy-on-write, and the
-    next training step would pay to copy every page it writes (0.3-0.6 s per run for ResNet-18
+    next training step would pay to copy every page it writes (0.3-0.65 s per run for ResNet-18
     on a 2-core CPU). The batches it prefetches now are dropped when evaluation starts."""
     from torch.utils.data import BatchSampler, DataLoader
     kw = dict(num_workers=args.num_workers, pin_memory=device.type == "cuda",
