@@ -4,8 +4,8 @@
     python bench/step_overhead.py --model resnet50 --batch-size 256 # on a GPU node
 
 Three variants of one training step on the same fixed batch, run in interleaved rounds (the
-order rotating) so that the machine's drift hits each alike (separate processes differ by up to 10% on a shared VM,
-which hides a few percent):
+order rotating) so that the machine's drift hits each alike (separate processes differ by up
+to 10% on a shared VM, which hides a few percent):
     bare         model, SGD, forward/backward/step
     ddp          the same inside DistributedDataParallel (world size 1)
     ddp+metrics  plus ddp_train.py's bookkeeping: device-side loss/accuracy sums, the
