@@ -51,8 +51,9 @@ def main(argv=None) -> int:
               "ddp": DDP(copy.deepcopy(base), device_ids=ids, gradient_as_bucket_view=True),
               "ddp+metrics": DDP(copy.deepcopy(base), device_ids=ids,
                                  gradient_as_bucket_view=True)}
-    opts = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
-            for k, m in models.items()}
+    d = common.add_common_args(argparse.ArgumentParser()).parse_args([])  # ddp_train's SGD
+    opts = {k: torch.optim.SGD(m.parameters(), lr=d.lr, momentum=d.momentum,
+                               weight_decay=d.weight_decay) for k, m in models.items()}
     x = torch.randn(args.batch_size, *shape, device=device)
     y = torch.randint(0, classes, (args.batch_size,), device=device)
     criterion = torch.nn.CrossEntropyLoss()
@@ -65,7 +66,8 @@ def main(argv=None) -> int:
     times = {k: [] for k in models}
     names = list(models)
     for rnd in range(args.rounds):
-        for name in names[rnd % 3:] + names[:rnd % 3]:  # rotate: no variant always runs last
+        k = rnd % len(names)  # rotate: no variant always runs last
+        for name in names[k:] + names[:k]:
             model, opt = models[name], opts[name]
             for i in range(args.steps):
                 common.synchronize(device)

@@ -58,7 +58,9 @@ def plain_throughput(args) -> float:
     model = common.build_model(args.model, classes, shape).to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    d = common.add_common_args(argparse.ArgumentParser()).parse_args([])  # ddp_train's SGD
+    opt = torch.optim.SGD(model.parameters(), lr=d.lr, momentum=d.momentum,
+                          weight_decay=d.weight_decay)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     data = common.SyntheticImages(args.batch_size * args.steps * 2, shape, classes, 0, "train")
