@@ -23,6 +23,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import shutil
 import subprocess
@@ -178,6 +179,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "array in DIR (no DIR: a folder beside the data dir, or ~/.cache when "
                         "that is read-only) and augment batches on the device; far faster than "
                         "decoding JPEGs every epoch")
+    g.add_argument("--data-on-device", action="store_true",
+                   help="hold the whole dataset on the device and index batches there: no "
+                        "DataLoader, no host-to-device copy (needs --data-cache or synthetic "
+                        "data; TinyImageNet's uint8 train split takes 1.2 GB, counted in the "
+                        "peak memory)")
     g.add_argument("--synthetic-size", type=int, default=2048,
                    help="training samples of the synthetic dataset (validation gets a quarter)")
     g = parser.add_argument_group("optimisation")
@@ -193,7 +199,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--gamma", type=float, default=0.1, help="StepLR decay factor")
     g.add_argument("--amp", choices=("fp16", "bf16", "off"), default=None,
                    help="mixed precision: fp16 (autocast + GradScaler), bf16 (autocast, no "
-                        "scaler) or off; default fp16 on CUDA, off on CPU")
+                        "scaler) or off; default bf16 on GPUs of compute capability 8.0+ (A100, "
+                        "H100), fp16 on older GPUs (V100), off on CPU")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model (first steps are slower while it compiles)")
     g = parser.add_argument_group("run")
@@ -250,10 +257,21 @@ def resolve_args(args: argparse.Namespace, env: "DistEnv", device: torch.device)
         args.dataset = "tinyimagenet" if args.data_dir else "synthetic"
     if args.model is None:
         args.model = DEFAULT_MODEL[args.dataset]
-    if args.amp is None:
-        args.amp = "fp16" if device.type == "cuda" else "off"
+    if device.type == "cuda":
+        cc = torch.cuda.get_device_capability(device)
+        bf16_ok = cc >= (8, 0)  # Ampere and newer: bf16 tensor cores
+        if args.amp is None:  # bf16 needs no GradScaler; fp16 (the seed's) on V100 and older
+            args.amp = "bf16" if bf16_ok else "fp16"
+        elif args.amp == "bf16" and not bf16_ok:
+            raise UsageError(f"--amp bf16 needs a GPU of compute capability 8.0 or newer (A100, "
+                             f"H100, ...); {torch.cuda.get_device_name(device)} has "
+                             f"{cc[0]}.{cc[1]}: use --amp fp16")
+    elif args.amp is None:
+        args.amp = "off"
     if args.num_workers is None:
         args.num_workers = _default_workers(env)
+        if device.type == "cuda":  # with 0, reading and pinning a batch delays every step
+            args.num_workers = max(1, args.num_workers)
     for flag in ("epochs", "batch_size", "synthetic_size", "step_size", "dist_timeout"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got "
@@ -269,6 +287,9 @@ def resolve_args(args: argparse.Namespace, env: "DistEnv", device: torch.device)
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
     check_model(args.model, input_shape(args))  # before any download or data scan
+    if args.data_on_device and args.dataset != "synthetic" and not args.data_cache:
+        raise UsageError("--data-on-device needs decoded data: add --data-cache (TinyImageNet) "
+                         "or use the synthetic dataset")
     if args.data_cache and args.dataset != "tinyimagenet":
         raise UsageError(f"--data-cache works with TinyImageNet only, not --dataset "
                          f"{args.dataset}: drop --data-cache")
@@ -284,6 +305,19 @@ def amp_dtype(args) -> torch.dtype | None:
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[args.amp]
 
 
+AMP_TEXT = {"fp16": "fp16 autocast with GradScaler", "bf16": "bf16 autocast, no GradScaler",
+            "off": "off (fp32)"}
+
+
+def seed_for_rank(seed: int, rank: int) -> int:
+    """The seed of one rank's own randomness: crops, flips, dropout, DataLoader workers.
+
+    Model init uses ``seed`` itself on every rank (identical weights). Everything drawn after
+    it must differ between ranks, or rank r's i-th sample gets the same crop as rank 0's i-th
+    sample at every step; it stays reproducible from (seed, rank)."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])
+
+
 # --------------------------------------------------------------------------------------------
 # Distributed environment (torchrun, or srun without torchrun)
 # --------------------------------------------------------------------------------------------
@@ -295,10 +329,11 @@ class DistEnv:
     world_size: int
     local_world_size: int
     source: str  # "torchrun", "slurm" or "single"
+    num_nodes: int = 0  # 0: world_size / local_world_size (torchrun's even layout)
 
     @property
     def nodes(self) -> int:
-        return max(1, self.world_size // max(1, self.local_world_size))
+        return self.num_nodes or max(1, self.world_size // max(1, self.local_world_size))
 
 
 def _int_env(name: str) -> int:
@@ -331,7 +366,7 @@ def dist_env() -> DistEnv:
         nodes = _int_env("SLURM_STEP_NUM_NODES") if "SLURM_STEP_NUM_NODES" in os.environ \
             else _int_env("SLURM_NNODES") if "SLURM_NNODES" in os.environ else 1
         env = DistEnv(_int_env("SLURM_PROCID"), _int_env("SLURM_LOCALID"), world,
-                      max(1, world // max(1, nodes)), "slurm")
+                      _slurm_tasks_on_this_node(world, nodes), "slurm", nodes)
         if world > 1 and "MASTER_ADDR" not in os.environ:
             os.environ["MASTER_ADDR"] = _slurm_first_node()
         if world > 1:
@@ -339,6 +374,44 @@ def dist_env() -> DistEnv:
             os.environ.setdefault("MASTER_PORT", str(20000 + int(job) % 20000))
         return env
     return DistEnv(0, 0, 1, 1, "single")
+
+
+def _slurm_tasks_on_this_node(world: int, nodes: int) -> int:
+    """Tasks of this step on this node. Slurm may place them unevenly (5 tasks on 2 nodes:
+    SLURM_STEP_TASKS_PER_NODE="3,2"; "2(x3),1" means 2 on each of three nodes, then 1), so
+    world // nodes is only the last resort."""
+    counts = []
+    for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "").split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            counts = []
+            break
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    node = os.environ.get("SLURM_NODEID", "0")
+    if counts and node.isdigit() and int(node) < len(counts):
+        return counts[int(node)]
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "")
+    if per_node.isdigit() and int(per_node) > 0:
+        return int(per_node)
+    return max(1, world // max(1, nodes))
+
+
+def gpu_index(visible: int, local_rank: int, local_world_size: int, source: str) -> int:
+    """Which of the ``visible`` GPUs this process drives (a pure function of the layout).
+
+    - One GPU visible to a process that srun started as its own task: srun --gpus-per-task=1
+      or --gpu-bind gave each task its own GPU, always cuda:0 inside the task.
+    - Otherwise local rank i drives GPU i, so the node needs a GPU per local process.
+    """
+    if visible == 1 and (source == "slurm" or local_world_size == 1):
+        return 0
+    if local_world_size > visible:
+        fix = (f"use --nproc-per-node {visible}" if source == "torchrun" else
+               f"start {visible} task(s) per node, or give each task its own GPU with srun "
+               f"--gpus-per-task=1")
+        raise UsageError(f"{local_world_size} processes were started on this node but only "
+                         f"{visible} GPU(s) are visible: {fix} (or request more GPUs)")
+    return local_rank
 
 
 def _slurm_first_node() -> str:
@@ -759,11 +832,33 @@ def evaluate(model, loader, device, dtype, n_real: int, prepare=None) -> torch.T
     return sums
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak (at each epoch's start, so each epoch reports its own): the CUDA
+    allocator's peak on a GPU, the process's peak resident set size on a CPU (Linux: writing 5
+    to /proc/self/clear_refs resets VmHWM; elsewhere the peak stays the whole run's)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def peak_memory_mib(device: torch.device) -> float:
-    """Peak memory of this process: CUDA ``max_memory_allocated`` on a GPU, else the peak
-    resident set size of the process (what the OS had to give it)."""
+    """Peak memory of this process since the last ``reset_peak_memory``: CUDA
+    ``max_memory_allocated`` on a GPU, else the peak resident set size (what the OS had to give
+    the process: VmHWM, or getrusage's whole-run figure where /proc is missing)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
@@ -794,6 +889,8 @@ def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:
         f"layout: world_size={env.world_size} nodes={env.nodes} "
         f"processes_per_node={env.local_world_size} backend={backend} device={device.type} "
         f"(ranks from {env.source})",
+        f"mixed precision: {AMP_TEXT[args.amp]} (--amp {args.amp}; default: bf16 on GPUs of "
+        f"compute capability 8.0+, fp16 on older GPUs, off on CPU)",
         f"args: {args_text}",
     ]
 
@@ -834,7 +931,6 @@ def checkpoint_name(epoch: int, step: int) -> str:
 def list_checkpoints(directory) -> list:
     """Complete checkpoints in ``directory``, newest first. Temporary files and folders of an
     interrupted save never match (they are renamed into place only once complete)."""
-    import re
     if not directory or not Path(directory).is_dir():
         return []
     found = []
@@ -990,15 +1086,24 @@ class NonFiniteLoss(Exception):
 
 
 def check_finite(bad_steps: torch.Tensor, first_bad: torch.Tensor, epoch: int, scaler) -> None:
-    """Host sync, called only before a checkpoint and at the end of an epoch. With fp16, a few
-    non-finite losses are overflows that GradScaler skips; it is fatal once the scale has
-    collapsed below 1 (the overflow never goes away). Otherwise any non-finite loss is fatal."""
-    if bad_steps.item() == 0:
+    """Host sync, called only before a checkpoint and at the end of an epoch, on every rank.
+
+    The ranks vote first (one all-reduce, every rank of the group): a NaN seen on rank 1 alone
+    stops every rank here, with the same message, instead of rank 1 raising while the others
+    wait in their next collective until --dist-timeout. With fp16, a few non-finite losses are
+    overflows that GradScaler skips; it is fatal once the scale has collapsed below 1 (the
+    overflow never goes away). Otherwise any non-finite loss is fatal."""
+    never = torch.full_like(first_bad, -2**62)
+    verdict = torch.stack([bad_steps, torch.where(first_bad >= 0, -first_bad, never)])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)  # most bad steps; earliest bad step
+    bad, neg_first = verdict.tolist()
+    if bad == 0:
         return
     if scaler.is_enabled() and scaler.get_scale() >= 1.0:
         return
     raise NonFiniteLoss(f"the loss became NaN or inf at epoch {epoch + 1}, step "
-                        f"{int(first_bad.item()) + 1}; nothing was saved after the last good "
+                        f"{-neg_first + 1}; nothing was saved after the last good "
                         f"checkpoint: lower --lr or check the data, then resume from it")
 
 
@@ -1255,6 +1360,8 @@ def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool
     next training step would pay to copy every page it writes (0.3-0.65 s per run for ResNet-18
     on a 2-core CPU). The batches it prefetches now are dropped when evaluation starts."""
     from torch.utils.data import BatchSampler, DataLoader
+    if args.data_on_device:
+        return DeviceResident(dataset, sampler, batch_size, drop_last, device)
     kw = dict(num_workers=args.num_workers, pin_memory=device.type == "cuda",
               persistent_workers=args.num_workers > 0)
     if args.num_workers > 0:
@@ -1268,6 +1375,59 @@ def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool
     if start_now and args.num_workers > 0:
         iter(loader)  # persistent: the iterator and its workers stay for later epochs
     return loader
+
+
+class DeviceResident:
+    """--data-on-device: a whole split as two tensors on the device; each epoch's batches are
+    slices of the sampler's order, indexed there (one host-to-device copy of the order per
+    epoch, none per step). Iterates like the DataLoader it replaces."""
+
+    def __init__(self, dataset, sampler, batch_size: int, drop_last: bool, device):
+        if isinstance(dataset, CachedSplit):
+            images, labels = torch.from_numpy(np.asarray(dataset.images)), dataset.labels
+        else:  # SyntheticImages: the samples, made once
+            images = torch.stack([dataset[i][0] for i in range(len(dataset))])
+            labels = torch.as_tensor(dataset.targets)
+        self.images, self.labels = images.to(device), labels.to(device)
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+
+    def __len__(self):
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def __iter__(self):
+        order = torch.as_tensor(list(self.sampler), dtype=torch.int64).to(self.images.device)
+        for k in range(len(self)):
+            idx = order[k * self.batch_size:(k + 1) * self.batch_size]
+            yield self.images[idx], self.labels[idx]
+
+
+def to_device(batches, device: torch.device):
+    """Yield (images, labels) from ``batches`` on ``device``. On CUDA the next batch is copied
+    on a side stream while the current step computes (pinned memory, one batch ahead), so
+    the copy is off the critical path; elsewhere this is a plain ``.to``."""
+    it = iter(batches)
+    if device.type != "cuda":
+        for images, labels in it:
+            yield images.to(device), labels.to(device)
+        return
+    copy_stream = torch.cuda.Stream(device)
+    compute = torch.cuda.current_stream(device)
+
+    def fetch():
+        batch = next(it, None)
+        if batch is not None:
+            with torch.cuda.stream(copy_stream):
+                batch = [t.to(device, non_blocking=True) for t in batch]
+        return batch
+
+    ahead = fetch()
+    while ahead is not None:
+        compute.wait_stream(copy_stream)  # this batch's copy is done before the step uses it
+        for t in ahead:
+            t.record_stream(compute)  # its memory is not reused while the step runs
+        current, ahead = ahead, fetch()  # start the next copy, then hand out this batch
+        yield current
 
 
 def input_pipeline(data: DataBundle, model: nn.Module, device: torch.device):

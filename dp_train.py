@@ -77,6 +77,12 @@ def setup_devices(args):
     if n > visible:
         raise UsageError(f"--gpus {n} but only {visible} GPU(s) are visible: use --gpus "
                          f"{visible} (or request more GPUs)")
+    if args.compile and n > 1:
+        raise UsageError(f"--compile cannot be combined with DataParallel over {n} GPUs: "
+                         f"DataParallel copies the module to every GPU at each step, and a "
+                         f"compiled module's copies would all run GPU 0's compiled code; use "
+                         f"ddp_train.py --compile (one process per GPU), or --gpus 1")
+    torch.backends.cudnn.benchmark = True  # as in ddp/fsdp: fixed shapes, fastest kernels
     return torch.device("cuda", 0), list(range(n))
 
 
@@ -138,6 +144,8 @@ def train(args) -> int:
               f"{gpu_ids or ['cpu']}", flush=True)
         print("preflight OK: data, batch size, devices and checkpoint dir", flush=True)
         return 0
+    # From here on, randomness is this process's own (crops, flips, dropout, loader workers).
+    torch.manual_seed(common.seed_for_rank(args.seed, 0))
     dtype = common.amp_dtype(args)
     # DataParallel: the master copy lives on GPU 0 and is replicated to every GPU each step.
     net, prepare = common.input_pipeline(data, net, device)
@@ -157,7 +165,10 @@ def train(args) -> int:
 
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay)
+                                weight_decay=args.weight_decay,
+                                # CUDA: one kernel for all parameters, and GradScaler's inf
+                                # check stays on the GPU (no host sync per step with fp16)
+                                fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=args.step_size,
                                                 gamma=args.gamma)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
@@ -194,6 +205,8 @@ def train(args) -> int:
             seen, elapsed = partial["seen"], partial["time"]
         bad_steps.zero_()
         first_bad.fill_(-1)
+        for d in [torch.device("cuda", i) for i in gpu_ids] or [device]:
+            common.reset_peak_memory(d)  # this epoch's peak, not the whole run's
 
         def checkpoint(step: int) -> None:
             common.check_finite(bad_steps, first_bad, epoch, scaler)  # host sync
@@ -205,12 +218,12 @@ def train(args) -> int:
         for i in gpu_ids:
             common.synchronize(torch.device("cuda", i))
         t0 = common.now()
-        for step, (images, labels) in enumerate(train_loader, start=skip):
+        # to_device: on CUDA the next batch's copy overlaps this step's compute
+        batches = common.to_device(train_loader, device)
+        for step, (images, labels) in enumerate(batches, start=skip):
             if step >= steps:
                 break
-            # to GPU 0 (DataParallel scatters from there), then finished on GPU 0
-            images = prepare(images.to(device, non_blocking=True), train=True)
-            labels = labels.to(device, non_blocking=True)
+            images = prepare(images, train=True)  # on GPU 0: DataParallel scatters from there
             optimizer.zero_grad(set_to_none=True)
             outputs = model(images)  # replicate, scatter, parallel forward, gather on GPU 0
             loss = criterion(outputs.float(), labels)  # on GPU 0

@@ -20,11 +20,16 @@ Run it (same flags and output lines as ddp_train.py, plus --sharding):
              links, replicate across nodes, and all-reduce gradients between the replicas. Less
              traffic on the slower inter-node network; per-GPU memory like `full` on one node.
 
-Mixed precision goes through ``MixedPrecisionPolicy``: parameters are gathered in the --amp
-dtype (half the all-gather traffic), gradients are reduced in fp32. BatchNorm layers are
-sharded as their own units with an fp32 policy, because BatchNorm weights and statistics in
-fp16 lose precision (a known FSDP + BatchNorm pitfall); the rest of the block runs under
-autocast as in ddp_train.py.
+Units: one per residual block of ResNet (its BatchNorm layers inside it), plus the root for
+the stem and the classifier: one all-gather and one reduce-scatter per block and step. (A unit
+per BatchNorm layer would add about 70 small, latency-bound collectives per step.)
+
+Mixed precision: the forward runs under autocast as in ddp_train.py, and gradients are
+reduced in fp32. A model without BatchNorm also gathers its parameters in the --amp dtype
+(``MixedPrecisionPolicy(param_dtype=...)``: half the all-gather traffic). A model with
+BatchNorm (ResNet) gathers them in fp32: FSDP would cast BatchNorm's weights to the --amp dtype
+too, while its running statistics stay fp32 buffers, and batch_norm rejects that mix (and
+BatchNorm in fp16/bf16 loses precision, a known FSDP pitfall).
 """
 
 from __future__ import annotations
@@ -43,7 +48,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DistributedSampler
 from torchvision.models.resnet import ResNet
 
@@ -70,12 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 def setup_distributed(args, env: common.DistEnv):
     """Pick the device and backend, join the process group, and build the device mesh."""
     if torch.cuda.is_available():
-        visible = torch.cuda.device_count()
-        if env.local_world_size > visible:
-            raise UsageError(f"{env.local_world_size} processes were started on this node but "
-                             f"only {visible} GPU(s) are visible: use --nproc-per-node "
-                             f"{visible} (or request more GPUs)")
-        device = torch.device("cuda", env.local_rank)
+        device = torch.device("cuda", common.gpu_index(torch.cuda.device_count(), env.local_rank,
+                                                       env.local_world_size, env.source))
         torch.cuda.set_device(device)  # before any CUDA work, so NCCL binds the right GPU
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels
         backend = "nccl"
@@ -110,13 +110,14 @@ def shard_units(model: nn.Module) -> list:
 def apply_fsdp(model: nn.Module, mesh, args) -> nn.Module:
     dtype = common.amp_dtype(args)
     reshard = args.sharding != "grad-op"  # grad-op keeps parameters gathered after forward
-    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    if dtype is not None:  # BatchNorm in its own fp32 units (bottom-up: these come first)
-        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                fully_shard(m, mesh=mesh, reshard_after_forward=reshard, mp_policy=fp32)
-    for unit in shard_units(model):
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    # BatchNorm inside a unit: its weights stay fp32 (autocast still computes in --amp dtype)
+    mp = MixedPrecisionPolicy(param_dtype=None if has_bn else dtype, reduce_dtype=torch.float32)
+    # FSDP2 shards contiguous parameters only (a channels_last conv weight raises
+    # NotImplementedError), so the weights go back to the default layout; the inputs stay
+    # channels_last and cuDNN still picks its channels_last kernels from them.
+    model = model.to(memory_format=torch.contiguous_format)
+    for unit in shard_units(model):  # bottom-up: the blocks first, then the root
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)  # the rest
     return model
@@ -203,6 +204,10 @@ def train(args, env: common.DistEnv) -> int:
         common.collective_check(device, world, print0)
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
+    # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
+    # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
+    # the same crop as rank 0's i-th sample at every step).
+    torch.manual_seed(common.seed_for_rank(args.seed, rank))
     model, prepare = common.input_pipeline(data, model, device)
     model = apply_fsdp(model, mesh, args)
     step_model = torch.compile(model) if args.compile else model
@@ -220,15 +225,16 @@ def train(args, env: common.DistEnv) -> int:
     val_real = common.real_samples(val_sampler)
 
     criterion = nn.CrossEntropyLoss()
-    # The optimizer sees the sharded parameters: its momentum buffers are sharded too.
+    # The optimizer sees the sharded parameters: its momentum buffers are sharded too. (No
+    # fused=True here: DTensor has no fused SGD kernel; the foreach one is the default.)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=args.step_size,
                                                 gamma=args.gamma)
     dtype = common.amp_dtype(args)
-    # Each rank checks only its gradient shard for inf/NaN; the sharded scaler all-reduces
-    # the verdict so every rank skips (or takes) the same steps.
-    scaler = ShardedGradScaler(device.type, enabled=args.amp == "fp16")
+    # Each rank checks only its gradient shard for inf/NaN; with FSDP2's DTensor gradients the
+    # plain GradScaler all-reduces that verdict, so every rank skips (or takes) the same steps.
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     start_epoch, start_step, partial, metrics = 0, 0, None, {}
     state = common.load_newest(
@@ -263,6 +269,7 @@ def train(args, env: common.DistEnv) -> int:
                 seen = partial["seen"]
         bad_steps.zero_()
         first_bad.fill_(-1)
+        common.reset_peak_memory(device)  # this epoch's peak, not the whole run's
 
         def checkpoint(step: int) -> None:
             """Mid-epoch checkpoint (collective): partial sums reduced so a resume can finish
@@ -280,11 +287,12 @@ def train(args, env: common.DistEnv) -> int:
 
         common.synchronize(device)
         t0 = common.now()
-        for step, (images, labels) in enumerate(train_loader, start=skip):
+        # to_device: on CUDA the next batch's copy overlaps this step's compute
+        batches = common.to_device(train_loader, device)
+        for step, (images, labels) in enumerate(batches, start=skip):
             if step >= steps:
                 break
-            images = prepare(images.to(device, non_blocking=True), train=True)
-            labels = labels.to(device, non_blocking=True)
+            images = prepare(images, train=True)
             optimizer.zero_grad(set_to_none=True)
             # forward: each unit all-gathers its parameters from all ranks, then (full) frees
             with torch.autocast(device.type, dtype=dtype or torch.float32,
@@ -381,8 +389,9 @@ def main(argv=None) -> int:
         return rc
     except UsageError as err:
         return common.fail_cleanly(err, env)
-    except common.NonFiniteLoss as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+    except common.NonFiniteLoss as err:  # every rank raises it at the same check (a vote)
+        if env is None or env.rank == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
         return common.NONFINITE_EXIT
     except dist.DistError as err:  # a peer died or a collective timed out: never hang
         return common.collective_failed(err, env)

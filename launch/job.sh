@@ -27,8 +27,10 @@
 #   CHECK_ONLY    1 = run only the training script's --check (preflight + all-reduce test)
 #   REQUEUE       1 (default) = requeue the job after the training checkpointed on a stop signal
 #   RUN_DIR       continue in this existing run directory (default: a new one, see below)
-#   NCCL_DEBUG (WARN), NCCL_SOCKET_IFNAME (unset: NCCL chooses),
-#   TORCH_NCCL_ASYNC_ERROR_HANDLING (1), OMP_NUM_THREADS (CPUs / processes per node: node.sh)
+#   NCCL_DEBUG (WARN), NCCL_SOCKET_IFNAME (unset: NCCL chooses; also exported as
+#   GLOO_SOCKET_IFNAME unless that is set: the stop vote runs on a gloo group),
+#   OMP_NUM_THREADS (CPUs / processes per node: node.sh). TORCH_NCCL_ASYNC_ERROR_HANDLING is
+#   left to PyTorch (its default, 3, tears the process down without mode 1's hanging abort).
 #
 # Run directory: ${RUNS_DIR}/<job-name>-<job-id>/ with train.log, job.env, gpu_memory/<node>.csv,
 # cpu_memory/<node>.txt, checkpoints/, memory_summary.txt and memory_summary.json. A requeued job
@@ -63,11 +65,15 @@ fi
 : "${PYTHON:=python}"
 : "${LOG_INTERVAL:=5}"
 : "${NCCL_DEBUG:=WARN}"
-: "${TORCH_NCCL_ASYNC_ERROR_HANDLING:=1}"
 : "${PYTHONFAULTHANDLER:=1}"
 : "${SRUN_EXTRA_ARGS:=}"
-export STRATEGY PYTHON LOG_INTERVAL NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING PYTHONFAULTHANDLER
-if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then export NCCL_SOCKET_IFNAME; fi  # e.g. ib0; unset = auto
+export STRATEGY PYTHON LOG_INTERVAL NCCL_DEBUG PYTHONFAULTHANDLER
+if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then  # e.g. ib0; unset = auto
+  : "${GLOO_SOCKET_IFNAME:=$NCCL_SOCKET_IFNAME}"  # gloo (the stop vote) on the same interface
+  export NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME
+elif [ -n "${GLOO_SOCKET_IFNAME:-}" ]; then
+  export GLOO_SOCKET_IFNAME
+fi
 if [ -n "${DATA_DIR:-}" ]; then export DATA_DIR; fi
 read -ra python_cmd <<<"$PYTHON"
 read -ra srun_extra <<<"$SRUN_EXTRA_ARGS"
@@ -170,7 +176,7 @@ processes     : $world_size ($per_node)
 rendezvous    : ${RDZV_ENDPOINT:-standalone}
 data          : ${DATA_DIR:-built-in synthetic data (DATA_DIR unset)}
 NCCL          : NCCL_DEBUG=$NCCL_DEBUG NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-<auto>} \
-TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING
+GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-<auto>}
 run dir       : $RUN_DIR
 checkpoints   : ${CHECKPOINT_DIR:-none}
 restarts      : $restarts

@@ -78,7 +78,8 @@ DP_ONE_NODE = "DataParallel (dp) is one process on one node; use ddp or fsdp acr
 # Variables the launchers read that change what is measured: recorded with each invocation.
 PROVENANCE_ENV = ("DATA_DIR", "PYTHON", "LOG_INTERVAL", "CHECKPOINT_DIR", "OMP_NUM_THREADS",
                   "CUDA_VISIBLE_DEVICES", "SITE_SH", "SRUN_EXTRA_ARGS", "NCCL_DEBUG",
-                  "NCCL_SOCKET_IFNAME", "CHECK_ONLY", "REQUEUE")
+                  "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "CHECK_ONLY",
+                  "REQUEUE")
 # Variables the study sets itself for every run: an exported value would leak into every job.
 DROPPED_ENV = ("RUN_DIR", "NPROC", "NPROC_PER_NODE")
 

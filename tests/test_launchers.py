@@ -276,11 +276,16 @@ def test_local_sh_usr1_checkpoints_then_run_dir_resumes(tmp_path):
 
 def test_local_sh_check_only_and_bad_run_dir(tmp_path):
     env = base_env(tmp_path)
-    env.update(RUNS_DIR=str(tmp_path / "runs"), CHECK_ONLY="1")
+    env.update(RUNS_DIR=str(tmp_path / "runs"), CHECK_ONLY="1", NCCL_SOCKET_IFNAME="lo")
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    env.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
     res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--",
                           *TINY], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
+    # the site's interface reaches gloo too (the stop vote); NCCL's error handling is PyTorch's
+    assert "NCCL_SOCKET_IFNAME=lo GLOO_SOCKET_IFNAME=lo" in res.stdout
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in res.stdout
     assert "check: all-reduce OK across 2 rank(s)" in res.stdout
     assert "preflight OK" in res.stdout and "Epoch [" not in res.stdout
     (run_dir,) = (tmp_path / "runs").iterdir()

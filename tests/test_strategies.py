@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -15,6 +16,9 @@ from conftest import FAST, REPO, check_ok, env_for_tests, epoch_lines, metrics, 
 
 EQUIV = ["--model", "cnn", "--synthetic-size", "320", "--epochs", "2", "--num-workers", "0",
          "--amp", "off", "--seed", "5", "--lr", "0.02", "--batch-size", "16"]
+# Processes per run of the DDP/FSDP equivalence tests: bench/gpu_check.py sets 1 on a machine
+# with one GPU, to run them on CUDA with NCCL.
+NPROC = int(os.environ.get("DPT_TEST_NPROC", "2"))
 
 
 def _flags(script: str) -> set:
@@ -27,7 +31,8 @@ def test_all_scripts_share_the_flags_of_ddp_train():
     ddp, dp, fsdp = _flags("ddp_train.py"), _flags("dp_train.py"), _flags("fsdp_train.py")
     assert {"--data-dir", "--batch-size", "--amp", "--save-model", "--dist-timeout"} <= ddp
     ddp_only = {"--bucket-cap-mb", "--gradient-as-bucket-view",
-                "--no-gradient-as-bucket-view", "--static-graph"}
+                "--no-gradient-as-bucket-view", "--static-graph", "--broadcast-buffers",
+                "--no-broadcast-buffers"}
     assert dp - ddp == {"--gpus"} and ddp - dp == ddp_only
     assert fsdp - ddp == {"--sharding"} and ddp - fsdp == ddp_only
 
@@ -68,7 +73,7 @@ def test_same_metric_keys_for_every_strategy():
 @pytest.fixture(scope="module")
 def ddp_weights(tmp_path_factory):
     path = tmp_path_factory.mktemp("ddp") / "ddp.pt"
-    proc = run_script("ddp_train.py", EQUIV + ["--save-model", str(path)], nproc=2)
+    proc = run_script("ddp_train.py", EQUIV + ["--save-model", str(path)], nproc=NPROC)
     check_ok(proc)
     return torch.load(path, weights_only=True), metrics(proc.stdout)[-1]
 
@@ -85,7 +90,7 @@ def test_fsdp_ends_with_the_same_weights_as_ddp(ddp_weights, sharding, tmp_path)
     ref, ref_m = ddp_weights
     path = tmp_path / "fsdp.pt"
     proc = run_script("fsdp_train.py", EQUIV + ["--sharding", sharding, "--save-model", str(path)],
-                      nproc=2)
+                      nproc=NPROC)
     check_ok(proc)
     _assert_same_weights(ref, torch.load(path, weights_only=True))
     m = metrics(proc.stdout)[-1]

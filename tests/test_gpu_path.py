@@ -1,0 +1,252 @@
+"""The CUDA/NCCL path's defects, each shown on CPU: per-rank augmentation, one NaN verdict for
+all ranks, the GPU a process drives, DataParallel's --compile and cudnn settings, per-epoch
+memory peaks, bf16 on old GPUs, FSDP2 units, and the data held on the device."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import FAST, REPO, check_ok, env_for_tests, metrics, run_script
+
+import common
+
+PATCHED = REPO / "tests" / "patched_run.py"
+
+
+def run_patched(patch: str, out, script: str, args, nproc: int = 2, timeout: int = 300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(PATCHED), patch, str(out), script, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=env_for_tests(), cwd=REPO)
+
+
+# ---- 1. every rank draws its own crops and flips, reproducibly from --seed
+def test_ranks_draw_different_augmentations_reproducibly(tiny_imagenet, tmp_path):
+    root, _ = tiny_imagenet
+    args = ["--data-dir", str(root), "--data-cache", str(tmp_path / "cache"), "--model",
+            "resnet18", "--batch-size", "8", "--epochs", "1", "--max-steps-per-epoch", "1",
+            "--num-workers", "0"]
+    draws = {}
+    for name, seed in (("a", "0"), ("b", "0"), ("c", "1")):
+        out = tmp_path / name
+        out.mkdir()
+        check_ok(run_patched("record_augment", out, "ddp_train.py", args + ["--seed", seed]))
+        draws[name] = [torch.load(out / f"augment-rank{r}.pt") for r in (0, 1)]
+    a0, a1 = draws["a"]
+    assert not torch.equal(a0, a1), "rank 0 and rank 1 drew the same crops and flips"
+    assert torch.equal(a0, draws["b"][0]) and torch.equal(a1, draws["b"][1]), \
+        "the same --seed must give the same augmentation"
+    assert not torch.equal(a0, draws["c"][0]), "another --seed must give another augmentation"
+
+
+def test_ranks_loader_workers_have_different_seeds(tiny_imagenet, tmp_path):
+    root, _ = tiny_imagenet
+    check_ok(run_patched("record_worker_seed", tmp_path, "ddp_train.py",
+                         ["--data-dir", str(root), "--model", "resnet18", "--batch-size", "8",
+                          "--epochs", "1", "--max-steps-per-epoch", "2", "--num-workers", "1"]))
+    seeds = {r: {p.read_text() for p in tmp_path.glob(f"worker-rank{r}-*.txt")} for r in (0, 1)}
+    assert seeds[0] and seeds[1]
+    assert not seeds[0] & seeds[1], f"workers of both ranks share a seed: {seeds}"
+
+
+def test_seed_for_rank_is_distinct_and_stable():
+    seeds = [common.seed_for_rank(0, r) for r in range(64)]
+    assert len(set(seeds)) == 64
+    assert seeds == [common.seed_for_rank(0, r) for r in range(64)]
+    assert common.seed_for_rank(1, 0) != seeds[0]
+
+
+# ---- 2. a NaN on one rank stops every rank at once, with one message
+@pytest.mark.parametrize("script", ["ddp_train.py", "fsdp_train.py"])
+def test_nan_on_one_rank_stops_the_whole_job_quickly(script, tmp_path):
+    t0 = time.monotonic()
+    proc = run_patched("nan_on_rank1", tmp_path, script, FAST + ["--dist-timeout", "300"])
+    seconds = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert seconds < 90, f"took {seconds:.0f} s: a rank waited for --dist-timeout"
+    assert out.count("the loss became NaN or inf at epoch 1, step 3;") == 1, out[-3000:]
+    # no rank was left waiting in a collective, and none crashed with a traceback of its own
+    assert "failed or timed out" not in out and "NonFiniteLoss" not in out, out[-3000:]
+
+
+# ---- 3. which GPU a process drives
+@pytest.mark.parametrize("visible, local_rank, local_world, source, expected", [
+    (1, 0, 4, "slurm", 0),   # srun --gpus-per-task=1: each task sees its own GPU as cuda:0
+    (1, 3, 4, "slurm", 0),
+    (1, 0, 1, "torchrun", 0),
+    (4, 2, 4, "torchrun", 2),
+    (8, 3, 4, "slurm", 3),
+    (4, 1, 4, "slurm", 1),   # srun --gpus-per-node=4: every task sees all four
+])
+def test_gpu_index(visible, local_rank, local_world, source, expected):
+    assert common.gpu_index(visible, local_rank, local_world, source) == expected
+
+
+@pytest.mark.parametrize("visible, local_world, source, fix", [
+    (2, 4, "torchrun", "--nproc-per-node 2"),
+    (1, 2, "torchrun", "--nproc-per-node 1"),   # two processes on one GPU: NCCL would fail
+    (2, 4, "slurm", "--gpus-per-task=1"),
+])
+def test_gpu_index_too_few_gpus_names_the_fix(visible, local_world, source, fix):
+    with pytest.raises(common.UsageError, match="processes were started on this node") as e:
+        common.gpu_index(visible, 0, local_world, source)
+    assert fix in str(e.value)
+
+
+@pytest.mark.parametrize("tasks, node, expected", [("3,2", "1", 2), ("3,2", "0", 3),
+                                                   ("2(x3),1", "2", 2), ("2(x3),1", "3", 1)])
+def test_srun_uneven_tasks_per_node(monkeypatch, tasks, node, expected):
+    for k, v in {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0",
+                 "SLURM_STEP_NUM_TASKS": "5" if tasks == "3,2" else "7",
+                 "SLURM_STEP_NUM_NODES": "2" if tasks == "3,2" else "4",
+                 "SLURM_STEP_TASKS_PER_NODE": tasks, "SLURM_NODEID": node,
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(k, v)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(k, raising=False)
+    env = common.dist_env()
+    assert (env.local_world_size, env.nodes) == (expected, 2 if tasks == "3,2" else 4)
+
+
+def test_srun_ntasks_per_node_without_step_list(monkeypatch):
+    for k, v in {"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+                 "SLURM_NTASKS": "6", "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "3",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(k, v)
+    for k in ("RANK", "WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NUM_TASKS",
+              "SLURM_STEP_NUM_NODES"):
+        monkeypatch.delenv(k, raising=False)
+    env = common.dist_env()
+    assert (env.world_size, env.local_world_size, env.nodes) == (6, 3, 2)
+
+
+# ---- 4, 5. DataParallel: --compile over several GPUs is refused; cudnn.benchmark is on
+def fake_gpus(monkeypatch, n):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+def test_dp_compile_with_several_gpus_is_refused(monkeypatch, capsys):
+    import dp_train
+    fake_gpus(monkeypatch, 2)
+    assert dp_train.main(FAST + ["--compile"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--compile cannot be combined with DataParallel" in err
+    assert "ddp_train.py --compile" in err
+
+
+def test_dp_turns_on_cudnn_benchmark(monkeypatch):
+    import dp_train
+    fake_gpus(monkeypatch, 1)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    args = dp_train.build_parser().parse_args(FAST + ["--compile"])  # one GPU: compile is fine
+    device, gpus = dp_train.setup_devices(args)
+    assert (device.type, gpus) == ("cuda", [0])
+    assert torch.backends.cudnn.benchmark is True
+
+
+# ---- 6. each epoch reports its own peak
+def test_peak_memory_is_reset_per_epoch():
+    cpu = torch.device("cpu")
+    common.reset_peak_memory(cpu)
+    before = common.peak_memory_mib(cpu)
+    big = torch.ones(300 * 2**20 // 4)  # 300 MiB, touched
+    del big
+    peak = common.peak_memory_mib(cpu)
+    assert peak > before + 250
+    common.reset_peak_memory(cpu)
+    assert common.peak_memory_mib(cpu) < peak - 250
+
+
+# ---- 8. bf16 needs compute capability 8.0; the default follows the GPU
+@pytest.mark.parametrize("cc, flag, expected", [((9, 0), None, "bf16"), ((8, 0), None, "bf16"),
+                                                ((7, 0), None, "fp16"), ((7, 0), "fp16", "fp16"),
+                                                ((7, 0), "off", "off")])
+def test_amp_default_follows_the_gpu(monkeypatch, cc, flag, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cc)
+    args = argparse.Namespace(**vars(common.add_common_args(argparse.ArgumentParser())
+                                     .parse_args([] if flag is None else ["--amp", flag])))
+    common.resolve_args(args, common.DistEnv(0, 0, 1, 1, "single"), torch.device("cuda", 0))
+    assert args.amp == expected
+
+
+def test_bf16_on_a_v100_names_fp16(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Tesla V100-SXM2-32GB")
+    args = common.add_common_args(argparse.ArgumentParser()).parse_args(["--amp", "bf16"])
+    with pytest.raises(common.UsageError, match="use --amp fp16") as e:
+        common.resolve_args(args, common.DistEnv(0, 0, 1, 1, "single"), torch.device("cuda", 0))
+    assert "V100" in str(e.value) and "7.0" in str(e.value)
+
+
+# ---- FSDP2: one unit per residual block plus the root; channels_last weights are accepted
+FSDP_UNITS = """
+import torch, torch.distributed as dist, argparse
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+import common, fsdp_train
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model = common.build_model("resnet50", 200, (3, 64, 64)).to(memory_format=torch.channels_last)
+args = argparse.Namespace(amp="bf16", sharding="full")
+model = fsdp_train.apply_fsdp(model, init_device_mesh("cpu", (1,)), args)
+units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+print("units", len(units), "bn_units", sum("bn" in n for n in units))
+x = torch.randn(2, 3, 64, 64).contiguous(memory_format=torch.channels_last)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    model(x).float().sum().backward()
+print("ok")
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp_shards_per_block_and_accepts_channels_last_weights():
+    proc = subprocess.run([sys.executable, "-c", FSDP_UNITS], capture_output=True, text=True,
+                          env=env_for_tests(), cwd=REPO, timeout=300)
+    check_ok(proc)
+    assert "units 17 bn_units 0" in proc.stdout  # 16 bottlenecks of ResNet-50 + the root
+    assert "ok" in proc.stdout
+
+
+# ---- the data held on the device gives the very same run as the DataLoader
+def test_data_on_device_matches_the_loader():
+    base = FAST + ["--model", "resnet18", "--max-steps-per-epoch", "3"]
+    runs = []
+    for extra in ([], ["--data-on-device"]):
+        proc = run_script("ddp_train.py", base + extra, nproc=2)
+        check_ok(proc)
+        runs.append(metrics(proc.stdout)[-1])
+    for key in ("train_loss", "train_acc", "val_loss", "val_acc", "train_images", "val_images"):
+        assert runs[0][key] == runs[1][key], key
+
+
+def test_data_on_device_with_the_cache(tiny_imagenet, tmp_path):
+    root, _ = tiny_imagenet
+    proc = run_script("fsdp_train.py", ["--data-dir", str(root), "--data-cache",
+                                        str(tmp_path / "cache"), "--data-on-device", "--model",
+                                        "resnet18", "--batch-size", "8", "--epochs", "1",
+                                        "--num-workers", "0"], nproc=2)
+    check_ok(proc)
+    last = metrics(proc.stdout)[-1]
+    assert int(last["train_images"]) == 160 // 16 * 16 and int(last["val_images"]) == 40
+
+
+def test_data_on_device_needs_decoded_data(tiny_imagenet):
+    root, _ = tiny_imagenet
+    proc = run_script("ddp_train.py", ["--data-dir", str(root), "--data-on-device"])
+    assert proc.returncode == 2
+    assert "--data-on-device needs decoded data: add --data-cache" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_ddp_without_buffer_broadcast_runs():
+    proc = run_script("ddp_train.py", FAST + ["--model", "resnet18", "--epochs", "1",
+                                              "--no-broadcast-buffers"], nproc=2)
+    check_ok(proc)
+    assert "broadcast_buffers=False" in proc.stdout
