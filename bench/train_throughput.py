@@ -6,11 +6,12 @@
 Rows (same model, batch and step count; steady-state epoch 2 of each run):
     folder     ddp_train.py reading JPEGs with PIL in DataLoader workers (the seed's way)
     cache      ddp_train.py --data-cache: uint8 batches, augmentation on the device
-    synthetic  ddp_train.py on built-in synthetic data: no decoding at all (compute-bound)
-    plain      a bare loop (model, SGD with ddp_train.py's settings, DataLoader, forward/
-               backward/step, nothing else) on the same synthetic data, timed the same way
-               (epoch 2, first batch included): ddp_train.py's DDP wrapper, logging and
-               metrics should cost nothing
+    synthetic  ddp_train.py on built-in synthetic data held on the device (--data-on-device):
+               no loader, no decoding, no copy: compute only, the ceiling
+    plain      a bare loop (model, SGD with ddp_train.py's settings, forward/backward/step,
+               nothing else) on the same synthetic data held on the device, timed the same
+               way (epoch 2): ddp_train.py's DDP wrapper, logging and metrics should cost
+               nothing
 If cache is close to synthetic, the input is no longer the limit; folder far below it means
 the run is input-bound. Prints a markdown table.
 """
@@ -63,20 +64,17 @@ def plain_throughput(args) -> float:
                           weight_decay=d.weight_decay)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    data = common.SyntheticImages(args.batch_size * args.steps * 2, shape, classes, 0, "train")
-    workers = args.num_workers if args.num_workers is not None else default_workers()
-    loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True,
-                                         drop_last=True, num_workers=workers,
-                                         pin_memory=device.type == "cuda",
-                                         persistent_workers=workers > 0)
+    data = common.SyntheticImages(args.batch_size * args.steps, shape, classes, 0, "train")
+    images = torch.stack([data[i][0] for i in range(len(data))]).to(device)  # on the device,
+    labels = torch.as_tensor(data.targets).to(device)  # like ddp_train.py --data-on-device
     model.train()
     for epoch in range(2):
+        order = torch.randperm(len(data)).to(device)
         common.synchronize(device)
         t0, n = time.perf_counter(), 0
-        for i, (x, y) in enumerate(loader):
-            if i == args.steps:
-                break
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        for i in range(args.steps):
+            idx = order[i * args.batch_size:(i + 1) * args.batch_size]
+            x, y = images[idx], labels[idx]
             if device.type == "cuda":
                 x = x.contiguous(memory_format=torch.channels_last)
             opt.zero_grad(set_to_none=True)
@@ -106,12 +104,6 @@ def plain_in_subprocess(args) -> float:
     return float(proc.stdout.split()[-1])
 
 
-def default_workers() -> int:
-    """ddp_train.py's default DataLoader workers for one process on this machine."""
-    env = common.dist_env()
-    return common._default_workers(env)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-dir", required=True, help="TinyImageNet folder (original layout)")
@@ -139,8 +131,9 @@ def main(argv=None) -> int:
         "folder (JPEG + PIL per image)": lambda: ddp_throughput(args, data),
         "cache (uint8 + device augmentation)":
             lambda: ddp_throughput(args, data + ["--data-cache", args.cache_dir]),
-        "synthetic (compute only)": lambda: ddp_throughput(args, []),
-        "plain loop, synthetic": lambda: plain_in_subprocess(args),
+        "synthetic on device (compute only)": lambda: ddp_throughput(
+            args, ["--data-on-device", "--synthetic-size", str(args.batch_size * args.steps)]),
+        "plain loop, synthetic on device": lambda: plain_in_subprocess(args),
     }
     samples = {name: [] for name in runs}
     for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every row

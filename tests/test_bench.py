@@ -40,3 +40,17 @@ def test_step_overhead_prints_three_variants():
                     "--steps", "2")
     names = re.findall(r"^(bare|ddp|ddp\+metrics) +[\d.]+ ms/step +[+-][\d.]+%$", out, re.M)
     assert names == ["bare", "ddp", "ddp+metrics"], out
+
+
+def test_gpu_check_runs_on_cpu_with_a_notice(tmp_path):
+    out = run_bench("gpu_check.py", "--steps", "2", "--out", str(tmp_path / "report.md"),
+                    timeout=600)
+    assert "notice: no GPU visible" in out
+    report = (tmp_path / "report.md").read_text()
+    assert report in out
+    rows = dict(re.findall(r"^\| (ddp, synthetic on device|ddp, cache|fsdp full, cache|"
+                           r"dp, cache) \| \d+ \| off \| ([\d,]+) \|", report, re.M))
+    assert len(rows) == 4 and all(int(v.replace(",", "")) > 0 for v in rows.values()), report
+    assert report.count("skipped (CUDA only)") == 3
+    assert "| 1.00x |" in report  # the ceiling row, against itself
+    assert "torch " in report and "date: " in report

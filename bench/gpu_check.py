@@ -1,0 +1,239 @@
+"""The GPU acceptance run: one command, about 6-9 minutes on one GPU, one markdown table.
+
+    python bench/gpu_check.py                          # generates a full-size TinyImageNet tree
+    python bench/gpu_check.py --data-dir /data/tiny-imagenet-200 --out bench/results/gpu.md
+
+What it does, in order:
+1. the data: a TinyImageNet-layout tree at full size (200 classes x 500 train, 50 val each),
+   written in parallel by tests/make_tinyimagenet.py, unless --data-dir is given; then the
+   uint8 cache (``--data-cache``), built once;
+2. ResNet-50 at 64x64, each row a real run of a training script for two epochs of --steps
+   steps, measured on the second (warm: cuDNN autotuning, caches, compilation done):
+   ddp_train.py at batch 256 and 1024 on synthetic data generated and held on the device (the
+   compute ceiling: no loader, no copy), on the cache path, on the cache held on the device,
+   on the JPEG folder path; fp16 and bf16; --compile; fsdp_train.py (full, grad-op) and
+   dp_train.py;
+3. the test suite's DDP / FSDP / DP equivalence tests on CUDA (NCCL; one process per run, two
+   when two GPUs are visible);
+4. one markdown table: configuration, img/s, peak memory (MiB), ratio to the device-synthetic
+   ceiling at the same batch; with the GPU, driver, torch / CUDA / cuDNN / NCCL versions.
+
+Without a GPU it still runs (CI smoke-tests it): a small tree, ResNet-18, a few steps, and the
+CUDA-only rows (fp16, bf16, --compile) and the CUDA equivalence tests are skipped with a notice.
+Exit code 0 when every row and test passed, 1 otherwise (the table says which failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+import torch  # noqa: E402
+
+import common  # noqa: E402
+from make_tinyimagenet import make_tree, make_tree_parallel  # noqa: E402
+
+CEILING = "synthetic on device"
+
+
+def versions(gpu: bool) -> list:
+    lines = [f"date: {datetime.date.today().isoformat()}", f"host: {platform.node()}",
+             f"torch {torch.__version__}, CUDA {torch.version.cuda or 'n/a'}, cuDNN "
+             f"{torch.backends.cudnn.version() if gpu else 'n/a'}, NCCL "
+             f"{'.'.join(map(str, torch.cuda.nccl.version())) if gpu else 'n/a'}, "
+             f"python {platform.python_version()}"]
+    if gpu:
+        driver = "unknown"
+        try:
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                     "--format=csv,noheader"], capture_output=True, text=True,
+                                    timeout=30).stdout.split("\n")[0].strip() or driver
+        except (OSError, subprocess.SubprocessError):
+            pass
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        cc = torch.cuda.get_device_capability(0)
+        lines.insert(0, f"GPU: {', '.join(names)} (compute capability {cc[0]}.{cc[1]}), "
+                        f"driver {driver}")
+    else:
+        lines.insert(0, f"no GPU: CPU {platform.machine()}, {len(os.sched_getaffinity(0))} "
+                        f"cores")
+    return lines
+
+
+def run_row(script: str, args: list, timeout: int) -> dict:
+    """One training run; the second epoch's [METRIC] line, or the reason it failed."""
+    cmd = [sys.executable, str(REPO / script), *args]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {timeout} s", "cmd": cmd}
+    rows = [m for m in map(common.parse_metric_line, proc.stdout.splitlines()) if m]
+    if proc.returncode != 0 or not rows:
+        last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        return {"error": f"exit {proc.returncode}: {last[:200]}", "cmd": cmd}
+    m = rows[-1]
+    return {"img_s": float(m["throughput_img_s"]), "peak": float(m["peak_mem_mib"]),
+            "amp": m["amp"], "seconds": time.monotonic() - t0, "cmd": cmd}
+
+
+def plan(gpu: bool, data: list, cache: list, steps: int, model: str, batches: tuple) -> list:
+    """(label, batch, script, args, cuda_only) for every row."""
+    rows = []
+    small, big = batches
+    for b in (small, big):
+        synth = ["--synthetic-size", str(b * steps), "--data-on-device"]
+        rows.append((f"ddp, {CEILING}", b, "ddp_train.py", synth, False))
+        rows.append(("ddp, cache", b, "ddp_train.py", data + cache, False))
+    rows += [
+        ("ddp, cache held on device", big, "ddp_train.py", data + cache + ["--data-on-device"],
+         False),
+        ("ddp, JPEG folder", small, "ddp_train.py", data, False),
+        ("ddp, cache, fp16", small, "ddp_train.py", data + cache + ["--amp", "fp16"], True),
+        ("ddp, cache, bf16", small, "ddp_train.py", data + cache + ["--amp", "bf16"], True),
+        ("ddp, cache, --compile", small, "ddp_train.py", data + cache + ["--compile"], True),
+        ("fsdp full, cache", small, "fsdp_train.py", data + cache + ["--sharding", "full"], False),
+        ("fsdp grad-op, cache", small, "fsdp_train.py", data + cache + ["--sharding", "grad-op"],
+         False),
+        ("dp, cache", small, "dp_train.py", data + cache, False),
+    ]
+    common_args = ["--model", model, "--epochs", "2", "--max-steps-per-epoch", str(steps)]
+    return [(label, b, script, common_args + ["--batch-size", str(b)] + args, cuda_only)
+            for label, b, script, args, cuda_only in rows]
+
+
+def equivalence_tests(gpus: int, timeout: int) -> tuple:
+    """The suite's strategy-equivalence tests, run on this machine's device (CUDA here)."""
+    if shutil.which("pytest") is None and not _has_module("pytest"):
+        return None, "skipped: pytest is not installed (pip install -r requirements-test.txt)"
+    nproc = 2 if gpus >= 2 else 1
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           str(REPO / "tests" / "test_strategies.py"), "-k",
+           "same_weights_as_ddp or matches_ddp_single_process"]
+    env = dict(os.environ, DPT_TEST_NPROC=str(nproc))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                              cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return False, f"no result within {timeout} s"
+    summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
+    return proc.returncode == 0, f"{summary} ({nproc} process(es) per run, NCCL)"
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(name) is not None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data-dir", default=None,
+                   help="a TinyImageNet folder (original layout); default: generate one")
+    p.add_argument("--work-dir", default=None,
+                   help="where the generated tree and the cache go (default: a temporary dir)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps per epoch of each run (default: 40 on a GPU, 3 on CPU)")
+    p.add_argument("--out", default=None, help="also write the report (markdown) to this file")
+    p.add_argument("--row-timeout", type=int, default=300, help="seconds one run may take")
+    args = p.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    if args.data_dir and not Path(args.data_dir).is_dir():
+        print(f"error: --data-dir {args.data_dir} does not exist: point it at a TinyImageNet "
+              f"folder, or leave it out to generate one", file=sys.stderr)
+        return 2
+    steps = args.steps or (40 if gpu else 3)
+    model, batches = ("resnet50", (256, 1024)) if gpu else ("resnet18", (8, 16))
+    if not gpu:
+        print("notice: no GPU visible: a small CPU smoke run (ResNet-18, a small tree, "
+              f"{steps} steps); the CUDA-only rows and the CUDA equivalence tests are skipped",
+              flush=True)
+    t_start = time.monotonic()
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="gpu-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+
+    root = Path(args.data_dir) if args.data_dir else work / "tiny-imagenet-200"
+    if not args.data_dir and not (root / "wnids.txt").is_file():
+        t0 = time.monotonic()
+        if gpu:
+            make_tree_parallel(root, 200, 500, 50)
+        else:
+            make_tree(root, classes=4, train_per_class=40, val_per_class=10)
+        print(f"data: generated {root} in {time.monotonic() - t0:.0f} s", flush=True)
+    data = ["--data-dir", str(root)]
+    cache = ["--data-cache", str(work / "cache")]
+    t0 = time.monotonic()  # build the cache once, outside the timed rows
+    built = subprocess.run([sys.executable, str(REPO / "ddp_train.py"), *data, *cache,
+                            "--check"], capture_output=True, text=True, cwd=REPO)
+    if built.returncode != 0:
+        print(f"error: building the cache failed:\n{built.stderr[-2000:]}", file=sys.stderr)
+        return 1
+    print(f"data: cache ready in {work / 'cache'} ({time.monotonic() - t0:.0f} s)", flush=True)
+
+    results = []
+    for label, batch, script, row_args, cuda_only in plan(gpu, data, cache, steps, model,
+                                                          batches):
+        if cuda_only and not gpu:
+            results.append((label, batch, {"skipped": "CUDA only"}))
+            continue
+        r = run_row(script, row_args, args.row_timeout)
+        results.append((label, batch, r))
+        shown = f"{r['img_s']:.0f} img/s" if "img_s" in r else r["error"]
+        print(f"  {label}, batch {batch}: {shown}", flush=True)
+
+    if gpu:
+        passed, tests = equivalence_tests(torch.cuda.device_count(), 600)
+    else:
+        passed, tests = None, "skipped: no GPU (the CPU suite runs them with gloo)"
+
+    ceiling = {b: r["img_s"] for label, b, r in results if label.endswith(CEILING)
+               and "img_s" in r}
+    cmd = "python bench/gpu_check.py" + "".join(f" {shlex.quote(a)}" for a in (argv or
+                                                                             sys.argv[1:]))
+    lines = [f"# GPU acceptance run ({model}, 64x64)", ""]
+    lines += [f"- {v}" for v in versions(gpu)]
+    lines += [f"- command: `{cmd}`",
+              f"- each row: 2 epochs of {steps} steps, the second measured; one process "
+              f"(DataParallel: all visible GPUs)", ""]
+    lines += ["| configuration | batch | amp | img/s | peak memory (MiB) | vs ceiling |",
+              "|---|---:|---|---:|---:|---:|"]
+    failed = False
+    for label, batch, r in results:
+        if "img_s" in r:
+            ratio = f"{r['img_s'] / ceiling[batch]:.2f}x" if batch in ceiling else "n/a"
+            lines.append(f"| {label} | {batch} | {r['amp']} | {r['img_s']:,.0f} | "
+                         f"{r['peak']:,.0f} | {ratio} |")
+        elif "skipped" in r:
+            lines.append(f"| {label} | {batch} | | skipped ({r['skipped']}) | | |")
+        else:
+            failed = True
+            lines.append(f"| {label} | {batch} | | FAILED: {r['error']} | | |")
+    lines += ["", f"equivalence tests on this device: {tests}",
+              f"total: {time.monotonic() - t_start:.0f} s"]
+    failed = failed or passed is False
+    report = "\n".join(lines) + "\n"
+    print()
+    print(report, end="")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(report)
+    if not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
