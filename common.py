@@ -1384,7 +1384,7 @@ class DeviceResident:
 
     def __init__(self, dataset, sampler, batch_size: int, drop_last: bool, device):
         if isinstance(dataset, CachedSplit):
-            images, labels = torch.from_numpy(np.asarray(dataset.images)), dataset.labels
+            images, labels = torch.from_numpy(np.array(dataset.images)), dataset.labels
         else:  # SyntheticImages: the samples, made once
             images = torch.stack([dataset[i][0] for i in range(len(dataset))])
             labels = torch.as_tensor(dataset.targets)
