@@ -19,6 +19,7 @@ machine-readable ``[METRIC]`` line (keys: common.METRIC_KEYS):
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from pathlib import Path
 
@@ -32,6 +33,10 @@ import common
 from common import UsageError
 
 STRATEGY = "ddp"
+# DDP's per-forward buffer sync is called forward_sync_buffers since torch 2.15 (the old name
+# warns); use whichever this torch has.
+BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
+               inspect.signature(DDP).parameters else "broadcast_buffers")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,7 +151,7 @@ def train(args, env: common.DistEnv) -> int:
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                 bucket_cap_mb=args.bucket_cap_mb,
                 gradient_as_bucket_view=args.gradient_as_bucket_view,
-                broadcast_buffers=args.broadcast_buffers,
+                **{BUFFER_SYNC: args.broadcast_buffers},
                 static_graph=args.static_graph)
     step_model = torch.compile(model) if args.compile else model
 

@@ -245,8 +245,10 @@ def test_data_on_device_needs_decoded_data(tiny_imagenet):
     assert "Traceback" not in proc.stderr
 
 
-def test_ddp_without_buffer_broadcast_runs():
-    proc = run_script("ddp_train.py", FAST + ["--model", "resnet18", "--epochs", "1",
-                                              "--no-broadcast-buffers"], nproc=2)
+@pytest.mark.parametrize("flag", ["--broadcast-buffers", "--no-broadcast-buffers"])
+def test_ddp_buffer_broadcast_flag_runs_without_deprecation_warnings(flag):
+    proc = run_script("ddp_train.py", FAST + ["--model", "resnet18", "--epochs", "1", flag],
+                      nproc=2)
     check_ok(proc)
-    assert "broadcast_buffers=False" in proc.stdout
+    assert f"broadcast_buffers={flag == '--broadcast-buffers'}" in proc.stdout
+    assert "deprecated" not in proc.stderr, proc.stderr[-2000:]
