@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import platform
 import shlex
@@ -90,7 +91,7 @@ def run_row(script: str, args: list, timeout: int) -> dict:
             "amp": m["amp"], "seconds": time.monotonic() - t0, "cmd": cmd}
 
 
-def plan(gpu: bool, data: list, cache: list, steps: int, model: str, batches: tuple) -> list:
+def plan(data: list, cache: list, steps: int, model: str, batches: tuple) -> list:
     """(label, batch, script, args, cuda_only) for every row."""
     rows = []
     small, big = batches
@@ -117,7 +118,7 @@ def plan(gpu: bool, data: list, cache: list, steps: int, model: str, batches: tu
 
 def equivalence_tests(gpus: int, timeout: int) -> tuple:
     """The suite's strategy-equivalence tests, run on this machine's device (CUDA here)."""
-    if shutil.which("pytest") is None and not _has_module("pytest"):
+    if importlib.util.find_spec("pytest") is None:  # run as python -m pytest below
         return None, "skipped: pytest is not installed (pip install -r requirements-test.txt)"
     nproc = 2 if gpus >= 2 else 1
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -131,11 +132,6 @@ def equivalence_tests(gpus: int, timeout: int) -> tuple:
         return False, f"no result within {timeout} s"
     summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
     return proc.returncode == 0, f"{summary} ({nproc} process(es) per run, NCCL)"
-
-
-def _has_module(name: str) -> bool:
-    import importlib.util
-    return importlib.util.find_spec(name) is not None
 
 
 def main(argv=None) -> int:
@@ -184,8 +180,7 @@ def main(argv=None) -> int:
     print(f"data: cache ready in {work / 'cache'} ({time.monotonic() - t0:.0f} s)", flush=True)
 
     results = []
-    for label, batch, script, row_args, cuda_only in plan(gpu, data, cache, steps, model,
-                                                          batches):
+    for label, batch, script, row_args, cuda_only in plan(data, cache, steps, model, batches):
         if cuda_only and not gpu:
             results.append((label, batch, {"skipped": "CUDA only"}))
             continue

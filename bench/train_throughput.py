@@ -61,20 +61,17 @@ def plain_throughput(args) -> float:
         model = model.to(memory_format=torch.channels_last)
     d = common.add_common_args(argparse.ArgumentParser()).parse_args([])  # ddp_train's SGD
     opt = torch.optim.SGD(model.parameters(), lr=d.lr, momentum=d.momentum,
-                          weight_decay=d.weight_decay)
+                          weight_decay=d.weight_decay, fused=device.type == "cuda")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     data = common.SyntheticImages(args.batch_size * args.steps, shape, classes, 0, "train")
-    images = torch.stack([data[i][0] for i in range(len(data))]).to(device)  # on the device,
-    labels = torch.as_tensor(data.targets).to(device)  # like ddp_train.py --data-on-device
+    batches = common.DeviceResident(data, torch.utils.data.RandomSampler(data), args.batch_size,
+                                    True, device)  # as ddp_train.py --data-on-device
     model.train()
     for epoch in range(2):
-        order = torch.randperm(len(data)).to(device)
         common.synchronize(device)
         t0, n = time.perf_counter(), 0
-        for i in range(args.steps):
-            idx = order[i * args.batch_size:(i + 1) * args.batch_size]
-            x, y = images[idx], labels[idx]
+        for x, y in batches:
             if device.type == "cuda":
                 x = x.contiguous(memory_format=torch.channels_last)
             opt.zero_grad(set_to_none=True)
