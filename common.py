@@ -28,6 +28,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,26 +108,63 @@ class UsageError(Exception):
     """A problem the user can fix: printed as one sentence naming the fix, exit code 2."""
 
 
+class DataError(UsageError):
+    """A UsageError about the data one rank read (an unreadable image with --strict): only
+    that rank sees it, so that rank prints it, whichever it is."""
+
+
 def fail_cleanly(err: UsageError, rank_env: "DistEnv | None" = None) -> int:
-    """Print a UsageError once per node (every local rank sees the same problem) and return 2."""
+    """Print a UsageError as one line and return 2. A problem of the setup is the same on
+    every rank: local rank 0 of each node prints it. A DataError (or any error raised in a
+    DataLoader worker) is this rank's own: it prints it, prefixed with its rank unless 0."""
     text = str(err)
-    if "Original Traceback" in text:  # raised in a DataLoader worker: keep only its sentence
-        text = text.strip().splitlines()[-1].partition("UsageError: ")[2] or text
-    if rank_env is None or rank_env.local_rank == 0:
-        print(f"error: {text}", file=sys.stderr, flush=True)
+    from_worker = "Original Traceback" in text
+    if from_worker:  # raised in a DataLoader worker: keep only its sentence
+        text = text.strip().splitlines()[-1].partition("UsageError: ")[2] or \
+            text.strip().splitlines()[-1].partition("DataError: ")[2] or text
+    own = isinstance(err, DataError) or from_worker
+    if rank_env is None or rank_env.local_rank == 0 or own:
+        rank = f"rank {rank_env.rank}: " if own and rank_env and rank_env.rank else ""
+        print(f"error: {rank}{text}", file=sys.stderr, flush=True)
     return 2
 
 
 def end_process(code: int) -> None:
     """Exit with ``code`` without the interpreter's teardown (see ddp_train.py's last lines):
-    DataLoader workers and other child processes are stopped first, stdio is flushed."""
+    the checkpoint dir's lock is released, DataLoader workers and other child processes are
+    stopped first, stdio is flushed."""
     import multiprocessing
+    release_checkpoint_lock()
     for child in multiprocessing.active_children():
         child.terminate()
         child.join(5)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+#: Words of the errors that gloo and NCCL raise as plain RuntimeError when a peer is lost.
+COLLECTIVE_ERROR_WORDS = ("gloo", "nccl", "connection closed by peer", "connection reset by "
+                          "peer", "broken pipe", "timed out")
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """Did a collective fail (a peer died, the network broke, a timeout)? torch raises
+    dist.DistError for some of these; gloo raises a plain RuntimeError (also from inside
+    DDP's backward), so its message and where it was raised count too."""
+    if isinstance(err, dist.DistError):
+        return True
+    if not isinstance(err, RuntimeError):
+        return False
+    text = str(err).lower()
+    if any(word in text for word in COLLECTIVE_ERROR_WORDS):
+        return True
+    tb = err.__traceback__
+    while tb is not None:  # raised by a torch.distributed call?
+        if f"torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def collective_failed(err: Exception, rank_env: "DistEnv | None") -> int:
@@ -139,6 +177,99 @@ def collective_failed(err: Exception, rank_env: "DistEnv | None") -> int:
           f"error above, or raise --dist-timeout if the job is merely slow", file=sys.stderr,
           flush=True)
     return 1
+
+
+class _Signals:
+    """SIGUSR1 (Slurm's warning before the time limit) and SIGTERM (preemption), caught from
+    the first line of main(). Once training runs, StopRequest turns them into a checkpoint and
+    REQUEUE_EXIT; before that a SIGTERM ends the process at once, saying so."""
+    signum = 0          # the last stop signal received
+    training = False    # set by StopRequest: from now on a signal is handled at a step
+    rank = 0
+
+
+def catch_stop_signals(rank: int) -> None:
+    import signal
+    _Signals.rank = rank
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, _on_stop_signal)
+
+
+def _on_stop_signal(signum, frame) -> None:
+    import signal
+    _Signals.signum = signum
+    if signum == signal.SIGTERM and not _Signals.training:
+        if _Signals.rank == 0:
+            print("SIGTERM during start-up, before the first training step: stopping now "
+                  "(nothing to checkpoint yet)", file=sys.stderr, flush=True)
+        end_process(128 + signum)
+
+
+_WATCHDOG = r"""
+import os, select, signal, sys, time
+worker, launcher, timeout, rank = map(int, sys.argv[1:])
+last = time.monotonic()
+
+def parent_and_state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[1]), fields[0]
+    except (OSError, ValueError, IndexError):
+        return None, "X"
+
+def end(reason):
+    print(f"error: rank {rank}: {reason}: ending it (pid {worker}) so that the job ends on "
+          f"every node", file=sys.stderr, flush=True)
+    try:
+        os.kill(worker, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    sys.exit(0)
+
+while True:
+    if select.select([0], [], [], 1.0)[0]:
+        if not os.read(0, 4096):
+            sys.exit(0)  # the worker closed its end: it has exited
+        last = time.monotonic()
+    parent, state = parent_and_state(worker)
+    if state in "XZ":
+        sys.exit(0)
+    if launcher and parent != launcher:
+        end(f"its launcher (torchrun, pid {launcher}) is gone")
+    if time.monotonic() - last > timeout:
+        end(f"no sign of life for {timeout} s ({'stopped' if state == 'T' else 'hung'})")
+"""
+
+
+def start_watchdog(env: "DistEnv", timeout_s: int) -> None:
+    """A small process beside each worker of a multi-process run that ends the worker when
+    (a) its launcher is gone: torchrun starts workers in their own session, so a SIGKILLed
+    torchrun would leave them training on as orphans, writing checkpoints; or (b) it has
+    shown no sign of life for ``timeout_s`` (--dist-timeout): a stopped or hung rank, which
+    its peers give up on after the same time, would otherwise keep its node's torchrun
+    waiting forever. The worker's sign of life is a byte a thread writes to a pipe every
+    second; the watchdog leaves by itself when the worker ends."""
+    by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # set by torchrun for its workers
+    if not by_torchrun and not (env.source == "slurm" and env.world_size > 1):
+        return
+    launcher = os.getppid() if by_torchrun else 0
+    read_end, write_end = os.pipe()
+    subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(launcher),
+                      str(timeout_s), str(env.rank)], stdin=read_end, close_fds=True)
+    os.close(read_end)
+    os.set_blocking(write_end, False)
+
+    def beat():
+        while True:
+            try:
+                os.write(write_end, b".")
+            except BlockingIOError:
+                pass
+            except OSError:
+                return
+            time.sleep(1)
+    threading.Thread(target=beat, daemon=True).start()
 
 
 def report_skipped(train_seen: float, train_expected: int, val_seen: float, val_total: int,
@@ -445,12 +576,10 @@ def init_process_group(backend: str, env: DistEnv, timeout_s: int) -> None:
                                 world_size=env.world_size, timeout=timeout)
 
 
-def rank0_first(fn):
-    """Run ``fn`` (e.g. a download) on rank 0 while the other ranks wait, then on the others.
-
-    A UsageError on rank 0 reaches every rank through the broadcast, so nobody waits forever.
-    Without a process group (DataParallel) it simply runs ``fn``.
-    """
+def on_rank0(fn):
+    """Run ``fn`` on rank 0 only while the other ranks wait; a UsageError there is raised on
+    every rank (through a broadcast), so nobody waits forever. Without a process group
+    (DataParallel) it simply runs ``fn``."""
     if not (dist.is_available() and dist.is_initialized()):
         return fn()
     result, error = None, None
@@ -463,7 +592,15 @@ def rank0_first(fn):
     dist.broadcast_object_list(box, src=0)  # collective: every rank waits here for rank 0
     if box[0] is not None:
         raise UsageError(box[0])
-    return fn() if dist.get_rank() != 0 else result
+    return result
+
+
+def rank0_first(fn):
+    """Run ``fn`` (e.g. a download) on rank 0 while the other ranks wait, then on the others."""
+    result = on_rank0(fn)
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return fn()
+    return result
 
 
 # --------------------------------------------------------------------------------------------
@@ -943,7 +1080,15 @@ def list_checkpoints(directory) -> list:
 
 def prune_checkpoints(directory, keep: int) -> None:
     for old in list_checkpoints(directory)[keep:]:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+        _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint file or DCP folder; nothing when it is not there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink(missing_ok=True)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -952,6 +1097,124 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_checkpoint(tmp: Path, path: Path) -> None:
+    """Move a complete checkpoint, file or DCP folder, from ``tmp`` to ``path``, replacing
+    whatever is there. A folder cannot be renamed over a non-empty folder, so the old one is
+    first renamed aside to ``.old-<name>``, the new one renamed in, then the old one deleted:
+    a crash at any point leaves the old or the new checkpoint, and ``tidy_checkpoint_dir``
+    renames a lone ``.old-<name>`` back at the next start."""
+    aside = path.with_name(f".old-{path.name}")
+    if path.exists() or path.is_symlink():
+        _remove(aside)
+        os.replace(path, aside)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    _remove(aside)
+
+
+def tidy_checkpoint_dir(directory) -> None:
+    """At start, before anything is listed: finish a replacement a crash interrupted (a lone
+    ``.old-<name>`` becomes ``<name>`` again) and delete what interrupted saves left behind
+    (``.tmp-*`` files and folders, a superseded ``.old-*``). Only the run holding the
+    directory's lock calls this, so no live save is touched."""
+    if not directory or not Path(directory).is_dir():
+        return
+    for p in sorted(Path(directory).iterdir()):
+        if p.name.startswith(".old-"):
+            original = p.with_name(p.name[len(".old-"):])
+            if original.exists():
+                _remove(p)
+            else:
+                os.replace(p, original)
+        elif p.name.startswith(".tmp-"):
+            _remove(p)
+
+
+#: The lock file of a checkpoint dir: "<host> <pid>" of the run that writes there.
+LOCK_FILE = ".lock"
+LOCK_REFRESH_S = 10  # the holder touches the lock this often ...
+LOCK_STALE_S = 60    # ... so one untouched this long belongs to a run that is gone
+_held_lock: Path | None = None
+
+
+def _lock_holder(path: Path) -> tuple:
+    """(who, alive) for an existing lock: alive while it is refreshed and, on this host, its
+    process exists (a killed holder's lock is taken over at once, another host's after
+    LOCK_STALE_S)."""
+    try:
+        text = path.read_text(errors="replace").strip()
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return "", False
+    host, _, pid = text.partition(" ")
+    alive = age < LOCK_STALE_S
+    if alive and host == platform.node() and pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:
+            pass  # exists, another user's
+    return f"host {host or '?'}, pid {pid or '?'}", alive
+
+
+def lock_checkpoint_dir(directory) -> None:
+    """Claim ``directory`` for this run (rank 0 calls it), so that two runs never write and
+    resume from the same checkpoints: one whose predecessor still runs (an orphaned worker, a
+    job started twice) stops here. A thread refreshes the lock; end_process removes it."""
+    global _held_lock
+    path = Path(directory) / LOCK_FILE
+    me = f"{platform.node()} {os.getpid()}"
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            who, alive = _lock_holder(path)
+            if alive:
+                raise UsageError(f"--checkpoint-dir {directory} is in use by another run "
+                                 f"({who}): wait for it to end or stop it, or choose another "
+                                 f"--checkpoint-dir") from None
+            if who:
+                print(f"note: taking over the lock of {directory} from a run that is gone "
+                      f"({who})", flush=True)
+            path.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(me + "\n")
+        _held_lock = path
+        threading.Thread(target=_refresh_lock, args=(path, me), daemon=True).start()
+        return
+    raise UsageError(f"could not lock --checkpoint-dir {directory}: another run keeps taking "
+                     f"it; choose another --checkpoint-dir")
+
+
+def _refresh_lock(path: Path, me: str) -> None:
+    while _held_lock == path:
+        try:
+            if path.read_text().strip() != me:
+                return  # taken over (this process was stopped for minutes): stop touching it
+            os.utime(path)
+        except OSError:
+            return
+        time.sleep(LOCK_REFRESH_S)
+
+
+def release_checkpoint_lock() -> None:
+    global _held_lock
+    path, _held_lock = _held_lock, None
+    try:
+        if path is not None and path.read_text().strip().partition(" ")[2] == str(os.getpid()):
+            path.unlink()
+    except OSError:
+        pass
+
+
+def claim_checkpoint_dir(directory) -> None:
+    """Every rank, before resuming: rank 0 takes the lock and tidies what a crash left."""
+    if directory:
+        on_rank0(lambda: (lock_checkpoint_dir(directory), tidy_checkpoint_dir(directory)))
 
 
 def atomic_save(obj, path) -> None:
@@ -964,8 +1227,7 @@ def atomic_save(obj, path) -> None:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    replace_checkpoint(tmp, path)
 
 
 def save_state_dict(state: dict, path) -> None:
@@ -988,11 +1250,13 @@ def load_newest(candidates: list, load_one, print0):
     for path in candidates:
         try:
             return load_one(path)
-        except UsageError:
+        except (UsageError, KeyboardInterrupt, SystemExit):
             raise
-        except Exception as exc:  # truncated zip, bad pickle, missing DCP shard, ...
+        # BaseException: DCP's CheckpointException (a truncated shard) derives from it
+        except BaseException as exc:  # truncated zip, bad pickle, missing DCP shard, ...
+            first = (str(exc).strip().splitlines() or [""])[0][:160]
             print0(f"warning: checkpoint {path} is unusable ({exc.__class__.__name__}: "
-                   f"{str(exc)[:160]}); trying the previous one")
+                   f"{first}); trying the previous one")
     if candidates:
         raise UsageError(f"none of the {len(candidates)} checkpoint(s) in "
                          f"{candidates[0].parent} could be loaded: move them away and pass "
@@ -1037,40 +1301,40 @@ class SkipFirst(torch.utils.data.Sampler):
 
 class StopRequest:
     """SIGUSR1 (Slurm's warning before the time limit) or SIGTERM (preemption) asks the run to
-    checkpoint at the next step boundary and exit with REQUEUE_EXIT.
+    checkpoint at the next step boundary and exit with REQUEUE_EXIT. The signals are caught
+    from the start (catch_stop_signals); a USR1 that came during start-up counts here.
 
-    Ranks receive the signal at slightly different times, so they vote: every step each rank
-    contributes its flag to an all-reduce (MAX) on a CPU (gloo) group, started without
-    waiting; the result is read one step later, when it has long arrived. All ranks therefore
-    stop after the same step, and no GPU sync is added to the step.
+    Ranks receive the signal at slightly different times, or only some of them do, so they
+    vote: every step each rank contributes the number of the signal it got (0: none) to an
+    all-reduce (MAX) on a CPU (gloo) group, started without waiting; the result is read one
+    step later, when it has long arrived. All ranks therefore stop after the same step, name
+    the same signal, and no GPU sync is added to the step.
     """
 
     def __init__(self, world_size: int):
-        import signal
-        self.requested = 0
-        self.signame = ""
+        self.signum = 0  # agreed by the vote
         self._buf = torch.zeros(1, dtype=torch.int32)
         self._work = None
         self._group = None
         if world_size > 1:  # a gloo group for the vote, whatever the training backend
             self._group = dist.new_group(backend="gloo")
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handler)
+        _Signals.training = True
 
-    def _handler(self, signum, frame):
+    @property
+    def signame(self) -> str:
         import signal
-        self.requested = 1
-        self.signame = signal.Signals(signum).name
+        return signal.Signals(self.signum).name if self.signum else "stop request"
 
     def should_stop(self) -> bool:
         """Call once per step on every rank; True on all ranks at the same step."""
         if self._group is None:
-            return bool(self.requested)
-        agreed = False
+            self.signum = _Signals.signum
+            return bool(self.signum)
         if self._work is not None:
             self._work.wait()
-            agreed = bool(self._buf.item())
-        self._buf.fill_(self.requested)
+            self.signum = int(self._buf.item())
+        agreed = bool(self.signum)
+        self._buf.fill_(_Signals.signum)
         self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group,
                                      async_op=True)
         return agreed

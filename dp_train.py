@@ -174,6 +174,7 @@ def train(args) -> int:
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     start_epoch, start_step, partial, metrics = 0, 0, None, {}
+    common.claim_checkpoint_dir(args.checkpoint_dir)  # lock it; tidy an interrupted save
     state = common.load_newest(
         common.resume_candidates(args),
         lambda p: load_checkpoint(p, net, optimizer, scheduler, scaler), print)
@@ -297,6 +298,7 @@ def train(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        common.catch_stop_signals(0)  # from the start: a signal is never lost
         return train(args)
     except UsageError as err:
         return common.fail_cleanly(err)
@@ -306,4 +308,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.end_process(main())  # releases the checkpoint dir's lock, stops loader workers

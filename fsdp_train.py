@@ -35,7 +35,6 @@ BatchNorm in fp16/bf16 loses precision, a known FSDP pitfall).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -143,7 +142,7 @@ def save_checkpoint(path, model, optimizer, scheduler, scaler, epoch, step, part
             "epoch": epoch, "step": step, "partial": partial, "metrics": metrics,
             "rng": rngs, "args": vars(args), "world_size": dist.get_world_size(),
         }, tmp / "meta.pt")
-        os.replace(tmp, path)
+        common.replace_checkpoint(tmp, path)
         common.prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
     dist.barrier()  # nobody moves on before the checkpoint is complete
 
@@ -237,6 +236,7 @@ def train(args, env: common.DistEnv) -> int:
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     start_epoch, start_step, partial, metrics = 0, 0, None, {}
+    common.claim_checkpoint_dir(args.checkpoint_dir)  # lock it; tidy an interrupted save
     state = common.load_newest(
         common.resume_candidates(args),
         lambda p: load_checkpoint(p, model, optimizer, scheduler, scaler, rank), print0)
@@ -385,6 +385,8 @@ def main(argv=None) -> int:
     rc = None
     try:
         env = common.dist_env()
+        common.catch_stop_signals(env.rank)  # from the start: a signal is never lost
+        common.start_watchdog(env, args.dist_timeout)  # ends this worker if it is orphaned
         rc = train(args, env)
         return rc
     except UsageError as err:
@@ -393,7 +395,9 @@ def main(argv=None) -> int:
         if env is None or env.rank == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
         return common.NONFINITE_EXIT
-    except dist.DistError as err:  # a peer died or a collective timed out: never hang
+    except RuntimeError as err:  # a peer died or a collective timed out: never hang
+        if not common.is_collective_failure(err):
+            raise
         return common.collective_failed(err, env)
     finally:
         if dist.is_initialized():
