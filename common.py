@@ -136,7 +136,7 @@ def end_process(code: int) -> None:
     import multiprocessing
     release_checkpoint_lock()
     for child in multiprocessing.active_children():
-        child.terminate()
+        child.kill()  # the run is over; a loader worker ignores SIGTERM (_child_signals)
         child.join(5)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -186,23 +186,49 @@ class _Signals:
     signum = 0          # the last stop signal received
     training = False    # set by StopRequest: from now on a signal is handled at a step
     rank = 0
+    installed = False
 
 
 def catch_stop_signals(rank: int) -> None:
+    """Python runs a signal handler in the main thread only, between two bytecodes: a main
+    thread blocked in the process-group start or a collective would hold a SIGTERM back for
+    up to --dist-timeout. So the handler does nothing, and the signal's number reaches a
+    thread at once through the wakeup pipe (signal.set_wakeup_fd), which acts on it."""
     import signal
     _Signals.rank = rank
+    if _Signals.installed:
+        return
+    _Signals.installed = True
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
     for sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(sig, _on_stop_signal)
+        signal.signal(sig, lambda signum, frame: None)
+    os.register_at_fork(after_in_child=_child_signals)
+    threading.Thread(target=_watch_signals, args=(read_end,), daemon=True).start()
 
 
-def _on_stop_signal(signum, frame) -> None:
+def _child_signals() -> None:
+    """In a forked DataLoader or cache worker: no wakeup pipe (its signals are not the run's),
+    and the stop signals ignored as node.sh ignores USR1; the worker ends with its parent."""
     import signal
-    _Signals.signum = signum
-    if signum == signal.SIGTERM and not _Signals.training:
-        if _Signals.rank == 0:
-            print("SIGTERM during start-up, before the first training step: stopping now "
-                  "(nothing to checkpoint yet)", file=sys.stderr, flush=True)
-        end_process(128 + signum)
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _watch_signals(read_end: int) -> None:
+    import signal
+    while True:
+        for signum in os.read(read_end, 64):
+            if signum not in (signal.SIGUSR1, signal.SIGTERM):
+                continue
+            _Signals.signum = signum
+            if signum == signal.SIGTERM and not _Signals.training:
+                if _Signals.rank == 0:
+                    print("SIGTERM during start-up, before the first training step: stopping "
+                          "now (nothing to checkpoint yet)", file=sys.stderr, flush=True)
+                end_process(128 + signum)
 
 
 _WATCHDOG = r"""
