@@ -33,11 +33,20 @@ Input: files and directories, in any mix. A file's kind is recognised by its hea
 nvidia-smi --format=csv header with a memory.used column; psrecord's "# Elapsed time ..." plain
 header or its --log-format csv header), not by its extension. Directories are walked recursively in
 sorted order; files without a recognised header are ignored there (Slurm .out files, checkpoints),
-except empty files inside gpu_memory/ or cpu_memory/, which are reported. Repeated header lines
-and blank lines are expected and ignored. Lines that are not a complete sample are skipped and
-counted in a note on stderr: values such as [N/A] or [Not Supported], a last line without its
-newline (the logger was killed mid-write), and malformed lines. Values with units ("26532 MiB",
+except inside gpu_memory/ or cpu_memory/: those folders hold only logs, so an empty, zero-filled
+or unrecognised file there is reported. Repeated header lines and blank lines are expected and
+ignored. Lines that are not a complete sample are skipped and counted in a note on stderr: values
+such as [N/A] or [Not Supported], a last line without its newline (the logger was killed
+mid-write), text cut off by NUL bytes, and malformed lines. Values with units ("26532 MiB",
 logged without nounits) are read as well.
+
+Damaged files: a node that crashes while logging often leaves its log ending in zeros (NUL bytes:
+the file's size reached the disk, its last data did not). The lines before them are summarised
+and a note on stderr says how many bytes were unreadable, e.g.
+    note: runs/myjob-123/gpu_memory/n2.csv: ignored 4096 unreadable bytes (NUL) at the end of the
+    file (the node probably crashed while logging)
+(one line). NUL bytes inside a file (a logger restarted after a crash) and bytes that are not
+UTF-8 text are ignored and noted the same way; a file with no text at all is an error.
 
 Exit status: 0 every input was summarised; 1 some were summarised but at least one path or file
 was bad (each named on stderr in one line); 2 nothing could be summarised, or a bad command line.
@@ -45,7 +54,8 @@ was bad (each named on stderr in one line); 2 nothing could be summarised, or a 
 Python API (collect_results.py imports it; importing has no side effects):
     gpu_stats, cpu_stats, problems = summarize_paths(["runs/myjob-123"])
 gpu_stats and cpu_stats are lists of dicts with exactly GPU_KEYS / CPU_KEYS; problems is a list of
-one-sentence messages, one per bad path or file.
+one-sentence messages, one per bad path or file. summarize_paths(paths, notes) also appends the
+notes (skipped lines, unreadable bytes) to the list notes.
 """
 
 from __future__ import annotations
@@ -93,12 +103,21 @@ SKIP_UNAVAILABLE = "[N/A]-like value"
 SKIP_INCOMPLETE = "incomplete last line"
 SKIP_MALFORMED = "malformed"
 
+# Unreadable bytes (the keys of the per-file damage counter; the values count bytes).
+BAD_NUL_END = "unreadable bytes (NUL) at the end of the file"
+BAD_NUL_INSIDE = "unreadable bytes (NUL) inside the file"
+BAD_UTF8 = "undecodable bytes (not UTF-8 text)"
+
 _SNIFF_BYTES = 8192     # enough for the header plus a few samples
+_SNIFF_LIMIT = 1 << 20  # how far sniff looks past zeros at the start of a file
 _SNIFF_LINES = 10       # the header must be among the first non-blank lines
 _LOG_DIRS = ("gpu_memory", "cpu_memory")
 # nvidia-smi property names: "memory.used", "ecc.errors.corrected.volatile.l1_cache [...]"
 _GPU_COLUMN_RE = re.compile(r"[A-Za-z][\w.]*(?: \[[^\]]*\])?")
 _MIB_RE = re.compile(r"(\d+)(?:\s*MiB)?")
+_NUL_RUN_RE = re.compile(rb"\0+")
+# What decode(errors="surrogateescape") makes of a byte that is not UTF-8: one such character each.
+_UNDECODABLE_RE = re.compile("[\udc80-\udcff]")
 # What psrecord prints when its log goes to stdout and that stdout is redirected to the file.
 _PSRECORD_CHATTER_RE = re.compile(r"(Attaching to process|Starting up command|Process finished)")
 # Column labels of psrecord's plain header (1.4 writes the first four; later versions more).
@@ -148,14 +167,20 @@ def _line_kind(line: str) -> str | None:
 
 def sniff(path) -> tuple:
     """(kind, empty): kind is KIND_GPU, KIND_CPU or None, from the first lines of the file;
-    empty is True for a file holding nothing but whitespace. Raises OSError if unreadable."""
+    empty is True for a file holding no text: nothing, or only whitespace and NUL bytes (within
+    its first _SNIFF_LIMIT bytes). Raises OSError if unreadable.
+
+    NUL bytes are read as line breaks: a crash leaves runs of them where data was lost, and a
+    logger restarted after it writes its header after them. A binary file (a checkpoint, an
+    image) has no header line, so its kind is None."""
     with open(path, "rb") as f:
         head = f.read(_SNIFF_BYTES)
-    if not head.strip():
+        while head and not head.strip(b"\0") and f.tell() < _SNIFF_LIMIT:
+            head = f.read(_SNIFF_BYTES)     # only zeros so far: look at the next block
+    text = _NUL_RUN_RE.sub(b"\n", head).decode("utf-8", errors="replace")
+    if not text.strip():
         return None, True
-    if b"\0" in head:   # binary (a checkpoint, an image): never a log
-        return None, False
-    lines = [ln for ln in head.decode("utf-8", errors="replace").splitlines() if ln.strip()]
+    lines = [ln for ln in text.splitlines() if ln.strip()]
     for line in lines[:_SNIFF_LINES]:
         kind = _line_kind(line)
         if kind is not None:
@@ -167,15 +192,36 @@ def sniff(path) -> tuple:
 # Parsing
 # --------------------------------------------------------------------------------------------
 
-def _read_lines(path, skips: Counter) -> list:
-    """The file's lines; a last line without its newline is dropped and counted, because both
-    loggers end every sample with a newline: a missing one means the write was cut off."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
-    lines = text.split("\n")
-    last = lines.pop()          # "" when the file ends with a newline
-    if last.strip():
-        skips[SKIP_INCOMPLETE] += 1
+def _read_lines(path, skips: Counter, bad: Counter) -> list:
+    """The file's complete lines. Both loggers end every sample with a newline, so text without
+    one was cut off: a last line without its newline (the logger was killed mid-write) and the
+    text just before a run of NUL bytes (a crash) are dropped and counted in skips.
+
+    Unreadable bytes are counted in bad, by kind: NUL bytes (at the end of the file or inside
+    it) are dropped; bytes that are not UTF-8 are read as U+FFFD, so that a number they spoil
+    makes its line malformed. Reading never raises UnicodeDecodeError."""
+    with open(path, "rb") as f:
+        data = f.read()
+    text_end = len(data.rstrip(b"\0"))
+    n_inside = data.count(b"\0", 0, text_end)
+    if len(data) > text_end:
+        bad[BAD_NUL_END] += len(data) - text_end
+    if n_inside:
+        bad[BAD_NUL_INSIDE] += n_inside
+    lines = []
+    # The text between runs of NUL bytes. What follows a run is kept: it comes from a logger
+    # restarted after the crash, or from the rest of a line whose start was lost (then the line
+    # is malformed, or at most its first field, a time, is cut short).
+    for chunk in _NUL_RUN_RE.split(data):
+        text, n_undecodable = _UNDECODABLE_RE.subn(
+            "\ufffd", chunk.decode("utf-8", errors="surrogateescape"))
+        if n_undecodable:
+            bad[BAD_UTF8] += n_undecodable
+        chunk_lines = text.split("\n")
+        last = chunk_lines.pop()            # "" when the chunk ends with a newline
+        if last.strip():
+            skips[SKIP_INCOMPLETE] += 1
+        lines.extend(chunk_lines)
     return lines
 
 
@@ -212,11 +258,22 @@ def _skip_text(skips: Counter) -> str:
     return ", ".join(f"{why}: {n}" for why, n in sorted(skips.items()))
 
 
-def parse_gpu_log(path) -> tuple:
+def _bad_bytes_note(path, bad: Counter) -> str:
+    """One sentence on a file's unreadable bytes, e.g. "n2.csv: ignored 4096 unreadable bytes
+    (NUL) at the end of the file (the node probably crashed while logging)"."""
+    what = " and ".join(f"{bad[kind]} {kind}" for kind in (BAD_NUL_END, BAD_NUL_INSIDE, BAD_UTF8)
+                        if bad[kind])
+    why = ("the node probably crashed while logging" if bad[BAD_NUL_END] or bad[BAD_NUL_INSIDE]
+           else "the file is damaged or not all text")
+    return f"{path}: ignored {what} ({why})"
+
+
+def parse_gpu_log(path, bad: Counter | None = None) -> tuple:
     """(records, skips) for an nvidia-smi --format=csv log: one GPU_KEYS dict per GPU index,
-    sorted by index, and a Counter of skipped lines by reason. Raises LogError."""
+    sorted by index, and a Counter of skipped lines by reason. Unreadable bytes are counted in
+    bad if given (see _read_lines). Raises LogError."""
     skips = Counter()
-    lines = _read_lines(path, skips)
+    lines = _read_lines(path, skips, Counter() if bad is None else bad)
     cols = None                 # column name -> position, from the latest header line
     gpus = {}                   # index -> running statistics
     for raw in lines:
@@ -273,11 +330,12 @@ def parse_gpu_log(path) -> tuple:
     return records, skips
 
 
-def parse_cpu_log(path) -> tuple:
+def parse_cpu_log(path, bad: Counter | None = None) -> tuple:
     """(record, skips) for a psrecord --log file (plain or --log-format csv): one CPU_KEYS dict
-    and a Counter of skipped lines by reason. Raises LogError."""
+    and a Counter of skipped lines by reason. Unreadable bytes are counted in bad if given (see
+    _read_lines). Raises LogError."""
     skips = Counter()
-    lines = _read_lines(path, skips)
+    lines = _read_lines(path, skips, Counter() if bad is None else bad)
     fmt, cols, min_fields = None, None, 0
     elapsed, cpu, rss, nproc = [], [], [], []
     for raw in lines:
@@ -337,27 +395,41 @@ def parse_cpu_log(path) -> tuple:
 # Files and directories
 # --------------------------------------------------------------------------------------------
 
-def summarize_file(path) -> tuple:
-    """(kind, records, skips) for one log file, kind from its content. Raises LogError with a
-    one-sentence message for an unreadable, empty, unrecognised or sample-less file."""
+def summarize_file(path, bad: Counter | None = None) -> tuple:
+    """(kind, records, skips) for one log file, kind from its content; unreadable bytes are
+    counted in bad if given. Raises LogError with a one-sentence message for an unreadable,
+    empty, zero-filled, unrecognised or sample-less file."""
     try:
         kind, empty = sniff(path)
+        if empty and _has_nul(path):    # what a crash leaves when no line reached the disk
+            where = " in its first MiB" if os.path.getsize(path) > _SNIFF_LIMIT else ""
+            raise LogError(f"{path}: no text, only zero bytes (NUL){where}; the node probably "
+                           f"crashed before the logger's first lines reached the disk, check the "
+                           f"job's stderr and the node's state")
         if empty:
             raise LogError(f"{path}: the file is empty; the logger probably failed to start or "
                            f"was killed at once, check the job's stderr")
         if kind is None:
+            where = ("these folders should hold only the loggers' files"
+                     if Path(path).parent.name in _LOG_DIRS else
+                     "pass the files in the run's gpu_memory/ or cpu_memory/ folder")
             raise LogError(f"{path}: not an nvidia-smi --format=csv log or a psrecord log (no "
-                           f"recognised header in its first lines); pass the files in the run's "
-                           f"gpu_memory/ or cpu_memory/ folder")
+                           f"recognised header in its first lines); {where}")
         if kind == KIND_GPU:
-            records, skips = parse_gpu_log(path)
+            records, skips = parse_gpu_log(path, bad)
         else:
-            record, skips = parse_cpu_log(path)
+            record, skips = parse_cpu_log(path, bad)
             records = [record]
     except OSError as e:
         raise LogError(f"{path}: cannot be read ({e.strerror or e}); check that it exists and "
                        f"that you have read permission") from e
     return kind, records, skips
+
+
+def _has_nul(path) -> bool:
+    """True if the first _SNIFF_BYTES of the file hold a NUL byte."""
+    with open(path, "rb") as f:
+        return b"\0" in f.read(_SNIFF_BYTES)
 
 
 def _walk(top: Path, problems: list):
@@ -378,9 +450,10 @@ def summarize_paths(paths, notes: list | None = None) -> tuple:
 
     gpu_stats: dicts with GPU_KEYS, one per file and GPU index; cpu_stats: dicts with CPU_KEYS,
     one per psrecord log; problems: one sentence per bad path or file (missing, unreadable,
-    empty, unrecognised when named explicitly, no usable samples, a directory without logs).
-    Never raises for bad input. If notes is a list, a sentence per file with skipped lines is
-    appended to it."""
+    empty or zero-filled, unrecognised when named explicitly or inside gpu_memory/ or cpu_memory/,
+    no usable samples, a directory without logs). Never raises for bad input. If notes is a
+    list, a sentence per file with unreadable bytes and per file with skipped lines is appended
+    to it."""
     gpu_stats, cpu_stats, problems = [], [], []
     seen = set()
 
@@ -390,12 +463,13 @@ def summarize_paths(paths, notes: list | None = None) -> tuple:
         if key in seen:
             return True
         seen.add(key)
+        bad = Counter()         # unreadable bytes of this file, by kind
         try:
-            if not explicit:
-                kind, empty = sniff(path)
-                if kind is None and not (empty and path.parent.name in _LOG_DIRS):
-                    return False    # not a log: Slurm output, checkpoint, ...
-            kind, records, skips = summarize_file(path)
+            # Outside the log folders, a file without a recognised header is not a log (Slurm
+            # output, a checkpoint, ...); inside them, every file is a log, so it is reported.
+            if not explicit and path.parent.name not in _LOG_DIRS and sniff(path)[0] is None:
+                return False
+            kind, records, skips = summarize_file(path, bad)
         except OSError as e:
             problems.append(f"{path}: cannot be read ({e.strerror or e}); check that you have "
                             f"read permission")
@@ -403,6 +477,9 @@ def summarize_paths(paths, notes: list | None = None) -> tuple:
         except LogError as e:
             problems.append(str(e))
             return True
+        finally:
+            if bad and notes is not None:   # also when the file failed: say why it looks bad
+                notes.append(_bad_bytes_note(path, bad))
         (gpu_stats if kind == KIND_GPU else cpu_stats).extend(records)
         if skips and notes is not None:
             notes.append(f"{path}: skipped {sum(skips.values())} line(s) ({_skip_text(skips)}); "

@@ -285,3 +285,118 @@ def test_bad_command_line_exits_2(argv):
     with pytest.raises(SystemExit) as e:
         am.main(argv)
     assert e.value.code == 2
+
+
+# --------------------------------------------------------------------------------------------
+# Damaged files: what a node crash or a bad disk leaves behind
+# --------------------------------------------------------------------------------------------
+
+# A crash while logging: the file's size reached the disk, its last data did not, so it ends in
+# zeros (NUL bytes), here after a sample cut off mid-line.
+CUT_SAMPLE = b"2025/01/01 12:00:09.308, 1, NVIDIA H100 80GB HBM3, 22"
+NUL_TAIL = b"\0" * 4096
+
+
+def _nul_note(path, where="at the end of the file", n=4096):
+    return (f"note: {path}: ignored {n} unreadable bytes (NUL) {where} (the node probably "
+            f"crashed while logging)")
+
+
+def _run_with_crashed_n2(tmp_path):
+    (tmp_path / "gpu_memory").mkdir()
+    shutil.copy(N1_GPU, tmp_path / "gpu_memory" / "n1.csv")
+    n2 = tmp_path / "gpu_memory" / "n2.csv"
+    n2.write_bytes(N2_GPU.read_bytes() + CUT_SAMPLE + NUL_TAIL)
+    return n2
+
+
+def test_cli_run_directory_node_with_nul_tail_is_summarised_with_a_note(tmp_path):
+    n2 = _run_with_crashed_n2(tmp_path)
+    p = run_cli(tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == EXPECTED_RUN_GPU_LINES     # n2 is not dropped
+    assert "Traceback" not in p.stderr
+    lines = p.stderr.splitlines()
+    assert _nul_note(n2) in lines
+    # The sample cut off by the crash is skipped and counted with n2's other skipped lines.
+    assert any(f"{n2}: skipped 5 line(s)" in ln and "incomplete last line: 1" in ln
+               for ln in lines)
+    assert not [ln for ln in lines if ln.startswith("error: ")]
+
+
+def test_cli_file_with_nul_tail_named_directly(tmp_path):
+    n2 = _run_with_crashed_n2(tmp_path)
+    p = run_cli(n2)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == EXPECTED_RUN_GPU_LINES[2:]
+    assert _nul_note(n2) in p.stderr.splitlines()
+    # The same figures through the function API, and the JSON output.
+    (_, g1), skips = am.parse_gpu_log(n2)
+    assert (g1["samples"], g1["avg_mib"]) == (6, 17920.17)
+    assert skips[am.SKIP_INCOMPLETE] == 1
+    assert json.loads(run_cli("--json", n2).stdout)["problems"] == []
+
+
+def test_psrecord_log_with_nul_tail(tmp_path):
+    (tmp_path / "cpu_memory").mkdir()
+    log = tmp_path / "cpu_memory" / "n1.txt"
+    log.write_bytes(N1_CPU.read_bytes() + NUL_TAIL)    # n1.txt already ends mid-line
+    notes = []
+    gpu, cpu, problems = am.summarize_paths([tmp_path], notes)
+    assert problems == [] and gpu == []
+    assert [am.format_cpu_line(r) for r in cpu] == EXPECTED_RUN_CPU_LINES[:1]
+    assert f"{log}: ignored 4096 unreadable bytes (NUL) at the end of the file" in "\n".join(notes)
+    p = run_cli(log)
+    assert p.returncode == 0 and p.stdout.splitlines() == EXPECTED_RUN_CPU_LINES[:1]
+    assert _nul_note(log) in p.stderr.splitlines()
+
+
+def test_nul_bytes_inside_a_log(tmp_path):
+    # A crash left 512 zeros after a cut-off sample, then the logger was restarted with >>.
+    log = tmp_path / "n5.csv"
+    header = b"timestamp, index, name, memory.used [MiB], memory.total [MiB]\n"
+    log.write_bytes(header + b"t, 0, H100, 100, 81559\n" + b"t, 0, H100, 30" + b"\0" * 512
+                    + header + b"t, 0, H100, 300, 81559\n")
+    p = run_cli(log)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "[n5 - GPU 0] Peak = 300 MiB, Avg = 200.00 MiB, Mode = 300 MiB\n"
+    assert _nul_note(log, "inside the file", 512) in p.stderr.splitlines()
+    assert "incomplete last line: 1" in p.stderr
+
+
+def test_undecodable_bytes_are_noted_never_a_traceback(tmp_path):
+    # Two bytes that are not UTF-8 spoil one sample (skipped as malformed); one in a GPU name
+    # does not spoil its sample.
+    log = tmp_path / "n6.csv"
+    log.write_bytes(b"timestamp, index, name, memory.used [MiB], memory.total [MiB]\n"
+                    b"t, 0, H100\xe9, 100, 81559\n"
+                    b"t, 0, H100, 3\xff\xfe0, 81559\n"
+                    b"t, 0, H100, 300, 81559\n")
+    for args in ([log], ["--csv", log], ["--json", log]):
+        p = run_cli(*args)
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    p = run_cli(log)
+    assert p.stdout == "[n6 - GPU 0] Peak = 300 MiB, Avg = 200.00 MiB, Mode = 300 MiB\n"
+    notes = p.stderr.splitlines()
+    assert any(f"{log}: ignored 3 undecodable bytes (not UTF-8 text)" in n for n in notes)
+    assert any(f"{log}: skipped 1 line(s) (malformed: 1)" in n for n in notes)
+
+
+def test_log_folders_never_drop_a_file_silently(tmp_path):
+    # gpu_memory/ and cpu_memory/ hold only logs: a file there without a recognised header (one
+    # holding nothing but the zeros of a crash, one holding something else) is an error.
+    shutil.copytree(RUN, tmp_path / "run")
+    zeros = tmp_path / "run" / "gpu_memory" / "n3.csv"
+    zeros.write_bytes(NUL_TAIL)
+    garbage = tmp_path / "run" / "cpu_memory" / "n3.txt"
+    garbage.write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\xff\xfe")
+    p = run_cli(tmp_path / "run")
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stdout.splitlines() == EXPECTED_RUN_GPU_LINES + EXPECTED_RUN_CPU_LINES
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 2     # in walk order: cpu_memory/ before gpu_memory/
+    assert f"{garbage}: " in errors[0] and "not an nvidia-smi" in errors[0]
+    assert f"{zeros}: " in errors[1] and "only zero bytes (NUL)" in errors[1]
+    # Named directly, the zero-filled file gets the same message (not "not an nvidia-smi log").
+    p = run_cli(zeros)
+    assert p.returncode == 2 and p.stderr.splitlines() == [errors[1]]
