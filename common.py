@@ -425,6 +425,10 @@ def resolve_args(args: argparse.Namespace, env: "DistEnv", device: torch.device)
                              f"{cc[0]}.{cc[1]}: use --amp fp16")
     elif args.amp is None:
         args.amp = "off"
+    elif args.amp != "off" and env.rank == 0:  # autocast on a CPU: slow kernels, no gain
+        print(f"warning: --amp {args.amp} on a CPU trains many times slower than --amp off "
+              f"(CPUs lack fast {args.amp} kernels); mixed precision pays off on GPUs: use "
+              f"--amp off here", file=sys.stderr, flush=True)
     if args.num_workers is None:
         args.num_workers = _default_workers(env)
         if device.type == "cuda":  # with 0, reading and pinning a batch delays every step

@@ -1,0 +1,331 @@
+"""Faults found by trying to break the toolkit (CPU, gloo): checkpoints that must replace each
+other, a damaged DCP shard, two runs in one checkpoint dir, orphaned and frozen workers, a peer
+lost on another node, a rank's own data error, stop signals that only some ranks receive.
+
+Two "nodes" are two torchrun processes on this machine that meet at a c10d rendezvous, as on a
+cluster (--nnodes 2 --nproc-per-node 1 each)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+import common
+from conftest import REPO, check_ok, env_for_tests, metrics, read_until, run_script
+
+RUN = ["--model", "cnn", "--synthetic-size", "320", "--batch-size", "16", "--epochs", "2",
+       "--num-workers", "0", "--amp", "off", "--seed", "7", "--lr", "0.02"]
+LONG = RUN[:RUN.index("--epochs")] + ["--epochs", "60"] + RUN[RUN.index("--epochs") + 2:]
+
+
+def _start(cmd, **kw):
+    return subprocess.Popen(cmd, env=env_for_tests(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
+
+
+def _torchrun(script, args, nproc=2, nodes=None):
+    """torchrun on one machine; with ``nodes`` = (port, ) one node of a 2-node rendezvous."""
+    if nodes is None:
+        launch = ["--standalone", f"--nproc-per-node={nproc}"]
+    else:
+        launch = ["--nnodes=2", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+                  f"--rdzv-endpoint=127.0.0.1:{nodes}", "--rdzv-id=reliability"]
+    return [sys.executable, "-m", "torch.distributed.run", *launch, str(REPO / script), *args]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _workers(proc):
+    """The training workers that a torchrun process started (python ... *_train.py)."""
+    try:
+        kids = psutil.Process(proc.pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    return [k for k in kids if any(a.endswith("_train.py") for a in k.cmdline())]
+
+
+def _wait_for(predicate, timeout=240):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _cleanup(*pids):
+    """Never leave a stopped or orphaned process behind, whatever the test did."""
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            for q in p.children(recursive=True) + [p]:
+                q.send_signal(signal.SIGCONT)
+                q.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _two_nodes(args, script="ddp_train.py"):
+    """Start node A and node B; return both once each has its worker and training has begun."""
+    port = _free_port()
+    a = _start(_torchrun(script, args, 1, nodes=port))
+    b = _start(_torchrun(script, args, 1, nodes=port))
+    head = read_until(a, "Epoch [1/")  # rank 0 prints: every rank is training
+    assert _wait_for(lambda: _workers(b), 60)
+    return a, b, head
+
+
+# ---- 1, 2. FSDP checkpoints replace each other; a damaged shard falls back ------------------
+
+def test_replace_checkpoint_and_tidy_after_a_crash(tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    old = ck / common.checkpoint_name(1, 0)
+    old.mkdir()
+    (old / "a.distcp").write_text("old")
+    new = ck / ".tmp-new"
+    new.mkdir()
+    (new / "a.distcp").write_text("new")
+    common.replace_checkpoint(new, old)  # a folder over a non-empty folder
+    assert (old / "a.distcp").read_text() == "new" and not new.exists()
+    assert sorted(p.name for p in ck.iterdir()) == [old.name]
+    tmp_file = ck / ".tmp-file"
+    tmp_file.write_text("file")
+    common.replace_checkpoint(tmp_file, old)  # a file over a folder (strategy switched)
+    assert old.is_file() and old.read_text() == "file"
+    # a crash between the two renames leaves .old-<name> alone: tidy puts it back
+    os.replace(old, ck / f".old-{old.name}")
+    (ck / ".tmp-ckpt-e0002-s0000000").mkdir()  # an interrupted save's folder
+    (ck / ".tmp-x.pt-123").write_text("half")
+    common.tidy_checkpoint_dir(ck)
+    assert sorted(p.name for p in ck.iterdir()) == [old.name]
+    assert old.read_text() == "file"
+    # both there: the crash came after the new one was in place
+    (ck / f".old-{old.name}").write_text("older")
+    common.tidy_checkpoint_dir(ck)
+    assert sorted(p.name for p in ck.iterdir()) == [old.name] and old.read_text() == "file"
+
+
+def test_fsdp_saves_over_its_checkpoints_and_falls_back_past_a_truncated_shard(tmp_path):
+    """Before: `--resume never` into a dir with checkpoints, and a run that fell back past a
+    damaged newest checkpoint, both crashed at their next save (Directory not empty) and left a
+    .tmp- folder; a truncated .distcp gave a CheckpointException traceback (BaseException)."""
+    ck = tmp_path / "ck"
+    args = RUN + ["--checkpoint-dir", str(ck)]
+    check_ok(run_script("fsdp_train.py", args, nproc=2))
+    newest, previous = common.list_checkpoints(ck)
+    again = run_script("fsdp_train.py", args + ["--resume", "never"], nproc=2)
+    check_ok(again)
+    assert [p.name for p in common.list_checkpoints(ck)] == [newest.name, previous.name]
+    assert not [p for p in ck.iterdir() if p.name.startswith((".tmp-", ".old-"))]
+
+    shard = sorted(newest.glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])  # cut in half
+    resumed = run_script("fsdp_train.py", args, nproc=2)
+    check_ok(resumed)
+    out = resumed.stdout + resumed.stderr
+    assert out.count(f"warning: checkpoint {newest} is unusable") == 1, out[-3000:]
+    assert f"Resumed from epoch 2, step 0 ({previous})" in resumed.stdout
+    assert "Traceback" not in out
+    assert metrics(resumed.stdout)[-1]["epoch"] == "2"
+    # the damaged checkpoint was replaced by a good one: it loads now
+    done = run_script("fsdp_train.py", args, nproc=2)
+    check_ok(done)
+    assert f"Resumed from epoch 3, step 0 ({newest})" in done.stdout
+    assert "unusable" not in done.stdout
+
+
+# ---- 3. one run per checkpoint dir; workers end with their launcher ------------------------
+
+def test_second_run_into_a_held_checkpoint_dir_stops_naming_the_holder(tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (ck / common.LOCK_FILE).write_text(f"{socket.gethostname()} {holder.pid}\n")
+        proc = run_script("ddp_train.py", RUN + ["--checkpoint-dir", str(ck)], nproc=2)
+        assert proc.returncode != 0
+        assert proc.stderr.count("is in use by another run") == 1, proc.stderr[-3000:]
+        assert f"(host {socket.gethostname()}, pid {holder.pid})" in proc.stderr
+        assert 'ddp_train.py", line' not in proc.stderr  # no traceback of a worker
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder is gone now: its lock is stale and taken over
+    proc = run_script("ddp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck)])
+    check_ok(proc)
+    assert f"taking over the lock of {ck} from a run that is gone" in proc.stdout
+    assert not (ck / common.LOCK_FILE).exists()  # released at the end
+    proc = run_script("dp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck),
+                                            "--resume", "never"])
+    check_ok(proc)
+    assert "taking over" not in proc.stdout and not (ck / common.LOCK_FILE).exists()
+
+
+def test_workers_end_when_torchrun_is_killed_and_a_rerun_resumes(tmp_path):
+    """Before: SIGKILL to torchrun left both workers training on as orphans (torchrun starts
+    them in their own session), writing checkpoints a rerun then resumed from."""
+    ck = tmp_path / "ck"
+    args = LONG + ["--checkpoint-dir", str(ck)]
+    proc = _start(_torchrun("ddp_train.py", args))
+    try:
+        read_until(proc, "Epoch [1/")
+        workers = _workers(proc)
+        assert len(workers) == 2
+        proc.kill()  # torchrun alone
+        proc.wait()
+        t0 = time.time()
+        gone, alive = psutil.wait_procs(workers, timeout=15)
+        assert not alive, f"orphaned workers still running: {alive}"
+        print(f"workers ended {time.time() - t0:.1f} s after torchrun was killed")
+    finally:
+        _cleanup(proc.pid, *[w.pid for w in _workers(proc)])
+    rerun = run_script("ddp_train.py", RUN[:RUN.index("--epochs")] + ["--epochs", "2"]
+                       + RUN[RUN.index("--epochs") + 2:] + ["--checkpoint-dir", str(ck)],
+                       nproc=2)
+    check_ok(rerun)
+    assert "Resumed from epoch 2, step 0" in rerun.stdout
+
+
+# ---- 4, 5. a peer lost or frozen on another node --------------------------------------------
+
+def test_peer_lost_on_another_node_is_one_line(tmp_path):
+    """Before: the surviving rank printed a 50-line gloo traceback (RuntimeError, not
+    DistError) instead of the one-line collective failure."""
+    a, b, _ = _two_nodes(LONG + ["--dist-timeout", "60"])
+    try:
+        for w in _workers(b):
+            w.kill()
+        b.kill()
+        t0 = time.time()
+        out, _ = a.communicate(timeout=120)
+        assert a.returncode != 0
+        assert time.time() - t0 < 60
+        assert "rank 0: a collective with the other ranks failed or timed out" in out, out[-3000:]
+        assert 'ddp_train.py", line' not in out, out[-3000:]  # no traceback of the worker
+    finally:
+        _cleanup(a.pid, b.pid)
+
+
+def test_frozen_rank_on_another_node_ends_the_job_on_every_node():
+    """Before: with one worker frozen by SIGSTOP, node A gave up after --dist-timeout, but
+    node B's torchrun and its frozen worker never ended."""
+    timeout = 20
+    a, b, _ = _two_nodes(LONG + ["--dist-timeout", str(timeout)])
+    frozen = _workers(b)[0]
+    try:
+        frozen.send_signal(signal.SIGSTOP)
+        t0 = time.time()
+        out_a, _ = a.communicate(timeout=timeout + 60)
+        out_b, _ = b.communicate(timeout=timeout + 60)
+        took = time.time() - t0
+        assert a.returncode != 0 and b.returncode != 0
+        assert took < timeout + 25, f"ended after {took:.1f} s"
+        assert not frozen.is_running() or frozen.status() == psutil.STATUS_ZOMBIE
+        assert f"no sign of life for {timeout} s (stopped)" in out_b, out_b[-3000:]
+    except subprocess.TimeoutExpired:
+        pytest.fail("a node did not end within --dist-timeout + 60 s of a rank freezing")
+    finally:
+        _cleanup(a.pid, b.pid, frozen.pid)
+
+
+def test_frozen_rank_on_one_node_ends_within_the_timeout():
+    """Before: 2 x --dist-timeout (torchrun's grace period for the frozen worker on top)."""
+    timeout = 20
+    proc = _start(_torchrun("ddp_train.py", LONG + ["--dist-timeout", str(timeout)]))
+    try:
+        read_until(proc, "Epoch [1/")
+        frozen = max(_workers(proc), key=lambda p: p.pid)
+        frozen.send_signal(signal.SIGSTOP)
+        t0 = time.time()
+        out, _ = proc.communicate(timeout=3 * timeout)
+        took = time.time() - t0
+        assert proc.returncode != 0
+        assert took < 1.5 * timeout + 5, f"ended after {took:.1f} s"
+    finally:
+        _cleanup(proc.pid)
+
+
+# ---- 6. a rank's own data error reaches the user --------------------------------------------
+
+def test_strict_error_on_rank_1_names_the_file(tiny_imagenet, tmp_path):
+    """Before: only local rank 0 printed usage errors; rank 1's unreadable file was never
+    named, and the user saw rank 0's 'Connection closed by peer' traceback."""
+    from torch.utils.data import DistributedSampler
+    root, _ = tiny_imagenet
+    bad = tmp_path / "tin"
+    shutil.copytree(root, bad)
+    _, train, _ = common.scan_tinyimagenet(bad)
+    sampler = DistributedSampler(train, num_replicas=2, rank=1, shuffle=True, seed=0,
+                                 drop_last=True)
+    sampler.set_epoch(0)
+    victim = train[next(iter(sampler))][0]  # the first image rank 1 reads
+    with open(victim, "wb") as f:
+        f.write(b"\xff\xd8\xff\xe0 not really a jpeg")
+    proc = run_script("ddp_train.py", ["--data-dir", str(bad), "--model", "resnet18",
+                                       "--epochs", "1", "--batch-size", "8", "--strict",
+                                       "--num-workers", "0", "--seed", "0"], nproc=2)
+    assert proc.returncode != 0
+    assert f"error: rank 1: unreadable image {victim}" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("unreadable image") == 1
+    assert 'ddp_train.py", line' not in proc.stderr
+
+
+# ---- 10, 11. mixed precision on a CPU; stop signals named ----------------------------------
+
+def test_amp_on_cpu_warns_once():
+    proc = run_script("ddp_train.py", RUN[:RUN.index("--amp")] + ["--amp", "bf16", "--epochs",
+                                                                   "1"], nproc=2)
+    check_ok(proc)
+    assert proc.stderr.count("warning: --amp bf16 on a CPU") == 1
+    quiet = run_script("ddp_train.py", RUN + ["--epochs", "1"])
+    assert "on a CPU trains" not in quiet.stderr
+
+
+def test_stop_signal_on_rank_1_only_is_named_by_rank_0(tmp_path):
+    ck = tmp_path / "ck"
+    proc = _start(_torchrun("ddp_train.py", LONG + ["--checkpoint-dir", str(ck)]))
+    try:
+        head = read_until(proc, "Epoch [1/")
+        rank1 = [w for w in _workers(proc) if w.environ().get("RANK") == "1"][0]
+        rank1.send_signal(signal.SIGUSR1)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        _cleanup(proc.pid)
+    out = head + rest
+    assert "SIGUSR1: checkpoint saved at epoch" in out, out[-3000:]
+    assert f"exiting with code {common.REQUEUE_EXIT} to be requeued" in out
+
+
+def test_sigterm_during_start_up_is_named_and_immediate(tmp_path):
+    """Rank 0 of 2 waits in the process-group start for a rank 1 that never comes (a blocked
+    C++ call). Before: SIGTERM killed it with exit 143 and no word."""
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    proc = subprocess.Popen([sys.executable, str(REPO / "ddp_train.py"), *RUN,
+                             "--dist-timeout", "120"], env=env_for_tests(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    port = int(env["MASTER_PORT"])
+    listening = lambda: any(c.laddr.port == port and c.status == psutil.CONN_LISTEN  # noqa
+                            for c in psutil.Process(proc.pid).net_connections())
+    assert _wait_for(listening, 60), "rank 0 never started its store"
+    time.sleep(1)
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert time.time() - t0 < 10
+    assert "SIGTERM during start-up, before the first training step" in err, out + err
