@@ -9,8 +9,9 @@ when it is root with apt-get, or skips with the reason. LAUNCHER_TESTS_SLURM=0 s
     python -m pytest tests/test_launchers.py -q
 
 All Slurm jobs are submitted at once (module fixture ``jobs``, two --dependency chains), so two
-run at a time on the lab's nodes; each test then waits for its own job. Every job is submitted from a temporary
-directory with REPO_DIR unset, so the .slurm files must find the repository themselves.
+run at a time on the lab's nodes; each test then waits for its own job (the frozen-rank test,
+last, submits its own). Every job is submitted from a temporary directory with REPO_DIR unset,
+so the .slurm files must find the repository themselves.
 A fake ``nvidia-smi`` (written below) stands in for the GPU logger where a test needs one.
 """
 
@@ -27,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,6 +48,12 @@ JOB_TIMEOUT_S = 600  # from submission; a chained job also waits for its predece
 # Long enough to meet the time-limit warning: 8 epochs of 4000 images, ~45 s on 2 idle cores.
 REQUEUE_RUN = ["--model", "cnn", "--synthetic-size", "4000", "--batch-size", "16", "--epochs",
                "8", "--num-workers", "0", "--amp", "off"]
+# A rank frozen by SIGSTOP: a run still training when it is frozen (200 epochs of 800 images,
+# ~2 s each on 2 idle cores), a short --dist-timeout, and how long the job may take to end after.
+STOP_DIST_TIMEOUT_S = 20
+STOP_MARGIN_S = 70
+STOP_RUN = ["--model", "cnn", "--synthetic-size", "800", "--batch-size", "16", "--epochs", "200",
+            "--num-workers", "0", "--amp", "off", "--dist-timeout", str(STOP_DIST_TIMEOUT_S)]
 EPOCH_RE = re.compile(r"Epoch \[(\d+)/(\d+)\] LR: .* \| Throughput: [\d.]+ img/s")
 FAKE_SMI = """#!{python}
 # Fake nvidia-smi for the launcher tests: the --query-gpu CSV of real nvidia-smi, one row per
@@ -552,3 +560,123 @@ def test_slurm_time_limit_requeues_and_resumes(jobs, slurm_lab):
     assert sorted(p.name for p in (run_dir / "cpu_memory").iterdir()) == \
         sorted(f"{n}{suffix}.txt" for n in info["NODELIST"].split() for suffix in ("", ".restart1"))
     assert_loggers_gone(job.tmp, run_dir)
+
+
+def job_processes(job_id: int, text: str = "ddp_train.py") -> list:
+    """Live processes of Slurm job ``job_id`` (SLURM_JOB_ID in their environment) whose command
+    line contains ``text``: every lab "node" is this host, so all of them are visible here."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if text not in " ".join(proc.info["cmdline"] or []):
+                continue
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get("SLURM_JOB_ID") == str(job_id):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def describe(procs: list) -> str:
+    lines = []
+    for proc in procs:
+        try:
+            env = proc.environ()
+            lines.append(f"pid {proc.pid} [{proc.status()}] node={env.get('SLURMD_NODENAME')} "
+                         f"rank={env.get('RANK', '-')}: {' '.join(proc.cmdline())[:200]}")
+        except psutil.NoSuchProcess:
+            pass
+    return "\n".join(lines) or "none"
+
+
+def test_slurm_stopped_rank_on_other_node_ends_the_job(slurm_lab, tmp_path):
+    """A worker frozen by SIGSTOP on the job's second node must not hang the job: the first
+    node's rank times out in its next collective after --dist-timeout and fails (exit 1, or
+    SIGABRT at teardown in one run), that node's task fails, and `srun --kill-on-bad-exit=1`
+    (launch/job.sh) terminates the step, which ends the frozen node's task too (slurmstepd
+    sends SIGCONT + SIGTERM, then SIGKILL).
+
+    Measured on the 2-core lab with --dist-timeout 20: the job was FAILED (ExitCode 143, the
+    frozen node's task) 25.1-25.6 s after the SIGSTOP alone, 27.2 s in a run of all Slurm
+    tests, and no ddp_train.py process of the job was left at that moment; the limit allows
+    --dist-timeout + 70 s for a loaded machine. Without --kill-on-bad-exit (tried once with
+    SRUN_EXTRA_ARGS=--kill-on-bad-exit=0) the job was still RUNNING after 90 s: the frozen
+    worker, its torchrun and node.sh stayed on the second node."""
+    job = Job(slurm_lab, tmp_path / "stopped_rank", "multi_node.slurm",
+              ["--nodes=2", "--gpus-per-node=1", "--job-name=stopped_rank", "--time=10"],
+              STOP_RUN)
+    env = job.env
+
+    def job_state() -> str:
+        info = subprocess.run(["scontrol", "-o", "show", "job", str(job.id)], env=env,
+                              capture_output=True, text=True).stdout
+        m = re.search(r"JobState=(\w+)", info)
+        return m.group(1) if m else "UNKNOWN"
+
+    running = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
+               "RESIZING", "SIGNALING", "STAGE_OUT")  # as tests/slurm_lab.sh wait
+    try:
+        # Training has started: rank 0 reported its first epoch (~2 s per epoch here).
+        deadline = time.time() + JOB_TIMEOUT_S
+        while time.time() < deadline:
+            outs = list(job.tmp.glob(f"*-{job.id}.out"))
+            if outs and EPOCH_RE.search(outs[0].read_text()):
+                break
+            assert job_state() in running, "the job ended before its first epoch"
+            time.sleep(0.5)
+        else:
+            pytest.fail("no epoch line within the job timeout")
+        # The training worker of the job's second node (not its torchrun, not node.sh).
+        workers = [p for p in job_processes(job.id)
+                   if "LOCAL_RANK" in p.environ() and p.environ().get("SLURM_NODEID") == "1"]
+        assert len(workers) == 1, describe(job_processes(job.id))
+        victim = workers[0]
+        node = victim.environ()["SLURMD_NODENAME"]
+        victim.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        for _ in range(40):
+            if victim.status() == psutil.STATUS_STOPPED:
+                break
+            time.sleep(0.05)
+        assert victim.status() == psutil.STATUS_STOPPED, describe([victim])
+
+        limit = STOP_DIST_TIMEOUT_S + STOP_MARGIN_S
+        while time.monotonic() - t0 < limit and job_state() in running:
+            time.sleep(0.25)
+        ended_s = time.monotonic() - t0
+        left = job_processes(job.id)
+        while left and time.monotonic() - t0 < limit:
+            time.sleep(0.25)
+            left = job_processes(job.id)
+        gone_s = time.monotonic() - t0
+        print(f"rank on {node} stopped; job ended after {ended_s:.1f} s, its ddp_train.py "
+              f"processes gone after {gone_s:.1f} s (state {job_state()})")
+        out = next(job.tmp.glob(f"*-{job.id}.out")).read_text()
+        assert ended_s < limit, (f"job {job.id} still {job_state()} {limit} s after SIGSTOP; "
+                                 f"processes:\n{describe(left)}\noutput:\n{out[-4000:]}")
+        assert not left, f"left after the job ended ({gone_s:.0f} s):\n{describe(left)}"
+        state, code, out, run_dir = job.result()
+        assert state == "FAILED" and code != 0, out
+        # How it ended: a collective timed out on the other node (gloo's "Timed out waiting
+        # 20000ms"), and srun ended the step because that task failed (--kill-on-bad-exit=1).
+        assert re.search(r"[Tt]imed out", out), out[-4000:]
+        assert f"Terminating StepId={job.id}.0" in out, out[-4000:]
+        assert read_env_file(run_dir / "job.env")["EXIT_CODE"] == str(code)
+        assert_loggers_gone(job.tmp, run_dir)
+    finally:
+        leftovers = job_processes(job.id)
+        for proc in leftovers:  # never leave a stopped process behind
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    proc.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+        subprocess.run(["scancel", str(job.id)], env=env, capture_output=True)
+        # Let the job end before the lab may shut down: a step still running then outlives
+        # slurmctld, and its late completion message confuses the next lab's job of the same id.
+        for _ in range(120):
+            if job_state() not in running:
+                break
+            time.sleep(0.25)
