@@ -701,6 +701,27 @@ def collate_skip_unreadable(batch):
     return default_collate(kept)
 
 
+def collate_val(batch):
+    """collate_skip_unreadable plus a bool mask over the sampler's batch: which positions
+    survived. evaluate() needs it to tell real samples from the DistributedSampler's padding
+    once an unreadable image has been dropped and the positions after it have shifted."""
+    survived = torch.tensor([item is not None for item in batch])
+    return (*collate_skip_unreadable(batch), survived)
+
+
+def read_text_file(path: Path) -> str:
+    """A dataset text file (wnids.txt, val_annotations.txt) as str, or a UsageError naming it
+    when it cannot be read or is not UTF-8 text (a damaged or wrong file)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path} is not a text file (bytes that are not UTF-8 at offset "
+                         f"{exc.start}): restore it from the dataset archive") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {path} ({exc.strerror or exc}): make it readable or "
+                         f"restore it from the dataset archive") from None
+
+
 def _images_in(folder: Path) -> list:
     return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMG_EXTENSIONS)
 
@@ -720,7 +741,7 @@ def scan_tinyimagenet(root) -> tuple:
     wnids_file = root / "wnids.txt"
     if not wnids_file.is_file():
         raise UsageError(f"{wnids_file} is missing: {hint}")
-    classes = sorted({w.strip() for w in wnids_file.read_text().split() if w.strip()})
+    classes = sorted({w.strip() for w in read_text_file(wnids_file).split() if w.strip()})
     if not classes:
         raise UsageError(f"{wnids_file} lists no class ids: restore it from the dataset archive")
     index = {wnid: i for i, wnid in enumerate(classes)}
@@ -750,7 +771,7 @@ def scan_tinyimagenet(root) -> tuple:
     val = []
     if annotations.is_file():
         images_dir = val_dir / "images"
-        for lineno, line in enumerate(annotations.read_text().splitlines(), 1):
+        for lineno, line in enumerate(read_text_file(annotations).splitlines(), 1):
             parts = line.split()
             if not parts:
                 continue
@@ -975,22 +996,29 @@ def build_model(name: str, num_classes: int, input_shape: tuple) -> nn.Module:
 def evaluate(model, loader, device, dtype, n_real: int, prepare=None) -> torch.Tensor:
     """Local validation sums [loss_sum, correct, count] on ``device`` (no host sync here).
 
-    Only the first ``n_real`` samples of this rank's stream are counted, so padding added by
-    the DistributedSampler is never counted twice. Every rank runs the same number of batches,
-    which FSDP needs (each forward all-gathers parameters with every rank).
+    Only samples at the first ``n_real`` positions of this rank's stream are counted, so
+    padding added by the DistributedSampler is never counted twice. The folder path's batches
+    carry a third item, which positions survived (see collate_val): an unreadable image
+    dropped from a batch must not shift a padding duplicate into the counted positions. Every
+    rank runs the same number of batches, which FSDP needs (each forward all-gathers
+    parameters with every rank).
     """
     model.eval()
     sums = torch.zeros(3, device=device, dtype=torch.float64)
-    seen = 0
-    for images, labels in loader:
+    seen = 0  # positions of the sampler's stream consumed so far
+    for images, labels, *mask in loader:
+        # the cache path and DeviceResident drop nothing: every position survived
+        survived = mask[0] if mask else torch.ones(labels.size(0), dtype=torch.bool)
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         if prepare is not None:
             images = prepare(images, train=False)
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             logits = model(images)
-        keep = max(0, min(labels.size(0), n_real - seen))  # host-side count, no sync
-        seen += labels.size(0)
+        # Survivors keep the sampler's order, so those at real positions come first: count
+        # them and keep that prefix (host-side count, no sync)
+        keep = int(survived[:max(0, n_real - seen)].sum())
+        seen += survived.numel()
         if keep:
             logits, labels = logits[:keep].float(), labels[:keep]
             sums[0] += F.cross_entropy(logits, labels, reduction="sum")
@@ -1518,15 +1546,16 @@ def default_cache_dir(data_dir) -> Path:
 
 def cache_is_valid(directory: Path, split: str, checksum: str, count: int) -> bool:
     meta_file = directory / f"{split}_meta.json"
-    try:
-        meta = json.loads(meta_file.read_text())
+    try:  # a damaged meta file (not UTF-8, not JSON: both ValueErrors) means: rebuild
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
         images = np.load(directory / f"{split}_u8.npy", mmap_mode="r")
         labels = np.load(directory / f"{split}_labels.npy", mmap_mode="r")
     except (OSError, ValueError):
         return False
-    return (meta.get("version") == CACHE_VERSION and meta.get("checksum") == checksum
-            and meta.get("sources") == count and images.shape == (meta["count"], 64, 64, 3)
-            and labels.shape == (meta["count"],))
+    return (isinstance(meta, dict) and meta.get("version") == CACHE_VERSION
+            and meta.get("checksum") == checksum and meta.get("sources") == count
+            and images.shape == (meta.get("count"), 64, 64, 3)
+            and labels.shape == (meta.get("count"),))
 
 
 def build_cache(directory: Path, split: str, samples, checksum: str, strict: bool,
@@ -1645,9 +1674,11 @@ class DeviceAugment:
 
 
 def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool = False,
-                start_now: bool = False):
+                start_now: bool = False, val: bool = False):
     """The DataLoader, tuned the same way for every strategy: pinned memory on CUDA,
     persistent workers and a deeper prefetch. A cached split is read a batch at a time.
+    ``val``: each batch also says which of its positions survived (collate_val), which
+    evaluate() needs to count every validation image exactly once.
 
     ``start_now`` forks the workers at once (for the validation loader). Forked later, at the
     first evaluation, a worker would share the trained model's memory copy-on-write, and the
@@ -1665,7 +1696,8 @@ def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool
                             batch_size=None, **kw)
     else:
         loader = DataLoader(dataset, sampler=sampler, batch_size=batch_size,
-                            drop_last=drop_last, collate_fn=collate_skip_unreadable, **kw)
+                            drop_last=drop_last,
+                            collate_fn=collate_val if val else collate_skip_unreadable, **kw)
     if start_now and args.num_workers > 0:
         iter(loader)  # persistent: the iterator and its workers stay for later epochs
     return loader

@@ -164,7 +164,7 @@ def train(args, env: common.DistEnv) -> int:
     train_loader = common.make_loader(data.train, train_batches, args.batch_size, args, device,
                                       drop_last=True)
     val_loader = common.make_loader(data.val, val_sampler, args.batch_size, args, device,
-                                    start_now=True)
+                                    start_now=True, val=True)
     val_real = common.real_samples(val_sampler)
 
     criterion = nn.CrossEntropyLoss()

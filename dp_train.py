@@ -161,7 +161,7 @@ def train(args) -> int:
     train_loader = common.make_loader(data.train, train_batches, global_batch, args, device,
                                       drop_last=True)
     val_loader = common.make_loader(data.val, val_sampler, global_batch, args, device,
-                                    start_now=True)
+                                    start_now=True, val=True)
 
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=args.momentum,

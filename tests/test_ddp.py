@@ -242,6 +242,10 @@ def _broken_tree(src, dst, damage):
     (lambda d: (d / "val" / "val_annotations.txt").write_text("val_0.JPEG\tn99999999\t0\t0\n"),
      "not in wnids.txt"),
     (lambda d: (d / "train" / "n00000001" / "images").mkdir(parents=True), "not listed in"),
+    (lambda d: (d / "wnids.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff"),
+     "wnids.txt is not a text file (bytes that are not UTF-8 at offset 0)"),
+    (lambda d: (d / "val" / "val_annotations.txt").write_bytes(b"val_0.JPEG\t\xff\xfe\n"),
+     "val_annotations.txt is not a text file (bytes that are not UTF-8 at offset 11)"),
 ])
 def test_malformed_tinyimagenet_exits_2(tiny_imagenet, tmp_path, damage, message):
     root, _ = tiny_imagenet

@@ -1,0 +1,170 @@
+"""Damaged data: unreadable validation images must leave the validation count and sums exact
+at every world size (the DistributedSampler pads ranks with duplicates, and a skipped image
+must not let one of them be counted), and a dataset file that is not text must stop the run
+with one line naming it (exit code 2), not a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DistributedSampler
+
+import common
+from conftest import check_ok, metrics, run_script
+
+CPU = torch.device("cpu")
+
+
+def _damaged_copy(src, dst, unreadable=(), drop=()):
+    """Copy the TinyImageNet tree; make the val images at these annotation indices unreadable
+    (zero bytes, or a truncated JPEG), and remove those at the ``drop`` indices entirely."""
+    shutil.copytree(src, dst)
+    ann = dst / "val" / "val_annotations.txt"
+    lines = ann.read_text().splitlines(keepends=True)
+    for k, i in enumerate(unreadable):
+        image = dst / "val" / "images" / lines[i].split()[0]
+        image.write_bytes(b"" if k % 2 == 0 else image.read_bytes()[:200])
+    for i in drop:
+        (dst / "val" / "images" / lines[i].split()[0]).unlink()
+    ann.write_text("".join(l for i, l in enumerate(lines) if i not in drop))
+    return dst
+
+
+def _args(data_dir, cache=None, on_device=False):
+    return argparse.Namespace(data_dir=str(data_dir), dataset="tinyimagenet", model="resnet18",
+                              data_on_device=on_device, strict=False, num_workers=0, seed=0,
+                              data_cache=cache)
+
+
+def _truth(model, val, prepare=None):
+    """[loss_sum, correct, count] over the readable images of ``val``, in one batch."""
+    items = [item for item in (val[i] for i in range(len(val))) if item is not None]
+    x = torch.stack([img for img, _ in items])
+    y = torch.tensor([label for _, label in items])
+    with torch.no_grad():
+        logits = model(x).float()
+    return torch.tensor([F.cross_entropy(logits, y, reduction="sum").item(),
+                         (logits.argmax(1) == y).sum().item(), len(items)],
+                        dtype=torch.float64)
+
+
+def _all_ranks(model, dataset, world, batch, args, prepare=None):
+    """evaluate() on every rank of a ``world``-rank job, in this process, summed as the
+    all-reduce in the scripts sums them."""
+    total = torch.zeros(3, dtype=torch.float64)
+    for rank in range(world):
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
+        loader = common.make_loader(dataset, sampler, batch, args, CPU, val=True)
+        total += common.evaluate(model, loader, CPU, None, common.real_samples(sampler), prepare)
+    return total
+
+
+@pytest.fixture(scope="module")
+def damaged(tiny_imagenet, tmp_path_factory):
+    """The 40-image tree with 5 unreadable val images, one in the real part of a padded rank
+    at every world size that pads below, one (1) also copied as padding, and a linear model."""
+    root, _ = tiny_imagenet
+    bad = _damaged_copy(root, tmp_path_factory.mktemp("damaged") / "tin",
+                        unreadable=(1, 5, 13, 22, 35))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 64 * 64, 4)).eval()
+    return bad, model
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_unreadable_val_images_leave_count_and_sums_exact(damaged, world):
+    data_dir, model = damaged
+    val = common.build_data(_args(data_dir), True).val
+    for n in (37, 40):  # 37 is padded at every world size above 1, 40 at 3
+        subset = common.ImageList(val.samples[:n], val.transform)
+        want = _truth(model, subset)
+        assert want[2] == n - 5
+        for batch in (5, 8):  # no batch made of unreadable images only
+            got = _all_ranks(model, subset, world, batch, _args(data_dir))
+            assert got[2] == want[2], (n, batch)
+            assert got[1] == want[1], (n, batch)
+            assert got[0].item() == pytest.approx(want[0].item(), rel=1e-6), (n, batch)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_cache_path_still_counts_each_val_image_once(damaged, tmp_path, on_device):
+    """The cache leaves unreadable images out when it is built: its batches (and
+    --data-on-device's) carry no survivors mask, and evaluate() counts them as before."""
+    data_dir, model = damaged
+    want = _truth(model, common.build_data(_args(data_dir), True).val)
+    args = _args(data_dir, cache=str(tmp_path / "c"), on_device=on_device)
+    data = common.build_data(args, True)
+    assert len(data.val) == 35
+    model, prepare = common.input_pipeline(data, model, CPU)
+    got = _all_ranks(model, data.val, 3, 8, args, prepare)
+    assert got[2] == want[2] == 35 and got[1] == want[1]
+    assert got[0].item() == pytest.approx(want[0].item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("script,nproc,unreadable,drop", [
+    ("ddp_train.py", 3, (4,), ()),      # 40 images: ranks 1 and 2 get one duplicate each
+    ("fsdp_train.py", 2, (1,), (38,)),  # 39 images: rank 1 gets one duplicate
+    ("dp_train.py", None, (4,), ()),    # one process: no padding, the same count
+])
+def test_script_reports_exact_val_metrics_with_an_unreadable_image(tiny_imagenet, tmp_path,
+                                                                   script, nproc, unreadable,
+                                                                   drop):
+    """The run's [METRIC] line against the saved weights evaluated here on the readable
+    images. squeezenet1_1 has no BatchNorm, so every rank evaluates the same weights."""
+    root, _ = tiny_imagenet
+    data_dir = _damaged_copy(root, tmp_path / "tin", unreadable, drop)
+    weights = tmp_path / "w.pt"
+    proc = run_script(script, ["--data-dir", str(data_dir), "--model", "squeezenet1_1",
+                               "--epochs", "1", "--batch-size", "8", "--num-workers", "0",
+                               "--amp", "off", "--save-model", str(weights)], nproc=nproc)
+    check_ok(proc)
+    m = metrics(proc.stdout)[-1]
+    model = common.build_model("squeezenet1_1", 4, (3, 64, 64))
+    model.load_state_dict(torch.load(weights, weights_only=True))
+    loss_sum, correct, count = _truth(model.eval(),
+                                      common.build_data(_args(data_dir), True).val).tolist()
+    assert count == 40 - len(drop) - len(unreadable)
+    assert int(m["val_images"]) == count
+    assert float(m["val_loss"]) == pytest.approx(loss_sum / count, rel=1e-4)
+    assert float(m["val_acc"]) == pytest.approx(100.0 * correct / count, abs=1e-3)
+    assert f"skipped 0 unreadable training and {len(unreadable)} validation image(s)" \
+        in proc.stdout
+
+
+@pytest.mark.parametrize("script", ["fsdp_train.py", "dp_train.py"])  # ddp: in test_ddp.py
+def test_binary_wnids_is_one_line_exit_2_for_every_script(tiny_imagenet, tmp_path, script):
+    root, _ = tiny_imagenet
+    data_dir = tmp_path / "tin"
+    shutil.copytree(root, data_dir)
+    (data_dir / "wnids.txt").write_bytes(b"n01443537\n\x89PNG\r\n\x1a\n\x00\xff")
+    proc = run_script(script, ["--data-dir", str(data_dir), "--epochs", "1"], timeout=180)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert errors == [f"error: {data_dir / 'wnids.txt'} is not a text file (bytes that are "
+                      f"not UTF-8 at offset 10): restore it from the dataset archive"]
+
+
+def test_unreadable_dataset_file_is_a_usage_error(tmp_path):
+    with pytest.raises(common.UsageError, match=f"cannot read {tmp_path} "):
+        common.read_text_file(tmp_path)  # a folder where a file should be
+
+
+@pytest.mark.parametrize("meta", [b"\xff\xfe\x00", b"[]", b'{"version": 1}',
+                                  b'{"version": 1, "checksum": "c", "sources": 1}'])
+def test_damaged_cache_meta_means_rebuild_not_a_crash(tmp_path, meta):
+    np.save(tmp_path / "val_u8.npy", np.zeros((1, 64, 64, 3), dtype=np.uint8))
+    np.save(tmp_path / "val_labels.npy", np.zeros(1, dtype=np.int64))
+    (tmp_path / "val_meta.json").write_bytes(meta)
+    assert common.cache_is_valid(tmp_path, "val", "c", 1) is False
+    # and the intact meta is still accepted
+    (tmp_path / "val_meta.json").write_text(json.dumps(
+        {"version": common.CACHE_VERSION, "checksum": "c", "sources": 1, "count": 1}))
+    assert common.cache_is_valid(tmp_path, "val", "c", 1) is True
