@@ -134,7 +134,10 @@ def end_process(code: int) -> None:
     the checkpoint dir's lock is released, DataLoader workers and other child processes are
     stopped first, stdio is flushed."""
     import multiprocessing
+    import signal
     release_checkpoint_lock()
+    if threading.current_thread() is threading.main_thread():  # (else: the SIGTERM thread)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the DataLoader's would raise below
     for child in multiprocessing.active_children():
         child.kill()  # the run is over; a loader worker ignores SIGTERM (_child_signals)
         child.join(5)
@@ -683,8 +686,8 @@ class ImageList(Dataset):
         except (OSError, ValueError, SyntaxError) as exc:  # PIL's errors for broken files
             reason = f"{exc.__class__.__name__}: {str(exc)[:100]}"
             if self.strict:
-                raise UsageError(f"unreadable image {path} ({reason}): replace or delete it, "
-                                 f"or drop --strict to skip such files") from None
+                raise DataError(f"unreadable image {path} ({reason}): replace or delete it, "
+                                f"or drop --strict to skip such files") from None
             print(f"warning: skipping unreadable image {path} ({reason})", file=sys.stderr,
                   flush=True)
             return None
@@ -696,8 +699,8 @@ def collate_skip_unreadable(batch):
     from torch.utils.data import default_collate
     kept = [item for item in batch if item is not None]
     if not kept:
-        raise UsageError(f"all {len(batch)} images of a batch are unreadable: the data dir is "
-                         f"damaged; restore it from the dataset archive")
+        raise DataError(f"all {len(batch)} images of a batch are unreadable: the data dir is "
+                        f"damaged; restore it from the dataset archive")
     return default_collate(kept)
 
 
