@@ -220,6 +220,11 @@ def _child_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+def _default_sigterm() -> None:
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _watch_signals(read_end: int) -> None:
     import signal
     while True:
@@ -1573,7 +1578,8 @@ def build_cache(directory: Path, split: str, samples, checksum: str, strict: boo
     t0 = now()
     arrays, labels, bad = [], [], []
     paths = [p for p, _ in samples]
-    with get_context("fork").Pool(max(1, workers)) as pool:
+    # the pool ends its workers with SIGTERM, which forked children ignore (_child_signals)
+    with get_context("fork").Pool(max(1, workers), initializer=_default_sigterm) as pool:
         for (path, label), img in zip(samples, pool.imap(_decode_rgb, paths, chunksize=256)):
             if isinstance(img, str):
                 if strict:
