@@ -8,6 +8,7 @@ cluster (--nnodes 2 --nproc-per-node 1 each)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -193,11 +194,14 @@ def test_workers_end_when_torchrun_is_killed_and_a_rerun_resumes(tmp_path):
         print(f"workers ended {time.time() - t0:.1f} s after torchrun was killed")
     finally:
         _cleanup(proc.pid, *[w.pid for w in _workers(proc)])
-    rerun = run_script("ddp_train.py", RUN[:RUN.index("--epochs")] + ["--epochs", "2"]
+    newest = common.list_checkpoints(ck)[0]  # the end of epoch e is ckpt-e<e>-s0
+    epochs = int(re.match(common.CHECKPOINT_RE, newest.name).group(1)) + 1
+    rerun = run_script("ddp_train.py", RUN[:RUN.index("--epochs")] + ["--epochs", str(epochs)]
                        + RUN[RUN.index("--epochs") + 2:] + ["--checkpoint-dir", str(ck)],
                        nproc=2)
     check_ok(rerun)
-    assert "Resumed from epoch 2, step 0" in rerun.stdout
+    assert f"Resumed from epoch {epochs}, step 0 ({newest})" in rerun.stdout
+    assert "taking over the lock" in rerun.stdout  # the killed run's rank 0 left it behind
 
 
 # ---- 4, 5. a peer lost or frozen on another node --------------------------------------------
