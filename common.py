@@ -55,6 +55,15 @@ METRIC_KEYS = (
 FINAL_KEYS = ("final", "total_time_s")
 METRIC_PREFIX = "[METRIC]"
 
+#: Exit code after a checkpoint taken on SIGUSR1/SIGTERM: "requeue me, I will resume".
+REQUEUE_EXIT = 75
+#: Exit code when the loss became NaN/inf (nothing was saved over the last good checkpoint).
+NONFINITE_EXIT = 3
+#: The line rank 0 prints when a stop signal ended the run; launch/job.sh requeues the job
+#: when it reads one with saved=1 (torchrun reports its workers' exit 75 as 1).
+STOP_PREFIX = "[STOP]"
+STOP_LINE = STOP_PREFIX + " signal={signal} epoch={epoch} step={step} saved={saved} exit_code={code}"
+
 EPOCH_LINE = ("Epoch [{epoch}/{epochs}] LR: {lr:.6f} | Loss (train, val): {train_loss:.3f}, "
               "{val_loss:.3f} | Accuracy (train, val): {train_acc:.2f}%, {val_acc:.2f}% | "
               "Throughput: {throughput_img_s:.1f} img/s")
@@ -1118,10 +1127,6 @@ def check_writable(path) -> None:
 # Fault tolerance: checkpoints, resume, stop requests, preflight, collective check
 # --------------------------------------------------------------------------------------------
 
-#: Exit code after a checkpoint taken on SIGUSR1/SIGTERM: "requeue me, I will resume".
-REQUEUE_EXIT = 75
-#: Exit code when the loss became NaN/inf (nothing was saved over the last good checkpoint).
-NONFINITE_EXIT = 3
 CHECKPOINT_RE = r"^ckpt-e(\d+)-s(\d+)(\.pt)?$"
 
 
@@ -1390,6 +1395,17 @@ class StopRequest:
     def signame(self) -> str:
         import signal
         return signal.Signals(self.signum).name if self.signum else "stop request"
+
+    def report(self, epoch: int, step: int, saved: bool) -> str:
+        """What rank 0 prints as the run stops: a sentence, then the [STOP] line for job.sh."""
+        if saved:
+            text = (f"{self.signame}: checkpoint saved at epoch {epoch}, step {step}; exiting "
+                    f"with code {REQUEUE_EXIT} to be requeued")
+        else:
+            text = (f"{self.signame}: stopping without a checkpoint (no --checkpoint-dir); "
+                    f"exiting with code {REQUEUE_EXIT}")
+        return text + "\n" + STOP_LINE.format(signal=self.signame, epoch=epoch, step=step,
+                                              saved=int(saved), code=REQUEUE_EXIT)
 
     def should_stop(self) -> bool:
         """Call once per step on every rank; True on all ranks at the same step."""

@@ -242,11 +242,8 @@ def train(args) -> int:
             if stop.should_stop():
                 if args.checkpoint_dir:
                     checkpoint(done)
-                    print(f"{stop.signame}: checkpoint saved at epoch {epoch + 1}, step {done}; "
-                          f"exiting with code {common.REQUEUE_EXIT} to be requeued", flush=True)
-                else:
-                    print(f"{stop.signame}: stopping without a checkpoint (no --checkpoint-dir);"
-                          f" exiting with code {common.REQUEUE_EXIT}", flush=True)
+                print(stop.report(epoch + 1, done, saved=bool(args.checkpoint_dir)),
+                      flush=True)
                 return common.REQUEUE_EXIT
         for i in gpu_ids:
             common.synchronize(torch.device("cuda", i))

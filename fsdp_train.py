@@ -315,11 +315,7 @@ def train(args, env: common.DistEnv) -> int:
             if stop.should_stop():  # all ranks agree on the same step
                 if args.checkpoint_dir:
                     checkpoint(done)
-                    print0(f"{stop.signame}: checkpoint saved at epoch {epoch + 1}, step "
-                           f"{done}; exiting with code {common.REQUEUE_EXIT} to be requeued")
-                else:
-                    print0(f"{stop.signame}: stopping without a checkpoint (no "
-                           f"--checkpoint-dir); exiting with code {common.REQUEUE_EXIT}")
+                print0(stop.report(epoch + 1, done, saved=bool(args.checkpoint_dir)))
                 return common.REQUEUE_EXIT
         common.synchronize(device)
         train_time = elapsed + common.now() - t0
