@@ -155,6 +155,45 @@ def end_process(code: int) -> None:
     os._exit(code)
 
 
+def print0(*values) -> None:
+    """print on rank 0 only (the rank that run() found), flushed: logs are read with tail -f."""
+    if _Signals.rank == 0:
+        print(*values, flush=True)
+
+
+def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
+    """What every training script does around its ``train(args, env)``, so each script keeps
+    only the lesson: parse the flags; find the rank layout (torchrun, srun or one process);
+    catch the stop signals from the start; start the watchdog; map what went wrong to an exit
+    code (2: a problem the user can fix, NONFINITE_EXIT: NaN loss, 1: a collective failed,
+    anything else: its traceback); and, once every rank has finished, the last barrier and
+    the process group's teardown. Returns the exit code for end_process."""
+    args = parser.parse_args(argv)
+    env = None
+    rc = None
+    try:
+        env = dist_env()
+        catch_stop_signals(env.rank)  # from the start: a signal is never lost
+        start_watchdog(env, args.dist_timeout)  # ends this worker if orphaned or frozen
+        rc = train(args, env)
+        return rc
+    except UsageError as err:
+        return fail_cleanly(err, env)
+    except NonFiniteLoss as err:  # every rank raises it at the same check (a vote)
+        if env is None or env.rank == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return NONFINITE_EXIT
+    except RuntimeError as err:  # a peer died or a collective timed out: never hang
+        if not is_collective_failure(err):
+            raise
+        return collective_failed(err, env)
+    finally:
+        if dist.is_initialized():
+            if rc is not None:  # all ranks got here: let each finish its last collective
+                dist.barrier()  # before any of them tears gloo/NCCL down (else: abort at exit)
+            dist.destroy_process_group()
+
+
 #: Words of the errors that gloo and NCCL raise as plain RuntimeError when a peer is lost.
 COLLECTIVE_ERROR_WORDS = ("gloo", "nccl", "connection closed by peer", "connection reset by "
                           "peer", "broken pipe", "timed out")
@@ -315,8 +354,8 @@ def start_watchdog(env: "DistEnv", timeout_s: int) -> None:
     threading.Thread(target=beat, daemon=True).start()
 
 
-def report_skipped(train_seen: float, train_expected: int, val_seen: float, val_total: int,
-                   print0) -> None:
+def report_skipped(train_seen: float, train_expected: int, val_seen: float,
+                   val_total: int) -> None:
     """End-of-epoch count of images dropped because they could not be read."""
     skipped_train = int(train_expected - train_seen)
     skipped_val = int(val_total - val_seen)
@@ -1315,7 +1354,7 @@ def resume_candidates(args) -> list:
     return list_checkpoints(args.checkpoint_dir)
 
 
-def load_newest(candidates: list, load_one, print0):
+def load_newest(candidates: list, load_one):
     """Return ``load_one(path)`` for the newest candidate that loads, warning about each one
     that does not. Checkpoints exist but none loads: a UsageError, never a silent fresh start."""
     for path in candidates:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import sys
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 import common
-from common import UsageError
+from common import UsageError, print0
 
 STRATEGY = "ddp"
 # DDP's per-forward buffer sync is called forward_sync_buffers since torch 2.15 (the old name
@@ -111,11 +110,6 @@ def train(args, env: common.DistEnv) -> int:
     common.resolve_args(args, env, device)
     rank, world = env.rank, env.world_size
     is_main = rank == 0
-
-    def print0(*a):
-        if is_main:
-            print(*a, flush=True)
-
     for line in common.provenance(args, env, device, backend):
         print0(line)
     if device.type == "cpu":
@@ -182,7 +176,7 @@ def train(args, env: common.DistEnv) -> int:
     common.claim_checkpoint_dir(args.checkpoint_dir)  # lock it; tidy an interrupted save
     state = common.load_newest(
         common.resume_candidates(args),
-        lambda p: load_checkpoint(p, model, optimizer, scheduler, scaler, rank), print0)
+        lambda p: load_checkpoint(p, model, optimizer, scheduler, scaler, rank))
     if state:
         start_epoch, start_step = state["epoch"], state["step"]
         partial, metrics = state["partial"], state["metrics"]
@@ -292,7 +286,7 @@ def train(args, env: common.DistEnv) -> int:
         )
         print0(common.format_epoch_line(metrics))
         print0(common.format_metric_line(metrics))
-        common.report_skipped(t_n, steps * global_batch, v_n, len(data.val), print0)
+        common.report_skipped(t_n, steps * global_batch, v_n, len(data.val))
         if args.checkpoint_dir:
             save_checkpoint(Path(args.checkpoint_dir) / common.checkpoint_name(epoch + 1, 0),
                             model, optimizer, scheduler, scaler, epoch + 1, 0, None, metrics,
@@ -313,30 +307,7 @@ def train(args, env: common.DistEnv) -> int:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    env = None
-    rc = None
-    try:
-        env = common.dist_env()
-        common.catch_stop_signals(env.rank)  # from the start: a signal is never lost
-        common.start_watchdog(env, args.dist_timeout)  # ends this worker if it is orphaned
-        rc = train(args, env)
-        return rc
-    except UsageError as err:
-        return common.fail_cleanly(err, env)
-    except common.NonFiniteLoss as err:  # every rank raises it at the same check (a vote)
-        if env is None or env.rank == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        return common.NONFINITE_EXIT
-    except RuntimeError as err:  # a peer died or a collective timed out: never hang
-        if not common.is_collective_failure(err):
-            raise
-        return common.collective_failed(err, env)
-    finally:
-        if dist.is_initialized():
-            if rc is not None:  # all ranks got here: let each finish its last collective
-                dist.barrier()  # before any of them tears gloo/NCCL down (else: abort at exit)
-            dist.destroy_process_group()
+    return common.run(train, build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ import torch.nn as nn
 from torch.utils.data import DistributedSampler
 
 import common
-from common import UsageError
+from common import UsageError, print0
 
 STRATEGY = "dp"
 
@@ -109,18 +108,17 @@ def load_checkpoint(path, net, optimizer, scheduler, scaler) -> dict:
     return dict(state, path=str(path))
 
 
-def train(args) -> int:
+def train(args, env: common.DistEnv) -> int:
     device, gpu_ids = setup_devices(args)
-    env = common.DistEnv(0, 0, 1, 1, "single")
     common.resolve_args(args, env, device)
     n_dev = max(1, len(gpu_ids))
 
     for line in common.provenance(args, env, device, "none (single process)"):
-        print(line, flush=True)
+        print0(line)
     if device.type == "cpu":
-        print("note: no GPU visible: DataParallel runs on the CPU as a single device", flush=True)
+        print0("note: no GPU visible: DataParallel runs on the CPU as a single device")
     else:
-        print(f"DataParallel over GPUs {gpu_ids} (scatter from and gather on GPU 0)", flush=True)
+        print0(f"DataParallel over GPUs {gpu_ids} (scatter from and gather on GPU 0)")
 
     data = common.build_data(args, True)
     common.check_writable(args.save_model)
@@ -130,19 +128,19 @@ def train(args) -> int:
                          f"larger than the {len(data.train)} training samples: lower "
                          f"--batch-size")
     if data.name == "synthetic":
-        print("note: no --data-dir given, so this run uses built-in synthetic data "
-              "(numbers show the pipeline, not TinyImageNet accuracy)", flush=True)
-    print(f"data: {data.description}", flush=True)
-    print(f"global batch: {global_batch} = {args.batch_size} per GPU x {n_dev} GPU(s), one "
-          f"DataLoader batch split by DataParallel", flush=True)
+        print0("note: no --data-dir given, so this run uses built-in synthetic data "
+               "(numbers show the pipeline, not TinyImageNet accuracy)")
+    print0(f"data: {data.description}")
+    print0(f"global batch: {global_batch} = {args.batch_size} per GPU x {n_dev} GPU(s), one "
+           f"DataLoader batch split by DataParallel")
 
     torch.manual_seed(args.seed)
     net = common.build_model(args.model, data.num_classes, data.input_shape).to(device)
     common.check_checkpoint_dir(args.checkpoint_dir, net)
     if args.check:
-        print(f"check: no process group (DataParallel is one process); {n_dev} device(s): "
-              f"{gpu_ids or ['cpu']}", flush=True)
-        print("preflight OK: data, batch size, devices and checkpoint dir", flush=True)
+        print0(f"check: no process group (DataParallel is one process); {n_dev} device(s): "
+               f"{gpu_ids or ['cpu']}")
+        print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
     # From here on, randomness is this process's own (crops, flips, dropout, loader workers).
     torch.manual_seed(common.seed_for_rank(args.seed, 0))
@@ -177,12 +175,11 @@ def train(args) -> int:
     common.claim_checkpoint_dir(args.checkpoint_dir)  # lock it; tidy an interrupted save
     state = common.load_newest(
         common.resume_candidates(args),
-        lambda p: load_checkpoint(p, net, optimizer, scheduler, scaler), print)
+        lambda p: load_checkpoint(p, net, optimizer, scheduler, scaler))
     if state:
         start_epoch, start_step = state["epoch"], state["step"]
         partial, metrics = state["partial"], state["metrics"]
-        print(f"Resumed from epoch {start_epoch + 1}, step {start_step} ({state['path']})",
-              flush=True)
+        print0(f"Resumed from epoch {start_epoch + 1}, step {start_step} ({state['path']})")
 
     steps = len(train_loader)
     if args.max_steps_per_epoch:
@@ -242,8 +239,7 @@ def train(args) -> int:
             if stop.should_stop():
                 if args.checkpoint_dir:
                     checkpoint(done)
-                print(stop.report(epoch + 1, done, saved=bool(args.checkpoint_dir)),
-                      flush=True)
+                print0(stop.report(epoch + 1, done, saved=bool(args.checkpoint_dir)))
                 return common.REQUEUE_EXIT
         for i in gpu_ids:
             common.synchronize(torch.device("cuda", i))
@@ -272,9 +268,9 @@ def train(args) -> int:
             throughput_img_s=seen / epoch_time if epoch_time > 0 else 0.0,
             peak_mem_mib=max(peaks), peak_mem_per_gpu_mib=peaks,
         )
-        print(common.format_epoch_line(metrics), flush=True)
-        print(common.format_metric_line(metrics), flush=True)
-        common.report_skipped(seen, steps * global_batch, v_n, len(data.val), print)
+        print0(common.format_epoch_line(metrics))
+        print0(common.format_metric_line(metrics))
+        common.report_skipped(seen, steps * global_batch, v_n, len(data.val))
         if args.checkpoint_dir:
             save_checkpoint(Path(args.checkpoint_dir) / common.checkpoint_name(epoch + 1, 0),
                             net, optimizer, scheduler, scaler, epoch + 1, 0, None, metrics, args)
@@ -282,26 +278,18 @@ def train(args) -> int:
     total_time = common.now() - start
     if args.save_model:
         common.save_state_dict(net.state_dict(), args.save_model)  # the unwrapped model
-        print(f"saved model state_dict to {args.save_model}", flush=True)
+        print0(f"saved model state_dict to {args.save_model}")
     if not metrics:
-        print("nothing to train: the checkpoint is already past --epochs", flush=True)
+        print0("nothing to train: the checkpoint is already past --epochs")
         return 0
     metrics["total_time_s"] = total_time
-    print(common.format_metric_line(metrics, final=True), flush=True)
-    print(f"Total time: {total_time:.1f} s", flush=True)
+    print0(common.format_metric_line(metrics, final=True))
+    print0(f"Total time: {total_time:.1f} s")
     return 0
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        common.catch_stop_signals(0)  # from the start: a signal is never lost
-        return train(args)
-    except UsageError as err:
-        return common.fail_cleanly(err)
-    except common.NonFiniteLoss as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        return common.NONFINITE_EXIT
+    return common.run(train, build_parser(), argv)
 
 
 if __name__ == "__main__":
