@@ -18,8 +18,6 @@ Importing this module has no side effects.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import math
 import os
 import platform
@@ -266,11 +264,6 @@ def _child_signals() -> None:
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-
-
-def _default_sigterm() -> None:
-    import signal
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _watch_signals(read_end: int) -> None:
@@ -1553,9 +1546,6 @@ def collective_check(device: torch.device, world: int, print0) -> None:
 # Fast input: the decoded uint8 cache (--data-cache), batch loading, on-device augmentation
 # --------------------------------------------------------------------------------------------
 
-CACHE_VERSION = 1
-
-
 class CachedSplit(Dataset):
     """A split decoded once into a memory-mapped uint8 array (N x 64 x 64 x 3) plus labels.
 
@@ -1576,114 +1566,17 @@ class CachedSplit(Dataset):
         return torch.from_numpy(np.ascontiguousarray(self.images[idx])), self.labels[idx]
 
 
-def _decode_rgb(path):
-    from PIL import Image
-    try:
-        with Image.open(path) as img:
-            return np.asarray(img.convert("RGB").resize((64, 64)) if img.size != (64, 64)
-                              else img.convert("RGB"), dtype=np.uint8)
-    except (OSError, ValueError, SyntaxError) as exc:
-        return f"{exc.__class__.__name__}: {str(exc)[:100]}"
-
-
-def _file_list_checksum(root: Path, samples) -> str:
-    h = hashlib.sha256()
-    for path, label in samples:
-        p = Path(path)
-        h.update(f"{p.relative_to(root)}\t{label}\t{p.stat().st_size}\n".encode())
-    return h.hexdigest()
-
-
-def default_cache_dir(data_dir) -> Path:
-    """Beside the data (tiny-imagenet-200 -> tiny-imagenet-200-cache) when that is writable,
-    else under the user's cache dir."""
-    data_dir = Path(data_dir).resolve()
-    beside = data_dir.parent / f"{data_dir.name}-cache"
-    if (beside.is_dir() and os.access(beside, os.W_OK)) or \
-            (not beside.exists() and os.access(data_dir.parent, os.W_OK)):
-        return beside
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    tag = hashlib.sha256(str(data_dir).encode()).hexdigest()[:12]
-    return base / "dp-toolkit" / f"{data_dir.name}-{tag}"
-
-
-def cache_is_valid(directory: Path, split: str, checksum: str, count: int) -> bool:
-    meta_file = directory / f"{split}_meta.json"
-    try:  # a damaged meta file (not UTF-8, not JSON: both ValueErrors) means: rebuild
-        meta = json.loads(meta_file.read_text(encoding="utf-8"))
-        images = np.load(directory / f"{split}_u8.npy", mmap_mode="r")
-        labels = np.load(directory / f"{split}_labels.npy", mmap_mode="r")
-    except (OSError, ValueError):
-        return False
-    return (isinstance(meta, dict) and meta.get("version") == CACHE_VERSION
-            and meta.get("checksum") == checksum and meta.get("sources") == count
-            and images.shape == (meta.get("count"), 64, 64, 3)
-            and labels.shape == (meta.get("count"),))
-
-
-def build_cache(directory: Path, split: str, samples, checksum: str, strict: bool,
-                workers: int, log) -> None:
-    """Decode ``samples`` into {split}_u8.npy / {split}_labels.npy / {split}_meta.json,
-    written under temporary names and renamed into place (meta last), so a reader never sees
-    half a cache. ``checksum`` is _file_list_checksum of ``samples``, stored in the meta file.
-    Unreadable images are left out (counted), or named with ``strict``."""
-    from multiprocessing import get_context
-    directory.mkdir(parents=True, exist_ok=True)
-    tag = f".tmp-{platform.node()}-{os.getpid()}"
-    t0 = now()
-    arrays, labels, bad = [], [], []
-    paths = [p for p, _ in samples]
-    # the pool ends its workers with SIGTERM, which forked children ignore (_child_signals)
-    with get_context("fork").Pool(max(1, workers), initializer=_default_sigterm) as pool:
-        for (path, label), img in zip(samples, pool.imap(_decode_rgb, paths, chunksize=256)):
-            if isinstance(img, str):
-                if strict:
-                    raise UsageError(f"unreadable image {path} ({img}): replace or delete it, "
-                                     f"or drop --strict to skip such files")
-                bad.append(path)
-                continue
-            arrays.append(img)
-            labels.append(label)
-    images_tmp = directory / f"{split}_u8.npy{tag}"
-    out = np.lib.format.open_memmap(images_tmp, mode="w+", dtype=np.uint8,
-                                    shape=(len(arrays), 64, 64, 3))
-    for i, a in enumerate(arrays):
-        out[i] = a
-    out.flush()
-    del out
-    labels_tmp = directory / f"{split}_labels.npy{tag}"
-    with open(labels_tmp, "wb") as f:
-        np.save(f, np.asarray(labels, dtype=np.int64))
-    os.replace(images_tmp, directory / f"{split}_u8.npy")
-    os.replace(labels_tmp, directory / f"{split}_labels.npy")
-    meta_tmp = directory / f"{split}_meta.json{tag}"
-    meta_tmp.write_text(json.dumps({"version": CACHE_VERSION, "checksum": checksum,
-                                    "count": len(arrays), "sources": len(samples),
-                                    "skipped": bad[:20], "skipped_count": len(bad)}))
-    os.replace(meta_tmp, directory / f"{split}_meta.json")
-    log(f"data cache: decoded {len(arrays)} {split} images into {directory} in "
-        f"{now() - t0:.1f} s" + (f" ({len(bad)} unreadable left out, e.g. {bad[0]})"
-                                 if bad else ""))
-
-
 def _cached_tinyimagenet(args, classes, train, val) -> DataBundle:
-    root = Path(args.data_dir)
-    directory = default_cache_dir(root) if args.data_cache == "auto" else Path(args.data_cache)
-    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
-    log = (lambda m: print(m, flush=True)) if local_rank == 0 else (lambda m: None)
+    """The memory-mapped cache that prepare_tinyimagenet.py writes. Where it is missing or
+    stale, local rank 0 of each node builds it (the others wait in the all_gather below)."""
+    import prepare_tinyimagenet
     error = None
-    if local_rank == 0:  # one builder per node; the others wait at the barrier below
+    if dist_env().local_rank == 0:  # one builder per node
         try:
-            for split, samples in (("train", train), ("val", val)):
-                checksum = _file_list_checksum(root, samples)
-                if not cache_is_valid(directory, split, checksum, len(samples)):
-                    log(f"data cache: building {split} in {directory} (first use, or the "
-                        f"dataset changed)")
-                    build_cache(directory, split, samples, checksum, args.strict,
-                                max(1, args.num_workers), log)
-        except OSError as exc:
-            error = (f"cannot write the data cache in {directory} ({exc.strerror}): pass "
-                     f"--data-cache DIR with a writable DIR")
+            prepare_tinyimagenet.prepare(args.data_dir, args.data_cache, args.strict,
+                                         max(1, args.num_workers),
+                                         lambda m: print(m, flush=True),
+                                         scanned=(classes, train, val))
         except UsageError as exc:
             error = str(exc)
     if dist.is_available() and dist.is_initialized():
@@ -1693,6 +1586,7 @@ def _cached_tinyimagenet(args, classes, train, val) -> DataBundle:
         error = next((e for e in everyone if e), None)
     if error:
         raise UsageError(error)
+    directory = prepare_tinyimagenet.cache_dir(args.data_dir, args.data_cache)
     train_set = CachedSplit(directory / "train_u8.npy", directory / "train_labels.npy")
     val_set = CachedSplit(directory / "val_u8.npy", directory / "val_labels.npy")
     return DataBundle(train_set, val_set, len(classes), (3, 64, 64), "tinyimagenet",

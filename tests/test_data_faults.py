@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 import common
+import prepare_tinyimagenet
 from conftest import check_ok, metrics, run_script
 
 CPU = torch.device("cpu")
@@ -163,8 +164,35 @@ def test_damaged_cache_meta_means_rebuild_not_a_crash(tmp_path, meta):
     np.save(tmp_path / "val_u8.npy", np.zeros((1, 64, 64, 3), dtype=np.uint8))
     np.save(tmp_path / "val_labels.npy", np.zeros(1, dtype=np.int64))
     (tmp_path / "val_meta.json").write_bytes(meta)
-    assert common.cache_is_valid(tmp_path, "val", "c", 1) is False
+    assert prepare_tinyimagenet.cache_is_valid(tmp_path, "val", "c", 1) is False
     # and the intact meta is still accepted
     (tmp_path / "val_meta.json").write_text(json.dumps(
-        {"version": common.CACHE_VERSION, "checksum": "c", "sources": 1, "count": 1}))
-    assert common.cache_is_valid(tmp_path, "val", "c", 1) is True
+        {"version": prepare_tinyimagenet.CACHE_VERSION, "checksum": "c", "sources": 1, "count": 1}))
+    assert prepare_tinyimagenet.cache_is_valid(tmp_path, "val", "c", 1) is True
+
+
+def test_prepare_tinyimagenet_builds_the_cache_the_training_reuses(tiny_imagenet, tmp_path):
+    """The decode-once step on its own (the launchers run it once per node before torchrun):
+    a training run with --data-cache then reuses it instead of decoding again."""
+    import subprocess
+    import sys
+    from conftest import REPO, env_for_tests
+    root, _ = tiny_imagenet
+    cache = tmp_path / "cache"
+    made = subprocess.run([sys.executable, str(REPO / "prepare_tinyimagenet.py"), str(root),
+                           str(cache), "--workers", "2"], capture_output=True, text=True,
+                          env=env_for_tests(), timeout=300)
+    assert made.returncode == 0, made.stderr
+    assert "data cache: decoded 160 train images" in made.stdout
+    assert f"data cache ready: {cache}" in made.stdout
+    run = run_script("ddp_train.py", ["--data-dir", str(root), "--data-cache", str(cache),
+                                      "--model", "resnet18", "--epochs", "1", "--batch-size",
+                                      "16", "--num-workers", "0"])
+    check_ok(run)
+    assert "data cache: building" not in run.stdout
+    assert metrics(run.stdout)[-1]["train_images"] == "160"
+    bad = subprocess.run([sys.executable, str(REPO / "prepare_tinyimagenet.py"),
+                          str(tmp_path / "nope")], capture_output=True, text=True,
+                         env=env_for_tests(), timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: data dir ")
+    assert "Traceback" not in bad.stderr
