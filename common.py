@@ -1493,6 +1493,84 @@ def track_finite(loss, step: int, bad_steps, first_bad) -> None:
                                 first_bad))
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class Checkpoints:
+    """What the training loop must do besides training, behind one object: resume from the
+    newest usable checkpoint, checkpoint every --checkpoint-every steps and at each epoch end
+    (pruned to --keep-checkpoints), watch for NaN/inf losses without a host sync per step,
+    and stop at the same step on every rank after a stop signal. The loop calls resume() once,
+    after_step() after every step, check_finite() and end_epoch() once per epoch.
+
+    ``save(path, state, meta)`` and ``load(path, state) -> meta`` are the strategy's own:
+    ``state`` holds the model, optimizer, scheduler and scaler (each has a state_dict),
+    ``meta`` the plain values (epoch, step, metrics, the RNG state of every rank, args)."""
+
+    def __init__(self, args, state: dict, save, load, device: torch.device, world_size: int):
+        self.args, self.state, self._save, self._load = args, state, save, load
+        self.dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+        self.metrics = {}  # the last finished epoch's (from the checkpoint, after a resume)
+        self.stop = StopRequest(world_size)  # collective: every rank builds it
+        self.bad_steps = torch.zeros((), device=device, dtype=torch.int64)  # NaN/inf losses,
+        self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)  # on the device
+
+    def resume(self) -> tuple:
+        """(epoch, step) to start from, on every rank: (0, 0) for a fresh start."""
+        claim_checkpoint_dir(self.dir)  # lock it; tidy an interrupted save
+        meta = load_newest(resume_candidates(self.args),
+                           lambda path: dict(self._load(path, self.state), path=path))
+        if not meta:
+            return 0, 0
+        rngs = meta["rng"]
+        set_rng_state(rngs[_rank()] if _rank() < len(rngs) else rngs[0])
+        self.metrics = meta["metrics"]
+        print0(f"Resumed from epoch {meta['epoch'] + 1}, step {meta['step']} ({meta['path']})")
+        return meta["epoch"], meta["step"]
+
+    def after_step(self, loss, epoch: int, done: int, steps: int) -> bool:
+        """Every rank, after step ``done`` (1-based) of ``steps``: True when the run must end
+        now (a stop signal; checkpointed first when there is a --checkpoint-dir)."""
+        track_finite(loss, done - 1, self.bad_steps, self.first_bad)
+        every = self.args.checkpoint_every
+        if self.dir and every and done % every == 0 and done < steps:
+            self.save(epoch, done)
+        if not self.stop.should_stop():  # all ranks agree on the same step
+            return False
+        if self.dir:
+            self.save(epoch, done)
+        print0(self.stop.report(epoch + 1, done, saved=self.dir is not None))
+        return True
+
+    def check_finite(self, epoch: int) -> None:
+        """A host sync and a vote (every rank): raises NonFiniteLoss after a NaN/inf loss."""
+        check_finite(self.bad_steps, self.first_bad, epoch, self.state["scaler"])
+        self.bad_steps.zero_()
+        self.first_bad.fill_(-1)
+
+    def end_epoch(self, epoch: int, metrics: dict) -> None:
+        self.metrics = metrics
+        if self.dir:
+            self.save(epoch + 1, 0)
+
+    def save(self, epoch: int, step: int) -> None:
+        """Collective: every rank takes part (their RNG states are gathered into the file)."""
+        self.check_finite(epoch)  # never save weights that a NaN has reached
+        rngs = [rng_state()]
+        if dist.is_available() and dist.is_initialized():
+            rngs = [None] * dist.get_world_size()
+            dist.all_gather_object(rngs, rng_state())
+        meta = dict(epoch=epoch, step=step, metrics=self.metrics, rng=rngs,
+                    args=vars(self.args), world_size=len(rngs))
+        self._save(self.dir / checkpoint_name(epoch, step), self.state, meta)
+        if _rank() == 0:
+            prune_checkpoints(self.dir, self.args.keep_checkpoints)
+
+    def finish(self) -> None:
+        self.stop.finish()
+
+
 def check_checkpoint_dir(directory, model) -> None:
     """Preflight: the checkpoint dir is writable and has room for a few checkpoints."""
     if directory is None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -77,32 +76,18 @@ def setup_distributed(args, env: common.DistEnv):
     return device, backend
 
 
-def save_checkpoint(path, model, optimizer, scheduler, scaler, epoch, step, partial, metrics,
-                    args, is_main) -> None:
-    """DDP: every replica is identical, so rank 0 writes one file. Collective: every rank
-    takes part (the RNG states of all ranks are gathered into the file)."""
-    rngs = [None] * dist.get_world_size()
-    dist.all_gather_object(rngs, common.rng_state())
-    if is_main:
-        common.atomic_save({
-            "model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-            "epoch": epoch, "step": step, "partial": partial, "metrics": metrics,
-            "rng": rngs, "args": vars(args), "world_size": dist.get_world_size(),
-        }, path)
-        common.prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
+def save_checkpoint(path, state: dict, meta: dict) -> None:
+    """DDP: every replica is identical, so rank 0 alone writes one file."""
+    if dist.get_rank() == 0:
+        common.atomic_save({name: obj.state_dict() for name, obj in state.items()} | meta, path)
 
 
-def load_checkpoint(path, model, optimizer, scheduler, scaler, rank) -> dict:
+def load_checkpoint(path, state: dict) -> dict:
     # weights_only: a checkpoint holds tensors and plain values, it cannot run code
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    model.module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
-    rngs = state["rng"]
-    common.set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
-    return dict(state, path=str(path))
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    for name, obj in state.items():
+        obj.load_state_dict(checkpoint[name])
+    return checkpoint
 
 
 def train(args, env: common.DistEnv) -> int:
@@ -172,56 +157,25 @@ def train(args, env: common.DistEnv) -> int:
     dtype = common.amp_dtype(args)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
-    start_epoch, start_step, partial, metrics = 0, 0, None, {}
-    common.claim_checkpoint_dir(args.checkpoint_dir)  # lock it; tidy an interrupted save
-    state = common.load_newest(
-        common.resume_candidates(args),
-        lambda p: load_checkpoint(p, model, optimizer, scheduler, scaler, rank))
-    if state:
-        start_epoch, start_step = state["epoch"], state["step"]
-        partial, metrics = state["partial"], state["metrics"]
-        print0(f"Resumed from epoch {start_epoch + 1}, step {start_step} ({state['path']})")
+    # the unwrapped model: its checkpoint loads without DDP too
+    state = dict(model=model.module, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    ckpt = common.Checkpoints(args, state, save_checkpoint, load_checkpoint, device, world)
+    start_epoch, start_step = ckpt.resume()
+    metrics = ckpt.metrics
 
     steps = len(train_loader)
     if args.max_steps_per_epoch:
         steps = min(steps, args.max_steps_per_epoch)
-    stop = common.StopRequest(world)
-    bad_steps = torch.zeros((), device=device, dtype=torch.int64)  # non-finite losses seen,
-    first_bad = torch.full((), -1, device=device, dtype=torch.int64)  # on the device
     start = common.now()
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
-        skip = start_step if epoch == start_epoch else 0
+        skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
         train_batches.skip = skip * args.batch_size
         lr = optimizer.param_groups[0]["lr"]
         step_model.train()
-        loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # stays on the device:
-        correct = torch.zeros((), device=device, dtype=torch.float64)   # no host sync per step
-        seen, elapsed = 0, 0.0
-        if skip and partial:  # the part of this epoch done before the interruption
-            elapsed = partial["time"]
-            if is_main:  # global sums: added once, by rank 0, before the reduction
-                loss_sum += partial["loss_sum"]
-                correct += partial["correct"]
-                seen = partial["seen"]
-        bad_steps.zero_()
-        first_bad.fill_(-1)
+        # [loss x n, correct, n] of this rank, kept on the device: no host sync per step
+        sums = torch.zeros(3, device=device, dtype=torch.float64)
         common.reset_peak_memory(device)  # this epoch's peak, not the whole run's
-
-        def checkpoint(step: int) -> None:
-            """Mid-epoch checkpoint (collective): partial sums reduced so a resume can finish
-            this epoch's metrics."""
-            common.check_finite(bad_steps, first_bad, epoch, scaler)  # host sync
-            sums = torch.stack([loss_sum, correct, torch.tensor(float(seen), device=device,
-                                                                dtype=torch.float64)])
-            dist.all_reduce(sums)
-            part = dict(zip(("loss_sum", "correct", "seen"), sums.tolist()),
-                        time=elapsed + common.now() - t0)
-            part["seen"] = int(part["seen"])
-            save_checkpoint(Path(args.checkpoint_dir) / common.checkpoint_name(epoch, step),
-                            model, optimizer, scheduler, scaler, epoch, step, part, metrics,
-                            args, is_main)
-
         common.synchronize(device)
         t0 = common.now()
         # to_device: on CUDA the next batch's copy overlaps this step's compute
@@ -239,31 +193,21 @@ def train(args, env: common.DistEnv) -> int:
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
-            loss_sum += loss.detach().double() * labels.size(0)
-            correct += (outputs.argmax(1) == labels).sum()
-            seen += labels.size(0)
-            common.track_finite(loss, step, bad_steps, first_bad)
-            done = step + 1
-            if args.checkpoint_dir and args.checkpoint_every and done % args.checkpoint_every \
-                    == 0 and done < steps:
-                checkpoint(done)
-            if stop.should_stop():  # all ranks agree on the same step
-                if args.checkpoint_dir:
-                    checkpoint(done)
-                print0(stop.report(epoch + 1, done, saved=bool(args.checkpoint_dir)))
+            sums[0] += loss.detach().double() * labels.size(0)
+            sums[1] += (outputs.argmax(1) == labels).sum()
+            sums[2] += labels.size(0)
+            if ckpt.after_step(loss, epoch, step + 1, steps):  # a stop signal: saved, stop
                 return common.REQUEUE_EXIT
         common.synchronize(device)
-        train_time = elapsed + common.now() - t0
-        common.check_finite(bad_steps, first_bad, epoch, scaler)  # host sync, once per epoch
+        train_time = common.now() - t0
+        ckpt.check_finite(epoch)  # host sync, once per epoch
         scheduler.step()
 
         val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
 
         # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. One host
         # sync per epoch (the .tolist() below), not one per step.
-        totals = torch.stack([loss_sum, correct,
-                              torch.tensor(float(seen), device=device, dtype=torch.float64)])
-        totals = torch.cat([totals, val_sums])
+        totals = torch.cat([sums, val_sums])
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
         t_loss, t_correct, t_n, v_loss, v_correct, v_n = totals.tolist()
         time_t = torch.tensor([train_time], device=device, dtype=torch.float64)
@@ -272,7 +216,6 @@ def train(args, env: common.DistEnv) -> int:
         peaks[rank] = common.peak_memory_mib(device)
         dist.all_reduce(peaks, op=dist.ReduceOp.SUM)  # every rank's peak, for the per-GPU list
         epoch_time = time_t.item()
-
         metrics = dict(
             strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
             world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
@@ -286,12 +229,9 @@ def train(args, env: common.DistEnv) -> int:
         )
         print0(common.format_epoch_line(metrics))
         print0(common.format_metric_line(metrics))
-        common.report_skipped(t_n, steps * global_batch, v_n, len(data.val))
-        if args.checkpoint_dir:
-            save_checkpoint(Path(args.checkpoint_dir) / common.checkpoint_name(epoch + 1, 0),
-                            model, optimizer, scheduler, scaler, epoch + 1, 0, None, metrics,
-                            args, is_main)
-    stop.finish()
+        common.report_skipped(t_n, (steps - skip) * global_batch, v_n, len(data.val))
+        ckpt.end_epoch(epoch, metrics)
+    ckpt.finish()
 
     total_time = common.now() - start
     if args.save_model and is_main:
