@@ -47,6 +47,8 @@
 set -euo pipefail
 
 LAUNCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=/dev/null  # launch/lib.sh, checked on its own
+source "$LAUNCH_DIR/lib.sh"
 : "${REPO_DIR:=$(dirname "$LAUNCH_DIR")}"
 export REPO_DIR
 
@@ -226,12 +228,7 @@ tee_pid=$!
 "${launch[@]}" >&"$log_fd" 2>&1 &
 launch_pid=$!
 rc=0
-while :; do
-  wait "$launch_pid" && rc=0 || rc=$?
-  # wait returns early (>128) when a trapped signal arrives; the training is still running then
-  if kill -0 "$launch_pid" 2>/dev/null; then continue; fi
-  break
-done
+wait_for "$launch_pid" || rc=$?
 trap - USR1 TERM
 if [ -n "$resend_pid" ]; then kill "$resend_pid" 2>/dev/null || true; fi
 exec {log_fd}>&-

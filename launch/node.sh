@@ -27,6 +27,8 @@
 # training scripts install their own handler. SIGTERM ends the training (torchrun forwards it to
 # its workers, which checkpoint and exit 75) and then the loggers.
 set -euo pipefail
+# shellcheck source=/dev/null  # launch/lib.sh, checked on its own
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 # GPUs on this node: what Slurm gave the step, else the CUDA_VISIBLE_DEVICES list, else 1.
 gpus_on_node() {
@@ -158,11 +160,6 @@ else
 fi
 
 rc=0
-while :; do
-  wait "$train_pid" && rc=0 || rc=$?
-  # wait returns early (>128) when the USR1 trap runs; the training is still going then
-  if kill -0 "$train_pid" 2>/dev/null; then continue; fi
-  break
-done
+wait_for "$train_pid" || rc=$?  # through the USR1 trap, until the training has ended
 train_pid=""
 exit "$rc"

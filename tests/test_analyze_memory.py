@@ -25,13 +25,13 @@ RUN = FIX / "run"
 N1_GPU = RUN / "gpu_memory" / "n1.csv"
 N2_GPU = RUN / "gpu_memory" / "n2.csv"
 N1_CPU = RUN / "cpu_memory" / "n1.txt"
-N2_CPU = RUN / "cpu_memory" / "n2.csv"
+N2_CPU = RUN / "cpu_memory" / "n2.txt"
 
-# gpu_memory/n1.csv, GPU 0: 0, 15872, 15872 (logged as "15872 MiB"), 17920, 17920, 18944;
+# gpu_memory/n1.csv, GPU 0: 0, 15872, 15872, 17920, 17920, 18944;
 # the [N/A] sample is skipped. Sum 86528 / 6 = 14421.333...; 15872 and 17920 both occur twice,
 # the tie goes to the larger: 17920 (not the peak 18944, not the first-seen 15872).
 # GPU 1: 0, 15360 x3, 19456 = 65536 / 5 = 13107.2; the truncated last line "..., 194" is skipped.
-# gpu_memory/n2.csv (units on every value), GPU 0: 513, 20480, 20480, 21504 = 62977 / 4;
+# gpu_memory/n2.csv, GPU 0: 513, 20480, 20480, 21504 = 62977 / 4;
 # the three [Unknown Error] samples are skipped. GPU 1: 513, 20992, 21504, 21504, 20992, 22016 =
 # 107521 / 6 = 17920.1666...; tie 20992/21504 -> 21504; the sample glued to a repeated header
 # (logger killed and restarted with >>) is skipped.
@@ -44,12 +44,21 @@ EXPECTED_RUN_GPU_LINES = [
 # cpu_memory/n1.txt (psrecord plain): RSS 7.871, 62.582, 1843.250, 2411.004, 2398.512 -> sum
 # 6723.219 / 5 = 1344.6438; CPU 0, 19.9, 103.7, 398.2, 396.1 -> 917.9 / 5 = 183.58; the
 # truncated last line is skipped.
-# cpu_memory/n2.csv (psrecord csv): RSS 7.87109375, 62.58203125, 2048.5, 2560.75 -> 4679.703125
-# / 4 = 1169.92578; CPU 0, 19.9, 212.4, 396.1 -> 628.4 / 4 = 157.1.
+# cpu_memory/n2.txt: RSS 7.871, 62.582, 2048.5, 2560.75 -> 4679.703 / 4 = 1169.92575; CPU 0,
+# 19.9, 212.4, 396.1 -> 628.4 / 4 = 157.1.
 EXPECTED_RUN_CPU_LINES = [
     "[n1 - CPU] Peak RSS = 2411.00 MB, Avg RSS = 1344.64 MB, Peak CPU = 398.2%, Avg CPU = 183.6%",
     "[n2 - CPU] Peak RSS = 2560.75 MB, Avg RSS = 1169.93 MB, Peak CPU = 396.1%, Avg CPU = 157.1%",
 ]
+
+
+def records_and_skips(path):
+    """(records, skips) of one log file: its GPU records or its CPU record, and its Counter of
+    skipped lines by reason."""
+    gpu, cpu, problems = am.summarize_paths([path])
+    assert problems == []
+    _kind, _samples, skips = am.summarize_file(path, [])
+    return gpu or cpu, skips
 
 
 def run_cli(*args, cwd=ROOT):
@@ -62,7 +71,7 @@ def run_cli(*args, cwd=ROOT):
 # --------------------------------------------------------------------------------------------
 
 def test_gpu_log_with_ugly_lines_exact_numbers():
-    records, skips = am.parse_gpu_log(N1_GPU)
+    records, skips = records_and_skips(N1_GPU)
     assert [tuple(r) for r in records] == [am.GPU_KEYS] * 2
     g0, g1 = records
     assert (g0["node"], g0["gpu"], g0["name"]) == ("n1", 0, "NVIDIA H100 80GB HBM3")
@@ -75,8 +84,8 @@ def test_gpu_log_with_ugly_lines_exact_numbers():
     assert g0["skipped_lines"] == g1["skipped_lines"] == 2
 
 
-def test_gpu_log_with_units_and_glued_header():
-    (g0, g1), skips = am.parse_gpu_log(N2_GPU)
+def test_gpu_log_with_unavailable_values_and_glued_header():
+    (g0, g1), skips = records_and_skips(N2_GPU)
     assert (g0["samples"], g0["peak_mib"], g0["avg_mib"], g0["mode_mib"]) == (4, 21504, 15744.25,
                                                                                20480)
     assert (g1["samples"], g1["peak_mib"], g1["avg_mib"], g1["mode_mib"]) == (6, 22016, 17920.17,
@@ -91,35 +100,19 @@ def test_mode_tie_goes_to_the_larger_value():
     assert am._mode(Counter({700: 2, 500: 3})) == 500
 
 
-def test_psrecord_plain_and_csv_exact_numbers():
-    r1, skips1 = am.parse_cpu_log(N1_CPU)
+def test_psrecord_exact_numbers():
+    (r1,), skips1 = records_and_skips(N1_CPU)
     assert tuple(r1) == am.CPU_KEYS
     assert (r1["node"], r1["samples"], r1["duration_s"]) == ("n1", 5, 2.0)
     assert (r1["peak_rss_mb"], r1["avg_rss_mb"]) == (2411.0, 1344.64)
-    assert (r1["peak_cpu_pct"], r1["avg_cpu_pct"], r1["max_nproc"]) == (398.2, 183.6, None)
+    assert (r1["peak_cpu_pct"], r1["avg_cpu_pct"]) == (398.2, 183.6)
     assert skips1 == {am.SKIP_INCOMPLETE: 1}
 
-    r2, skips2 = am.parse_cpu_log(N2_CPU)
-    assert (r2["node"], r2["samples"], r2["duration_s"], r2["max_nproc"]) == ("n2", 4, 1.5, 9)
+    (r2,), skips2 = records_and_skips(N2_CPU)
+    assert (r2["node"], r2["samples"], r2["duration_s"]) == ("n2", 4, 1.5)
     assert (r2["peak_rss_mb"], r2["avg_rss_mb"]) == (2560.75, 1169.93)
     assert (r2["peak_cpu_pct"], r2["avg_cpu_pct"]) == (396.1, 157.1)
     assert not skips2
-
-
-def test_psrecord_later_version_with_extra_columns(tmp_path):
-    # Newer psrecord adds Swap (MB) and, with --include-io, four I/O columns; a line that lost
-    # its I/O columns is malformed, not a sample.
-    log = tmp_path / "n7.txt"
-    log.write_text(
-        "# Elapsed time   CPU (%)     Real (MB)   Virtual (MB)  Swap (MB)    Read count"
-        "   Write count   Read bytes  Write bytes \n"
-        "       0.000       10.000      100.000      200.000        0.000     1     2     3     4\n"
-        "       0.500       30.000      300.000      400.000        0.000     1     2     3     4\n"
-        "       1.000       50.000      999.000      400.000        0.000\n")
-    r, skips = am.parse_cpu_log(log)
-    assert (r["samples"], r["peak_rss_mb"], r["avg_rss_mb"], r["avg_cpu_pct"]) == (2, 300.0,
-                                                                                   200.0, 20.0)
-    assert skips == {am.SKIP_MALFORMED: 1}
 
 
 def test_kind_is_detected_by_content_not_extension(tmp_path):
@@ -127,11 +120,13 @@ def test_kind_is_detected_by_content_not_extension(tmp_path):
     shutil.copy(N1_GPU, gpu_as_txt)
     cpu_as_csv = tmp_path / "psrecord.log"
     shutil.copy(N1_CPU, cpu_as_csv)
-    assert am.sniff(gpu_as_txt) == (am.KIND_GPU, False)
-    assert am.sniff(cpu_as_csv) == (am.KIND_CPU, False)
-    assert am.sniff(N2_CPU) == (am.KIND_CPU, False)
-    assert am.sniff(RUN / "slurm-4242.out") == (None, False)
-    assert am.sniff(FIX / "bad" / "empty.csv") == (None, True)
+    assert am.read_log(gpu_as_txt)[0] == am.KIND_GPU
+    assert am.read_log(cpu_as_csv)[0] == am.KIND_CPU
+    assert am.read_log(N2_CPU)[0] == am.KIND_CPU
+    with pytest.raises(am.LogError, match="not an nvidia-smi"):
+        am.read_log(RUN / "slurm-4242.out")
+    with pytest.raises(am.LogError, match="empty"):
+        am.read_log(FIX / "bad" / "empty.csv")
 
 
 def test_summarize_paths_walks_a_run_directory_in_sorted_order():
@@ -150,8 +145,11 @@ def test_summarize_paths_reports_bad_inputs_without_raising(tmp_path):
         [N1_GPU, tmp_path / "missing.csv", FIX / "bad" / "header_only.csv"], notes)
     assert len(gpu) == 2 and cpu == []
     assert len(problems) == 2
-    assert "missing.csv" in problems[0] and "no such file" in problems[0]
-    assert "header_only.csv" in problems[1] and "no usable samples" in problems[1]
+    assert [p["kind"] for p in problems] == [am.BAD_INPUT, am.BAD_INPUT]
+    assert problems[0]["path"] == str(tmp_path / "missing.csv")
+    assert "missing.csv" in problems[0]["message"] and "no such file" in problems[0]["message"]
+    assert "header_only.csv" in problems[1]["message"]
+    assert "no usable samples" in problems[1]["message"]
     assert len(notes) == 1 and "n1.csv" in notes[0] and "skipped 2 line(s)" in notes[0]
 
 
@@ -200,7 +198,7 @@ def test_cli_json():
     n2g1 = out["gpu"][3]
     assert (n2g1["node"], n2g1["gpu"], n2g1["samples"], n2g1["peak_mib"], n2g1["avg_mib"],
             n2g1["mode_mib"], n2g1["total_mib"]) == ("n2", 1, 6, 22016, 17920.17, 21504, 81559)
-    assert out["cpu"][1]["avg_rss_mb"] == 1169.93 and out["cpu"][1]["max_nproc"] == 9
+    assert out["cpu"][1]["avg_rss_mb"] == 1169.93
 
 
 def test_cli_csv():
@@ -213,7 +211,7 @@ def test_cli_csv():
     assert (n1g0["node"], n1g0["gpu"], n1g0["peak_mib"], n1g0["avg_mib"], n1g0["mode_mib"]) == (
         "n1", "0", "18944", "14421.33", "17920")
     assert n1g0["peak_rss_mb"] == ""
-    assert (rows[4]["node"], rows[4]["avg_rss_mb"], rows[4]["max_nproc"]) == ("n1", "1344.64", "")
+    assert (rows[4]["node"], rows[4]["avg_rss_mb"], rows[4]["total_mib"]) == ("n1", "1344.64", "")
 
 
 def test_cli_missing_path_exit_2_one_line():
@@ -331,7 +329,7 @@ def test_cli_file_with_nul_tail_named_directly(tmp_path):
     assert p.stdout.splitlines() == EXPECTED_RUN_GPU_LINES[2:]
     assert _nul_note(n2) in p.stderr.splitlines()
     # The same figures through the function API, and the JSON output.
-    (_, g1), skips = am.parse_gpu_log(n2)
+    (_, g1), skips = records_and_skips(n2)
     assert (g1["samples"], g1["avg_mib"]) == (6, 17920.17)
     assert skips[am.SKIP_INCOMPLETE] == 1
     assert json.loads(run_cli("--json", n2).stdout)["problems"] == []
@@ -400,3 +398,108 @@ def test_log_folders_never_drop_a_file_silently(tmp_path):
     # Named directly, the zero-filled file gets the same message (not "not an nvidia-smi log").
     p = run_cli(zeros)
     assert p.returncode == 2 and p.stderr.splitlines() == [errors[1]]
+
+
+# --------------------------------------------------------------------------------------------
+# A requeued job: <node>.restart<N> is another attempt of the same node
+# --------------------------------------------------------------------------------------------
+
+def _gpu_log(path, used):
+    """An nvidia-smi log of GPU 0 with these memory.used samples."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("timestamp, index, name, memory.used [MiB], memory.total [MiB]\n" + "".join(
+        f"2025/01/01 12:00:{i:02d}.000, 0, NVIDIA H100 80GB HBM3, {mib}, 81559\n"
+        for i, mib in enumerate(used)))
+
+
+def _cpu_log(path, samples):
+    """A psrecord --log file with these (elapsed s, CPU %, RSS MB) samples."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# Elapsed time   CPU (%)     Real (MB)   Virtual (MB)\n" + "".join(
+        f"{t:12.3f} {c:12.3f} {r:12.3f} {2 * r:12.3f}\n" for t, c, r in samples))
+
+
+def _requeued_run(run):
+    # GPU 0, first attempt: 1000, 2000, 2000, 3000, 3000, 3000 (alone: Peak 3000, Avg 2333.33,
+    # Mode 3000); restart 1: 2000, 2000, 4000, 4000, 4000 (alone: Peak 4000, Avg 3200, Mode
+    # 4000). Together: 11 samples, sum 30000 -> Avg 2727.27 (not the mean of the two means,
+    # 2766.67); 2000 x4, 3000 x3, 4000 x3 -> Mode 2000, neither attempt's own; Peak 4000.
+    _gpu_log(run / "gpu_memory" / "n1.csv", [1000, 2000, 2000, 3000, 3000, 3000])
+    _gpu_log(run / "gpu_memory" / "n1.restart1.csv", [2000, 2000, 4000, 4000, 4000])
+    _gpu_log(run / "gpu_memory" / "n10.csv", [500])     # another node, named like n1's start
+    # CPU, first attempt over 5 s: RSS 100, 300, CPU 50, 150; restart over 10 s: RSS 200, 600,
+    # 400, CPU 100, 200, 300. Together: RSS Peak 600, Avg 1600 / 5 = 320 (not (200 + 400) / 2);
+    # CPU Peak 300, Avg 800 / 5 = 160; 15 s.
+    _cpu_log(run / "cpu_memory" / "n1.txt", [(0, 50, 100), (5, 150, 300)])
+    _cpu_log(run / "cpu_memory" / "n1.restart1.txt",
+             [(0, 100, 200), (5, 200, 600), (10, 300, 400)])
+
+
+def test_restarts_fold_into_their_node(tmp_path):
+    run = tmp_path / "run"
+    _requeued_run(run)
+    notes = []
+    gpu, cpu, problems = am.summarize_paths([run], notes)
+    assert problems == []
+    assert [am.format_gpu_line(r) for r in gpu] == [
+        "[n1 - GPU 0] Peak = 4000 MiB, Avg = 2727.27 MiB, Mode = 2000 MiB",
+        "[n10 - GPU 0] Peak = 500 MiB, Avg = 500.00 MiB, Mode = 500 MiB",
+    ]
+    gpu_dir = run / "gpu_memory"
+    assert (gpu[0]["samples"], gpu[0]["attempts"], gpu[0]["file"]) == (
+        11, 2, f"{gpu_dir / 'n1.csv'};{gpu_dir / 'n1.restart1.csv'}")
+    assert (gpu[1]["samples"], gpu[1]["attempts"]) == (1, 1)
+    assert [am.format_cpu_line(r) for r in cpu] == [
+        "[n1 - CPU] Peak RSS = 600.00 MB, Avg RSS = 320.00 MB, Peak CPU = 300.0%, "
+        "Avg CPU = 160.0%"]
+    assert (cpu[0]["samples"], cpu[0]["attempts"], cpu[0]["duration_s"]) == (5, 2, 15.0)
+    # One note per folded node, in walk order (cpu_memory/ before gpu_memory/).
+    assert notes == [
+        f"{run / 'cpu_memory' / 'n1'}: folded 2 attempts of a requeued job (n1.txt, "
+        f"n1.restart1.txt) into one summary",
+        f"{gpu_dir / 'n1'}: folded 2 attempts of a requeued job (n1.csv, n1.restart1.csv) "
+        f"into one summary",
+    ]
+
+
+def test_cli_folds_restarts_in_attempt_order(tmp_path):
+    run = tmp_path / "run"
+    _gpu_log(run / "gpu_memory" / "n1.restart10.csv", [100])
+    _gpu_log(run / "gpu_memory" / "n1.restart2.csv", [300, 300])
+    _gpu_log(run / "gpu_memory" / "n1.csv", [200])
+    p = run_cli(run)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "[n1 - GPU 0] Peak = 300 MiB, Avg = 225.00 MiB, Mode = 300 MiB\n"
+    assert p.stderr == (f"note: {run / 'gpu_memory' / 'n1'}: folded 3 attempts of a requeued "
+                        f"job (n1.csv, n1.restart2.csv, n1.restart10.csv) into one summary\n")
+
+
+def test_two_runs_with_the_same_node_name_are_not_folded(tmp_path):
+    _gpu_log(tmp_path / "a" / "gpu_memory" / "n1.csv", [100])
+    _gpu_log(tmp_path / "b" / "gpu_memory" / "n1.restart1.csv", [300])
+    notes = []
+    gpu, _, _ = am.summarize_paths([tmp_path / "a", tmp_path / "b"], notes)
+    assert [(r["node"], r["peak_mib"], r["attempts"]) for r in gpu] == [("n1", 100, 1),
+                                                                         ("n1", 300, 1)]
+    assert notes == []
+
+
+# --------------------------------------------------------------------------------------------
+# "No logs" is data: a kind to branch on, not a sentence to match
+# --------------------------------------------------------------------------------------------
+
+def test_no_logs_is_a_problem_kind_not_a_sentence(tmp_path):
+    (tmp_path / "slurm-1.out").write_text("hello\n")     # not in a log folder: not read
+    (tmp_path / "gpu_memory").mkdir()                    # the loggers never wrote anything
+    gpu, cpu, problems = am.summarize_paths([tmp_path])
+    assert (gpu, cpu) == ([], [])
+    assert [(p["kind"], p["path"]) for p in problems] == [(am.NO_LOGS, str(tmp_path))]
+    assert problems[0]["message"].startswith(f"{tmp_path}: no nvidia-smi or psrecord logs")
+    p = run_cli("--json", tmp_path)
+    assert p.returncode == 2
+    assert [q["kind"] for q in json.loads(p.stdout)["problems"]] == ["no_logs"]
+    # A log that is there but bad is the other kind.
+    (tmp_path / "gpu_memory" / "n1.csv").write_text("")
+    _, _, problems = am.summarize_paths([tmp_path])
+    assert [(p["kind"], p["path"]) for p in problems] == [
+        (am.BAD_INPUT, str(tmp_path / "gpu_memory" / "n1.csv"))]
