@@ -105,7 +105,8 @@ def test_default_batch_is_the_training_scripts():
     spec.loader.exec_module(mod)
     parser = common.add_common_args(argparse.ArgumentParser())
     assert mod.DEFAULT_PER_GPU_BATCH == parser.get_default("batch_size")
-    assert mod.MANIFEST == collect_results.MANIFEST
+    assert mod.MANIFEST is collect_results.MANIFEST  # imported: one definition
+    assert mod.STRATEGIES is collect_results.STRATEGIES
 
 
 def test_dry_run_prints_the_multi_node_matrix(tmp_path):
@@ -384,7 +385,7 @@ def test_local_resume_reruns_only_the_failed_run(local_study, tmp_path):
     assert "1 of 1 runs ok" in proc.stdout
     entry = json.loads((study / "study.json").read_text())["runs"][1]
     assert len(entry["attempts"]) == 2 and entry["attempts"][1]["exit_code"] == 0
-    runs = {r.label: r for r in collect_results.load_study(study)}
-    collect_results.select_and_scale(list(runs.values()))
-    assert runs[failed].status == "failed" and not runs[failed].used
-    assert runs[Path(entry["attempts"][1]["run_dir"]).name].used
+    rows = {r["run"]: r for r in collect_results.read_study(study)}
+    collect_results.scale(list(rows.values()))
+    assert rows[failed]["status"] == "failed" and not rows[failed]["used_in_tables"]
+    assert rows[Path(entry["attempts"][1]["run_dir"]).name]["used_in_tables"]
