@@ -105,6 +105,22 @@ def test_a_real_metric_line_round_trips(tmp_path):
     assert rows["ddp-1n2g-1"]["status"] == "ok"
 
 
+def test_runs_without_torch(tmp_path):
+    """collect_results.py works where torch is not installed (tests/no_torch.py makes it
+    unimportable), plots included; the same blocker does stop a script that needs torch."""
+    def no_torch(*args):
+        return subprocess.run([sys.executable, str(TESTS / "no_torch.py"), *map(str, args)],
+                              capture_output=True, text=True, env=env_for_tests(), cwd=REPO,
+                              timeout=300)
+    proc = no_torch(REPO / "collect_results.py", STUDY, "--plot", "--out", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    with open(tmp_path / "results.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == 19
+    assert (tmp_path / "throughput.png").read_bytes()[:8] == PNG_MAGIC
+    proc = no_torch(REPO / "ddp_train.py", "--help")
+    assert proc.returncode != 0 and "No module named 'torch' (tests/no_torch.py)" in proc.stderr
+
+
 # --------------------------------------------------------------------------------------------
 # Scaling factors and efficiencies, exactly
 # --------------------------------------------------------------------------------------------

@@ -72,13 +72,17 @@ def sbatch_calls(fakebin: Path) -> list:
     return [json.loads(ln) for ln in f.read_text().splitlines()] if f.exists() else []
 
 
-def rb(*args, fakebin: Path | None = None, env: dict | None = None, timeout=600):
-    """python launch/run_benchmarks.py ARGS, with the fake Slurm commands first on PATH."""
+def rb(*args, fakebin: Path | None = None, env: dict | None = None, timeout=600,
+       no_torch=False):
+    """python launch/run_benchmarks.py ARGS, with the fake Slurm commands first on PATH (and,
+    no_torch, as if torch were not installed: tests/no_torch.py)."""
     extra = dict(env or {})
     if fakebin is not None:
         extra["PATH"] = f"{fakebin}{os.pathsep}{os.environ['PATH']}"
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True,
-                          text=True, env=env_for_tests(extra), cwd=REPO, timeout=timeout)
+    blocker = [str(TESTS / "no_torch.py")] if no_torch else []
+    return subprocess.run([sys.executable, *blocker, str(SCRIPT), *map(str, args)],
+                          capture_output=True, text=True, env=env_for_tests(extra), cwd=REPO,
+                          timeout=timeout)
 
 
 def commands(stdout: str) -> list:
@@ -276,6 +280,17 @@ def test_resume_runs_only_what_is_missing_or_failed(tmp_path, fakebin):
     runs = {r["name"]: r for r in json.loads((study / "study.json").read_text())["runs"]}
     assert [a["job_id"] for a in runs["fsdp-1n1g"]["attempts"]] == ["5101", "7002"]
     assert [a["job_id"] for a in runs["ddp-1n1g"]["attempts"]] == ["5001"]
+
+
+def test_resume_needs_no_torch(tmp_path, fakebin):
+    """--resume reads study.json and the runs' statuses through collect_results.py, which
+    imports no torch: it works on a login node without the training's environment."""
+    study = tmp_path / "study"
+    shutil.copytree(FIXTURE_STUDY, study)
+    proc = rb("--resume", "--dry-run", "--study-dir", study, fakebin=fakebin, no_torch=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "# ddp-1n4g: done (ddp-1n4g-5010); not run again" in proc.stdout
+    assert "# ddp-4n4g: partial: 2/3 epochs done" in proc.stdout
 
 
 def test_resume_keeps_the_studys_settings(tmp_path, fakebin):
