@@ -44,7 +44,7 @@ Its output goes to the terminal and to STUDY/<job name>-<time>.out.
 runs that are missing or failed: a run that finished (ok), or whose job is still in squeue, is
 left alone. Without matrix flags it resumes the whole study; with them, that part of it (new
 configurations are added). The training arguments, batch and scaling mode must be the study's.
-It reads the runs with collect_results.py, so it needs the training's Python environment.
+It reads study.json and the runs' statuses with collect_results.py (no torch needed).
 
 Environment: everything launch/job.sh reads passes through (DATA_DIR, PYTHON, LOG_INTERVAL,
 CHECKPOINT_DIR, OMP_NUM_THREADS, site settings) and is recorded in study.json; RUN_DIR, NPROC
@@ -69,8 +69,11 @@ from pathlib import Path
 
 LAUNCH_DIR = Path(__file__).resolve().parent
 REPO_DIR = LAUNCH_DIR.parent
-MANIFEST = "study.json"  # collect_results.MANIFEST (not imported: that module needs torch)
-STRATEGIES = ("dp", "ddp", "fsdp")
+sys.path.insert(0, str(REPO_DIR))
+
+import collect_results  # noqa: E402  (the study's reader: no torch)
+from collect_results import MANIFEST, STRATEGIES  # noqa: E402
+
 DEFAULT_PER_GPU_BATCH = 64  # the training scripts' --batch-size default (a test checks it)
 SLURM_FILES = {"baseline": "baseline.slurm", "multi_gpu": "multi_gpu.slurm",
                "multi_node": "multi_node.slurm"}
@@ -305,18 +308,13 @@ def write_manifest(study: Path, manifest: dict) -> None:
 
 
 def read_manifest(study: Path) -> dict:
-    path = study / MANIFEST
-    if not path.is_file():
+    try:
+        manifest = collect_results.read_manifest(study)
+    except collect_results.UsageError as e:
+        raise StudyError(str(e)) from None
+    if manifest is None:
         raise StudyError(f"--resume: no {MANIFEST} in {study}; point --study-dir at a study "
                          f"that launch/run_benchmarks.py made, or start one without --resume")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        if not (isinstance(manifest["settings"], dict) and isinstance(manifest["runs"], list)
-                and manifest["mode"] in ("slurm", "local")):
-            raise ValueError("settings, runs or mode malformed")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise StudyError(f"{path} is not a study manifest ({e.__class__.__name__}: {e}); "
-                         f"restore it or start a new study with another --study-dir") from None
     return manifest
 
 
@@ -344,34 +342,27 @@ def queued_job_ids() -> set | None:
 
 def resume_states(study: Path, manifest: dict, names: list) -> dict:
     """{name: (needs running, why)} from the run directories (collect_results' statuses)."""
-    sys.path.insert(0, str(REPO_DIR))
-    import collect_results  # noqa: E402  (imports torch through common.py: only for --resume)
-
     try:
-        runs = collect_results.load_study(study)
+        rows = collect_results.read_study(study)
     except collect_results.UsageError as e:
         raise StudyError(str(e)) from None
-    by_name = {}
-    for run in runs:
-        by_name.setdefault(run.name, []).append(run)
     entries = {e["name"]: e for e in manifest["runs"]}
     slurm = manifest["mode"] == "slurm"
     queued = queued_job_ids() if slurm else set()
     states = {}
     for name in names:
-        attempts = [a for a in entries.get(name, {}).get("attempts", [])]
-        ids = [str(a["job_id"]) for a in attempts if a.get("job_id")]
-        runs_of = sorted(by_name.get(name, []),
-                         key=lambda r: collect_results._PREFERENCE[r.status])
-        best = runs_of[0] if runs_of else None
-        if best is not None and best.status == collect_results.OK:
-            states[name] = (False, f"done ({best.label})")
+        ids = [str(a["job_id"]) for a in entries.get(name, {}).get("attempts", [])
+               if a.get("job_id")]
+        runs_of = [row for row in rows if row["job_name"] == name]
+        best = collect_results.best(runs_of) if runs_of else None
+        if best is not None and best["status"] == collect_results.OK:
+            states[name] = (False, f"done ({best['run']})")
             continue
         still = [i for i in ids if queued and i in queued]
         if still:
             states[name] = (False, f"job {still[-1]} is still in squeue")
             continue
-        why = f"{best.status}: {best.detail}" if best else "not run yet"
+        why = f"{best['status']}: {best['detail']}" if best else "not run yet"
         if slurm and ids and queued is None:
             why += f"; squeue not found, so whether job {ids[-1]} is still queued is unknown"
         states[name] = (True, why)

@@ -37,6 +37,7 @@ import pytest
 
 from conftest import REPO, TESTS, env_for_tests
 
+import analyze_memory
 import collect_results
 import common
 
@@ -67,19 +68,11 @@ def study(tmp_path_factory):
 # The contract with the training scripts
 # --------------------------------------------------------------------------------------------
 
-def test_formats_come_from_the_training_code():
-    assert collect_results.METRIC_KEYS is common.METRIC_KEYS
-    used = collect_results.INT_KEYS + collect_results.FLOAT_KEYS + collect_results.LIST_KEYS
-    assert set(used) <= set(common.METRIC_KEYS + common.FINAL_KEYS)
-    # results.csv has every [METRIC] key, in the writer's order.
-    cols = collect_results.CSV_COLUMNS
-    at = cols.index(common.METRIC_KEYS[0])
-    assert cols[at:at + len(common.METRIC_KEYS)] == common.METRIC_KEYS
-    # The epoch-line regex is built from common.EPOCH_LINE and reads back what it formats.
-    m = dict(epoch=3, epochs=3, lr=0.001, train_loss=5.149, val_loss=5.664, train_acc=2.16,
-             val_acc=0.98, throughput_img_s=704.9)
-    hit = collect_results.EPOCH_RE.search("[rank0]: " + common.format_epoch_line(m))
-    assert {k: float(v) for k, v in hit.groupdict().items()} == pytest.approx(m)
+def test_the_literals_are_the_training_codes():
+    """collect_results.py must run without torch, so it cannot import common.py: the two
+    values it shares with the training are literals there, kept equal here."""
+    assert collect_results.METRIC_PREFIX == common.METRIC_PREFIX
+    assert collect_results.REQUEUE_EXIT == common.REQUEUE_EXIT
 
 
 def test_a_real_metric_line_round_trips(tmp_path):
@@ -89,14 +82,43 @@ def test_a_real_metric_line_round_trips(tmp_path):
              val_acc=18.75, train_images=256, val_images=64, epoch_time_s=0.5164306,
              throughput_img_s=495.7104, peak_mem_mib=771.1953,
              peak_mem_per_gpu_mib=[771.1953, 765.1094], total_time_s=1.199915)
-    log = tmp_path / "train.log"
+    run = tmp_path / "ddp-1n2g-1"
+    run.mkdir()
+    (run / "job.env").write_text("JOB_NAME=ddp-1n2g\nEXIT_CODE=0\n")
+    log = run / "train.log"
     log.write_text(common.format_metric_line(m) + "\n" + common.format_metric_line(m, final=True)
                    + "\n")
-    scan = collect_results.scan_log(log)
-    assert scan.metric_lines == 2 and not scan.bad
-    assert scan.final["throughput_img_s"] == 495.7104
-    assert scan.final["peak_mem_per_gpu_mib"] == [771.1953, 765.1094]
-    assert scan.final["_raw"]["epoch_time_s"] == "0.5164306"  # the CSV keeps the logged text
+    lines, bad = collect_results.read_log(log)
+    assert len(lines) == 2 and not bad
+    final = lines[-1]
+    assert float(final["throughput_img_s"]) == 495.7104
+    assert [float(v) for v in final["peak_mem_per_gpu_mib"].split("/")] == [771.1953, 765.1094]
+    assert final["epoch_time_s"] == "0.5164306"  # the CSV keeps the logged text
+    # results.csv has every [METRIC] key, in the writer's order, then total_time_s.
+    code, rows, _ = collect([run], tmp_path / "out")
+    with open(tmp_path / "out" / "results.csv", newline="") as f:
+        cols = next(csv.reader(f))
+    at = cols.index(common.METRIC_KEYS[0])
+    keys = common.METRIC_KEYS + common.FINAL_KEYS[1:]
+    assert code == 0 and tuple(cols[at:at + len(keys)]) == keys
+    assert rows["ddp-1n2g-1"]["epoch_time_s"] == "0.5164306"
+    assert rows["ddp-1n2g-1"]["status"] == "ok"
+
+
+def test_runs_without_torch(tmp_path):
+    """collect_results.py works where torch is not installed (tests/no_torch.py makes it
+    unimportable), plots included; the same blocker does stop a script that needs torch."""
+    def no_torch(*args):
+        return subprocess.run([sys.executable, str(TESTS / "no_torch.py"), *map(str, args)],
+                              capture_output=True, text=True, env=env_for_tests(), cwd=REPO,
+                              timeout=300)
+    proc = no_torch(REPO / "collect_results.py", STUDY, "--plot", "--out", tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    with open(tmp_path / "results.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == 19
+    assert (tmp_path / "throughput.png").read_bytes()[:8] == PNG_MAGIC
+    proc = no_torch(REPO / "ddp_train.py", "--help")
+    assert proc.returncode != 0 and "No module named 'torch' (tests/no_torch.py)" in proc.stderr
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,8 +168,17 @@ def test_final_epoch_values_and_memory(study):
                                                                           "4298.25")
 
 
+def _restarts_folded() -> bool:
+    """Whether analyze_memory reports <node>.restart<N> logs under <node> (issue 15's
+    analyze_memory part, another branch): collect_results relies on it, it does not merge."""
+    gpu, cpu, _ = analyze_memory.summarize_paths([STUDY / "ddp-2n4g-5004"])
+    return not any(".restart" in r["node"] for r in gpu + cpu)
+
+
+@pytest.mark.xfail(not _restarts_folded(), raises=AssertionError, strict=True,
+                   reason="analyze_memory does not fold <node>.restart<N> into <node> yet")
 def test_gpu0_is_the_first_nodes_and_spans_restarts(study):
-    rows, _, _ = study
+    rows, md, _ = study
     r = rows["ddp-2n4g-5004"]
     # gn04 (first in NODELIST), its two logs together: 10000 14000 12000 12000 12000 12000
     # -> Peak 14000, Avg 72000/6 = 12000, Mode 12000. Either log alone gives another pair
@@ -158,6 +189,9 @@ def test_gpu0_is_the_first_nodes_and_spans_restarts(study):
     # (2966.0 x 2 + 3800.0 x 3) / 5 = 3466.4
     assert (r["cpu_node"], r["cpu_peak_rss_mb"], r["cpu_avg_rss_mb"], r["restarts"]) == (
         "gn04", "5310.0", "3466.4", "1")
+    # ... and so does its row in the multi-node table.
+    assert ("| 2 Nodes x 4 GPUs | 3.698 | 19.86% | 6800.0 | 14000 | 12000.00 | 12000 | 6.80× | "
+            "1.20× | 85% | ok |") in md
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,8 +233,6 @@ def test_tables_are_the_workshops_filled_in(study):
                                 "Parallel Efficiency | Status |") == 2  # dp has none
     assert ("| 2 GPUs, 1 Node | 3.698 | 19.86% | 1900.0 | 12000 | 10500.00 | 10500 | 1.90× | "
             "1.05× | 95% | ok |") in md
-    assert ("| 2 Nodes x 4 GPUs | 3.698 | 19.86% | 6800.0 | 14000 | 12000.00 | 12000 | 6.80× | "
-            "1.20× | 85% | ok |") in md
     # partial: epoch 2's values, labelled as such
     assert ("| 4 Nodes x 4 GPUs | 4.235 (epoch 2) | 12.44% (epoch 2) | 12800.0 | 13000 | "
             "12500.00 | 13000 | 12.80× | 1.25× | 80% | partial: 2/3 epochs done") in md
@@ -244,32 +276,6 @@ def test_killed_mid_write_and_no_newline(tmp_path):
     assert (r["status"], r["epoch"], r["bad_metric_lines"]) == ("partial", "3", "1")
     assert "no EXIT_CODE in job.env" in r["detail"]
     assert "last line without its newline" in md
-
-
-def test_logs_with_only_epoch_lines(tmp_path):
-    """The workshop's own scripts print epoch lines but no [METRIC] lines."""
-    run = tmp_path / "ddp-1n1g-7002"
-    shutil.copytree(STUDY / "ddp-1n1g-5001", run)
-    log = run / "train.log"
-    log.write_text("".join(ln for ln in log.read_text().splitlines(keepends=True)
-                           if "[METRIC]" not in ln))
-    code, rows, _ = collect([run], tmp_path / "out")
-    r = rows["ddp-1n1g-7002"]
-    assert (r["status"], r["train_loss"], r["throughput_img_s"], r["world_size"]) == (
-        "ok", "3.698", "1000", "1")
-    assert "epoch lines" in r["detail"]
-
-
-def test_a_slurm_out_file_alone(tmp_path):
-    """job.sh's console output: config from [METRIC], exit code and memory from its lines."""
-    code, rows, _ = collect([STUDY / "ddp-1n1g-5001.out"], tmp_path)
-    r = rows["ddp-1n1g-5001.out"]
-    assert code == 0
-    assert (r["status"], r["exit_code"], r["job_id"], r["job_name"], r["throughput_img_s"]) == (
-        "ok", "0", "5001", "ddp-1n1g", "1000")
-    # the analyze_memory lines it printed: [gn01 - GPU 0] Peak = 12000 MiB, Avg = 10000.00 ...
-    assert (r["gpu0_peak_mib"], r["gpu0_avg_mib"], r["gpu0_mode_mib"]) == ("12000", "10000.0",
-                                                                           "10000")
 
 
 def test_cpu_runs_show_no_gpu_log(tmp_path):
@@ -324,7 +330,7 @@ def _cli(*args, cwd=None):
                           timeout=300)
 
 
-@pytest.mark.parametrize("case", ["missing", "empty dir", "not a log", "out is a file",
+@pytest.mark.parametrize("case", ["missing", "empty dir", "a file", "out is a file",
                                   "bad manifest"])
 def test_bad_input_is_one_clear_sentence(tmp_path, case):
     out = tmp_path / "out"
@@ -333,9 +339,9 @@ def test_bad_input_is_one_clear_sentence(tmp_path, case):
     elif case == "empty dir":
         (tmp_path / "empty").mkdir()
         args, says = [tmp_path / "empty"], "no run directories"
-    elif case == "not a log":
-        (tmp_path / "notes.txt").write_text("hello\n")
-        args, says = [tmp_path / "notes.txt"], "pass a training log"
+    elif case == "a file":  # a log file is no input any more: its run directory is
+        shutil.copytree(STUDY / "ddp-1n1g-5001", tmp_path / "run")
+        args, says = [tmp_path / "run" / "train.log"], "pass a study directory"
     elif case == "out is a file":
         (tmp_path / "file").write_text("")
         args, says = [STUDY / "ddp-1n1g-5001", "--out", tmp_path / "file"], "writable --out"

@@ -72,13 +72,17 @@ def sbatch_calls(fakebin: Path) -> list:
     return [json.loads(ln) for ln in f.read_text().splitlines()] if f.exists() else []
 
 
-def rb(*args, fakebin: Path | None = None, env: dict | None = None, timeout=600):
-    """python launch/run_benchmarks.py ARGS, with the fake Slurm commands first on PATH."""
+def rb(*args, fakebin: Path | None = None, env: dict | None = None, timeout=600,
+       no_torch=False):
+    """python launch/run_benchmarks.py ARGS, with the fake Slurm commands first on PATH (and,
+    no_torch, as if torch were not installed: tests/no_torch.py)."""
     extra = dict(env or {})
     if fakebin is not None:
         extra["PATH"] = f"{fakebin}{os.pathsep}{os.environ['PATH']}"
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True,
-                          text=True, env=env_for_tests(extra), cwd=REPO, timeout=timeout)
+    blocker = [str(TESTS / "no_torch.py")] if no_torch else []
+    return subprocess.run([sys.executable, *blocker, str(SCRIPT), *map(str, args)],
+                          capture_output=True, text=True, env=env_for_tests(extra), cwd=REPO,
+                          timeout=timeout)
 
 
 def commands(stdout: str) -> list:
@@ -105,7 +109,8 @@ def test_default_batch_is_the_training_scripts():
     spec.loader.exec_module(mod)
     parser = common.add_common_args(argparse.ArgumentParser())
     assert mod.DEFAULT_PER_GPU_BATCH == parser.get_default("batch_size")
-    assert mod.MANIFEST == collect_results.MANIFEST
+    assert mod.MANIFEST is collect_results.MANIFEST  # imported: one definition
+    assert mod.STRATEGIES is collect_results.STRATEGIES
 
 
 def test_dry_run_prints_the_multi_node_matrix(tmp_path):
@@ -277,6 +282,17 @@ def test_resume_runs_only_what_is_missing_or_failed(tmp_path, fakebin):
     assert [a["job_id"] for a in runs["ddp-1n1g"]["attempts"]] == ["5001"]
 
 
+def test_resume_needs_no_torch(tmp_path, fakebin):
+    """--resume reads study.json and the runs' statuses through collect_results.py, which
+    imports no torch: it works on a login node without the training's environment."""
+    study = tmp_path / "study"
+    shutil.copytree(FIXTURE_STUDY, study)
+    proc = rb("--resume", "--dry-run", "--study-dir", study, fakebin=fakebin, no_torch=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "# ddp-1n4g: done (ddp-1n4g-5010); not run again" in proc.stdout
+    assert "# ddp-4n4g: partial: 2/3 epochs done" in proc.stdout
+
+
 def test_resume_keeps_the_studys_settings(tmp_path, fakebin):
     study = tmp_path / "study"
     shutil.copytree(FIXTURE_STUDY, study)
@@ -384,7 +400,7 @@ def test_local_resume_reruns_only_the_failed_run(local_study, tmp_path):
     assert "1 of 1 runs ok" in proc.stdout
     entry = json.loads((study / "study.json").read_text())["runs"][1]
     assert len(entry["attempts"]) == 2 and entry["attempts"][1]["exit_code"] == 0
-    runs = {r.label: r for r in collect_results.load_study(study)}
-    collect_results.select_and_scale(list(runs.values()))
-    assert runs[failed].status == "failed" and not runs[failed].used
-    assert runs[Path(entry["attempts"][1]["run_dir"]).name].used
+    rows = {r["run"]: r for r in collect_results.read_study(study)}
+    collect_results.scale(list(rows.values()))
+    assert rows[failed]["status"] == "failed" and not rows[failed]["used_in_tables"]
+    assert rows[Path(entry["attempts"][1]["run_dir"]).name]["used_in_tables"]
