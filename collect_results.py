@@ -128,7 +128,7 @@ def read_memory(run_dir: Path, node: str) -> tuple:
     gpu, cpu, notes = [], [], []
     if (run_dir / "gpu_memory").is_dir() or (run_dir / "cpu_memory").is_dir():
         gpu, cpu, problems = analyze_memory.summarize_paths([run_dir], notes)
-        notes += problems
+        notes += [p["message"] for p in problems]  # dicts: {"kind", "path", "message"}
     elif (run_dir / "memory_summary.json").is_file():
         try:
             summary = json.loads((run_dir / "memory_summary.json").read_text(encoding="utf-8"))

@@ -37,7 +37,6 @@ import pytest
 
 from conftest import REPO, TESTS, env_for_tests
 
-import analyze_memory
 import collect_results
 import common
 
@@ -168,15 +167,6 @@ def test_final_epoch_values_and_memory(study):
                                                                           "4298.25")
 
 
-def _restarts_folded() -> bool:
-    """Whether analyze_memory reports <node>.restart<N> logs under <node> (issue 15's
-    analyze_memory part, another branch): collect_results relies on it, it does not merge."""
-    gpu, cpu, _ = analyze_memory.summarize_paths([STUDY / "ddp-2n4g-5004"])
-    return not any(".restart" in r["node"] for r in gpu + cpu)
-
-
-@pytest.mark.xfail(not _restarts_folded(), raises=AssertionError, strict=True,
-                   reason="analyze_memory does not fold <node>.restart<N> into <node> yet")
 def test_gpu0_is_the_first_nodes_and_spans_restarts(study):
     rows, md, _ = study
     r = rows["ddp-2n4g-5004"]
