@@ -62,10 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "and optimizer state sharded across processes.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common.add_common_args(parser)
-    parser.add_argument("--sharding", choices=SHARDING, default="full",
-                        help="full: reshard parameters after forward (least memory); grad-op: "
-                             "keep them gathered until backward (less communication); hybrid: "
-                             "shard within a node, replicate across nodes (HSDP)")
+    g = parser.add_argument_group("FSDP")
+    g.add_argument("--sharding", choices=SHARDING, default="full",
+                   help="full: reshard parameters after forward (least memory); grad-op: keep "
+                        "them gathered until backward (less communication); hybrid: shard "
+                        "within a node, replicate across nodes (HSDP)")
     return parser
 
 
@@ -121,46 +122,37 @@ def apply_fsdp(model: nn.Module, mesh, args) -> nn.Module:
     return model
 
 
-def save_checkpoint(path, model, optimizer, scheduler, scaler, epoch, step, partial, metrics,
-                    args, is_main) -> None:
+def save_checkpoint(path, state: dict, meta: dict) -> None:
     """FSDP: every rank writes its own shards with torch.distributed.checkpoint (DCP) into one
     folder, rank 0 adds the small non-tensor state, then renames the folder into place (it
     appears complete or not at all). Collective: every rank takes part. DCP can load it back
     at another world size."""
     tmp = path.with_name(f".tmp-{path.name}")
-    if is_main:
+    if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)  # this rank's shards (DTensors)
+    model_sd, optim_sd = get_state_dict(state["model"], state["optimizer"])  # this rank's shards
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
-    rngs = [None] * dist.get_world_size()
-    dist.all_gather_object(rngs, common.rng_state())
-    if is_main:
-        common.atomic_save({
-            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-            "epoch": epoch, "step": step, "partial": partial, "metrics": metrics,
-            "rng": rngs, "args": vars(args), "world_size": dist.get_world_size(),
-        }, tmp / "meta.pt")
+    if dist.get_rank() == 0:
+        small = {name: state[name].state_dict() for name in ("scheduler", "scaler")}
+        common.atomic_save(small | meta, tmp / "meta.pt")
         common.replace_checkpoint(tmp, path)
-        common.prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
     dist.barrier()  # nobody moves on before the checkpoint is complete
 
 
-def load_checkpoint(path, model, optimizer, scheduler, scaler, rank) -> dict:
+def load_checkpoint(path, state: dict) -> dict:
     """Collective. Each rank reads the pieces of the saved shards it now owns, whatever world
     size wrote them (DCP reshards on load)."""
     # weights_only: the small state holds tensors and plain values, it cannot run code
     meta = torch.load(Path(path) / "meta.pt", map_location="cpu", weights_only=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
-    scheduler.load_state_dict(meta["scheduler"])
-    scaler.load_state_dict(meta["scaler"])
-    rngs = meta["rng"]
-    common.set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
-    return dict(meta, path=str(path))
+    model_sd, optim_sd = get_state_dict(state["model"], state["optimizer"])
+    shards = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(shards, checkpoint_id=path)
+    set_state_dict(state["model"], state["optimizer"], model_state_dict=shards["model"],
+                   optim_state_dict=shards["optimizer"])
+    for name in ("scheduler", "scaler"):
+        state[name].load_state_dict(meta[name])
+    return meta
 
 
 def train(args, env: common.DistEnv) -> int:
@@ -229,56 +221,24 @@ def train(args, env: common.DistEnv) -> int:
     # plain GradScaler all-reduces that verdict, so every rank skips (or takes) the same steps.
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
-    start_epoch, start_step, partial, metrics = 0, 0, None, {}
-    common.claim_checkpoint_dir(args.checkpoint_dir)  # lock it; tidy an interrupted save
-    state = common.load_newest(
-        common.resume_candidates(args),
-        lambda p: load_checkpoint(p, model, optimizer, scheduler, scaler, rank))
-    if state:
-        start_epoch, start_step = state["epoch"], state["step"]
-        partial, metrics = state["partial"], state["metrics"]
-        print0(f"Resumed from epoch {start_epoch + 1}, step {start_step} ({state['path']})")
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    ckpt = common.Checkpoints(args, state, save_checkpoint, load_checkpoint, device, world)
+    start_epoch, start_step = ckpt.resume()
+    metrics = ckpt.metrics
 
     steps = len(train_loader)
     if args.max_steps_per_epoch:
         steps = min(steps, args.max_steps_per_epoch)
-    stop = common.StopRequest(world)
-    bad_steps = torch.zeros((), device=device, dtype=torch.int64)  # non-finite losses seen,
-    first_bad = torch.full((), -1, device=device, dtype=torch.int64)  # on the device
     start = common.now()
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
-        skip = start_step if epoch == start_epoch else 0
+        skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
         train_batches.skip = skip * args.batch_size
         lr = optimizer.param_groups[0]["lr"]
         step_model.train()
-        loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # stays on the device:
-        correct = torch.zeros((), device=device, dtype=torch.float64)   # no host sync per step
-        seen, elapsed = 0, 0.0
-        if skip and partial:  # the part of this epoch done before the interruption
-            elapsed = partial["time"]
-            if is_main:  # global sums: added once, by rank 0, before the reduction
-                loss_sum += partial["loss_sum"]
-                correct += partial["correct"]
-                seen = partial["seen"]
-        bad_steps.zero_()
-        first_bad.fill_(-1)
+        # [loss x n, correct, n] of this rank, kept on the device: no host sync per step
+        sums = torch.zeros(3, device=device, dtype=torch.float64)
         common.reset_peak_memory(device)  # this epoch's peak, not the whole run's
-
-        def checkpoint(step: int) -> None:
-            """Mid-epoch checkpoint (collective): partial sums reduced so a resume can finish
-            this epoch's metrics."""
-            common.check_finite(bad_steps, first_bad, epoch, scaler)  # host sync
-            sums = torch.stack([loss_sum, correct, torch.tensor(float(seen), device=device,
-                                                                dtype=torch.float64)])
-            dist.all_reduce(sums)
-            part = dict(zip(("loss_sum", "correct", "seen"), sums.tolist()),
-                        time=elapsed + common.now() - t0)
-            part["seen"] = int(part["seen"])
-            save_checkpoint(Path(args.checkpoint_dir) / common.checkpoint_name(epoch, step),
-                            model, optimizer, scheduler, scaler, epoch, step, part, metrics,
-                            args, is_main)
-
         common.synchronize(device)
         t0 = common.now()
         # to_device: on CUDA the next batch's copy overlaps this step's compute
@@ -292,46 +252,35 @@ def train(args, env: common.DistEnv) -> int:
             with torch.autocast(device.type, dtype=dtype or torch.float32,
                                 enabled=dtype is not None):
                 outputs = step_model(images)
-                loss = criterion(outputs.float(), labels)
+                loss = criterion(outputs, labels)
             # backward: re-gather (full), then reduce-scatter gradients: each rank keeps the
             # averaged gradient of its own shard
             scaler.scale(loss).backward()
             scaler.step(optimizer)  # updates only this rank's shard
             scaler.update()
-            loss_sum += loss.detach().double() * labels.size(0)
-            correct += (outputs.argmax(1) == labels).sum()
-            seen += labels.size(0)
-            common.track_finite(loss, step, bad_steps, first_bad)
-            done = step + 1
-            if args.checkpoint_dir and args.checkpoint_every and done % args.checkpoint_every \
-                    == 0 and done < steps:
-                checkpoint(done)
-            if stop.should_stop():  # all ranks agree on the same step
-                if args.checkpoint_dir:
-                    checkpoint(done)
-                print0(stop.report(epoch + 1, done, saved=bool(args.checkpoint_dir)))
+            sums[0] += loss.detach().double() * labels.size(0)
+            sums[1] += (outputs.argmax(1) == labels).sum()
+            sums[2] += labels.size(0)
+            if ckpt.after_step(loss, epoch, step + 1, steps):  # a stop signal: saved, stop
                 return common.REQUEUE_EXIT
         common.synchronize(device)
-        train_time = elapsed + common.now() - t0
-        common.check_finite(bad_steps, first_bad, epoch, scaler)  # host sync, once per epoch
+        train_time = common.now() - t0
+        ckpt.check_finite(epoch)  # host sync, once per epoch
         scheduler.step()
 
         val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
 
         # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. One host
         # sync per epoch (the .tolist() below), not one per step.
-        totals = torch.stack([loss_sum, correct,
-                              torch.tensor(float(seen), device=device, dtype=torch.float64)])
-        totals = torch.cat([totals, val_sums])
+        totals = torch.cat([sums, val_sums])
         dist.all_reduce(totals, op=dist.ReduceOp.SUM)
         t_loss, t_correct, t_n, v_loss, v_correct, v_n = totals.tolist()
         time_t = torch.tensor([train_time], device=device, dtype=torch.float64)
         dist.all_reduce(time_t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         peaks = torch.zeros(world, device=device, dtype=torch.float64)
-        peaks[rank] = common.peak_memory_mib(device)  # what sharding saves shows up here
+        peaks[rank] = common.peak_memory_mib(device)
         dist.all_reduce(peaks, op=dist.ReduceOp.SUM)  # every rank's peak, for the per-GPU list
         epoch_time = time_t.item()
-
         metrics = dict(
             strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
             world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
@@ -345,12 +294,9 @@ def train(args, env: common.DistEnv) -> int:
         )
         print0(common.format_epoch_line(metrics))
         print0(common.format_metric_line(metrics))
-        common.report_skipped(t_n, steps * global_batch, v_n, len(data.val))
-        if args.checkpoint_dir:
-            save_checkpoint(Path(args.checkpoint_dir) / common.checkpoint_name(epoch + 1, 0),
-                            model, optimizer, scheduler, scaler, epoch + 1, 0, None, metrics,
-                            args, is_main)
-    stop.finish()
+        common.report_skipped(t_n, (steps - skip) * global_batch, v_n, len(data.val))
+        ckpt.end_epoch(epoch, metrics)
+    ckpt.finish()
 
     total_time = common.now() - start
     if args.save_model:
