@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -40,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Data-parallel training with nn.DataParallel (one process, all GPUs).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common.add_common_args(parser)
-    parser.add_argument("--gpus", type=int, default=None,
-                        help="number of GPUs to use (default: all visible)")
+    g = parser.add_argument_group("DataParallel")
+    g.add_argument("--gpus", type=int, default=None,
+                   help="number of GPUs to use (default: all visible)")
     return parser
 
 
@@ -85,34 +85,24 @@ def setup_devices(args):
     return torch.device("cuda", 0), list(range(n))
 
 
-def save_checkpoint(path, net, optimizer, scheduler, scaler, epoch, step, partial, metrics,
-                    args) -> None:
+def save_checkpoint(path, state: dict, meta: dict) -> None:
     """DataParallel: one process, one file; the master weights live on GPU 0."""
-    common.atomic_save({
-        "model": net.state_dict(), "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
-        "epoch": epoch, "step": step, "partial": partial, "metrics": metrics,
-        "rng": [common.rng_state()], "args": vars(args), "world_size": 1,
-    }, path)
-    common.prune_checkpoints(args.checkpoint_dir, args.keep_checkpoints)
+    common.atomic_save({name: obj.state_dict() for name, obj in state.items()} | meta, path)
 
 
-def load_checkpoint(path, net, optimizer, scheduler, scaler) -> dict:
+def load_checkpoint(path, state: dict) -> dict:
     # weights_only: a checkpoint holds tensors and plain values, it cannot run code
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    net.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
-    common.set_rng_state(state["rng"][0])
-    return dict(state, path=str(path))
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    for name, obj in state.items():
+        obj.load_state_dict(checkpoint[name])
+    return checkpoint
 
 
 def train(args, env: common.DistEnv) -> int:
     device, gpu_ids = setup_devices(args)
     common.resolve_args(args, env, device)
-    n_dev = max(1, len(gpu_ids))
-
+    rank, world = 0, max(1, len(gpu_ids))  # no process group: one process, `world` GPUs
+    is_main = True
     for line in common.provenance(args, env, device, "none (single process)"):
         print0(line)
     if device.type == "cpu":
@@ -120,38 +110,39 @@ def train(args, env: common.DistEnv) -> int:
     else:
         print0(f"DataParallel over GPUs {gpu_ids} (scatter from and gather on GPU 0)")
 
-    data = common.build_data(args, True)
+    data = common.build_data(args, is_main)
     common.check_writable(args.save_model)
-    global_batch = args.batch_size * n_dev
+    global_batch = args.batch_size * world
     if global_batch > len(data.train):
-        raise UsageError(f"global batch {global_batch} ({args.batch_size} per GPU x {n_dev}) is "
+        raise UsageError(f"global batch {global_batch} ({args.batch_size} per GPU x {world}) is "
                          f"larger than the {len(data.train)} training samples: lower "
                          f"--batch-size")
     if data.name == "synthetic":
         print0("note: no --data-dir given, so this run uses built-in synthetic data "
                "(numbers show the pipeline, not TinyImageNet accuracy)")
     print0(f"data: {data.description}")
-    print0(f"global batch: {global_batch} = {args.batch_size} per GPU x {n_dev} GPU(s), one "
+    print0(f"global batch: {global_batch} = {args.batch_size} per GPU x {world} GPU(s), one "
            f"DataLoader batch split by DataParallel")
 
     torch.manual_seed(args.seed)
-    net = common.build_model(args.model, data.num_classes, data.input_shape).to(device)
-    common.check_checkpoint_dir(args.checkpoint_dir, net)
+    model = common.build_model(args.model, data.num_classes, data.input_shape).to(device)
+    common.check_checkpoint_dir(args.checkpoint_dir, model)
     if args.check:
-        print0(f"check: no process group (DataParallel is one process); {n_dev} device(s): "
+        print0(f"check: no process group (DataParallel is one process); {world} device(s): "
                f"{gpu_ids or ['cpu']}")
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
     # From here on, randomness is this process's own (crops, flips, dropout, loader workers).
-    torch.manual_seed(common.seed_for_rank(args.seed, 0))
-    dtype = common.amp_dtype(args)
-    # DataParallel: the master copy lives on GPU 0 and is replicated to every GPU each step.
-    net, prepare = common.input_pipeline(data, net, device)
-    inner = torch.compile(net) if args.compile else net
-    model = nn.DataParallel(AutocastForward(inner, device.type, dtype),
-                            device_ids=gpu_ids or None)
+    torch.manual_seed(common.seed_for_rank(args.seed, rank))
+    model, prepare = common.input_pipeline(data, model, device)
+    # DataParallel: the master copy lives on GPU 0 and is replicated to every GPU each step;
+    # each replica runs in its own thread, so autocast is entered inside it.
+    inner = torch.compile(model) if args.compile else model
+    step_model = nn.DataParallel(AutocastForward(inner, device.type, common.amp_dtype(args)),
+                                 device_ids=gpu_ids or None)
 
-    # The same sampler as the other scripts at world size 1: the same shuffling order.
+    # The same sampler as the other scripts at world size 1: the same shuffling order. The
+    # loader's batch is the global batch, which DataParallel splits into one chunk per GPU.
     train_sampler = DistributedSampler(data.train, num_replicas=1, rank=0, shuffle=True,
                                        seed=args.seed, drop_last=True)
     train_batches = common.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
@@ -160,124 +151,97 @@ def train(args, env: common.DistEnv) -> int:
                                       drop_last=True)
     val_loader = common.make_loader(data.val, val_sampler, global_batch, args, device,
                                     start_now=True, val=True)
+    val_real = common.real_samples(val_sampler)
 
     criterion = nn.CrossEntropyLoss()
-    optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=args.momentum,
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay,
                                 # CUDA: one kernel for all parameters, and GradScaler's inf
                                 # check stays on the GPU (no host sync per step with fp16)
                                 fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=args.step_size,
                                                 gamma=args.gamma)
+    dtype = common.amp_dtype(args)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
-    start_epoch, start_step, partial, metrics = 0, 0, None, {}
-    common.claim_checkpoint_dir(args.checkpoint_dir)  # lock it; tidy an interrupted save
-    state = common.load_newest(
-        common.resume_candidates(args),
-        lambda p: load_checkpoint(p, net, optimizer, scheduler, scaler))
-    if state:
-        start_epoch, start_step = state["epoch"], state["step"]
-        partial, metrics = state["partial"], state["metrics"]
-        print0(f"Resumed from epoch {start_epoch + 1}, step {start_step} ({state['path']})")
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    ckpt = common.Checkpoints(args, state, save_checkpoint, load_checkpoint, device, 1)
+    start_epoch, start_step = ckpt.resume()
+    metrics = ckpt.metrics
 
     steps = len(train_loader)
     if args.max_steps_per_epoch:
         steps = min(steps, args.max_steps_per_epoch)
-    stop = common.StopRequest(1)
-    bad_steps = torch.zeros((), device=device, dtype=torch.int64)  # non-finite losses seen,
-    first_bad = torch.full((), -1, device=device, dtype=torch.int64)  # on the device
+    gpus = [torch.device("cuda", i) for i in gpu_ids] or [device]
     start = common.now()
     for epoch in range(start_epoch, args.epochs):
-        train_sampler.set_epoch(epoch)
-        skip = start_step if epoch == start_epoch else 0
+        train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
+        skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
         train_batches.skip = skip * global_batch
         lr = optimizer.param_groups[0]["lr"]
-        model.train()
-        loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # stays on the device:
-        correct = torch.zeros((), device=device, dtype=torch.float64)   # no host sync per step
-        seen, elapsed = 0, 0.0
-        if skip and partial:  # the part of this epoch done before the interruption
-            loss_sum += partial["loss_sum"]
-            correct += partial["correct"]
-            seen, elapsed = partial["seen"], partial["time"]
-        bad_steps.zero_()
-        first_bad.fill_(-1)
-        for d in [torch.device("cuda", i) for i in gpu_ids] or [device]:
-            common.reset_peak_memory(d)  # this epoch's peak, not the whole run's
-
-        def checkpoint(step: int) -> None:
-            common.check_finite(bad_steps, first_bad, epoch, scaler)  # host sync
-            part = dict(loss_sum=loss_sum.item(), correct=correct.item(), seen=seen,
-                        time=elapsed + common.now() - t0)
-            save_checkpoint(Path(args.checkpoint_dir) / common.checkpoint_name(epoch, step),
-                            net, optimizer, scheduler, scaler, epoch, step, part, metrics, args)
-
-        for i in gpu_ids:
-            common.synchronize(torch.device("cuda", i))
+        step_model.train()
+        # [loss x n, correct, n] of this rank, kept on the device: no host sync per step
+        sums = torch.zeros(3, device=device, dtype=torch.float64)
+        for gpu in gpus:
+            common.reset_peak_memory(gpu)  # this epoch's peak, not the whole run's
+            common.synchronize(gpu)
         t0 = common.now()
         # to_device: on CUDA the next batch's copy overlaps this step's compute
         batches = common.to_device(train_loader, device)
         for step, (images, labels) in enumerate(batches, start=skip):
             if step >= steps:
                 break
-            images = prepare(images, train=True)  # on GPU 0: DataParallel scatters from there
+            images = prepare(images, train=True)
             optimizer.zero_grad(set_to_none=True)
-            outputs = model(images)  # replicate, scatter, parallel forward, gather on GPU 0
-            loss = criterion(outputs.float(), labels)  # on GPU 0
-            scaler.scale(loss).backward()  # gradients of all replicas are summed on GPU 0
+            # forward: scatter the batch from GPU 0, replicate the model, gather on GPU 0
+            with torch.autocast(device.type, dtype=dtype or torch.float32,
+                                enabled=dtype is not None):
+                outputs = step_model(images)
+                loss = criterion(outputs, labels)
+            # backward: the replicas' gradients are summed into the master copy on GPU 0
+            scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
-            loss_sum += loss.detach().double() * labels.size(0)
-            correct += (outputs.argmax(1) == labels).sum()
-            seen += labels.size(0)
-            common.track_finite(loss, step, bad_steps, first_bad)
-            done = step + 1
-            if args.checkpoint_dir and args.checkpoint_every and done % args.checkpoint_every \
-                    == 0 and done < steps:
-                checkpoint(done)
-            if stop.should_stop():
-                if args.checkpoint_dir:
-                    checkpoint(done)
-                print0(stop.report(epoch + 1, done, saved=bool(args.checkpoint_dir)))
+            sums[0] += loss.detach().double() * labels.size(0)
+            sums[1] += (outputs.argmax(1) == labels).sum()
+            sums[2] += labels.size(0)
+            if ckpt.after_step(loss, epoch, step + 1, steps):  # a stop signal: saved, stop
                 return common.REQUEUE_EXIT
-        for i in gpu_ids:
-            common.synchronize(torch.device("cuda", i))
-        epoch_time = elapsed + common.now() - t0
-        common.check_finite(bad_steps, first_bad, epoch, scaler)  # host sync, once per epoch
+        for gpu in gpus:
+            common.synchronize(gpu)
+        train_time = common.now() - t0
+        ckpt.check_finite(epoch)  # host sync, once per epoch
         scheduler.step()
 
-        # One process sees every sample: these sums are already global.
-        v_loss, v_correct, v_n = common.evaluate(model, val_loader, device, None,
-                                                 common.real_samples(val_sampler),
-                                                 prepare).tolist()
-        t_loss, t_correct = loss_sum.item(), correct.item()  # one host sync per epoch
-        if gpu_ids:
-            peaks = [common.peak_memory_mib(torch.device("cuda", i)) for i in gpu_ids]
-        else:
-            peaks = [common.peak_memory_mib(device)]
+        val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
+
+        # No reduction: one process saw every sample, so these sums are already global. One
+        # host sync per epoch (the .tolist() below), not one per step.
+        totals = torch.cat([sums, val_sums])
+        t_loss, t_correct, t_n, v_loss, v_correct, v_n = totals.tolist()
+        peaks = [common.peak_memory_mib(gpu) for gpu in gpus]  # GPU 0 holds the most
+        epoch_time = train_time
 
         metrics = dict(
             strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
-            world_size=n_dev, nodes=1, gpus_per_node=n_dev,
+            world_size=world, nodes=1, gpus_per_node=world,
             per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
             epoch=epoch + 1, epochs=args.epochs, lr=lr,
-            train_loss=t_loss / max(seen, 1), train_acc=100.0 * t_correct / max(seen, 1),
+            train_loss=t_loss / max(t_n, 1), train_acc=100.0 * t_correct / max(t_n, 1),
             val_loss=v_loss / max(v_n, 1), val_acc=100.0 * v_correct / max(v_n, 1),
-            train_images=seen, val_images=int(v_n), epoch_time_s=epoch_time,
-            throughput_img_s=seen / epoch_time if epoch_time > 0 else 0.0,
+            train_images=int(t_n), val_images=int(v_n), epoch_time_s=epoch_time,
+            throughput_img_s=t_n / epoch_time if epoch_time > 0 else 0.0,
             peak_mem_mib=max(peaks), peak_mem_per_gpu_mib=peaks,
         )
         print0(common.format_epoch_line(metrics))
         print0(common.format_metric_line(metrics))
-        common.report_skipped(seen, steps * global_batch, v_n, len(data.val))
-        if args.checkpoint_dir:
-            save_checkpoint(Path(args.checkpoint_dir) / common.checkpoint_name(epoch + 1, 0),
-                            net, optimizer, scheduler, scaler, epoch + 1, 0, None, metrics, args)
+        common.report_skipped(t_n, (steps - skip) * global_batch, v_n, len(data.val))
+        ckpt.end_epoch(epoch, metrics)
+    ckpt.finish()
 
     total_time = common.now() - start
-    if args.save_model:
-        common.save_state_dict(net.state_dict(), args.save_model)  # the unwrapped model
+    if args.save_model and is_main:
+        common.save_state_dict(model.state_dict(), args.save_model)  # unwrapped weights
         print0(f"saved model state_dict to {args.save_model}")
     if not metrics:
         print0("nothing to train: the checkpoint is already past --epochs")
