@@ -137,9 +137,11 @@ def fail_cleanly(err: UsageError, rank_env: "DistEnv | None" = None) -> int:
 
 
 def end_process(code: int) -> None:
-    """Exit with ``code`` without the interpreter's teardown (see ddp_train.py's last lines):
-    the checkpoint dir's lock is released, DataLoader workers and other child processes are
-    stopped first, stdio is flushed."""
+    """Exit with ``code`` without the interpreter's teardown: the checkpoint dir's lock is
+    released, DataLoader workers and other child processes are stopped first, stdio is
+    flushed. Some torch releases (2.15 on CPU/gloo) can abort in a C++ destructor during
+    teardown ("terminate called without an active exception", SIGABRT) after the process
+    group is destroyed, turning a finished run into a failed job."""
     import multiprocessing
     import signal
     release_checkpoint_lock()

@@ -251,8 +251,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    # The run is over and the process group destroyed. Some torch releases (2.15 on CPU/gloo)
-    # can still abort in a C++ destructor during interpreter teardown ("terminate called
-    # without an active exception", SIGABRT), turning a finished run into a failed job; so
-    # flush, stop leftover worker processes, and leave without that teardown.
-    common.end_process(main())
+    common.end_process(main())  # leaves without the interpreter's teardown: see end_process

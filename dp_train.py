@@ -257,4 +257,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    common.end_process(main())  # releases the checkpoint dir's lock, stops loader workers
+    common.end_process(main())  # leaves without the interpreter's teardown: see end_process

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import socket
@@ -147,3 +148,46 @@ def test_dp_refuses_torchrun_with_several_processes():
     proc = run_script("dp_train.py", FAST, nproc=2, timeout=120)
     assert proc.returncode != 0
     assert "run it with python, not torchrun" in proc.stderr
+
+
+# ---- the diff between the three scripts is the strategy -------------------------------------
+
+def _code(script: str, start: str, end: str) -> list:
+    """Lines of ``script`` from ``start`` up to ``end``, comments dropped (they explain each
+    strategy in its own words)."""
+    text = (REPO / script).read_text()
+    i = text.index(start)
+    lines = text[i:text.index(end, i)].splitlines()
+    code = [line.split("  # ")[0].rstrip() for line in lines]
+    return [line for line in code if line.strip() and not line.strip().startswith("#")]
+
+
+def _train(script: str) -> list:
+    return _code(script, "def train(", "\ndef main(")
+
+
+@pytest.mark.parametrize("other", ["fsdp_train.py", "dp_train.py"])
+def test_the_training_step_and_the_epoch_end_are_the_same_text(other):
+    """What is not the strategy is the same text in all three scripts: the step (forward under
+    autocast, loss, scaled backward, optimizer step), the device-side sums, the checkpoint and
+    stop calls, and what is printed and saved at the end of each epoch."""
+    blocks = [("        for step, (images, labels) in enumerate(batches, start=skip):",
+               "        train_time = common.now() - t0"),
+              ("        train_time = common.now() - t0", "        val_sums = common.evaluate("),
+              ("        print0(common.format_epoch_line(metrics))", "    total_time = ")]
+    for start, end in blocks:
+        ddp = [line for line in _code("ddp_train.py", start, end) if "synchronize" not in line]
+        theirs = [line for line in _code(other, start, end) if "synchronize" not in line
+                  and "for gpu in gpus" not in line]
+        assert ddp == theirs, f"{other} differs from ddp_train.py in a shared block:\n" + \
+            "\n".join(difflib.unified_diff(ddp, theirs, lineterm=""))
+
+
+@pytest.mark.parametrize("other, budget", [("fsdp_train.py", 30), ("dp_train.py", 70)])
+def test_train_differs_from_ddp_by_a_strategys_worth_of_lines(other, budget):
+    """The rest of train() may differ only where the strategy does (wrapper, sampler, device
+    setup, reduction, saving): a budget of changed code lines, today's plus a little room."""
+    diff = [line for line in difflib.unified_diff(_train("ddp_train.py"), _train(other),
+                                                  lineterm="", n=0)
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    assert len(diff) <= budget, "\n".join(diff)
