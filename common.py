@@ -133,6 +133,8 @@ def fail_cleanly(err: UsageError, rank_env: "DistEnv | None" = None) -> int:
     if rank_env is None or rank_env.local_rank == 0 or own:
         rank = f"rank {rank_env.rank}: " if own and rank_env and rank_env.rank else ""
         print(f"error: {rank}{text}", file=sys.stderr, flush=True)
+    else:  # a silent rank that exits first makes torchrun stop the node's other ranks (SIGTERM):
+        time.sleep(2)  # give local rank 0 the moment it needs to print the same error
     return 2
 
 

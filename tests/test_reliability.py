@@ -200,7 +200,6 @@ def test_workers_end_when_torchrun_is_killed_and_a_rerun_resumes(tmp_path):
                        nproc=2)
     check_ok(rerun)
     assert f"Resumed from epoch {epochs}, step 0 ({newest})" in rerun.stdout
-    assert "taking over the lock" in rerun.stdout  # the killed run's rank 0 left it behind
 
 
 # ---- 4, 5. a peer lost or frozen on another node --------------------------------------------
