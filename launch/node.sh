@@ -134,6 +134,31 @@ trap 'exit 130' INT
 trap 'exit 129' HUP
 trap forward_usr1 USR1
 
+# --data-cache: decode the dataset once on this node before the training starts. Inside the
+# training it would run after the process group exists, and a long decode would count
+# against --dist-timeout on the ranks that wait for it.
+prepare_cache() {
+  local arg prev="" data_dir=${DATA_DIR:-} cache="" wanted=0
+  for arg in "$@"; do
+    case $prev in
+      --data-dir) data_dir=$arg ;;
+      --data-cache) [[ $arg == -* ]] || cache=$arg ;;
+    esac
+    case $arg in
+      --data-cache) wanted=1 ;;
+      --data-cache=*) wanted=1 cache=${arg#*=} ;;
+      --data-dir=*) data_dir=${arg#*=} ;;
+    esac
+    prev=$arg
+  done
+  if [ "$wanted" = 1 ] && [ -n "$data_dir" ]; then
+    echo "[$node] preparing the data cache (prepare_tinyimagenet.py)"
+    "${python_cmd[@]}" "${REPO_DIR:-$(dirname "$1")}/prepare_tinyimagenet.py" \
+      --workers "$cpus" "$data_dir" ${cache:+"$cache"}
+  fi
+}
+prepare_cache "$@"
+
 if command -v "$NVIDIA_SMI" >/dev/null 2>&1; then
   smi_interval=${LOG_INTERVAL%.*}  # nvidia-smi -l takes whole seconds
   [ "${smi_interval:-0}" -ge 1 ] 2>/dev/null || smi_interval=1

@@ -224,6 +224,28 @@ def test_local_sh_two_processes(tmp_path):
     assert_loggers_gone(tmp_path, run_dir)  # no Slurm here to clean up: the trap did it
 
 
+def test_local_sh_prepares_the_data_cache_before_the_training(tmp_path, tiny_imagenet):
+    """--data-cache: node.sh decodes the data once (prepare_tinyimagenet.py) before torchrun,
+    so the training only memory-maps it and nothing is decoded inside the process group."""
+    root, _ = tiny_imagenet
+    env = base_env(tmp_path)
+    env["RUNS_DIR"] = str(tmp_path / "runs")
+    cache = tmp_path / "cache"
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--",
+                          "--data-dir", str(root), "--data-cache", str(cache), "--model",
+                          "resnet18", "--epochs", "1", "--batch-size", "16", "--num-workers",
+                          "0", "--amp", "off"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    prepared = out.index("data cache: decoded 160 train images")
+    assert prepared < out.index("torch.distributed.run")  # before the training started
+    assert f"data cache ready: {cache}" in out
+    assert "data cache: building" not in out[prepared + 1:].split("data cache ready")[1]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert "train_images=160" in (run_dir / "train.log").read_text()
+
+
 @pytest.mark.parametrize("strategy,repo,message", [
     ("dp", "empty", "dp_train.py not found"),
     ("zero", "repo", "STRATEGY=zero is not one of ddp, fsdp, dp"),
