@@ -207,17 +207,16 @@ def is_collective_failure(err: BaseException) -> bool:
     DDP's backward), so its message and where it was raised count too."""
     if isinstance(err, dist.DistError):
         return True
-    if not isinstance(err, RuntimeError):
-        return False
+    if not isinstance(err, RuntimeError) or isinstance(err, torch.OutOfMemoryError):
+        return False  # an OOM inside FSDP's hooks is an OOM, not a lost peer
     text = str(err).lower()
     if any(word in text for word in COLLECTIVE_ERROR_WORDS):
         return True
     tb = err.__traceback__
-    while tb is not None:  # raised by a torch.distributed call?
-        if f"torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename:
-            return True
+    while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return False
+    # raised by a collective call itself (the innermost frame is torch's c10d module)?
+    return tb is not None and tb.tb_frame.f_code.co_filename.endswith("distributed_c10d.py")
 
 
 def collective_failed(err: Exception, rank_env: "DistEnv | None") -> int:

@@ -17,6 +17,7 @@ import sys
 import time
 
 import psutil
+import torch
 import pytest
 
 import common
@@ -339,3 +340,18 @@ def test_sigterm_during_start_up_is_named_and_immediate(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM
     assert time.time() - t0 < 10
     assert "SIGTERM during start-up, before the first training step" in err, out + err
+
+
+def test_collective_failures_are_told_from_other_errors():
+    """The one-line 'collective failed' message is for lost peers and timeouts only: an OOM
+    (even one raised inside FSDP's hooks) or a bug keeps its own error."""
+    import torch.distributed as dist
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
+                        "closed by peer [127.0.0.1]:40935")
+    assert common.is_collective_failure(gloo)
+    assert common.is_collective_failure(dist.DistError("anything"))
+    assert common.is_collective_failure(RuntimeError("Timed out waiting 20000ms for recv"))
+    assert not common.is_collective_failure(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not common.is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be "
+                                                         "multiplied (4x3 and 5x6)"))
+    assert not common.is_collective_failure(ValueError("gloo"))
