@@ -108,7 +108,7 @@ def parse_metric_line(line: str) -> dict | None:
 
 
 # --------------------------------------------------------------------------------------------
-# Errors a user can fix
+# Run: errors and exit codes, print0, stop signals, the watchdog
 # --------------------------------------------------------------------------------------------
 
 class UsageError(Exception):
@@ -965,6 +965,196 @@ def real_samples(sampler) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# Data, fast input: the decoded uint8 cache (--data-cache), batch loading, on-device augmentation
+# --------------------------------------------------------------------------------------------
+
+class CachedSplit(Dataset):
+    """A split decoded once into a memory-mapped uint8 array (N x 64 x 64 x 3) plus labels.
+
+    Indexed with a whole batch of indices (the DataLoader gets a BatchSampler), so one numpy
+    fancy-index read replaces a JPEG decode and a PIL transform per image.
+    """
+
+    def __init__(self, images_file, labels_file):
+        self.images = np.load(images_file, mmap_mode="r")
+        self.labels = torch.from_numpy(np.load(labels_file))
+        self.targets = self.labels.tolist()
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, indices):
+        idx = np.asarray(indices, dtype=np.int64)
+        return torch.from_numpy(np.ascontiguousarray(self.images[idx])), self.labels[idx]
+
+
+def _cached_tinyimagenet(args, classes, train, val) -> DataBundle:
+    """The memory-mapped cache that prepare_tinyimagenet.py writes. Where it is missing or
+    stale, local rank 0 of each node builds it (the others wait in the all_gather below)."""
+    import prepare_tinyimagenet
+    error = None
+    if dist_env().local_rank == 0:  # one builder per node
+        try:
+            prepare_tinyimagenet.prepare(args.data_dir, args.data_cache, args.strict,
+                                         max(1, args.num_workers),
+                                         lambda m: print(m, flush=True),
+                                         scanned=(classes, train, val))
+        except UsageError as exc:
+            error = str(exc)
+    if dist.is_available() and dist.is_initialized():
+        # every rank: wait until each node's builder is done, and learn about its failure
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, error)
+        error = next((e for e in everyone if e), None)
+    if error:
+        raise UsageError(error)
+    directory = prepare_tinyimagenet.cache_dir(args.data_dir, args.data_cache)
+    train_set = CachedSplit(directory / "train_u8.npy", directory / "train_labels.npy")
+    val_set = CachedSplit(directory / "val_u8.npy", directory / "val_labels.npy")
+    return DataBundle(train_set, val_set, len(classes), (3, 64, 64), "tinyimagenet",
+                      f"TinyImageNet at {args.data_dir} via the uint8 cache {directory}: "
+                      f"{len(train_set)} train / {len(val_set)} val, {len(classes)} classes",
+                      DeviceAugment(*NORMALIZE["tinyimagenet"]))
+
+
+class DeviceAugment:
+    """What the folder path does per image with PIL, done per batch on the device: uint8 NHWC
+    -> (train) random crop with 4 pixels of zero padding and a random horizontal flip -> float
+    in [0, 1] -> normalize. Without augmentation the NCHW result keeps the NHWC memory
+    (channels_last)."""
+
+    def __init__(self, mean, std):
+        self.mean_std = (mean, std)
+        self._cache = {}
+
+    def _stats(self, device):
+        if device not in self._cache:  # made once per device: no copy in the training step
+            mean, std = self.mean_std
+            self._cache[device] = (torch.tensor(mean, device=device).view(1, -1, 1, 1),
+                                   torch.tensor(std, device=device).view(1, -1, 1, 1))
+        return self._cache[device]
+
+    def __call__(self, images: torch.Tensor, train: bool) -> torch.Tensor:
+        x = images.permute(0, 3, 1, 2)  # uint8 NCHW view: crop and flip 1-byte pixels
+        if train:
+            b, c, h, w = x.shape
+            pad = 4
+            x = F.pad(x, (pad, pad, pad, pad))  # zeros, like RandomCrop(padding=4) on the PIL image
+            dy = torch.randint(0, 2 * pad + 1, (b, 1, 1, 1), device=x.device)
+            dx = torch.randint(0, 2 * pad + 1, (b, 1, 1, 1), device=x.device)
+            flip = torch.rand(b, 1, 1, 1, device=x.device) < 0.5
+            rows = torch.arange(h, device=x.device).view(1, 1, h, 1) + dy
+            x = x.gather(2, rows.expand(b, c, h, w + 2 * pad))  # crop rows
+            cols = torch.arange(w, device=x.device).view(1, 1, 1, w)
+            cols = torch.where(flip, w - 1 - cols, cols) + dx  # a flip is reversed columns
+            x = x.gather(3, cols.expand(b, c, h, w))  # crop (and flip) columns
+        x = x.float().div_(255)
+        mean, std = self._stats(x.device)
+        return (x - mean) / std
+
+
+def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool = False,
+                start_now: bool = False, val: bool = False):
+    """The DataLoader, tuned the same way for every strategy: pinned memory on CUDA,
+    persistent workers and a deeper prefetch. A cached split is read a batch at a time.
+    ``val``: each batch also says which of its positions survived (collate_val), which
+    evaluate() needs to count every validation image exactly once.
+
+    ``start_now`` forks the workers at once (for the validation loader). Forked later, at the
+    first evaluation, a worker would share the trained model's memory copy-on-write, and the
+    next training step would pay to copy every page it writes (0.3-0.65 s per run for ResNet-18
+    on a 2-core CPU). The batches it prefetches now are dropped when evaluation starts."""
+    from torch.utils.data import BatchSampler, DataLoader
+    if args.data_on_device:
+        return DeviceResident(dataset, sampler, batch_size, drop_last, device)
+    kw = dict(num_workers=args.num_workers, pin_memory=device.type == "cuda",
+              persistent_workers=args.num_workers > 0)
+    if args.num_workers > 0:
+        kw["prefetch_factor"] = 4
+    if isinstance(dataset, CachedSplit):
+        loader = DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last),
+                            batch_size=None, **kw)
+    else:
+        loader = DataLoader(dataset, sampler=sampler, batch_size=batch_size,
+                            drop_last=drop_last,
+                            collate_fn=collate_val if val else collate_skip_unreadable, **kw)
+    if start_now and args.num_workers > 0:
+        iter(loader)  # persistent: the iterator and its workers stay for later epochs
+    return loader
+
+
+class DeviceResident:
+    """--data-on-device: a whole split as two tensors on the device; each epoch's batches are
+    slices of the sampler's order, indexed there (one host-to-device copy of the order per
+    epoch, none per step). Iterates like the DataLoader it replaces."""
+
+    def __init__(self, dataset, sampler, batch_size: int, drop_last: bool, device):
+        if isinstance(dataset, CachedSplit):
+            images, labels = torch.from_numpy(np.array(dataset.images)), dataset.labels
+        else:  # SyntheticImages: the samples, made once
+            images = torch.stack([dataset[i][0] for i in range(len(dataset))])
+            labels = torch.as_tensor(dataset.targets)
+        self.images, self.labels = images.to(device), labels.to(device)
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+
+    def __len__(self):
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def __iter__(self):
+        order = torch.as_tensor(list(self.sampler), dtype=torch.int64).to(self.images.device)
+        for k in range(len(self)):
+            idx = order[k * self.batch_size:(k + 1) * self.batch_size]
+            yield self.images[idx], self.labels[idx]
+
+
+def to_device(batches, device: torch.device):
+    """Yield (images, labels) from ``batches`` on ``device``. On CUDA the next batch is copied
+    on a side stream while the current step computes (pinned memory, one batch ahead), so
+    the copy is off the critical path; elsewhere this is a plain ``.to``."""
+    it = iter(batches)
+    if device.type != "cuda":
+        for images, labels in it:
+            yield images.to(device), labels.to(device)
+        return
+    copy_stream = torch.cuda.Stream(device)
+    compute = torch.cuda.current_stream(device)
+
+    def fetch():
+        batch = next(it, None)
+        if batch is not None:
+            with torch.cuda.stream(copy_stream):
+                batch = [t.to(device, non_blocking=True) for t in batch]
+        return batch
+
+    ahead = fetch()
+    while ahead is not None:
+        compute.wait_stream(copy_stream)  # this batch's copy is done before the step uses it
+        for t in ahead:
+            t.record_stream(compute)  # its memory is not reused while the step runs
+        current, ahead = ahead, fetch()  # start the next copy, then hand out this batch
+        yield current
+
+
+def input_pipeline(data: DataBundle, model: nn.Module, device: torch.device):
+    """(model, prepare): on CUDA, conv nets go channels_last (faster convolutions with AMP);
+    ``prepare(images, train)`` finishes a batch on the device (cache-path augmentation, memory
+    format). Called by every strategy so their inputs are identical."""
+    channels_last = device.type == "cuda" and any(isinstance(m, nn.Conv2d)
+                                                  for m in model.modules())
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    augment = data.device_augment
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+
+    def prepare(images, train: bool):
+        if augment is not None:
+            images = augment(images, train)
+        return images.contiguous(memory_format=layout)  # no-op when already in that layout
+    return model, prepare
+
+
+# --------------------------------------------------------------------------------------------
 # Models
 # --------------------------------------------------------------------------------------------
 
@@ -1621,193 +1811,3 @@ def collective_check(device: torch.device, world: int, print0) -> None:
     busbw = algbw * 2 * (world - 1) / world if world > 1 else 0.0
     print0(f"check: all-reduce OK across {world} rank(s) (sum {got:g} == {expected:g}); "
            f"{mib} MiB in {seconds * 1e3:.2f} ms: algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s")
-
-
-# --------------------------------------------------------------------------------------------
-# Fast input: the decoded uint8 cache (--data-cache), batch loading, on-device augmentation
-# --------------------------------------------------------------------------------------------
-
-class CachedSplit(Dataset):
-    """A split decoded once into a memory-mapped uint8 array (N x 64 x 64 x 3) plus labels.
-
-    Indexed with a whole batch of indices (the DataLoader gets a BatchSampler), so one numpy
-    fancy-index read replaces a JPEG decode and a PIL transform per image.
-    """
-
-    def __init__(self, images_file, labels_file):
-        self.images = np.load(images_file, mmap_mode="r")
-        self.labels = torch.from_numpy(np.load(labels_file))
-        self.targets = self.labels.tolist()
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, indices):
-        idx = np.asarray(indices, dtype=np.int64)
-        return torch.from_numpy(np.ascontiguousarray(self.images[idx])), self.labels[idx]
-
-
-def _cached_tinyimagenet(args, classes, train, val) -> DataBundle:
-    """The memory-mapped cache that prepare_tinyimagenet.py writes. Where it is missing or
-    stale, local rank 0 of each node builds it (the others wait in the all_gather below)."""
-    import prepare_tinyimagenet
-    error = None
-    if dist_env().local_rank == 0:  # one builder per node
-        try:
-            prepare_tinyimagenet.prepare(args.data_dir, args.data_cache, args.strict,
-                                         max(1, args.num_workers),
-                                         lambda m: print(m, flush=True),
-                                         scanned=(classes, train, val))
-        except UsageError as exc:
-            error = str(exc)
-    if dist.is_available() and dist.is_initialized():
-        # every rank: wait until each node's builder is done, and learn about its failure
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, error)
-        error = next((e for e in everyone if e), None)
-    if error:
-        raise UsageError(error)
-    directory = prepare_tinyimagenet.cache_dir(args.data_dir, args.data_cache)
-    train_set = CachedSplit(directory / "train_u8.npy", directory / "train_labels.npy")
-    val_set = CachedSplit(directory / "val_u8.npy", directory / "val_labels.npy")
-    return DataBundle(train_set, val_set, len(classes), (3, 64, 64), "tinyimagenet",
-                      f"TinyImageNet at {args.data_dir} via the uint8 cache {directory}: "
-                      f"{len(train_set)} train / {len(val_set)} val, {len(classes)} classes",
-                      DeviceAugment(*NORMALIZE["tinyimagenet"]))
-
-
-class DeviceAugment:
-    """What the folder path does per image with PIL, done per batch on the device: uint8 NHWC
-    -> (train) random crop with 4 pixels of zero padding and a random horizontal flip -> float
-    in [0, 1] -> normalize. Without augmentation the NCHW result keeps the NHWC memory
-    (channels_last)."""
-
-    def __init__(self, mean, std):
-        self.mean_std = (mean, std)
-        self._cache = {}
-
-    def _stats(self, device):
-        if device not in self._cache:  # made once per device: no copy in the training step
-            mean, std = self.mean_std
-            self._cache[device] = (torch.tensor(mean, device=device).view(1, -1, 1, 1),
-                                   torch.tensor(std, device=device).view(1, -1, 1, 1))
-        return self._cache[device]
-
-    def __call__(self, images: torch.Tensor, train: bool) -> torch.Tensor:
-        x = images.permute(0, 3, 1, 2)  # uint8 NCHW view: crop and flip 1-byte pixels
-        if train:
-            b, c, h, w = x.shape
-            pad = 4
-            x = F.pad(x, (pad, pad, pad, pad))  # zeros, like RandomCrop(padding=4) on the PIL image
-            dy = torch.randint(0, 2 * pad + 1, (b, 1, 1, 1), device=x.device)
-            dx = torch.randint(0, 2 * pad + 1, (b, 1, 1, 1), device=x.device)
-            flip = torch.rand(b, 1, 1, 1, device=x.device) < 0.5
-            rows = torch.arange(h, device=x.device).view(1, 1, h, 1) + dy
-            x = x.gather(2, rows.expand(b, c, h, w + 2 * pad))  # crop rows
-            cols = torch.arange(w, device=x.device).view(1, 1, 1, w)
-            cols = torch.where(flip, w - 1 - cols, cols) + dx  # a flip is reversed columns
-            x = x.gather(3, cols.expand(b, c, h, w))  # crop (and flip) columns
-        x = x.float().div_(255)
-        mean, std = self._stats(x.device)
-        return (x - mean) / std
-
-
-def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool = False,
-                start_now: bool = False, val: bool = False):
-    """The DataLoader, tuned the same way for every strategy: pinned memory on CUDA,
-    persistent workers and a deeper prefetch. A cached split is read a batch at a time.
-    ``val``: each batch also says which of its positions survived (collate_val), which
-    evaluate() needs to count every validation image exactly once.
-
-    ``start_now`` forks the workers at once (for the validation loader). Forked later, at the
-    first evaluation, a worker would share the trained model's memory copy-on-write, and the
-    next training step would pay to copy every page it writes (0.3-0.65 s per run for ResNet-18
-    on a 2-core CPU). The batches it prefetches now are dropped when evaluation starts."""
-    from torch.utils.data import BatchSampler, DataLoader
-    if args.data_on_device:
-        return DeviceResident(dataset, sampler, batch_size, drop_last, device)
-    kw = dict(num_workers=args.num_workers, pin_memory=device.type == "cuda",
-              persistent_workers=args.num_workers > 0)
-    if args.num_workers > 0:
-        kw["prefetch_factor"] = 4
-    if isinstance(dataset, CachedSplit):
-        loader = DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last),
-                            batch_size=None, **kw)
-    else:
-        loader = DataLoader(dataset, sampler=sampler, batch_size=batch_size,
-                            drop_last=drop_last,
-                            collate_fn=collate_val if val else collate_skip_unreadable, **kw)
-    if start_now and args.num_workers > 0:
-        iter(loader)  # persistent: the iterator and its workers stay for later epochs
-    return loader
-
-
-class DeviceResident:
-    """--data-on-device: a whole split as two tensors on the device; each epoch's batches are
-    slices of the sampler's order, indexed there (one host-to-device copy of the order per
-    epoch, none per step). Iterates like the DataLoader it replaces."""
-
-    def __init__(self, dataset, sampler, batch_size: int, drop_last: bool, device):
-        if isinstance(dataset, CachedSplit):
-            images, labels = torch.from_numpy(np.array(dataset.images)), dataset.labels
-        else:  # SyntheticImages: the samples, made once
-            images = torch.stack([dataset[i][0] for i in range(len(dataset))])
-            labels = torch.as_tensor(dataset.targets)
-        self.images, self.labels = images.to(device), labels.to(device)
-        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
-
-    def __len__(self):
-        n = len(self.sampler)
-        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
-
-    def __iter__(self):
-        order = torch.as_tensor(list(self.sampler), dtype=torch.int64).to(self.images.device)
-        for k in range(len(self)):
-            idx = order[k * self.batch_size:(k + 1) * self.batch_size]
-            yield self.images[idx], self.labels[idx]
-
-
-def to_device(batches, device: torch.device):
-    """Yield (images, labels) from ``batches`` on ``device``. On CUDA the next batch is copied
-    on a side stream while the current step computes (pinned memory, one batch ahead), so
-    the copy is off the critical path; elsewhere this is a plain ``.to``."""
-    it = iter(batches)
-    if device.type != "cuda":
-        for images, labels in it:
-            yield images.to(device), labels.to(device)
-        return
-    copy_stream = torch.cuda.Stream(device)
-    compute = torch.cuda.current_stream(device)
-
-    def fetch():
-        batch = next(it, None)
-        if batch is not None:
-            with torch.cuda.stream(copy_stream):
-                batch = [t.to(device, non_blocking=True) for t in batch]
-        return batch
-
-    ahead = fetch()
-    while ahead is not None:
-        compute.wait_stream(copy_stream)  # this batch's copy is done before the step uses it
-        for t in ahead:
-            t.record_stream(compute)  # its memory is not reused while the step runs
-        current, ahead = ahead, fetch()  # start the next copy, then hand out this batch
-        yield current
-
-
-def input_pipeline(data: DataBundle, model: nn.Module, device: torch.device):
-    """(model, prepare): on CUDA, conv nets go channels_last (faster convolutions with AMP);
-    ``prepare(images, train)`` finishes a batch on the device (cache-path augmentation, memory
-    format). Called by every strategy so their inputs are identical."""
-    channels_last = device.type == "cuda" and any(isinstance(m, nn.Conv2d)
-                                                  for m in model.modules())
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    augment = data.device_augment
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-
-    def prepare(images, train: bool):
-        if augment is not None:
-            images = augment(images, train)
-        return images.contiguous(memory_format=layout)  # no-op when already in that layout
-    return model, prepare
