@@ -60,7 +60,8 @@ NONFINITE_EXIT = 3
 #: The line rank 0 prints when a stop signal ended the run; launch/job.sh requeues the job
 #: when it reads one with saved=1 (torchrun reports its workers' exit 75 as 1).
 STOP_PREFIX = "[STOP]"
-STOP_LINE = STOP_PREFIX + " signal={signal} epoch={epoch} step={step} saved={saved} exit_code={code}"
+STOP_LINE = (STOP_PREFIX + " signal={signal} epoch={epoch} step={step} saved={saved} "
+             "exit_code={code}")
 
 EPOCH_LINE = ("Epoch [{epoch}/{epochs}] LR: {lr:.6f} | Loss (train, val): {train_loss:.3f}, "
               "{val_loss:.3f} | Accuracy (train, val): {train_acc:.2f}%, {val_acc:.2f}% | "
