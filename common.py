@@ -334,8 +334,9 @@ def start_watchdog(env: "DistEnv", timeout_s: int) -> None:
         return
     launcher = os.getppid() if by_torchrun else 0
     read_end, write_end = os.pipe()
+    silence = max(timeout_s, 10)  # well above the 1 s beat, even for a tiny --dist-timeout
     subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(launcher),
-                      str(timeout_s), str(env.rank)], stdin=read_end, close_fds=True)
+                      str(silence), str(env.rank)], stdin=read_end, close_fds=True)
     os.close(read_end)
     os.set_blocking(write_end, False)
 
