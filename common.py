@@ -173,12 +173,13 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
     the process group's teardown. Returns the exit code for end_process."""
     args = parser.parse_args(argv)
     env = None
-    rc = None
     try:
         env = dist_env()
         catch_stop_signals(env.rank)  # from the start: a signal is never lost
         start_watchdog(env, args.dist_timeout)  # ends this worker if orphaned or frozen
         rc = train(args, env)
+        if dist.is_initialized():  # let every rank finish its last collective before any of
+            dist.barrier()  # them tears gloo/NCCL down (else: an abort at exit)
         return rc
     except UsageError as err:
         return fail_cleanly(err, env)
@@ -192,8 +193,6 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         return collective_failed(err, env)
     finally:
         if dist.is_initialized():
-            if rc is not None:  # all ranks got here: let each finish its last collective
-                dist.barrier()  # before any of them tears gloo/NCCL down (else: abort at exit)
             dist.destroy_process_group()
 
 
@@ -263,9 +262,17 @@ def catch_stop_signals(rank: int) -> None:
 
 def _child_signals() -> None:
     """In a forked DataLoader or cache worker: no wakeup pipe (its signals are not the run's),
-    and the stop signals ignored as node.sh ignores USR1; the worker ends with its parent."""
+    and the stop signals ignored; the worker ends with its parent."""
     import signal
     signal.set_wakeup_fd(-1)
+    ignore_stop_signals()
+
+
+def ignore_stop_signals(worker_id=None) -> None:
+    """Slurm and torchrun send SIGTERM (and job.sh SIGUSR1) to every process of the job, the
+    DataLoader workers too: those must live on while their rank saves its stop checkpoint.
+    Also a DataLoader worker_init_fn, because torch installs its own SIGTERM handler there."""
+    import signal
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
 
@@ -288,6 +295,8 @@ _WATCHDOG = r"""
 import os, select, signal, sys, time
 worker, launcher, timeout, rank = map(int, sys.argv[1:])
 last = time.monotonic()
+for sig in (signal.SIGUSR1, signal.SIGTERM):  # sent to the whole job: the worker acts on them
+    signal.signal(sig, signal.SIG_IGN)
 
 def parent_and_state(pid):
     try:
@@ -1070,6 +1079,7 @@ def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool
     if args.data_on_device:
         return DeviceResident(dataset, sampler, batch_size, drop_last, device)
     kw = dict(num_workers=args.num_workers, pin_memory=device.type == "cuda",
+              worker_init_fn=ignore_stop_signals,
               persistent_workers=args.num_workers > 0)
     if args.num_workers > 0:
         kw["prefetch_factor"] = 4
@@ -1494,8 +1504,10 @@ def _refresh_lock(path: Path, me: str) -> None:
             if path.read_text().strip() != me:
                 return  # taken over (this process was stopped for minutes): stop touching it
             os.utime(path)
-        except OSError:
+        except FileNotFoundError:
             return
+        except OSError:
+            pass  # a passing file-system error (NFS): try again at the next refresh
         time.sleep(LOCK_REFRESH_S)
 
 

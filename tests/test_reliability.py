@@ -321,6 +321,32 @@ def test_stop_signal_on_rank_1_only_is_named_by_rank_0(tmp_path):
                      re.M), out[-3000:]
 
 
+def test_sigterm_to_every_process_with_loader_workers_checkpoints(tmp_path):
+    """Slurm's preemption SIGTERM reaches every process of the job, the DataLoader workers
+    too. Found by an adversarial try: the workers died of it (torch installs its own SIGTERM
+    handler in them), and every rank failed with a traceback instead of checkpointing."""
+    ck = tmp_path / "ck"
+    args = [a if a != "0" else "1" for a in LONG]  # --num-workers 1
+    assert args[args.index("--num-workers") + 1] == "1"
+    proc = _start(_torchrun("ddp_train.py", args + ["--checkpoint-dir", str(ck)]))
+    try:
+        head = read_until(proc, "Epoch [1/")
+        everyone = psutil.Process(proc.pid).children(recursive=True)
+        assert len(everyone) >= 4  # 2 ranks, their loader workers, their watchdogs
+        for p in [psutil.Process(proc.pid)] + everyone:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        _cleanup(proc.pid)
+    out = head + rest
+    assert re.search(r"^\[STOP\] signal=SIGTERM epoch=\d+ step=\d+ saved=1 exit_code=75$", out,
+                     re.M), out[-3000:]
+    assert "is killed by signal" not in out
+
+
 def test_sigterm_during_start_up_is_named_and_immediate(tmp_path):
     """Rank 0 of 2 waits in the process-group start for a rank 1 that never comes (a blocked
     C++ call). Before: SIGTERM killed it with exit 143 and no word."""
