@@ -128,8 +128,7 @@ def fail_cleanly(err: UsageError, rank_env: "DistEnv | None" = None) -> int:
     text = str(err)
     from_worker = "Original Traceback" in text
     if from_worker:  # raised in a DataLoader worker: keep only its sentence
-        text = text.strip().splitlines()[-1].partition("UsageError: ")[2] or \
-            text.strip().splitlines()[-1].partition("DataError: ")[2] or text
+        text = re.sub(r"^.*?(Usage|Data)Error: ", "", text.strip().splitlines()[-1])
     own = isinstance(err, DataError) or from_worker
     if rank_env is None or rank_env.local_rank == 0 or own:
         rank = f"rank {rank_env.rank}: " if own and rank_env and rank_env.rank else ""
@@ -1742,10 +1741,12 @@ class Checkpoints:
         track_finite(loss, done - 1, self.bad_steps, self.first_bad)
         every = self.args.checkpoint_every
         if self.dir and every and done % every == 0 and done < steps:
+            self.check_finite(epoch)  # never save weights that a NaN has reached
             self.save(epoch, done)
         if not self.stop.should_stop():  # all ranks agree on the same step
             return False
         if self.dir:
+            self.check_finite(epoch)
             self.save(epoch, done)
         print0(self.stop.report(epoch + 1, done, saved=self.dir is not None))
         return True
@@ -1757,13 +1758,14 @@ class Checkpoints:
         self.first_bad.fill_(-1)
 
     def end_epoch(self, epoch: int, metrics: dict) -> None:
+        """After the epoch's check_finite() and metrics: the epoch-end checkpoint."""
         self.metrics = metrics
         if self.dir:
             self.save(epoch + 1, 0)
 
     def save(self, epoch: int, step: int) -> None:
-        """Collective: every rank takes part (their RNG states are gathered into the file)."""
-        self.check_finite(epoch)  # never save weights that a NaN has reached
+        """Collective: every rank takes part (their RNG states are gathered into the file).
+        The caller has just run check_finite()."""
         rngs = [rng_state()]
         if dist.is_available() and dist.is_initialized():
             rngs = [None] * dist.get_world_size()

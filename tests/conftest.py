@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,16 @@ def read_until(proc: subprocess.Popen, prefix: str) -> str:
             return "".join(head)
     raise AssertionError(f"the process ended before a line starting with {prefix!r}:\n"
                          + "".join(head))
+
+
+def wait_for(predicate, timeout=240) -> bool:
+    """Poll ``predicate`` until it is true (True) or ``timeout`` seconds pass (False)."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:

@@ -8,14 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 import torch
 
 import common
-from conftest import REPO, check_ok, env_for_tests, metrics, read_until, run_script
+from conftest import REPO, check_ok, env_for_tests, metrics, read_until, run_script, wait_for
 
 # 20 steps per epoch at 1 x 16 (10 per rank at 2 x 16... per rank 160 samples / 16 = 10)
 RUN = ["--model", "cnn", "--synthetic-size", "320", "--batch-size", "16", "--epochs", "2",
@@ -30,15 +29,6 @@ def _torchrun(script, args, nproc):
 def _start(cmd):
     return subprocess.Popen(cmd, env=env_for_tests(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def _wait_for(predicate, timeout=240):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _children(pid):
@@ -72,15 +62,17 @@ def uninterrupted(tmp_path_factory):
     return path
 
 
-def test_ddp_killed_after_first_checkpoint_resumes_to_same_weights(uninterrupted, tmp_path):
+@pytest.mark.parametrize("script", ["ddp_train.py", "fsdp_train.py"])
+def test_killed_after_first_checkpoint_resumes_to_same_weights(uninterrupted, tmp_path, script):
+    """SIGKILL to the whole job after its first checkpoint, then a rerun: the same weights as
+    the uninterrupted DDP run (FSDP's equal DDP's)."""
     ck = tmp_path / "ck"
     args = RUN + ["--checkpoint-dir", str(ck), "--checkpoint-every", "3"]
-    proc = _start(_torchrun("ddp_train.py", args, 2))
-    assert _wait_for(lambda: common.list_checkpoints(ck) or proc.poll() is not None)
+    proc = _start(_torchrun(script, args, 2))
+    assert wait_for(lambda: common.list_checkpoints(ck) or proc.poll() is not None)
     _kill_job(proc)  # the whole job, as a node failure would
     assert common.list_checkpoints(ck), "no checkpoint before the kill"
-    resumed = run_script("ddp_train.py", args + ["--save-model", str(tmp_path / "r.pt")],
-                         nproc=2)
+    resumed = run_script(script, args + ["--save-model", str(tmp_path / "r.pt")], nproc=2)
     check_ok(resumed)
     assert "Resumed from epoch 1, step " in resumed.stdout
     _same_weights(uninterrupted, tmp_path / "r.pt")
@@ -120,7 +112,7 @@ def test_dp_sigterm_exit_code_is_75(tmp_path):
     ck = tmp_path / "ck"
     proc = _start([sys.executable, str(REPO / "dp_train.py"), *RUN, "--epochs", "30",
                    "--checkpoint-dir", str(ck)])
-    assert _wait_for(lambda: common.list_checkpoints(ck) or proc.poll() is not None)
+    assert wait_for(lambda: common.list_checkpoints(ck) or proc.poll() is not None)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == common.REQUEUE_EXIT, out
@@ -183,7 +175,7 @@ def test_resume_never_and_missing_path(tmp_path):
 
 def test_killed_rank_ends_the_job_quickly():
     proc = _start(_torchrun("ddp_train.py", RUN + ["--epochs", "50", "--dist-timeout", "30"], 2))
-    assert _wait_for(lambda: len(_children(proc.pid)) == 2)
+    assert wait_for(lambda: len(_children(proc.pid)) == 2)
     time.sleep(4)
     victim = max(_children(proc.pid))
     t0 = time.time()

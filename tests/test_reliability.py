@@ -21,7 +21,7 @@ import torch
 import pytest
 
 import common
-from conftest import REPO, check_ok, env_for_tests, metrics, read_until, run_script
+from conftest import REPO, check_ok, env_for_tests, metrics, read_until, run_script, wait_for
 
 RUN = ["--model", "cnn", "--synthetic-size", "320", "--batch-size", "16", "--epochs", "2",
        "--num-workers", "0", "--amp", "off", "--seed", "7", "--lr", "0.02"]
@@ -58,15 +58,6 @@ def _workers(proc):
     return [k for k in kids if any(a.endswith("_train.py") for a in k.cmdline())]
 
 
-def _wait_for(predicate, timeout=240):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def _cleanup(*pids):
     """Never leave a stopped or orphaned process behind, whatever the test did."""
     for pid in pids:
@@ -85,7 +76,7 @@ def _two_nodes(args, script="ddp_train.py"):
     a = _start(_torchrun(script, args, 1, nodes=port))
     b = _start(_torchrun(script, args, 1, nodes=port))
     head = read_until(a, "Epoch [1/")  # rank 0 prints: every rank is training
-    assert _wait_for(lambda: _workers(b), 60)
+    assert wait_for(lambda: _workers(b), 60)
     return a, b, head
 
 
@@ -358,7 +349,7 @@ def test_sigterm_during_start_up_is_named_and_immediate(tmp_path):
     port = int(env["MASTER_PORT"])
     listening = lambda: any(c.laddr.port == port and c.status == psutil.CONN_LISTEN  # noqa
                             for c in psutil.Process(proc.pid).net_connections())
-    assert _wait_for(listening, 60), "rank 0 never started its store"
+    assert wait_for(listening, 60), "rank 0 never started its store"
     time.sleep(1)
     t0 = time.time()
     proc.send_signal(signal.SIGTERM)
