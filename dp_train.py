@@ -23,13 +23,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DistributedSampler
 
+import checkpoint
 import common
-from common import UsageError, print0
+import datautils
+import models
+from common import print0
+from faults import UsageError, end_process
 
 STRATEGY = "dp"
 
@@ -87,15 +93,15 @@ def setup_devices(args):
 
 def save_checkpoint(path, state: dict, meta: dict) -> None:
     """DataParallel: one process, one file; the master weights live on GPU 0."""
-    common.atomic_save({name: obj.state_dict() for name, obj in state.items()} | meta, path)
+    checkpoint.atomic_save({name: obj.state_dict() for name, obj in state.items()} | meta, path)
 
 
 def load_checkpoint(path, state: dict) -> dict:
     # weights_only: a checkpoint holds tensors and plain values, it cannot run code
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    saved = torch.load(path, map_location="cpu", weights_only=True)
     for name, obj in state.items():
-        obj.load_state_dict(checkpoint[name])
-    return checkpoint
+        obj.load_state_dict(saved[name])
+    return saved
 
 
 def train(args, env: common.DistEnv) -> int:
@@ -110,8 +116,8 @@ def train(args, env: common.DistEnv) -> int:
     else:
         print0(f"DataParallel over GPUs {gpu_ids} (scatter from and gather on GPU 0)")
 
-    data = common.build_data(args, is_main)
-    common.check_writable(args.save_model)
+    data = datautils.build_data(args, is_main)
+    checkpoint.check_writable(args.save_model)
     global_batch = args.batch_size * world
     if global_batch > len(data.train):
         raise UsageError(f"global batch {global_batch} ({args.batch_size} per GPU x {world}) is "
@@ -125,8 +131,8 @@ def train(args, env: common.DistEnv) -> int:
            f"DataLoader batch split by DataParallel")
 
     torch.manual_seed(args.seed)
-    model = common.build_model(args.model, data.num_classes, data.input_shape).to(device)
-    common.check_checkpoint_dir(args.checkpoint_dir, model)
+    model = models.build_model(args.model, data.num_classes, data.input_shape).to(device)
+    checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
     if args.check:
         print0(f"check: no process group (DataParallel is one process); {world} device(s): "
                f"{gpu_ids or ['cpu']}")
@@ -134,7 +140,7 @@ def train(args, env: common.DistEnv) -> int:
         return 0
     # From here on, randomness is this process's own (crops, flips, dropout, loader workers).
     torch.manual_seed(common.seed_for_rank(args.seed, rank))
-    model, prepare = common.input_pipeline(data, model, device)
+    model, prepare = datautils.input_pipeline(data, model, device)
     # DataParallel: the master copy lives on GPU 0 and is replicated to every GPU each step;
     # each replica runs in its own thread, so autocast is entered inside it.
     inner = torch.compile(model) if args.compile else model
@@ -145,13 +151,13 @@ def train(args, env: common.DistEnv) -> int:
     # loader's batch is the global batch, which DataParallel splits into one chunk per GPU.
     train_sampler = DistributedSampler(data.train, num_replicas=1, rank=0, shuffle=True,
                                        seed=args.seed, drop_last=True)
-    train_batches = common.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
+    train_batches = checkpoint.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=1, rank=0, shuffle=False)
-    train_loader = common.make_loader(data.train, train_batches, global_batch, args, device,
-                                      drop_last=True)
-    val_loader = common.make_loader(data.val, val_sampler, global_batch, args, device,
-                                    start_now=True, val=True)
-    val_real = common.real_samples(val_sampler)
+    train_loader = datautils.make_loader(data.train, train_batches, global_batch, args, device,
+                                         drop_last=True)
+    val_loader = datautils.make_loader(data.val, val_sampler, global_batch, args, device,
+                                       start_now=True, val=True)
+    val_real = datautils.real_samples(val_sampler)
 
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
@@ -165,7 +171,7 @@ def train(args, env: common.DistEnv) -> int:
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-    ckpt = common.Checkpoints(args, state, save_checkpoint, load_checkpoint, device, 1)
+    ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint, device)
     start_epoch, start_step = ckpt.resume()
     metrics = ckpt.metrics
 
@@ -173,7 +179,7 @@ def train(args, env: common.DistEnv) -> int:
     if args.max_steps_per_epoch:
         steps = min(steps, args.max_steps_per_epoch)
     gpus = [torch.device("cuda", i) for i in gpu_ids] or [device]
-    start = common.now()
+    start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
         skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
@@ -185,9 +191,9 @@ def train(args, env: common.DistEnv) -> int:
         for gpu in gpus:
             common.reset_peak_memory(gpu)  # this epoch's peak, not the whole run's
             common.synchronize(gpu)
-        t0 = common.now()
+        t0 = time.perf_counter()
         # to_device: on CUDA the next batch's copy overlaps this step's compute
-        batches = common.to_device(train_loader, device)
+        batches = datautils.to_device(train_loader, device)
         for step, (images, labels) in enumerate(batches, start=skip):
             if step >= steps:
                 break
@@ -209,19 +215,19 @@ def train(args, env: common.DistEnv) -> int:
                 return common.REQUEUE_EXIT
         for gpu in gpus:
             common.synchronize(gpu)
-        train_time = common.now() - t0
+        train_time = time.perf_counter() - t0
         ckpt.check_finite(epoch)  # host sync, once per epoch
         scheduler.step()
 
         val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
 
-        # No reduction: one process saw every sample, so these sums are already global. One
-        # host sync per epoch (the .tolist() below), not one per step.
-        totals = torch.cat([sums, val_sums])
+        # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. One host
+        # sync per epoch (the .tolist() below), not one per step.
+        totals = common.all_reduce(torch.cat([sums, val_sums]))
         t_loss, t_correct, t_n, v_loss, v_correct, v_n = totals.tolist()
-        peaks = [common.peak_memory_mib(gpu) for gpu in gpus]  # GPU 0 holds the most
-        epoch_time = train_time
-
+        time_t = torch.tensor(train_time, device=device, dtype=torch.float64)
+        epoch_time = common.all_reduce(time_t, dist.ReduceOp.MAX).item()  # the slowest rank's
+        peaks = common.peak_memory_per_gpu(gpus)  # GPU 0 holds the most
         metrics = dict(
             strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
             world_size=world, nodes=1, gpus_per_node=world,
@@ -235,13 +241,13 @@ def train(args, env: common.DistEnv) -> int:
         )
         print0(common.format_epoch_line(metrics))
         print0(common.format_metric_line(metrics))
-        common.report_skipped(t_n, (steps - skip) * global_batch, v_n, len(data.val))
+        datautils.report_skipped(t_n, (steps - skip) * global_batch, v_n, len(data.val))
         ckpt.end_epoch(epoch, metrics)
     ckpt.finish()
 
-    total_time = common.now() - start
+    total_time = time.perf_counter() - start
     if args.save_model and is_main:
-        common.save_state_dict(model.state_dict(), args.save_model)  # unwrapped weights
+        checkpoint.atomic_save(model.state_dict(), args.save_model)  # unwrapped weights
         print0(f"saved model state_dict to {args.save_model}")
     if not metrics:
         print0("nothing to train: the checkpoint is already past --epochs")
@@ -257,4 +263,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    common.end_process(main())  # leaves without the interpreter's teardown: see end_process
+    end_process(main())  # leaves without the interpreter's teardown: see end_process

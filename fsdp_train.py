@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -49,8 +50,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler
 from torchvision.models.resnet import ResNet
 
+import checkpoint
 import common
-from common import UsageError, print0
+import datautils
+import models
+from common import print0
+from faults import UsageError, end_process
 
 STRATEGY = "fsdp"
 SHARDING = ("full", "grad-op", "hybrid")
@@ -98,7 +103,7 @@ def shard_units(model: nn.Module) -> list:
     if isinstance(model, ResNet):  # every bottleneck (or basic) block of the four stages
         return [block for stage in (model.layer1, model.layer2, model.layer3, model.layer4)
                 for block in stage]
-    if isinstance(model, (common.CifarCNN, common.MnistNet)):  # every layer with weights
+    if isinstance(model, (models.CifarCNN, models.MnistNet)):  # every layer with weights
         return [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
     units = []  # other torchvision models: the children of their top-level containers
     for child in model.children():
@@ -135,8 +140,8 @@ def save_checkpoint(path, state: dict, meta: dict) -> None:
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
     if dist.get_rank() == 0:
         small = {name: state[name].state_dict() for name in ("scheduler", "scaler")}
-        common.atomic_save(small | meta, tmp / "meta.pt")
-        common.replace_checkpoint(tmp, path)
+        checkpoint.atomic_save(small | meta, tmp / "meta.pt")
+        checkpoint.replace_checkpoint(tmp, path)
     dist.barrier()  # nobody moves on before the checkpoint is complete
 
 
@@ -167,8 +172,8 @@ def train(args, env: common.DistEnv) -> int:
     print0(f"sharding: {args.sharding} over mesh {tuple(mesh.shape)} "
            f"{mesh.mesh_dim_names}")
 
-    data = common.build_data(args, is_main)
-    common.check_writable(args.save_model)
+    data = datautils.build_data(args, is_main)
+    checkpoint.check_writable(args.save_model)
     global_batch = args.batch_size * world
     if global_batch > len(data.train):
         raise UsageError(f"global batch {global_batch} ({args.batch_size} per process x {world}) "
@@ -183,17 +188,17 @@ def train(args, env: common.DistEnv) -> int:
     # Same seed on every rank: identical full weights before sharding, so each rank keeps
     # its slice of the same model.
     torch.manual_seed(args.seed)
-    model = common.build_model(args.model, data.num_classes, data.input_shape).to(device)
-    common.check_checkpoint_dir(args.checkpoint_dir, model)
+    model = models.build_model(args.model, data.num_classes, data.input_shape).to(device)
+    checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
     if args.check:
-        common.collective_check(device, world, print0)
+        common.collective_check(device, world)
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
     # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
     # the same crop as rank 0's i-th sample at every step).
     torch.manual_seed(common.seed_for_rank(args.seed, rank))
-    model, prepare = common.input_pipeline(data, model, device)
+    model, prepare = datautils.input_pipeline(data, model, device)
     model = apply_fsdp(model, mesh, args)
     step_model = torch.compile(model) if args.compile else model
 
@@ -201,13 +206,13 @@ def train(args, env: common.DistEnv) -> int:
     # (seed, epoch) only, so all ranks agree on it. drop_last keeps the shards equal.
     train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True,
                                        seed=args.seed, drop_last=True)
-    train_batches = common.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
+    train_batches = checkpoint.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
-    train_loader = common.make_loader(data.train, train_batches, args.batch_size, args, device,
-                                      drop_last=True)
-    val_loader = common.make_loader(data.val, val_sampler, args.batch_size, args, device,
-                                    start_now=True, val=True)
-    val_real = common.real_samples(val_sampler)
+    train_loader = datautils.make_loader(data.train, train_batches, args.batch_size, args, device,
+                                         drop_last=True)
+    val_loader = datautils.make_loader(data.val, val_sampler, args.batch_size, args, device,
+                                       start_now=True, val=True)
+    val_real = datautils.real_samples(val_sampler)
 
     criterion = nn.CrossEntropyLoss()
     # The optimizer sees the sharded parameters: its momentum buffers are sharded too. (No
@@ -222,14 +227,14 @@ def train(args, env: common.DistEnv) -> int:
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-    ckpt = common.Checkpoints(args, state, save_checkpoint, load_checkpoint, device, world)
+    ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint, device)
     start_epoch, start_step = ckpt.resume()
     metrics = ckpt.metrics
 
     steps = len(train_loader)
     if args.max_steps_per_epoch:
         steps = min(steps, args.max_steps_per_epoch)
-    start = common.now()
+    start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
         skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
@@ -240,9 +245,9 @@ def train(args, env: common.DistEnv) -> int:
         sums = torch.zeros(3, device=device, dtype=torch.float64)
         common.reset_peak_memory(device)  # this epoch's peak, not the whole run's
         common.synchronize(device)
-        t0 = common.now()
+        t0 = time.perf_counter()
         # to_device: on CUDA the next batch's copy overlaps this step's compute
-        batches = common.to_device(train_loader, device)
+        batches = datautils.to_device(train_loader, device)
         for step, (images, labels) in enumerate(batches, start=skip):
             if step >= steps:
                 break
@@ -264,7 +269,7 @@ def train(args, env: common.DistEnv) -> int:
             if ckpt.after_step(loss, epoch, step + 1, steps):  # a stop signal: saved, stop
                 return common.REQUEUE_EXIT
         common.synchronize(device)
-        train_time = common.now() - t0
+        train_time = time.perf_counter() - t0
         ckpt.check_finite(epoch)  # host sync, once per epoch
         scheduler.step()
 
@@ -272,15 +277,11 @@ def train(args, env: common.DistEnv) -> int:
 
         # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. One host
         # sync per epoch (the .tolist() below), not one per step.
-        totals = torch.cat([sums, val_sums])
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        totals = common.all_reduce(torch.cat([sums, val_sums]))
         t_loss, t_correct, t_n, v_loss, v_correct, v_n = totals.tolist()
-        time_t = torch.tensor([train_time], device=device, dtype=torch.float64)
-        dist.all_reduce(time_t, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-        peaks = torch.zeros(world, device=device, dtype=torch.float64)
-        peaks[rank] = common.peak_memory_mib(device)
-        dist.all_reduce(peaks, op=dist.ReduceOp.SUM)  # every rank's peak, for the per-GPU list
-        epoch_time = time_t.item()
+        time_t = torch.tensor(train_time, device=device, dtype=torch.float64)
+        epoch_time = common.all_reduce(time_t, dist.ReduceOp.MAX).item()  # the slowest rank's
+        peaks = common.peak_memory_per_gpu([device])
         metrics = dict(
             strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
             world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
@@ -290,21 +291,21 @@ def train(args, env: common.DistEnv) -> int:
             val_loss=v_loss / max(v_n, 1), val_acc=100.0 * v_correct / max(v_n, 1),
             train_images=int(t_n), val_images=int(v_n), epoch_time_s=epoch_time,
             throughput_img_s=t_n / epoch_time if epoch_time > 0 else 0.0,
-            peak_mem_mib=max(peaks.tolist()), peak_mem_per_gpu_mib=peaks.tolist(),
+            peak_mem_mib=max(peaks), peak_mem_per_gpu_mib=peaks,
         )
         print0(common.format_epoch_line(metrics))
         print0(common.format_metric_line(metrics))
-        common.report_skipped(t_n, (steps - skip) * global_batch, v_n, len(data.val))
+        datautils.report_skipped(t_n, (steps - skip) * global_batch, v_n, len(data.val))
         ckpt.end_epoch(epoch, metrics)
     ckpt.finish()
 
-    total_time = common.now() - start
+    total_time = time.perf_counter() - start
     if args.save_model:
         # collective: every rank sends its shards; rank 0 receives the full tensors on CPU
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                     cpu_offload=True))
         if is_main:
-            common.save_state_dict(full, args.save_model)
+            checkpoint.atomic_save(full, args.save_model)
             print0(f"saved full (unsharded) model state_dict to {args.save_model}")
     if not metrics:
         print0("nothing to train: the checkpoint is already past --epochs")
@@ -320,4 +321,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    common.end_process(main())  # leaves without the interpreter's teardown: see end_process
+    end_process(main())  # leaves without the interpreter's teardown: see end_process

@@ -1,4 +1,5 @@
-"""Decode TinyImageNet once into memory-mapped uint8 arrays: the input of --data-cache.
+"""TinyImageNet on disk: its original layout (``scan_tinyimagenet``), and a decode-once cache
+of it in memory-mapped uint8 arrays, the input of --data-cache.
 
 Decoding 100,000 JPEGs with PIL every epoch keeps a GPU waiting; decoded once, a batch is one
 read from a memory map. Run it once per node (the Slurm launchers do, before torchrun), or let
@@ -9,7 +10,7 @@ the first training run with --data-cache build it on each node's local rank 0:
     torchrun --nproc-per-node 4 ddp_train.py --data-dir /data/tiny-imagenet-200 --data-cache
 
 It writes, per split, {split}_u8.npy (N x 64 x 64 x 3), {split}_labels.npy and
-{split}_meta.json; common.CachedSplit reads them. The meta file holds a checksum of the file
+{split}_meta.json; datautils.CachedSplit reads them. The meta file holds a checksum of the file
 list (names, labels, sizes): when the dataset changes the cache is rebuilt, otherwise reused.
 Unreadable images are left out and counted (--strict: stop and name the first).
 """
@@ -27,12 +28,121 @@ from pathlib import Path
 
 import numpy as np
 
-import common
-from common import UsageError
+from faults import UsageError
+
+# --------------------------------------------------------------------------------------------
+# The layout: which file is which class
+# --------------------------------------------------------------------------------------------
 
 CACHE_VERSION = 1
 SPLITS = ("train", "val")
+IMG_EXTENSIONS = (".jpeg", ".jpg", ".png")
 
+
+def read_text_file(path: Path) -> str:
+    """A dataset text file (wnids.txt, val_annotations.txt) as str, or a UsageError naming it
+    when it cannot be read or is not UTF-8 text (a damaged or wrong file)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path} is not a text file (bytes that are not UTF-8 at offset "
+                         f"{exc.start}): restore it from the dataset archive") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {path} ({exc.strerror or exc}): make it readable or "
+                         f"restore it from the dataset archive") from None
+
+
+def _images_in(folder: Path) -> list:
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMG_EXTENSIONS)
+
+
+def scan_tinyimagenet(root) -> tuple:
+    """Read TinyImageNet's ORIGINAL layout: classes from wnids.txt (sorted), train images from
+    train/<wnid>/images/, val labels from val/val_annotations.txt (val/images/ is one flat
+    folder; reading it with ImageFolder would give every image the same label). A val folder
+    already split into val/<wnid>/[images/] is accepted too.
+
+    Returns (classes, train_samples, val_samples) with samples as (path, class index).
+    """
+    root = Path(root)
+    hint = "point --data-dir at the tiny-imagenet-200 folder (it holds wnids.txt, train/, val/)"
+    if not root.is_dir():
+        raise UsageError(f"data dir {root} does not exist: {hint}")
+    wnids_file = root / "wnids.txt"
+    if not wnids_file.is_file():
+        raise UsageError(f"{wnids_file} is missing: {hint}")
+    classes = sorted({w.strip() for w in read_text_file(wnids_file).split() if w.strip()})
+    if not classes:
+        raise UsageError(f"{wnids_file} lists no class ids: restore it from the dataset archive")
+    index = {wnid: i for i, wnid in enumerate(classes)}
+
+    train_dir = root / "train"
+    if not train_dir.is_dir():
+        raise UsageError(f"{train_dir} is missing: {hint}")
+    for d in sorted(p for p in train_dir.iterdir() if p.is_dir()):
+        if d.name not in index:
+            raise UsageError(f"train/{d.name} is not listed in wnids.txt: remove the folder "
+                             f"or restore wnids.txt from the dataset archive")
+    train = []
+    for wnid in classes:
+        folder = train_dir / wnid / "images"
+        if not folder.is_dir():
+            folder = train_dir / wnid
+        if not folder.is_dir():
+            raise UsageError(f"no training folder for class {wnid} (expected "
+                             f"{train_dir / wnid / 'images'}): {hint}")
+        images = _images_in(folder)
+        if not images:
+            raise UsageError(f"{folder} holds no images: restore it from the dataset archive")
+        train += [(str(p), index[wnid]) for p in images]
+
+    val_dir = root / "val"
+    annotations = val_dir / "val_annotations.txt"
+    val = []
+    if annotations.is_file():
+        images_dir = val_dir / "images"
+        for lineno, line in enumerate(read_text_file(annotations).splitlines(), 1):
+            parts = line.split()
+            if not parts:
+                continue
+            if len(parts) < 2:
+                raise UsageError(f"{annotations}:{lineno} is malformed (expected "
+                                 f"'<file> <wnid> ...'): restore it from the dataset archive")
+            name, wnid = parts[0], parts[1]
+            if wnid not in index:
+                raise UsageError(f"{annotations}:{lineno} names class {wnid}, which is not in "
+                                 f"wnids.txt: the data dir mixes two datasets; restore both "
+                                 f"files from the same archive")
+            path = images_dir / name
+            if not path.is_file():
+                raise UsageError(f"{annotations}:{lineno} names {path}, which does not exist: "
+                                 f"restore val/images/ from the dataset archive")
+            val.append((str(path), index[wnid]))
+        annotated = {Path(p).name for p, _ in val}
+        stray = [p.name for p in _images_in(images_dir) if p.name not in annotated] \
+            if images_dir.is_dir() else []
+        if stray:
+            raise UsageError(f"{len(stray)} image(s) in {images_dir} have no line in "
+                             f"{annotations} (first: {stray[0]}): restore both from the same "
+                             f"dataset archive")
+    elif val_dir.is_dir() and any((val_dir / w).is_dir() for w in classes):
+        for wnid in classes:  # already reorganised into one folder per class
+            folder = val_dir / wnid / "images" if (val_dir / wnid / "images").is_dir() \
+                else val_dir / wnid
+            if folder.is_dir():
+                val += [(str(p), index[wnid]) for p in _images_in(folder)]
+    else:
+        raise UsageError(f"{annotations} is missing and val/ is not split into class folders: "
+                         f"the labels of val/images/ live only in val_annotations.txt; restore "
+                         f"it from the dataset archive")
+    if not val:
+        raise UsageError(f"{val_dir} holds no validation images: restore it from the archive")
+    return classes, train, val
+
+
+# --------------------------------------------------------------------------------------------
+# The cache
+# --------------------------------------------------------------------------------------------
 
 def default_cache_dir(data_dir) -> Path:
     """Beside the data (tiny-imagenet-200 -> tiny-imagenet-200-cache) when that is writable,
@@ -86,7 +196,7 @@ def _decode_rgb(path):
 
 def _default_sigterm() -> None:
     """Pool workers: the pool ends them with SIGTERM, which a training process's forked
-    children otherwise ignore (common._child_signals)."""
+    children otherwise ignore (faults._child_signals)."""
     import signal
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
@@ -139,10 +249,10 @@ def prepare(root, directory, strict: bool = False, workers: int = 1, log=print,
             scanned=None) -> Path:
     """Make sure ``directory`` holds a valid cache of the TinyImageNet tree at ``root``:
     build each split that is missing or stale, reuse the others. ``scanned``: the result of
-    common.scan_tinyimagenet(root), when the caller has it already. Returns the directory."""
+    scan_tinyimagenet(root), when the caller has it already. Returns the directory."""
     root = Path(root)
     directory = cache_dir(root, directory)
-    _, train, val = scanned or common.scan_tinyimagenet(root)
+    _, train, val = scanned or scan_tinyimagenet(root)
     try:
         for split, samples in zip(SPLITS, (train, val)):
             checksum = file_list_checksum(root, samples)

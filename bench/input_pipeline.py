@@ -30,6 +30,8 @@ import torch  # noqa: E402
 from torch.utils.data import DistributedSampler  # noqa: E402
 
 import common  # noqa: E402
+import faults  # noqa: E402
+import datautils  # noqa: E402
 
 
 def rate(loader, seconds: float, warmup: int = 2) -> float:
@@ -63,10 +65,10 @@ def main(argv=None) -> int:
                               strict=False, num_workers=cpus, data_cache=None, seed=0,
                               data_on_device=False)
     try:
-        folder = common.build_data(args, True)
+        folder = datautils.build_data(args, True)
         args.data_cache = a.cache_dir
-        cached = common.build_data(args, True)  # builds the cache on first use
-    except common.UsageError as err:
+        cached = datautils.build_data(args, True)  # builds the cache on first use
+    except faults.UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
@@ -76,14 +78,14 @@ def main(argv=None) -> int:
     folder_rates = {}
     for workers in range(0, (a.max_workers if a.max_workers is not None else cpus) + 1):
         args.num_workers = workers
-        loader = common.make_loader(folder.train, sampler(folder.train), a.batch_size, args,
+        loader = datautils.make_loader(folder.train, sampler(folder.train), a.batch_size, args,
                                     device, drop_last=True)
         folder_rates[workers] = rate(loader, a.seconds)
     best_w = max(folder_rates, key=folder_rates.get)
     cache_rates = {}
     for workers in (0, 1):
         args.num_workers = workers
-        loader = common.make_loader(cached.train, sampler(cached.train), a.batch_size, args,
+        loader = datautils.make_loader(cached.train, sampler(cached.train), a.batch_size, args,
                                     device, drop_last=True)
         cache_rates[workers] = rate(loader, a.seconds)
     best_c = max(cache_rates, key=cache_rates.get)

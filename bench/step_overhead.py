@@ -30,6 +30,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import common  # noqa: E402
+import models  # noqa: E402
+import checkpoint  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -44,31 +46,31 @@ def main(argv=None) -> int:
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     torch.manual_seed(0)
-    shape, classes = common.synthetic_shape(args.model)
-    base = common.build_model(args.model, classes, shape).to(device)
+    shape, classes = models.synthetic_shape(args.model)
+    base = models.build_model(args.model, classes, shape).to(device)
     ids = [0] if device.type == "cuda" else None
-    models = {"bare": copy.deepcopy(base),
+    variants = {"bare": copy.deepcopy(base),
               "ddp": DDP(copy.deepcopy(base), device_ids=ids, gradient_as_bucket_view=True),
               "ddp+metrics": DDP(copy.deepcopy(base), device_ids=ids,
                                  gradient_as_bucket_view=True)}
     d = common.add_common_args(argparse.ArgumentParser()).parse_args([])  # ddp_train's SGD
     opts = {k: torch.optim.SGD(m.parameters(), lr=d.lr, momentum=d.momentum,
-                               weight_decay=d.weight_decay) for k, m in models.items()}
+                               weight_decay=d.weight_decay) for k, m in variants.items()}
     x = torch.randn(args.batch_size, *shape, device=device)
     y = torch.randint(0, classes, (args.batch_size,), device=device)
     criterion = torch.nn.CrossEntropyLoss()
     scaler = torch.amp.GradScaler(device.type, enabled=False)  # as in an fp32 run
-    stop = common.StopRequest(1)
+    stop = checkpoint.StopRequest()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     correct = torch.zeros((), device=device, dtype=torch.float64)
     bad = torch.zeros((), device=device, dtype=torch.int64)
     first_bad = torch.full((), -1, device=device, dtype=torch.int64)
-    times = {k: [] for k in models}
-    names = list(models)
+    times = {k: [] for k in variants}
+    names = list(variants)
     for rnd in range(args.rounds):
         k = rnd % len(names)  # rotate: no variant always runs last
         for name in names[k:] + names[:k]:
-            model, opt = models[name], opts[name]
+            model, opt = variants[name], opts[name]
             for i in range(args.steps):
                 common.synchronize(device)
                 t = time.perf_counter()
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
                     scaler.update()
                     loss_sum += loss.detach().double() * y.size(0)
                     correct += (out.argmax(1) == y).sum()
-                    common.track_finite(loss, i, bad, first_bad)
+                    checkpoint.track_finite(loss, i, bad, first_bad)
                     stop.should_stop()
                 else:
                     loss.backward()

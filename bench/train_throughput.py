@@ -33,6 +33,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import models  # noqa: E402
+import datautils  # noqa: E402
 
 
 def ddp_throughput(args, extra) -> float:
@@ -55,8 +57,8 @@ def plain_throughput(args) -> float:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
-    shape, classes = common.synthetic_shape(args.model)
-    model = common.build_model(args.model, classes, shape).to(device)
+    shape, classes = models.synthetic_shape(args.model)
+    model = models.build_model(args.model, classes, shape).to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     d = common.add_common_args(argparse.ArgumentParser()).parse_args([])  # ddp_train's SGD
@@ -64,8 +66,8 @@ def plain_throughput(args) -> float:
                           weight_decay=d.weight_decay, fused=device.type == "cuda")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    data = common.SyntheticImages(args.batch_size * args.steps, shape, classes, 0, "train")
-    batches = common.DeviceResident(data, torch.utils.data.RandomSampler(data), args.batch_size,
+    data = datautils.SyntheticImages(args.batch_size * args.steps, shape, classes, 0, "train")
+    batches = datautils.DeviceResident(data, torch.utils.data.RandomSampler(data), args.batch_size,
                                     True, device)  # as ddp_train.py --data-on-device
     model.train()
     for epoch in range(2):

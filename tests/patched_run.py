@@ -19,7 +19,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-import common  # noqa: E402  (the module object the script will import too)
+import checkpoint  # noqa: E402  (the module objects the script will import too)
+import datautils  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -27,19 +28,19 @@ RANK = int(os.environ.get("RANK", "0"))
 def nan_on_rank1(out: Path) -> None:
     """Rank 1 alone records a non-finite loss at step index 2 (its gradients stay finite, so
     the other ranks see nothing wrong): only a vote can stop every rank together."""
-    real = common.track_finite
+    real = checkpoint.track_finite
 
     def track_finite(loss, step, bad_steps, first_bad):
         if RANK == 1 and step == 2:
             loss = torch.full_like(loss, float("nan"))
         real(loss, step, bad_steps, first_bad)
-    common.track_finite = track_finite
+    checkpoint.track_finite = track_finite
 
 
 def record_augment(out: Path) -> None:
     """The first training batch's device augmentation, applied to one fixed canary batch:
     saved per rank, so a test compares the crops and flips that the ranks drew."""
-    real = common.DeviceAugment.__call__
+    real = datautils.DeviceAugment.__call__
     done = []
 
     def call(self, images, train):
@@ -49,19 +50,19 @@ def record_augment(out: Path) -> None:
             canary = canary.to(torch.uint8).view(8, 64, 64, 3).to(images.device)
             torch.save(real(self, canary, True).cpu(), out / f"augment-rank{RANK}.pt")
         return real(self, images, train)
-    common.DeviceAugment.__call__ = call
+    datautils.DeviceAugment.__call__ = call
 
 
 def record_worker_seed(out: Path) -> None:
     """The seed of each DataLoader worker that reads training images (folder path)."""
-    real = common.ImageList.__getitem__
+    real = datautils.ImageList.__getitem__
 
     def getitem(self, index):
         mark = out / f"worker-rank{RANK}-pid{os.getpid()}.txt"
         if self.transform is not None and not mark.exists():
             mark.write_text(str(torch.initial_seed()))
         return real(self, index)
-    common.ImageList.__getitem__ = getitem
+    datautils.ImageList.__getitem__ = getitem
 
 
 if __name__ == "__main__":

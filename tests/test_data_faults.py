@@ -17,6 +17,9 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 import common
+import models
+import faults
+import datautils
 import prepare_tinyimagenet
 from conftest import check_ok, metrics, run_script
 
@@ -62,8 +65,8 @@ def _all_ranks(model, dataset, world, batch, args, prepare=None):
     total = torch.zeros(3, dtype=torch.float64)
     for rank in range(world):
         sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
-        loader = common.make_loader(dataset, sampler, batch, args, CPU, val=True)
-        total += common.evaluate(model, loader, CPU, None, common.real_samples(sampler), prepare)
+        loader = datautils.make_loader(dataset, sampler, batch, args, CPU, val=True)
+        total += common.evaluate(model, loader, CPU, None, datautils.real_samples(sampler), prepare)
     return total
 
 
@@ -82,9 +85,9 @@ def damaged(tiny_imagenet, tmp_path_factory):
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_unreadable_val_images_leave_count_and_sums_exact(damaged, world):
     data_dir, model = damaged
-    val = common.build_data(_args(data_dir), True).val
+    val = datautils.build_data(_args(data_dir), True).val
     for n in (37, 40):  # 37 is padded at every world size above 1, 40 at 3
-        subset = common.ImageList(val.samples[:n], val.transform)
+        subset = datautils.ImageList(val.samples[:n], val.transform)
         want = _truth(model, subset)
         assert want[2] == n - 5
         for batch in (5, 8):  # no batch made of unreadable images only
@@ -99,11 +102,11 @@ def test_cache_path_still_counts_each_val_image_once(damaged, tmp_path, on_devic
     """The cache leaves unreadable images out when it is built: its batches (and
     --data-on-device's) carry no survivors mask, and evaluate() counts them as before."""
     data_dir, model = damaged
-    want = _truth(model, common.build_data(_args(data_dir), True).val)
+    want = _truth(model, datautils.build_data(_args(data_dir), True).val)
     args = _args(data_dir, cache=str(tmp_path / "c"), on_device=on_device)
-    data = common.build_data(args, True)
+    data = datautils.build_data(args, True)
     assert len(data.val) == 35
-    model, prepare = common.input_pipeline(data, model, CPU)
+    model, prepare = datautils.input_pipeline(data, model, CPU)
     got = _all_ranks(model, data.val, 3, 8, args, prepare)
     assert got[2] == want[2] == 35 and got[1] == want[1]
     assert got[0].item() == pytest.approx(want[0].item(), rel=1e-4)
@@ -127,10 +130,10 @@ def test_script_reports_exact_val_metrics_with_an_unreadable_image(tiny_imagenet
                                "--amp", "off", "--save-model", str(weights)], nproc=nproc)
     check_ok(proc)
     m = metrics(proc.stdout)[-1]
-    model = common.build_model("squeezenet1_1", 4, (3, 64, 64))
+    model = models.build_model("squeezenet1_1", 4, (3, 64, 64))
     model.load_state_dict(torch.load(weights, weights_only=True))
     loss_sum, correct, count = _truth(model.eval(),
-                                      common.build_data(_args(data_dir), True).val).tolist()
+                                      datautils.build_data(_args(data_dir), True).val).tolist()
     assert count == 40 - len(drop) - len(unreadable)
     assert int(m["val_images"]) == count
     assert float(m["val_loss"]) == pytest.approx(loss_sum / count, rel=1e-4)
@@ -154,8 +157,8 @@ def test_binary_wnids_is_one_line_exit_2_for_every_script(tiny_imagenet, tmp_pat
 
 
 def test_unreadable_dataset_file_is_a_usage_error(tmp_path):
-    with pytest.raises(common.UsageError, match=f"cannot read {tmp_path} "):
-        common.read_text_file(tmp_path)  # a folder where a file should be
+    with pytest.raises(faults.UsageError, match=f"cannot read {tmp_path} "):
+        prepare_tinyimagenet.read_text_file(tmp_path)  # a folder where a file should be
 
 
 @pytest.mark.parametrize("meta", [b"\xff\xfe\x00", b"[]", b'{"version": 1}',

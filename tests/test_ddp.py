@@ -14,6 +14,9 @@ import torch
 from torch.utils.data import DistributedSampler
 
 import common
+import models
+import prepare_tinyimagenet
+import datautils
 from conftest import FAST, REPO, check_ok, env_for_tests, epoch_lines, metrics, run_script
 
 
@@ -61,7 +64,7 @@ def test_two_processes_equal_one_process_with_double_batch(tmp_path):
     check_ok(two)
     w1, w2 = _weights(tmp_path / "one.pt"), _weights(tmp_path / "two.pt")
     assert w1.keys() == w2.keys() and not any(k.startswith("module.") for k in w1)
-    fresh = common.build_model("cnn", 10, (3, 32, 32)).state_dict()
+    fresh = models.build_model("cnn", 10, (3, 32, 32)).state_dict()
     assert w1.keys() == fresh.keys()
     moved = diff = 0.0
     for k in w1:
@@ -88,10 +91,10 @@ def test_validation_counts_each_sample_once_when_world_does_not_divide(tmp_path)
     m = metrics(proc.stdout)[-1]
     assert m["val_images"] == "65"
     # recompute the validation metrics of the saved weights in one process, no sampler
-    model = common.build_model("cnn", 10, (3, 32, 32))
+    model = models.build_model("cnn", 10, (3, 32, 32))
     model.load_state_dict(_weights(tmp_path / "m.pt"))
     model.eval()
-    val = common.SyntheticImages(65, (3, 32, 32), 10, 0, "val")
+    val = datautils.SyntheticImages(65, (3, 32, 32), 10, 0, "val")
     x = torch.stack([val[i][0] for i in range(65)])
     y = torch.tensor([val[i][1] for i in range(65)])
     with torch.no_grad():
@@ -129,14 +132,14 @@ def test_real_samples_matches_padding(n, world):
     counted = []
     for rank in range(world):
         s = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
-        k = common.real_samples(s)
+        k = datautils.real_samples(s)
         counted += list(s)[:k]
     assert sorted(counted) == dataset
 
 
 def test_tinyimagenet_labels_follow_annotations(tiny_imagenet):
     root, info = tiny_imagenet
-    classes, train, val = common.scan_tinyimagenet(root)
+    classes, train, val = prepare_tinyimagenet.scan_tinyimagenet(root)
     assert classes == sorted(info["wnids"]) and len(classes) == 4
     index = {w: i for i, w in enumerate(classes)}
     assert len(val) == 40 and len(train) == 160
@@ -157,7 +160,7 @@ def test_tinyimagenet_reorganised_val_folder(tiny_imagenet, tmp_path):
         shutil.move(copy / "val" / "images" / name, copy / "val" / wnid / name)
     (copy / "val" / "val_annotations.txt").unlink()
     (copy / "val" / "images").rmdir()
-    classes, _, val = common.scan_tinyimagenet(copy)
+    classes, _, val = prepare_tinyimagenet.scan_tinyimagenet(copy)
     index = {w: i for i, w in enumerate(classes)}
     assert sorted((os.path.basename(p), l) for p, l in val) == \
         sorted((n, index[w]) for n, w in info["val_labels"].items())
@@ -290,9 +293,9 @@ def test_cache_and_folder_paths_give_the_same_pixels_and_labels(tiny_imagenet, t
                               data_on_device=False,
                               strict=False, num_workers=1, data_cache=str(tmp_path / "c"),
                               seed=0)
-    cached = common.build_data(args, True)
+    cached = datautils.build_data(args, True)
     args.data_cache = None
-    folder = common.build_data(args, True)
+    folder = datautils.build_data(args, True)
     assert cached.train.targets == folder.train.targets
     assert cached.val.targets == folder.val.targets
     norm = cached.device_augment
@@ -304,7 +307,7 @@ def test_cache_and_folder_paths_give_the_same_pixels_and_labels(tiny_imagenet, t
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     # training pixels: the un-augmented folder image (ToTensor + Normalize) vs the cache
     from torchvision import transforms as T
-    plain = T.Compose([T.ToTensor(), T.Normalize(*common.NORMALIZE["tinyimagenet"])])
+    plain = T.Compose([T.ToTensor(), T.Normalize(*datautils.NORMALIZE["tinyimagenet"])])
     tr_u8, _ = cached.train[list(range(8))]
     from PIL import Image
     for i in range(8):
@@ -315,7 +318,7 @@ def test_cache_and_folder_paths_give_the_same_pixels_and_labels(tiny_imagenet, t
     torch.manual_seed(0)
     aug = norm(tr_u8[:4], train=True)
     base = norm(tr_u8[:4], train=False)
-    mean, std = (torch.tensor(v).view(1, -1, 1, 1) for v in common.NORMALIZE["tinyimagenet"])
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1) for v in datautils.NORMALIZE["tinyimagenet"])
     padded = torch.nn.functional.pad(base * std + mean, (4, 4, 4, 4))
     padded = (padded - mean) / std
     for b in range(4):
@@ -357,9 +360,9 @@ def test_started_loader_drops_its_early_batches(tiny_imagenet, tmp_path, cached)
                               data_on_device=False,
                               strict=False, num_workers=1, seed=0,
                               data_cache=str(tmp_path / "c") if cached else None)
-    data = common.build_data(args, True)
+    data = datautils.build_data(args, True)
     sampler = DistributedSampler(data.val, num_replicas=1, rank=0, shuffle=False)
-    loader = common.make_loader(data.val, sampler, 7, args, torch.device("cpu"),
+    loader = datautils.make_loader(data.val, sampler, 7, args, torch.device("cpu"),
                                 start_now=True)
     assert loader._iterator is not None and loader._iterator._workers[0].is_alive()
     for _ in range(2):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import common
+import checkpoint
 from conftest import REPO, check_ok, env_for_tests, metrics, read_until, run_script, wait_for
 
 # 20 steps per epoch at 1 x 16 (10 per rank at 2 x 16... per rank 160 samples / 16 = 10)
@@ -69,16 +70,16 @@ def test_killed_after_first_checkpoint_resumes_to_same_weights(uninterrupted, tm
     ck = tmp_path / "ck"
     args = RUN + ["--checkpoint-dir", str(ck), "--checkpoint-every", "3"]
     proc = _start(_torchrun(script, args, 2))
-    assert wait_for(lambda: common.list_checkpoints(ck) or proc.poll() is not None)
+    assert wait_for(lambda: checkpoint.list_checkpoints(ck) or proc.poll() is not None)
     _kill_job(proc)  # the whole job, as a node failure would
-    assert common.list_checkpoints(ck), "no checkpoint before the kill"
+    assert checkpoint.list_checkpoints(ck), "no checkpoint before the kill"
     resumed = run_script(script, args + ["--save-model", str(tmp_path / "r.pt")], nproc=2)
     check_ok(resumed)
     assert "Resumed from epoch 1, step " in resumed.stdout
     _same_weights(uninterrupted, tmp_path / "r.pt")
     m = metrics(resumed.stdout)[-1]
     assert m["epoch"] == "2" and m["train_images"] == "320"  # the epoch is counted whole
-    assert len(common.list_checkpoints(ck)) == 2  # --keep-checkpoints 2
+    assert len(checkpoint.list_checkpoints(ck)) == 2  # --keep-checkpoints 2
 
 
 def test_sigusr1_checkpoints_exits_75_and_resumes(tmp_path):
@@ -112,7 +113,7 @@ def test_dp_sigterm_exit_code_is_75(tmp_path):
     ck = tmp_path / "ck"
     proc = _start([sys.executable, str(REPO / "dp_train.py"), *RUN, "--epochs", "30",
                    "--checkpoint-dir", str(ck)])
-    assert wait_for(lambda: common.list_checkpoints(ck) or proc.poll() is not None)
+    assert wait_for(lambda: checkpoint.list_checkpoints(ck) or proc.poll() is not None)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == common.REQUEUE_EXIT, out
@@ -126,7 +127,7 @@ def test_fsdp_checkpoint_resumes_at_another_world_size(uninterrupted, tmp_path):
     first = run_script("fsdp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck)],
                        nproc=2)
     check_ok(first)
-    (latest,) = common.list_checkpoints(ck)[:1]
+    (latest,) = checkpoint.list_checkpoints(ck)[:1]
     assert latest.is_dir() and (latest / "meta.pt").is_file()
     assert len(list(latest.glob("*.distcp"))) == 2  # one shard file per rank
     args = RUN[:]
@@ -139,7 +140,7 @@ def test_fsdp_checkpoint_resumes_at_another_world_size(uninterrupted, tmp_path):
     # the sharded checkpoint can also be turned into one plain file without any process group
     out = tmp_path / "full.pt"
     subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils",
-                    "dcp_to_torch", str(common.list_checkpoints(ck)[0]), str(out)], check=True,
+                    "dcp_to_torch", str(checkpoint.list_checkpoints(ck)[0]), str(out)], check=True,
                    capture_output=True, env=env_for_tests())
     assert set(torch.load(out, weights_only=True)["model"]) == \
         set(torch.load(tmp_path / "r.pt", weights_only=True))
@@ -148,14 +149,14 @@ def test_fsdp_checkpoint_resumes_at_another_world_size(uninterrupted, tmp_path):
 def test_corrupt_newest_checkpoint_falls_back_with_warning(tmp_path):
     ck = tmp_path / "ck"
     check_ok(run_script("ddp_train.py", RUN + ["--checkpoint-dir", str(ck)]))
-    newest, previous = common.list_checkpoints(ck)
+    newest, previous = checkpoint.list_checkpoints(ck)
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a full disk
     proc = run_script("ddp_train.py", RUN + ["--epochs", "3", "--checkpoint-dir", str(ck)])
     check_ok(proc)
     assert f"warning: checkpoint {newest} is unusable" in proc.stdout
     assert f"Resumed from epoch 2, step 0 ({previous})" in proc.stdout
     # none usable: a clear error, not a silent fresh start
-    for p in common.list_checkpoints(ck):
+    for p in checkpoint.list_checkpoints(ck):
         p.write_bytes(b"garbage")
     proc = run_script("ddp_train.py", RUN + ["--epochs", "5", "--checkpoint-dir", str(ck)])
     assert proc.returncode == 2
@@ -258,7 +259,7 @@ def test_nan_loss_stops_naming_epoch_and_step_and_keeps_good_checkpoints(tmp_pat
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "the loss became NaN or inf at epoch 1, step" in out
-    for path in common.list_checkpoints(ck):  # only checkpoints from before the blow-up
+    for path in checkpoint.list_checkpoints(ck):  # only checkpoints from before the blow-up
         state = torch.load(path, weights_only=True)
         assert all(torch.isfinite(t).all() for t in state["model"].values()), path
     proc = run_script("dp_train.py", RUN + ["--lr", "1e9"])

@@ -15,6 +15,7 @@ import torch
 from conftest import FAST, REPO, check_ok, env_for_tests, metrics, run_script
 
 import common
+import faults
 
 PATCHED = REPO / "tests" / "patched_run.py"
 
@@ -95,7 +96,7 @@ def test_gpu_index(visible, local_rank, local_world, source, expected):
     (2, 4, "slurm", "--gpus-per-task=1"),
 ])
 def test_gpu_index_too_few_gpus_names_the_fix(visible, local_world, source, fix):
-    with pytest.raises(common.UsageError, match="processes were started on this node") as e:
+    with pytest.raises(faults.UsageError, match="processes were started on this node") as e:
         common.gpu_index(visible, 0, local_world, source)
     assert fix in str(e.value)
 
@@ -181,7 +182,7 @@ def test_bf16_on_a_v100_names_fp16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Tesla V100-SXM2-32GB")
     args = common.add_common_args(argparse.ArgumentParser()).parse_args(["--amp", "bf16"])
-    with pytest.raises(common.UsageError, match="use --amp fp16") as e:
+    with pytest.raises(faults.UsageError, match="use --amp fp16") as e:
         common.resolve_args(args, common.DistEnv(0, 0, 1, 1, "single"), torch.device("cuda", 0))
     assert "V100" in str(e.value) and "7.0" in str(e.value)
 
@@ -191,9 +192,9 @@ FSDP_UNITS = """
 import torch, torch.distributed as dist, argparse
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
-import common, fsdp_train
+import fsdp_train, models
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-model = common.build_model("resnet50", 200, (3, 64, 64)).to(memory_format=torch.channels_last)
+model = models.build_model("resnet50", 200, (3, 64, 64)).to(memory_format=torch.channels_last)
 args = argparse.Namespace(amp="bf16", sharding="full")
 model = fsdp_train.apply_fsdp(model, init_device_mesh("cpu", (1,)), args)
 units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]

@@ -326,7 +326,8 @@ def test_local_sh_check_only_and_bad_run_dir(tmp_path):
     res = subprocess.run(["bash", str(LAUNCH / "local.sh")], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and res.stdout == ""
-    assert res.stderr.count("\n") == 1 and "RUN_DIR=" in res.stderr and "does not exist" in res.stderr
+    assert res.stderr.count("\n") == 1 and "RUN_DIR=" in res.stderr
+    assert "does not exist" in res.stderr
 
 
 # ---------------------------------------------------------------------------- a real Slurm

@@ -21,6 +21,9 @@ import torch
 import pytest
 
 import common
+import prepare_tinyimagenet
+import faults
+import checkpoint
 from conftest import REPO, check_ok, env_for_tests, metrics, read_until, run_script, wait_for
 
 RUN = ["--model", "cnn", "--synthetic-size", "320", "--batch-size", "16", "--epochs", "2",
@@ -85,29 +88,29 @@ def _two_nodes(args, script="ddp_train.py"):
 def test_replace_checkpoint_and_tidy_after_a_crash(tmp_path):
     ck = tmp_path / "ck"
     ck.mkdir()
-    old = ck / common.checkpoint_name(1, 0)
+    old = ck / checkpoint.checkpoint_name(1, 0)
     old.mkdir()
     (old / "a.distcp").write_text("old")
     new = ck / ".tmp-new"
     new.mkdir()
     (new / "a.distcp").write_text("new")
-    common.replace_checkpoint(new, old)  # a folder over a non-empty folder
+    checkpoint.replace_checkpoint(new, old)  # a folder over a non-empty folder
     assert (old / "a.distcp").read_text() == "new" and not new.exists()
     assert sorted(p.name for p in ck.iterdir()) == [old.name]
     tmp_file = ck / ".tmp-file"
     tmp_file.write_text("file")
-    common.replace_checkpoint(tmp_file, old)  # a file over a folder (strategy switched)
+    checkpoint.replace_checkpoint(tmp_file, old)  # a file over a folder (strategy switched)
     assert old.is_file() and old.read_text() == "file"
     # a crash between the two renames leaves .old-<name> alone: tidy puts it back
     os.replace(old, ck / f".old-{old.name}")
     (ck / ".tmp-ckpt-e0002-s0000000").mkdir()  # an interrupted save's folder
     (ck / ".tmp-x.pt-123").write_text("half")
-    common.tidy_checkpoint_dir(ck)
+    checkpoint.tidy_checkpoint_dir(ck)
     assert sorted(p.name for p in ck.iterdir()) == [old.name]
     assert old.read_text() == "file"
     # both there: the crash came after the new one was in place
     (ck / f".old-{old.name}").write_text("older")
-    common.tidy_checkpoint_dir(ck)
+    checkpoint.tidy_checkpoint_dir(ck)
     assert sorted(p.name for p in ck.iterdir()) == [old.name] and old.read_text() == "file"
 
 
@@ -118,10 +121,10 @@ def test_fsdp_saves_over_its_checkpoints_and_falls_back_past_a_truncated_shard(t
     ck = tmp_path / "ck"
     args = RUN + ["--checkpoint-dir", str(ck)]
     check_ok(run_script("fsdp_train.py", args, nproc=2))
-    newest, previous = common.list_checkpoints(ck)
+    newest, previous = checkpoint.list_checkpoints(ck)
     again = run_script("fsdp_train.py", args + ["--resume", "never"], nproc=2)
     check_ok(again)
-    assert [p.name for p in common.list_checkpoints(ck)] == [newest.name, previous.name]
+    assert [p.name for p in checkpoint.list_checkpoints(ck)] == [newest.name, previous.name]
     assert not [p for p in ck.iterdir() if p.name.startswith((".tmp-", ".old-"))]
 
     shard = sorted(newest.glob("*.distcp"))[-1]
@@ -147,7 +150,7 @@ def test_second_run_into_a_held_checkpoint_dir_stops_naming_the_holder(tmp_path)
     ck.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
-        (ck / common.LOCK_FILE).write_text(f"{socket.gethostname()} {holder.pid}\n")
+        (ck / faults.LOCK_FILE).write_text(f"{socket.gethostname()} {holder.pid}\n")
         proc = run_script("ddp_train.py", RUN + ["--checkpoint-dir", str(ck)], nproc=2)
         assert proc.returncode != 0
         assert proc.stderr.count("is in use by another run") == 1, proc.stderr[-3000:]
@@ -160,11 +163,11 @@ def test_second_run_into_a_held_checkpoint_dir_stops_naming_the_holder(tmp_path)
     proc = run_script("ddp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck)])
     check_ok(proc)
     assert f"taking over the lock of {ck} from a run that is gone" in proc.stdout
-    assert not (ck / common.LOCK_FILE).exists()  # released at the end
+    assert not (ck / faults.LOCK_FILE).exists()  # released at the end
     proc = run_script("dp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck),
                                             "--resume", "never"])
     check_ok(proc)
-    assert "taking over" not in proc.stdout and not (ck / common.LOCK_FILE).exists()
+    assert "taking over" not in proc.stdout and not (ck / faults.LOCK_FILE).exists()
 
 
 def test_workers_end_when_torchrun_is_killed_and_a_rerun_resumes(tmp_path):
@@ -185,8 +188,8 @@ def test_workers_end_when_torchrun_is_killed_and_a_rerun_resumes(tmp_path):
         print(f"workers ended {time.time() - t0:.1f} s after torchrun was killed")
     finally:
         _cleanup(proc.pid, *[w.pid for w in _workers(proc)])
-    newest = common.list_checkpoints(ck)[0]  # the end of epoch e is ckpt-e<e>-s0
-    epochs = int(re.match(common.CHECKPOINT_RE, newest.name).group(1)) + 1
+    newest = checkpoint.list_checkpoints(ck)[0]  # the end of epoch e is ckpt-e<e>-s0
+    epochs = int(re.match(checkpoint.CHECKPOINT_RE, newest.name).group(1)) + 1
     rerun = run_script("ddp_train.py", RUN[:RUN.index("--epochs")] + ["--epochs", str(epochs)]
                        + RUN[RUN.index("--epochs") + 2:] + ["--checkpoint-dir", str(ck)],
                        nproc=2)
@@ -267,7 +270,7 @@ def test_strict_error_on_rank_1_names_the_file(tiny_imagenet, tmp_path):
     root, _ = tiny_imagenet
     bad = tmp_path / "tin"
     shutil.copytree(root, bad)
-    _, train, _ = common.scan_tinyimagenet(bad)
+    _, train, _ = prepare_tinyimagenet.scan_tinyimagenet(bad)
     sampler = DistributedSampler(train, num_replicas=2, rank=1, shuffle=True, seed=0,
                                  drop_last=True)
     sampler.set_epoch(0)
@@ -365,10 +368,10 @@ def test_collective_failures_are_told_from_other_errors():
     import torch.distributed as dist
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
                         "closed by peer [127.0.0.1]:40935")
-    assert common.is_collective_failure(gloo)
-    assert common.is_collective_failure(dist.DistError("anything"))
-    assert common.is_collective_failure(RuntimeError("Timed out waiting 20000ms for recv"))
-    assert not common.is_collective_failure(torch.OutOfMemoryError("CUDA out of memory"))
-    assert not common.is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be "
+    assert faults.is_collective_failure(gloo)
+    assert faults.is_collective_failure(dist.DistError("anything"))
+    assert faults.is_collective_failure(RuntimeError("Timed out waiting 20000ms for recv"))
+    assert not faults.is_collective_failure(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not faults.is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be "
                                                          "multiplied (4x3 and 5x6)"))
-    assert not common.is_collective_failure(ValueError("gloo"))
+    assert not faults.is_collective_failure(ValueError("gloo"))

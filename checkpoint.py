@@ -1,0 +1,414 @@
+"""Checkpoints, resume and a clean stop, behind one object the training loop calls in a few
+places (``Checkpoints``): resume() once, after_step() after every step, check_finite() and
+end_epoch() once per epoch.
+
+How each strategy saves and loads stays in its script (``save_checkpoint(path, state, meta)``,
+``load_checkpoint(path, state)``): DDP and DataParallel write one file from rank 0, FSDP a
+sharded DCP folder from every rank. What this module adds is the same for all three: names
+that sort in training order, atomic writes, pruning to --keep-checkpoints, the newest usable
+checkpoint on resume, the random state of every rank, the steps a resumed epoch already ran,
+a stop at the same step on every rank after SIGUSR1/SIGTERM, and NaN/inf losses caught
+without a host sync per step.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common import REQUEUE_EXIT, STOP_LINE, on_rank0, print0
+from faults import NonFiniteLoss, StopSignals, UsageError, lock_checkpoint_dir
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint files: names, atomic writes, pruning
+# --------------------------------------------------------------------------------------------
+
+
+CHECKPOINT_RE = r"^ckpt-e(\d+)-s(\d+)(\.pt)?$"
+
+
+def checkpoint_name(epoch: int, step: int) -> str:
+    """Name of the checkpoint taken after ``step`` steps of epoch index ``epoch`` (0-based);
+    the end of epoch e is (e + 1, 0). Zero-padded, so names sort in training order."""
+    return f"ckpt-e{epoch:04d}-s{step:07d}"
+
+
+def list_checkpoints(directory) -> list:
+    """Complete checkpoints in ``directory``, newest first. Temporary files and folders of an
+    interrupted save never match (they are renamed into place only once complete)."""
+    if not directory or not Path(directory).is_dir():
+        return []
+    found = []
+    for p in Path(directory).iterdir():
+        m = re.match(CHECKPOINT_RE, p.name)
+        if m:
+            found.append(((int(m.group(1)), int(m.group(2))), p))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint file or DCP folder; nothing when it is not there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink(missing_ok=True)
+
+
+def prune_checkpoints(directory, keep: int) -> None:
+    for old in list_checkpoints(directory)[keep:]:
+        _remove(old)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_checkpoint(tmp: Path, path: Path) -> None:
+    """Move a complete checkpoint, file or DCP folder, from ``tmp`` to ``path``, replacing
+    whatever is there. A folder cannot be renamed over a non-empty folder, so the old one is
+    first renamed aside to ``.old-<name>``, the new one renamed in, then the old one deleted:
+    a crash at any point leaves the old or the new checkpoint, and ``tidy_checkpoint_dir``
+    renames a lone ``.old-<name>`` back at the next start."""
+    aside = path.with_name(f".old-{path.name}")
+    if path.exists() or path.is_symlink():
+        _remove(aside)
+        os.replace(path, aside)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    _remove(aside)
+
+
+def tidy_checkpoint_dir(directory) -> None:
+    """At start, before anything is listed: finish a replacement a crash interrupted (a lone
+    ``.old-<name>`` becomes ``<name>`` again) and delete what interrupted saves left behind
+    (``.tmp-*`` files and folders, a superseded ``.old-*``). Only the run holding the
+    directory's lock calls this, so no live save is touched."""
+    if not directory or not Path(directory).is_dir():
+        return
+    for p in sorted(Path(directory).iterdir()):
+        if p.name.startswith(".old-"):
+            original = p.with_name(p.name[len(".old-"):])
+            if original.exists():
+                _remove(p)
+            else:
+                os.replace(p, original)
+        elif p.name.startswith(".tmp-"):
+            _remove(p)
+
+
+def claim_checkpoint_dir(directory) -> None:
+    """Every rank, before resuming: rank 0 takes the lock and tidies what a crash left."""
+    if directory:
+        on_rank0(lambda: (lock_checkpoint_dir(directory), tidy_checkpoint_dir(directory)))
+
+
+def atomic_save(obj, path) -> None:
+    """torch.save to a temporary file, fsync, rename: a crash leaves the old file or the new
+    one, never half a file under the final name."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    replace_checkpoint(tmp, path)
+
+
+def save_state_dict(state: dict, path) -> None:
+    """--save-model: the bare state_dict, written atomically."""
+    atomic_save(state, path)
+
+
+def check_writable(path) -> None:
+    """Fail before training, not after it, when --save-model cannot be written."""
+    if path is None:
+        return
+    parent = Path(path).resolve().parent
+    probe = parent
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK):
+        raise UsageError(f"cannot write --save-model {path}: {probe} is not writable; choose "
+                         f"another path")
+    if shutil.disk_usage(probe).free < 50 * 2**20:
+        raise UsageError(f"less than 50 MiB free under {probe} for --save-model: free space "
+                         f"or choose another path")
+
+
+def check_checkpoint_dir(directory, model) -> None:
+    """Preflight: the checkpoint dir is writable and has room for a few checkpoints."""
+    if directory is None:
+        return
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create --checkpoint-dir {path} ({exc.strerror}): choose a "
+                         f"writable folder") from None
+    if not os.access(path, os.W_OK):
+        raise UsageError(f"--checkpoint-dir {path} is not writable: choose another folder")
+    per_ckpt = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # +momentum
+    need = per_ckpt * 3
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise UsageError(f"--checkpoint-dir {path} has {free / 2**20:.0f} MiB free but "
+                         f"checkpoints need about {need / 2**20:.0f} MiB: free space or choose "
+                         f"another folder")
+
+
+# --------------------------------------------------------------------------------------------
+# Resume: the newest checkpoint that loads, the random state, the batches already seen
+# --------------------------------------------------------------------------------------------
+
+
+def resume_candidates(args) -> list:
+    """Checkpoints to try, newest first: [] for a fresh start."""
+    if args.resume == "never":
+        return []
+    if args.resume != "auto":
+        return [Path(args.resume)]
+    return list_checkpoints(args.checkpoint_dir)
+
+
+def load_newest(candidates: list, load_one):
+    """Return ``load_one(path)`` for the newest candidate that loads, warning about each one
+    that does not. Checkpoints exist but none loads: a UsageError, never a silent fresh start."""
+    for path in candidates:
+        try:
+            return load_one(path)
+        except (UsageError, KeyboardInterrupt, SystemExit):
+            raise
+        # BaseException: DCP's CheckpointException (a truncated shard) derives from it
+        except BaseException as exc:  # truncated zip, bad pickle, missing DCP shard, ...
+            first = (str(exc).strip().splitlines() or [""])[0][:160]
+            print0(f"warning: checkpoint {path} is unusable ({exc.__class__.__name__}: "
+                   f"{first}); trying the previous one")
+    if candidates:
+        raise UsageError(f"none of the {len(candidates)} checkpoint(s) in "
+                         f"{candidates[0].parent} could be loaded: move them away and pass "
+                         f"--resume never to start fresh, or point --resume at a good one")
+    return None
+
+
+def rng_state() -> dict:
+    """This process's random state (torch CPU and current CUDA device, Python)."""
+    import random
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import random
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class SkipFirst(torch.utils.data.Sampler):
+    """Wrap a (Distributed)Sampler and skip the first ``skip`` indices of the next epoch, so a
+    run resumed mid-epoch does not see the batches it already trained on."""
+
+    def __init__(self, sampler):
+        self.sampler, self.skip = sampler, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        import itertools
+        return itertools.islice(iter(self.sampler), self.skip, None)
+
+    def __len__(self):
+        return max(0, len(self.sampler) - self.skip)
+
+
+# --------------------------------------------------------------------------------------------
+# Stop at the same step on every rank; NaN/inf losses without a sync per step
+# --------------------------------------------------------------------------------------------
+
+
+class StopRequest:
+    """SIGUSR1 (Slurm's warning before the time limit) or SIGTERM (preemption) asks the run to
+    checkpoint at the next step boundary and exit with REQUEUE_EXIT. The signals are caught
+    from the start (catch_stop_signals); a USR1 that came during start-up counts here.
+
+    Ranks receive the signal at slightly different times, or only some of them do, so they
+    vote: every step each rank contributes the number of the signal it got (0: none) to an
+    all-reduce (MAX) on a CPU (gloo) group, started without waiting; the result is read one
+    step later, when it has long arrived. All ranks therefore stop after the same step, name
+    the same signal, and no GPU sync is added to the step.
+    """
+
+    def __init__(self):
+        self.signum = 0  # agreed by the vote
+        self._buf = torch.zeros(1, dtype=torch.int32)
+        self._work = None
+        self._group = None
+        if dist.is_initialized() and dist.get_world_size() > 1:  # a gloo group for the vote,
+            # whatever the training backend
+            self._group = dist.new_group(backend="gloo")
+        StopSignals.training = True
+
+    @property
+    def signame(self) -> str:
+        import signal
+        return signal.Signals(self.signum).name if self.signum else "stop request"
+
+    def report(self, epoch: int, step: int, saved: bool) -> str:
+        """What rank 0 prints as the run stops: a sentence, then the [STOP] line for job.sh."""
+        if saved:
+            text = (f"{self.signame}: checkpoint saved at epoch {epoch}, step {step}; exiting "
+                    f"with code {REQUEUE_EXIT} to be requeued")
+        else:
+            text = (f"{self.signame}: stopping without a checkpoint (no --checkpoint-dir); "
+                    f"exiting with code {REQUEUE_EXIT}")
+        return text + "\n" + STOP_LINE.format(signal=self.signame, epoch=epoch, step=step,
+                                              saved=int(saved), code=REQUEUE_EXIT)
+
+    def should_stop(self) -> bool:
+        """Call once per step on every rank; True on all ranks at the same step."""
+        if self._group is None:
+            self.signum = StopSignals.signum
+            return bool(self.signum)
+        if self._work is not None:
+            self._work.wait()
+            self.signum = int(self._buf.item())
+        agreed = bool(self.signum)
+        self._buf.fill_(StopSignals.signum)
+        self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group,
+                                     async_op=True)
+        return agreed
+
+    def finish(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
+def check_finite(bad_steps: torch.Tensor, first_bad: torch.Tensor, epoch: int, scaler) -> None:
+    """Host sync, called only before a checkpoint and at the end of an epoch, on every rank.
+
+    The ranks vote first (one all-reduce, every rank of the group): a NaN seen on rank 1 alone
+    stops every rank here, with the same message, instead of rank 1 raising while the others
+    wait in their next collective until --dist-timeout. With fp16, a few non-finite losses are
+    overflows that GradScaler skips; it is fatal once the scale has collapsed below 1 (the
+    overflow never goes away). Otherwise any non-finite loss is fatal."""
+    never = torch.full_like(first_bad, -2**62)
+    verdict = torch.stack([bad_steps, torch.where(first_bad >= 0, -first_bad, never)])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)  # most bad steps; earliest bad step
+    bad, neg_first = verdict.tolist()
+    if bad == 0:
+        return
+    if scaler.is_enabled() and scaler.get_scale() >= 1.0:
+        return
+    raise NonFiniteLoss(f"the loss became NaN or inf at epoch {epoch + 1}, step "
+                        f"{-neg_first + 1}; nothing was saved after the last good "
+                        f"checkpoint: lower --lr or check the data, then resume from it")
+
+
+def track_finite(loss, step: int, bad_steps, first_bad) -> None:
+    """Device-side bookkeeping of non-finite losses: no host sync in the training step."""
+    bad = ~torch.isfinite(loss.detach())
+    bad_steps += bad.to(bad_steps.dtype)
+    first_bad.copy_(torch.where(bad & (first_bad < 0), torch.full_like(first_bad, step),
+                                first_bad))
+
+
+# --------------------------------------------------------------------------------------------
+# The object the training loop calls
+# --------------------------------------------------------------------------------------------
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class Checkpoints:
+    """What the training loop must do besides training, behind one object: resume from the
+    newest usable checkpoint, checkpoint every --checkpoint-every steps and at each epoch end
+    (pruned to --keep-checkpoints), watch for NaN/inf losses without a host sync per step,
+    and stop at the same step on every rank after a stop signal. The loop calls resume() once,
+    after_step() after every step, check_finite() and end_epoch() once per epoch.
+
+    ``save(path, state, meta)`` and ``load(path, state) -> meta`` are the strategy's own:
+    ``state`` holds the model, optimizer, scheduler and scaler (each has a state_dict),
+    ``meta`` the plain values (epoch, step, metrics, the RNG state of every rank, args)."""
+
+    def __init__(self, args, state: dict, save, load, device: torch.device):
+        self.args, self.state, self._save, self._load = args, state, save, load
+        self.dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+        self.metrics = {}  # the last finished epoch's (from the checkpoint, after a resume)
+        self.stop = StopRequest()  # collective: every rank builds it
+        self.bad_steps = torch.zeros((), device=device, dtype=torch.int64)  # NaN/inf losses,
+        self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)  # on the device
+
+    def resume(self) -> tuple:
+        """(epoch, step) to start from, on every rank: (0, 0) for a fresh start."""
+        claim_checkpoint_dir(self.dir)  # lock it; tidy an interrupted save
+        meta = load_newest(resume_candidates(self.args),
+                           lambda path: dict(self._load(path, self.state), path=path))
+        if not meta:
+            return 0, 0
+        rngs = meta["rng"]
+        set_rng_state(rngs[_rank()] if _rank() < len(rngs) else rngs[0])
+        self.metrics = meta["metrics"]
+        print0(f"Resumed from epoch {meta['epoch'] + 1}, step {meta['step']} ({meta['path']})")
+        return meta["epoch"], meta["step"]
+
+    def after_step(self, loss, epoch: int, done: int, steps: int) -> bool:
+        """Every rank, after step ``done`` (1-based) of ``steps``: True when the run must end
+        now (a stop signal; checkpointed first when there is a --checkpoint-dir)."""
+        track_finite(loss, done - 1, self.bad_steps, self.first_bad)
+        every = self.args.checkpoint_every
+        if self.dir and every and done % every == 0 and done < steps:
+            self.check_finite(epoch)  # never save weights that a NaN has reached
+            self.save(epoch, done)
+        if not self.stop.should_stop():  # all ranks agree on the same step
+            return False
+        if self.dir:
+            self.check_finite(epoch)
+            self.save(epoch, done)
+        print0(self.stop.report(epoch + 1, done, saved=self.dir is not None))
+        return True
+
+    def check_finite(self, epoch: int) -> None:
+        """A host sync and a vote (every rank): raises NonFiniteLoss after a NaN/inf loss."""
+        check_finite(self.bad_steps, self.first_bad, epoch, self.state["scaler"])
+        self.bad_steps.zero_()
+        self.first_bad.fill_(-1)
+
+    def end_epoch(self, epoch: int, metrics: dict) -> None:
+        """After the epoch's check_finite() and metrics: the epoch-end checkpoint."""
+        self.metrics = metrics
+        if self.dir:
+            self.save(epoch + 1, 0)
+
+    def save(self, epoch: int, step: int) -> None:
+        """Collective: every rank takes part (their RNG states are gathered into the file).
+        The caller has just run check_finite()."""
+        rngs = [rng_state()]
+        if dist.is_available() and dist.is_initialized():
+            rngs = [None] * dist.get_world_size()
+            dist.all_gather_object(rngs, rng_state())
+        meta = dict(epoch=epoch, step=step, metrics=self.metrics, rng=rngs,
+                    args=vars(self.args), world_size=len(rngs))
+        self._save(self.dir / checkpoint_name(epoch, step), self.state, meta)
+        if _rank() == 0:
+            prune_checkpoints(self.dir, self.args.keep_checkpoints)
+
+    def finish(self) -> None:
+        self.stop.finish()

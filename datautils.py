@@ -1,0 +1,404 @@
+"""The data, the same for every strategy: TinyImageNet (its folder layout, or the decoded
+uint8 cache of prepare_tinyimagenet.py), CIFAR-10, MNIST and built-in synthetic data; the
+loaders that feed the training loop; and the copy of each batch to the device.
+
+``build_data(args)`` returns the two datasets, ``make_loader`` the loader over a sampler that
+the strategy chose, ``to_device`` and ``input_pipeline`` finish each batch on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+import prepare_tinyimagenet
+from common import dist_env, on_rank0, print0
+from faults import DataError, UsageError, ignore_stop_signals
+from models import synthetic_shape
+
+# --------------------------------------------------------------------------------------------
+# Datasets
+# --------------------------------------------------------------------------------------------
+
+
+NORMALIZE = {  # channel mean and std of each dataset's training split
+    "tinyimagenet": ((0.4802, 0.4481, 0.3975), (0.2770, 0.2691, 0.2821)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "mnist": ((0.1307,), (0.3081,)),
+}
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    input_shape: tuple  # (C, H, W)
+    name: str
+    description: str
+    device_augment: "DeviceAugment | None" = None  # cache path: uint8 batches finished on device
+
+
+class ImageList(Dataset):
+    """(path, label) pairs read with PIL. Used for TinyImageNet train and val alike.
+
+    An unreadable image (corrupt, truncated, zero bytes) becomes None, which
+    ``collate_skip_unreadable`` drops from its batch, with a warning naming the file; with
+    ``strict`` it raises a UsageError naming the file instead. Either way the DataLoader
+    worker does not crash.
+    """
+
+    def __init__(self, samples, transform, strict: bool = False):
+        self.samples = samples
+        self.targets = [label for _, label in samples]
+        self.transform = transform
+        self.strict = strict
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        from PIL import Image
+        path, label = self.samples[index]
+        try:
+            with Image.open(path) as img:  # some TinyImageNet images are greyscale
+                img = img.convert("RGB")
+        except (OSError, ValueError, SyntaxError) as exc:  # PIL's errors for broken files
+            reason = f"{exc.__class__.__name__}: {str(exc)[:100]}"
+            if self.strict:
+                raise DataError(f"unreadable image {path} ({reason}): replace or delete it, "
+                                f"or drop --strict to skip such files") from None
+            print(f"warning: skipping unreadable image {path} ({reason})", file=sys.stderr,
+                  flush=True)
+            return None
+        return self.transform(img), label
+
+
+def collate_skip_unreadable(batch):
+    """default_collate without the samples ImageList could not read."""
+    from torch.utils.data import default_collate
+    kept = [item for item in batch if item is not None]
+    if not kept:
+        raise DataError(f"all {len(batch)} images of a batch are unreadable: the data dir is "
+                        f"damaged; restore it from the dataset archive")
+    return default_collate(kept)
+
+
+def collate_val(batch):
+    """collate_skip_unreadable plus a bool mask over the sampler's batch: which positions
+    survived. evaluate() needs it to tell real samples from the DistributedSampler's padding
+    once an unreadable image has been dropped and the positions after it have shifted."""
+    survived = torch.tensor([item is not None for item in batch])
+    return (*collate_skip_unreadable(batch), survived)
+
+
+class SyntheticImages(Dataset):
+    """Learnable, deterministic stand-in data: each class has its own smooth pattern, each
+    sample adds its own noise. Loss falls and accuracy rises, so a run shows learning without
+    any download. Sample ``i`` is the same for every rank and every run with the same seed.
+    """
+
+    def __init__(self, size: int, shape: tuple, num_classes: int, seed: int, split: str):
+        self.size, self.shape, self.num_classes = size, tuple(shape), num_classes
+        g = torch.Generator().manual_seed(seed)
+        coarse = torch.rand(num_classes, shape[0], 4, 4, generator=g) * 2 - 1
+        self.prototypes = F.interpolate(coarse, size=shape[1:], mode="bilinear",
+                                        align_corners=False)
+        self.base = (seed % 1_000_003) * 4_000_000_000 + (0 if split == "train" else 2**31)
+        self.targets = [i % num_classes for i in range(size)]
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, index):
+        label = index % self.num_classes
+        g = torch.Generator().manual_seed(self.base + index)
+        noise = torch.randn(self.shape, generator=g)
+        return self.prototypes[label] + noise, label
+
+
+def rank0_first(fn):
+    """Run ``fn`` (e.g. a download) on rank 0 while the other ranks wait, then on the others."""
+    result = on_rank0(fn)
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return fn()
+    return result
+
+
+def _torchvision_data(args, is_main: bool) -> DataBundle:
+    from torchvision import datasets, transforms as T
+    root = Path(args.data_dir or "data")
+    mean, std = NORMALIZE[args.dataset]
+    if args.dataset == "cifar10":
+        cls, shape, archive = datasets.CIFAR10, (3, 32, 32), "cifar-10-python.tar.gz"
+        train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(),
+                              T.ToTensor(), T.Normalize(mean, std)])
+    else:
+        cls, shape, archive = datasets.MNIST, (1, 28, 28), "MNIST/raw/*-ubyte.gz"
+        train_tf = T.Compose([T.ToTensor(), T.Normalize(mean, std)])
+    val_tf = T.Compose([T.ToTensor(), T.Normalize(mean, std)])
+
+    def load(download: bool):
+        try:
+            return (cls(str(root), train=True, transform=train_tf, download=download),
+                    cls(str(root), train=False, transform=val_tf, download=download))
+        except (OSError, RuntimeError) as exc:  # URLError is an OSError
+            raise UsageError(f"could not load {args.dataset} from {root} ({exc.__class__.__name__}"
+                             f": {str(exc)[:120]}); without network, put {archive} (from the "
+                             f"official site) in {root.resolve()} and pass --data-dir "
+                             f"{root}") from None
+
+    # rank 0 downloads (once per shared file system), the others read what it wrote
+    train, val = rank0_first(lambda: load(download=is_main))
+    return DataBundle(train, val, 10, shape, args.dataset,
+                      f"{args.dataset} at {root}: {len(train)} train / {len(val)} val, 10 classes")
+
+
+class CachedSplit(Dataset):
+    """A split decoded once into a memory-mapped uint8 array (N x 64 x 64 x 3) plus labels.
+
+    Indexed with a whole batch of indices (the DataLoader gets a BatchSampler), so one numpy
+    fancy-index read replaces a JPEG decode and a PIL transform per image.
+    """
+
+    def __init__(self, images_file, labels_file):
+        self.images = np.load(images_file, mmap_mode="r")
+        self.labels = torch.from_numpy(np.load(labels_file))
+        self.targets = self.labels.tolist()
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, indices):
+        idx = np.asarray(indices, dtype=np.int64)
+        return torch.from_numpy(np.ascontiguousarray(self.images[idx])), self.labels[idx]
+
+
+class DeviceAugment:
+    """What the folder path does per image with PIL, done per batch on the device: uint8 NHWC
+    -> (train) random crop with 4 pixels of zero padding and a random horizontal flip -> float
+    in [0, 1] -> normalize. Without augmentation the NCHW result keeps the NHWC memory
+    (channels_last)."""
+
+    def __init__(self, mean, std):
+        self.mean_std = (mean, std)
+        self._cache = {}
+
+    def _stats(self, device):
+        if device not in self._cache:  # made once per device: no copy in the training step
+            mean, std = self.mean_std
+            self._cache[device] = (torch.tensor(mean, device=device).view(1, -1, 1, 1),
+                                   torch.tensor(std, device=device).view(1, -1, 1, 1))
+        return self._cache[device]
+
+    def __call__(self, images: torch.Tensor, train: bool) -> torch.Tensor:
+        x = images.permute(0, 3, 1, 2)  # uint8 NCHW view: crop and flip 1-byte pixels
+        if train:
+            b, c, h, w = x.shape
+            pad = 4
+            x = F.pad(x, (pad, pad, pad, pad))  # zeros, like RandomCrop(padding=4) on the PIL image
+            dy = torch.randint(0, 2 * pad + 1, (b, 1, 1, 1), device=x.device)
+            dx = torch.randint(0, 2 * pad + 1, (b, 1, 1, 1), device=x.device)
+            flip = torch.rand(b, 1, 1, 1, device=x.device) < 0.5
+            rows = torch.arange(h, device=x.device).view(1, 1, h, 1) + dy
+            x = x.gather(2, rows.expand(b, c, h, w + 2 * pad))  # crop rows
+            cols = torch.arange(w, device=x.device).view(1, 1, 1, w)
+            cols = torch.where(flip, w - 1 - cols, cols) + dx  # a flip is reversed columns
+            x = x.gather(3, cols.expand(b, c, h, w))  # crop (and flip) columns
+        x = x.float().div_(255)
+        mean, std = self._stats(x.device)
+        return (x - mean) / std
+
+
+def _cached_tinyimagenet(args, classes, train, val) -> DataBundle:
+    """The memory-mapped cache that prepare_tinyimagenet.py writes. Where it is missing or
+    stale, local rank 0 of each node builds it (the others wait in the all_gather below)."""
+    error = None
+    if dist_env().local_rank == 0:  # one builder per node
+        try:
+            prepare_tinyimagenet.prepare(args.data_dir, args.data_cache, args.strict,
+                                         max(1, args.num_workers),
+                                         lambda m: print(m, flush=True),
+                                         scanned=(classes, train, val))
+        except UsageError as exc:
+            error = str(exc)
+    if dist.is_available() and dist.is_initialized():
+        # every rank: wait until each node's builder is done, and learn about its failure
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, error)
+        error = next((e for e in everyone if e), None)
+    if error:
+        raise UsageError(error)
+    directory = prepare_tinyimagenet.cache_dir(args.data_dir, args.data_cache)
+    train_set = CachedSplit(directory / "train_u8.npy", directory / "train_labels.npy")
+    val_set = CachedSplit(directory / "val_u8.npy", directory / "val_labels.npy")
+    return DataBundle(train_set, val_set, len(classes), (3, 64, 64), "tinyimagenet",
+                      f"TinyImageNet at {args.data_dir} via the uint8 cache {directory}: "
+                      f"{len(train_set)} train / {len(val_set)} val, {len(classes)} classes",
+                      DeviceAugment(*NORMALIZE["tinyimagenet"]))
+
+
+def build_data(args, is_main: bool) -> DataBundle:
+    """Train and val datasets for ``args.dataset``. Downloads (CIFAR-10, MNIST) run on rank 0
+    first; call after the process group exists."""
+    from torchvision import transforms as T
+    if args.dataset == "synthetic":
+        shape, classes = synthetic_shape(args.model)
+        n_val = max(1, args.synthetic_size // 4)
+        return DataBundle(
+            SyntheticImages(args.synthetic_size, shape, classes, args.seed, "train"),
+            SyntheticImages(n_val, shape, classes, args.seed, "val"), classes, shape,
+            "synthetic", f"synthetic (built-in, learnable; no dataset read): "
+                         f"{args.synthetic_size} train / {n_val} val, {classes} classes, "
+                         f"{'x'.join(map(str, shape))}")
+    if args.dataset == "tinyimagenet":
+        if not args.data_dir:
+            raise UsageError("--dataset tinyimagenet needs --data-dir (or $DATA_DIR) pointing "
+                             "at the tiny-imagenet-200 folder")
+        classes, train, val = prepare_tinyimagenet.scan_tinyimagenet(args.data_dir)
+        if args.data_cache:
+            return _cached_tinyimagenet(args, classes, train, val)
+        norm = T.Normalize(*NORMALIZE["tinyimagenet"])
+        train_tf = T.Compose([T.RandomCrop(64, padding=4), T.RandomHorizontalFlip(),
+                              T.ToTensor(), norm])
+        val_tf = T.Compose([T.ToTensor(), norm])
+        return DataBundle(ImageList(train, train_tf, args.strict),
+                          ImageList(val, val_tf, args.strict), len(classes),
+                          (3, 64, 64), "tinyimagenet",
+                          f"TinyImageNet at {args.data_dir}: {len(train)} train / {len(val)} "
+                          f"val, {len(classes)} classes")
+    return _torchvision_data(args, is_main)
+
+
+def real_samples(sampler) -> int:
+    """How many of this rank's validation indices are real. A DistributedSampler without
+    shuffle pads the stream by repeating the first samples so every rank gets the same count;
+    rank r's real samples are r, r + world, r + 2*world, ... and come before its padding."""
+    return len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
+
+
+def report_skipped(train_seen: float, train_expected: int, val_seen: float,
+                   val_total: int) -> None:
+    """End-of-epoch count of images dropped because they could not be read."""
+    skipped_train = int(train_expected - train_seen)
+    skipped_val = int(val_total - val_seen)
+    if skipped_train > 0 or skipped_val > 0:
+        print0(f"warning: skipped {skipped_train} unreadable training and {skipped_val} "
+               f"validation image(s) this epoch (see the warnings above; --strict stops at "
+               f"the first)")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading batches: the DataLoader, the whole split on the device, the copy to the device
+# --------------------------------------------------------------------------------------------
+
+
+class DeviceResident:
+    """--data-on-device: a whole split as two tensors on the device; each epoch's batches are
+    slices of the sampler's order, indexed there (one host-to-device copy of the order per
+    epoch, none per step). Iterates like the DataLoader it replaces."""
+
+    def __init__(self, dataset, sampler, batch_size: int, drop_last: bool, device):
+        if isinstance(dataset, CachedSplit):
+            images, labels = torch.from_numpy(np.array(dataset.images)), dataset.labels
+        else:  # SyntheticImages: the samples, made once
+            images = torch.stack([dataset[i][0] for i in range(len(dataset))])
+            labels = torch.as_tensor(dataset.targets)
+        self.images, self.labels = images.to(device), labels.to(device)
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+
+    def __len__(self):
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+
+    def __iter__(self):
+        order = torch.as_tensor(list(self.sampler), dtype=torch.int64).to(self.images.device)
+        for k in range(len(self)):
+            idx = order[k * self.batch_size:(k + 1) * self.batch_size]
+            yield self.images[idx], self.labels[idx]
+
+
+def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool = False,
+                start_now: bool = False, val: bool = False):
+    """The DataLoader, tuned the same way for every strategy: pinned memory on CUDA,
+    persistent workers and a deeper prefetch. A cached split is read a batch at a time.
+    ``val``: each batch also says which of its positions survived (collate_val), which
+    evaluate() needs to count every validation image exactly once.
+
+    ``start_now`` forks the workers at once (for the validation loader). Forked later, at the
+    first evaluation, a worker would share the trained model's memory copy-on-write, and the
+    next training step would pay to copy every page it writes (0.3-0.65 s per run for ResNet-18
+    on a 2-core CPU). The batches it prefetches now are dropped when evaluation starts."""
+    from torch.utils.data import BatchSampler, DataLoader
+    if args.data_on_device:
+        return DeviceResident(dataset, sampler, batch_size, drop_last, device)
+    kw = dict(num_workers=args.num_workers, pin_memory=device.type == "cuda",
+              worker_init_fn=ignore_stop_signals,
+              persistent_workers=args.num_workers > 0)
+    if args.num_workers > 0:
+        kw["prefetch_factor"] = 4
+    if isinstance(dataset, CachedSplit):
+        loader = DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last),
+                            batch_size=None, **kw)
+    else:
+        loader = DataLoader(dataset, sampler=sampler, batch_size=batch_size,
+                            drop_last=drop_last,
+                            collate_fn=collate_val if val else collate_skip_unreadable, **kw)
+    if start_now and args.num_workers > 0:
+        iter(loader)  # persistent: the iterator and its workers stay for later epochs
+    return loader
+
+
+def to_device(batches, device: torch.device):
+    """Yield (images, labels) from ``batches`` on ``device``. On CUDA the next batch is copied
+    on a side stream while the current step computes (pinned memory, one batch ahead), so
+    the copy is off the critical path; elsewhere this is a plain ``.to``."""
+    it = iter(batches)
+    if device.type != "cuda":
+        for images, labels in it:
+            yield images.to(device), labels.to(device)
+        return
+    copy_stream = torch.cuda.Stream(device)
+    compute = torch.cuda.current_stream(device)
+
+    def fetch():
+        batch = next(it, None)
+        if batch is not None:
+            with torch.cuda.stream(copy_stream):
+                batch = [t.to(device, non_blocking=True) for t in batch]
+        return batch
+
+    ahead = fetch()
+    while ahead is not None:
+        compute.wait_stream(copy_stream)  # this batch's copy is done before the step uses it
+        for t in ahead:
+            t.record_stream(compute)  # its memory is not reused while the step runs
+        current, ahead = ahead, fetch()  # start the next copy, then hand out this batch
+        yield current
+
+
+def input_pipeline(data: DataBundle, model: nn.Module, device: torch.device):
+    """(model, prepare): on CUDA, conv nets go channels_last (faster convolutions with AMP);
+    ``prepare(images, train)`` finishes a batch on the device (cache-path augmentation, memory
+    format). Called by every strategy so their inputs are identical."""
+    channels_last = device.type == "cuda" and any(isinstance(m, nn.Conv2d)
+                                                  for m in model.modules())
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    augment = data.device_augment
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+
+    def prepare(images, train: bool):
+        if augment is not None:
+            images = augment(images, train)
+        return images.contiguous(memory_format=layout)  # no-op when already in that layout
+    return model, prepare

@@ -1,0 +1,357 @@
+"""What a run does when something goes wrong, so that a multi-node job never hangs and never
+loses work. The training scripts meet it in two places: ``UsageError`` (a problem the user can
+fix: one sentence, exit code 2) and ``end_process`` (the exit). common.run() starts the rest:
+
+- the stop signals: SIGUSR1 (Slurm's warning before the time limit) and SIGTERM (preemption)
+  are caught from the first line, and checkpoint.StopRequest turns them into a checkpoint;
+- the watchdog beside every worker: it ends a worker whose launcher is gone or that has shown
+  no sign of life for --dist-timeout;
+- a failed collective (a peer died, a timeout) becomes one sentence and exit code 1;
+- the lock of a checkpoint dir, so two runs never write and resume from the same checkpoints.
+
+Importing this module has no side effects; it imports nothing of this project.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# --------------------------------------------------------------------------------------------
+# Errors a user can fix, and a loss that is not a number
+# --------------------------------------------------------------------------------------------
+
+
+class UsageError(Exception):
+    """A problem the user can fix: printed as one sentence naming the fix, exit code 2."""
+
+
+class DataError(UsageError):
+    """A UsageError about the data one rank read (an unreadable image with --strict): only
+    that rank sees it, so that rank prints it, whichever it is."""
+
+
+def fail_cleanly(err: UsageError, rank_env=None) -> int:
+    """Print a UsageError as one line and return 2. A problem of the setup is the same on
+    every rank: local rank 0 of each node prints it. A DataError (or any error raised in a
+    DataLoader worker) is this rank's own: it prints it, prefixed with its rank unless 0."""
+    text = str(err)
+    from_worker = "Original Traceback" in text
+    if from_worker:  # raised in a DataLoader worker: keep only its sentence
+        text = re.sub(r"^.*?(Usage|Data)Error: ", "", text.strip().splitlines()[-1])
+    own = isinstance(err, DataError) or from_worker
+    if rank_env is None or rank_env.local_rank == 0 or own:
+        rank = f"rank {rank_env.rank}: " if own and rank_env and rank_env.rank else ""
+        print(f"error: {rank}{text}", file=sys.stderr, flush=True)
+    else:  # a silent rank that exits first makes torchrun stop the node's other ranks (SIGTERM):
+        time.sleep(2)  # give local rank 0 the moment it needs to print the same error
+    return 2
+
+
+class NonFiniteLoss(Exception):
+    """The loss became NaN/inf in a way GradScaler does not absorb."""
+
+
+# --------------------------------------------------------------------------------------------
+# A lost peer: fail, never hang
+# --------------------------------------------------------------------------------------------
+
+
+#: Words of the errors that gloo and NCCL raise as plain RuntimeError when a peer is lost.
+COLLECTIVE_ERROR_WORDS = ("gloo", "nccl", "connection closed by peer", "connection reset by "
+                          "peer", "broken pipe", "timed out")
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """Did a collective fail (a peer died, the network broke, a timeout)? torch raises
+    dist.DistError for some of these; gloo raises a plain RuntimeError (also from inside
+    DDP's backward), so its message and where it was raised count too."""
+    if isinstance(err, dist.DistError):
+        return True
+    if not isinstance(err, RuntimeError) or isinstance(err, torch.OutOfMemoryError):
+        return False  # an OOM inside FSDP's hooks is an OOM, not a lost peer
+    text = str(err).lower()
+    if any(word in text for word in COLLECTIVE_ERROR_WORDS):
+        return True
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    # raised by a collective call itself (the innermost frame is torch's c10d module)?
+    return tb is not None and tb.tb_frame.f_code.co_filename.endswith("distributed_c10d.py")
+
+
+def collective_failed(err: Exception, rank_env) -> int:
+    """A collective failed or timed out (a peer died, the network broke): say so and exit 1
+    instead of waiting forever."""
+    rank = rank_env.rank if rank_env else 0
+    first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+    print(f"error: rank {rank}: a collective with the other ranks failed or timed out "
+          f"({err.__class__.__name__}: {first}); another rank probably died first: look for its "
+          f"error above, or raise --dist-timeout if the job is merely slow", file=sys.stderr,
+          flush=True)
+    return 1
+
+
+# --------------------------------------------------------------------------------------------
+# The checkpoint dir belongs to one run
+# --------------------------------------------------------------------------------------------
+
+
+#: The lock file of a checkpoint dir: "<host> <pid>" of the run that writes there.
+LOCK_FILE = ".lock"
+
+
+LOCK_REFRESH_S = 10  # the holder touches the lock this often ...
+
+
+LOCK_STALE_S = 60    # ... so one untouched this long belongs to a run that is gone
+
+
+_held_lock: Path | None = None
+
+
+def _lock_holder(path: Path) -> tuple:
+    """(who, alive) for an existing lock: alive while it is refreshed and, on this host, its
+    process exists (a killed holder's lock is taken over at once, another host's after
+    LOCK_STALE_S)."""
+    try:
+        text = path.read_text(errors="replace").strip()
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return "", False
+    host, _, pid = text.partition(" ")
+    alive = age < LOCK_STALE_S
+    if alive and host == platform.node() and pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:
+            pass  # exists, another user's
+    return f"host {host or '?'}, pid {pid or '?'}", alive
+
+
+def _refresh_lock(path: Path, me: str) -> None:
+    while _held_lock == path:
+        try:
+            if path.read_text().strip() != me:
+                return  # taken over (this process was stopped for minutes): stop touching it
+            os.utime(path)
+        except FileNotFoundError:
+            return
+        except OSError:
+            pass  # a passing file-system error (NFS): try again at the next refresh
+        time.sleep(LOCK_REFRESH_S)
+
+
+def lock_checkpoint_dir(directory) -> None:
+    """Claim ``directory`` for this run (rank 0 calls it), so that two runs never write and
+    resume from the same checkpoints: one whose predecessor still runs (an orphaned worker, a
+    job started twice) stops here. A thread refreshes the lock; end_process removes it."""
+    global _held_lock
+    path = Path(directory) / LOCK_FILE
+    me = f"{platform.node()} {os.getpid()}"
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            who, alive = _lock_holder(path)
+            if alive:
+                raise UsageError(f"--checkpoint-dir {directory} is in use by another run "
+                                 f"({who}): wait for it to end or stop it, or choose another "
+                                 f"--checkpoint-dir") from None
+            if who:
+                print(f"note: taking over the lock of {directory} from a run that is gone "
+                      f"({who})", flush=True)
+            path.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(me + "\n")
+        _held_lock = path
+        threading.Thread(target=_refresh_lock, args=(path, me), daemon=True).start()
+        return
+    raise UsageError(f"could not lock --checkpoint-dir {directory}: another run keeps taking "
+                     f"it; choose another --checkpoint-dir")
+
+
+def release_checkpoint_lock() -> None:
+    global _held_lock
+    path, _held_lock = _held_lock, None
+    try:
+        if path is not None and path.read_text().strip().partition(" ")[2] == str(os.getpid()):
+            path.unlink()
+    except OSError:
+        pass
+
+
+# --------------------------------------------------------------------------------------------
+# The exit
+# --------------------------------------------------------------------------------------------
+
+
+def end_process(code: int) -> None:
+    """Exit with ``code`` without the interpreter's teardown: the checkpoint dir's lock is
+    released, DataLoader workers and other child processes are stopped first, stdio is
+    flushed. Some torch releases (2.15 on CPU/gloo) can abort in a C++ destructor during
+    teardown ("terminate called without an active exception", SIGABRT) after the process
+    group is destroyed, turning a finished run into a failed job."""
+    import multiprocessing
+    import signal
+    release_checkpoint_lock()
+    if threading.current_thread() is threading.main_thread():  # (else: the SIGTERM thread)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the DataLoader's would raise below
+    for child in multiprocessing.active_children():
+        child.kill()  # the run is over; a loader worker ignores SIGTERM (_child_signals)
+        child.join(5)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# --------------------------------------------------------------------------------------------
+# Stop signals (SIGUSR1 before the time limit, SIGTERM on preemption)
+# --------------------------------------------------------------------------------------------
+
+
+class StopSignals:
+    """SIGUSR1 (Slurm's warning before the time limit) and SIGTERM (preemption), caught from
+    the first line of main(). Once training runs, StopRequest turns them into a checkpoint and
+    REQUEUE_EXIT; before that a SIGTERM ends the process at once, saying so."""
+    signum = 0          # the last stop signal received
+    training = False    # set by StopRequest: from now on a signal is handled at a step
+    rank = 0
+    installed = False
+
+
+def ignore_stop_signals(worker_id=None) -> None:
+    """Slurm and torchrun send SIGTERM (and job.sh SIGUSR1) to every process of the job, the
+    DataLoader workers too: those must live on while their rank saves its stop checkpoint.
+    Also a DataLoader worker_init_fn, because torch installs its own SIGTERM handler there."""
+    import signal
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _child_signals() -> None:
+    """In a forked DataLoader or cache worker: no wakeup pipe (its signals are not the run's),
+    and the stop signals ignored; the worker ends with its parent."""
+    import signal
+    signal.set_wakeup_fd(-1)
+    ignore_stop_signals()
+
+
+def _watch_signals(read_end: int) -> None:
+    import signal
+    while True:
+        for signum in os.read(read_end, 64):
+            if signum not in (signal.SIGUSR1, signal.SIGTERM):
+                continue
+            StopSignals.signum = signum
+            if signum == signal.SIGTERM and not StopSignals.training:
+                if StopSignals.rank == 0:
+                    print("SIGTERM during start-up, before the first training step: stopping "
+                          "now (nothing to checkpoint yet)", file=sys.stderr, flush=True)
+                end_process(128 + signum)
+
+
+def catch_stop_signals(rank: int) -> None:
+    """Python runs a signal handler in the main thread only, between two bytecodes: a main
+    thread blocked in the process-group start or a collective would hold a SIGTERM back for
+    up to --dist-timeout. So the handler does nothing, and the signal's number reaches a
+    thread at once through the wakeup pipe (signal.set_wakeup_fd), which acts on it."""
+    import signal
+    StopSignals.rank = rank
+    if StopSignals.installed:
+        return
+    StopSignals.installed = True
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: None)
+    os.register_at_fork(after_in_child=_child_signals)
+    threading.Thread(target=_watch_signals, args=(read_end,), daemon=True).start()
+
+
+# --------------------------------------------------------------------------------------------
+# The watchdog: a worker never outlives its launcher, a frozen rank never holds the job
+# --------------------------------------------------------------------------------------------
+
+
+_WATCHDOG = r"""
+import os, select, signal, sys, time
+worker, launcher, timeout, rank = map(int, sys.argv[1:])
+last = time.monotonic()
+for sig in (signal.SIGUSR1, signal.SIGTERM):  # sent to the whole job: the worker acts on them
+    signal.signal(sig, signal.SIG_IGN)
+
+def parent_and_state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[1]), fields[0]
+    except (OSError, ValueError, IndexError):
+        return None, "X"
+
+def end(reason):
+    print(f"error: rank {rank}: {reason}: ending it (pid {worker}) so that the job ends on "
+          f"every node", file=sys.stderr, flush=True)
+    try:
+        os.kill(worker, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    sys.exit(0)
+
+while True:
+    if select.select([0], [], [], 1.0)[0]:
+        if not os.read(0, 4096):
+            sys.exit(0)  # the worker closed its end: it has exited
+        last = time.monotonic()
+    parent, state = parent_and_state(worker)
+    if state in "XZ":
+        sys.exit(0)
+    if launcher and parent != launcher:
+        end(f"its launcher (torchrun, pid {launcher}) is gone")
+    if time.monotonic() - last > timeout:
+        end(f"no sign of life for {timeout} s ({'stopped' if state == 'T' else 'hung'})")
+"""
+
+
+def start_watchdog(env, timeout_s: int) -> None:
+    """A small process beside each worker of a multi-process run that ends the worker when
+    (a) its launcher is gone: torchrun starts workers in their own session, so a SIGKILLed
+    torchrun would leave them training on as orphans, writing checkpoints; or (b) it has
+    shown no sign of life for ``timeout_s`` (--dist-timeout): a stopped or hung rank, which
+    its peers give up on after the same time, would otherwise keep its node's torchrun
+    waiting forever. The worker's sign of life is a byte a thread writes to a pipe every
+    second; the watchdog leaves by itself when the worker ends."""
+    by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # set by torchrun for its workers
+    if not by_torchrun and not (env.source == "slurm" and env.world_size > 1):
+        return
+    launcher = os.getppid() if by_torchrun else 0
+    read_end, write_end = os.pipe()
+    silence = max(timeout_s, 10)  # well above the 1 s beat, even for a tiny --dist-timeout
+    subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(launcher),
+                      str(silence), str(env.rank)], stdin=read_end, close_fds=True)
+    os.close(read_end)
+    os.set_blocking(write_end, False)
+
+    def beat():
+        while True:
+            try:
+                os.write(write_end, b".")
+            except BlockingIOError:
+                pass
+            except OSError:
+                return
+            time.sleep(1)
+    threading.Thread(target=beat, daemon=True).start()

@@ -1,0 +1,95 @@
+"""The models, built the same way for every strategy: the CIFAR-10 CNN and the MNIST net of the
+workshop, and ResNet-50 (or any torchvision classification model) for TinyImageNet.
+
+``build_model(name, num_classes, input_shape)`` returns a fresh model; the caller seeds torch
+first, so every rank builds the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from faults import UsageError
+
+
+class CifarCNN(nn.Module):
+    """The small CIFAR-10 CNN. No BatchNorm and no dropout: a step depends only on the batch,
+    so runs are exactly comparable across world sizes."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        )
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(64 * 8 * 8, 256),
+                                        nn.ReLU(inplace=True), nn.Linear(256, num_classes))
+
+    def forward(self, x):
+        # x.shape[1:], not x.shape: the batch dimension differs per rank and per last batch
+        assert x.shape[1:] == (3, 32, 32), f"cnn expects 3x32x32 images, got {tuple(x.shape[1:])}"
+        return self.classifier(self.features(x))
+
+
+class MnistNet(nn.Module):
+    """The MNIST net of the workshop (two convolutions, dropout, two linear layers)."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, num_classes)
+
+    def forward(self, x):
+        assert x.shape[1:] == (1, 28, 28), f"mnist_net expects 1x28x28, got {tuple(x.shape[1:])}"
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        x = torch.flatten(self.dropout1(x), 1)
+        return self.fc2(self.dropout2(F.relu(self.fc1(x))))  # logits for CrossEntropyLoss
+
+
+def synthetic_shape(model_name: str) -> tuple:
+    """Synthetic data is shaped for the model: (input shape, number of classes)."""
+    if model_name == "cnn":
+        return (3, 32, 32), 10
+    if model_name == "mnist_net":
+        return (1, 28, 28), 10
+    return (3, 64, 64), 200
+
+
+def check_model(name: str, shape: tuple) -> None:
+    """Reject a model that cannot take the dataset's images, naming a model that can."""
+    shown = "x".join(map(str, shape))
+    if name == "cnn" and tuple(shape) != (3, 32, 32):
+        raise UsageError(f"--model cnn takes 3x32x32 images (cifar10 or synthetic), not "
+                         f"{shown}: choose --model resnet50")
+    if name == "mnist_net" and tuple(shape) != (1, 28, 28):
+        raise UsageError(f"--model mnist_net takes 1x28x28 images (mnist or synthetic), not "
+                         f"{shown}: choose another --model")
+    if name in ("cnn", "mnist_net"):
+        return
+    from torchvision import models
+    if name not in models.list_models(module=models):
+        raise UsageError(f"unknown --model {name!r}: use resnet50, cnn, mnist_net or a "
+                         f"torchvision classification model such as resnet18 or "
+                         f"mobilenet_v3_small")
+    if shape[0] != 3:
+        raise UsageError(f"--model {name} takes 3-channel images and this dataset has "
+                         f"{shape[0]}: use --model mnist_net for MNIST")
+
+
+def build_model(name: str, num_classes: int, input_shape: tuple) -> nn.Module:
+    """A fresh model; the caller seeds torch first so every rank builds the same weights."""
+    check_model(name, input_shape)
+    if name == "cnn":
+        return CifarCNN(num_classes)
+    if name == "mnist_net":
+        return MnistNet(num_classes)
+    from torchvision import models
+    return models.get_model(name, weights=None, num_classes=num_classes)
