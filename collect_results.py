@@ -459,6 +459,10 @@ def strategy_markdown(key: tuple, configs: dict, rows: list) -> list:
     lines = [f"## {STRATEGY_TITLE.get(strategy, strategy or 'unknown strategy')}: {mode}", ""]
     context = [f"{k} {values(k)}" for k in ("model", "dataset", "device", "amp") if values(k)]
     context += [f"{values('epochs')} epochs"] if values("epochs") else []
+    if values("lr_peak"):  # the learning rate each run trained with, and why
+        context.append(f"learning rate {values('lr_peak')} (lr scaling "
+                       f"{values('lr_scaling') or 'none'}, warm-up "
+                       f"{values('warmup_epochs') or '0'} epochs)")
     if context:
         lines.append(", ".join(context) + ".")
     if values("device") == "cpu":

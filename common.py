@@ -49,9 +49,11 @@ from models import check_model, synthetic_shape
 #: Keys of every ``[METRIC]`` line, in order. The final line adds ``FINAL_KEYS``.
 METRIC_KEYS = (
     "strategy", "model", "dataset", "device", "world_size", "nodes", "gpus_per_node",
-    "per_gpu_batch", "global_batch", "amp", "epoch", "epochs", "lr",
+    "per_gpu_batch", "global_batch", "amp", "epoch", "epochs", "lr", "lr_peak", "lr_scaling",
+    "warmup_epochs",
     "train_loss", "train_acc", "val_loss", "val_acc", "train_images", "val_images",
     "epoch_time_s", "throughput_img_s", "peak_mem_mib", "peak_mem_per_gpu_mib",
+    "data_wait_frac",
 )
 
 
@@ -81,7 +83,7 @@ STOP_LINE = (STOP_PREFIX + " signal={signal} epoch={epoch} step={step} saved={sa
 
 EPOCH_LINE = ("Epoch [{epoch}/{epochs}] LR: {lr:.6f} | Loss (train, val): {train_loss:.3f}, "
               "{val_loss:.3f} | Accuracy (train, val): {train_acc:.2f}%, {val_acc:.2f}% | "
-              "Throughput: {throughput_img_s:.1f} img/s")
+              "Throughput: {throughput_img_s:.1f} img/s | Data wait: {data_wait_frac:.0%}")
 
 
 def format_epoch_line(m: dict) -> str:
@@ -361,12 +363,25 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=64,
                    help="batch size PER PROCESS/GPU; the global batch is this times the number "
                         "of GPUs and is printed at start")
-    g.add_argument("--lr", type=float, default=0.01, help="SGD learning rate")
+    g.add_argument("--lr", type=float, default=0.01,
+                   help="SGD learning rate (for a global batch of --base-batch when "
+                        "--lr-scaling is linear or sqrt)")
+    g.add_argument("--lr-scaling", choices=("none", "linear", "sqrt"), default="none",
+                   help="scale --lr with the global batch: linear (x global / base batch, the "
+                        "rule of Goyal et al., 2017) or sqrt; none keeps --lr at every world "
+                        "size (the seed's behaviour)")
+    g.add_argument("--base-batch", type=int, default=64,
+                   help="the global batch that --lr is meant for under --lr-scaling (default: "
+                        "one GPU at the default --batch-size)")
+    g.add_argument("--warmup-epochs", type=float, default=0,
+                   help="raise the learning rate linearly, step by step, over this many epochs "
+                        "(fractions allowed) to its full value; 0: no warm-up")
     g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     g.add_argument("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
     g.add_argument("--step-size", type=int, default=2,
                    help="StepLR: multiply the learning rate by --gamma every this many epochs")
-    g.add_argument("--gamma", type=float, default=0.1, help="StepLR decay factor")
+    g.add_argument("--gamma", type=float, default=0.1,
+                   help="multiply the learning rate by this every --step-size epochs")
     g.add_argument("--amp", choices=("fp16", "bf16", "off"), default=None,
                    help="mixed precision: fp16 (autocast + GradScaler), bf16 (autocast, no "
                         "scaler) or off; default bf16 on GPUs of compute capability 8.0+ (A100, "
@@ -386,14 +401,18 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--save-model", default=None, metavar="PATH",
                    help="at the end rank 0 saves the unwrapped model's state_dict here "
                         "(load with torch.load(PATH, weights_only=True))")
+    g.add_argument("--log-every", type=float, default=30, metavar="SECONDS",
+                   help="rank 0 prints a progress line (step, images/s, elapsed, ETA) this "
+                        "often, and once after the first steps; 0: never")
     g.add_argument("--dist-timeout", type=int, default=600,
                    help="seconds a collective or the process-group start may wait for other "
                         "ranks before the run fails instead of hanging")
     g.add_argument("--strict", action="store_true",
                    help="stop at the first unreadable image (naming it) instead of skipping it")
     g.add_argument("--check", action="store_true",
-                   help="run only the preflight checks and an all-reduce sanity and bandwidth "
-                        "test across all ranks, then exit")
+                   help="run only the preflight checks, an all-reduce sanity test and the "
+                        "bandwidth of the strategy's collectives up to the gradient size "
+                        "([BANDWIDTH] lines, as nccl-tests report them), then exit")
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="save a checkpoint here at the end of every epoch (and every "
@@ -452,7 +471,8 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
         args.num_workers = _default_workers(env)
         if device.type == "cuda":  # with 0, reading and pinning a batch delays every step
             args.num_workers = max(1, args.num_workers)
-    for flag in ("epochs", "batch_size", "synthetic_size", "step_size", "dist_timeout"):
+    for flag in ("epochs", "batch_size", "synthetic_size", "step_size", "dist_timeout",
+                 "base_batch"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got "
                              f"{getattr(args, flag)}")
@@ -464,6 +484,11 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
     for flag in ("num_workers", "max_steps_per_epoch", "checkpoint_every"):
         if getattr(args, flag) < 0:
             raise UsageError(f"--{flag.replace('_', '-')} cannot be negative")
+    if args.warmup_epochs < 0:
+        raise UsageError(f"--warmup-epochs cannot be negative, got {args.warmup_epochs}")
+    if args.log_every < 0:
+        raise UsageError(f"--log-every must be 0 (no progress lines) or more, got "
+                         f"{args.log_every}")
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
     check_model(args.model, input_shape(args))  # before any download or data scan
@@ -482,6 +507,23 @@ def amp_dtype(args) -> torch.dtype | None:
 AMP_TEXT = {"fp16": "fp16 autocast with GradScaler", "bf16": "bf16 autocast, no GradScaler",
             "off": "off (fp32)"}
 
+
+def peak_lr(args, global_batch: int) -> float:
+    """--lr scaled to the global batch by --lr-scaling, relative to --base-batch."""
+    ratio = global_batch / args.base_batch
+    return args.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[args.lr_scaling]
+
+
+def lr_factor(args, steps: int):
+    """The learning rate at optimizer step ``s`` (0-based, counted over the whole run) is
+    peak_lr x lr_factor(s): a linear warm-up, (s + 1) / W for the first W = --warmup-epochs x
+    steps, then a step decay, x --gamma every --step-size epochs (torch's StepLR)."""
+    warmup = max(1, round(args.warmup_epochs * steps)) if args.warmup_epochs else 0
+
+    def factor(s: int) -> float:
+        ramp = min(1.0, (s + 1) / warmup) if warmup else 1.0
+        return ramp * args.gamma ** (s // steps // args.step_size)
+    return factor
 
 def seed_for_rank(seed: int, rank: int) -> int:
     """The seed of one rank's own randomness: crops, flips, dropout, DataLoader workers.
@@ -589,6 +631,63 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _clock(seconds: float) -> str:
+    """A duration as a person reads it: 5:09, 1:05:09."""
+    seconds = int(max(0.0, seconds))
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class StepMeter:
+    """The training batches of one epoch, metered: how long the host waited for each next
+    batch (``wait_s``: the loader's share of the epoch), and rank 0's progress line after the
+    first few steps and then every ``every`` seconds, which answers "is my job alive, and when
+    does it end?". It reads only what the host knows (a step count, the clock): no host sync
+    is added to the step. On a GPU the host runs a few steps ahead of the device, so the rate
+    is that of queued steps; it converges to the real one from the second line on."""
+
+    FIRST_AFTER = 3  # steps: the first line comes once the slow first steps are behind
+
+    def __init__(self, every: float, epochs: int, steps: int, images_per_step: int):
+        self.every, self.epochs, self.steps = every, epochs, steps
+        self.images_per_step = images_per_step
+        self.start = time.perf_counter()
+        self.epoch_wall = 0.0  # one whole epoch (training, evaluation, saving), once known
+        self.wait_s = 0.0
+
+    def epoch(self, batches, epoch: int, first_step: int):
+        """Yield ``batches``; ``first_step``: the steps a resumed epoch already ran."""
+        now = time.perf_counter()
+        if hasattr(self, "epoch_start"):
+            self.epoch_wall = now - self.epoch_start
+        self.epoch_start, self.next_line, self.wait_s = now, now + self.every, 0.0
+        it, done = iter(batches), first_step
+        while True:
+            t = time.perf_counter()
+            batch = next(it, None)
+            self.wait_s += time.perf_counter() - t  # host time blocked on the loader
+            if batch is None:
+                return
+            if done - first_step == self.FIRST_AFTER or t >= self.next_line:
+                self._line(epoch, done, first_step, t)
+            yield batch
+            done += 1
+
+    def _line(self, epoch: int, done: int, first_step: int, now: float) -> None:
+        self.next_line = now + self.every
+        if self.every <= 0 or done >= self.steps:
+            return
+        elapsed = now - self.epoch_start
+        per_step = elapsed / max(1, done - first_step)
+        eta_epoch = (self.steps - done) * per_step
+        eta_run = eta_epoch + (self.epochs - epoch - 1) * max(self.epoch_wall,
+                                                              self.steps * per_step)
+        print0(f"progress: epoch {epoch + 1}/{self.epochs}, step {done}/{self.steps} | "
+               f"{(done - first_step) * self.images_per_step / elapsed:.1f} img/s | elapsed "
+               f"{_clock(now - self.start)} | ETA epoch {_clock(eta_epoch)}, run "
+               f"{_clock(eta_run)}" + ("" if self.epoch_wall else " + evaluation"))
+
+
 def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:
     """Lines logged once at start by rank 0: versions, devices, layout, resolved arguments."""
     import torchvision
@@ -612,9 +711,40 @@ def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:
     ]
 
 
-def collective_check(device: torch.device, world: int) -> None:
-    """--check: an all-reduce with a known answer, then its bandwidth (as nccl-tests reports
-    it: algbw = bytes / time, busbw = algbw * 2 (n - 1) / n). Every rank takes part."""
+#: Bus bandwidth as nccl-tests define it: busbw = algbw x this factor at n ranks, so that one
+#: figure compares with the links' speed whatever the collective (algbw = bytes / time, with
+#: bytes = the whole buffer: the all-reduce's, all-gather's output, reduce-scatter's input).
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n}
+BANDWIDTH_PREFIX = "[BANDWIDTH]"
+
+
+def _time_collective(op: str, nbytes: int, device: torch.device, world: int) -> float:
+    """Seconds per call of ``op`` over a buffer of ``nbytes`` (every rank takes part)."""
+    whole = torch.ones(nbytes // 4, device=device)
+    shard = torch.ones(nbytes // 4 // world, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    call = {"all_reduce": lambda: dist.all_reduce(whole),
+            "all_gather": lambda: gather(whole, shard),
+            "reduce_scatter": lambda: scatter(shard, whole)}[op]
+    for _ in range(2):  # warm-up: connections, buffers
+        call()
+    synchronize(device)
+    iters = 5
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    synchronize(device)
+    return (time.perf_counter() - t0) / iters
+
+
+def collective_check(device: torch.device, world: int, grad_bytes: int,
+                     ops: tuple = ("all_reduce",)) -> None:
+    """--check: an all-reduce with a known answer, then the bandwidth of ``ops`` on this very
+    allocation at four message sizes up to the model's gradient size, one ``[BANDWIDTH]``
+    line each (bus bandwidth as nccl-tests report it: compare it with the fabric's nominal
+    figure; a slow node or a wrong network interface shows here). Every rank takes part."""
     rank = dist.get_rank()
     probe = torch.full((4,), float(rank + 1), device=device)
     dist.all_reduce(probe)
@@ -623,18 +753,18 @@ def collective_check(device: torch.device, world: int) -> None:
     if got != expected:
         raise RuntimeError(f"all-reduce returned {got}, expected {expected}: the collective "
                            f"backend is broken between these ranks")
-    mib = 64 if device.type == "cuda" else 16
-    data = torch.ones(mib * 2**20 // 4, device=device)
-    for _ in range(2):  # warm-up: connections, buffers
-        dist.all_reduce(data)
-    synchronize(device)
-    iters = 5
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        dist.all_reduce(data)
-    synchronize(device)
-    seconds = (time.perf_counter() - t0) / iters
-    algbw = mib * 2**20 / seconds / 1e9
-    busbw = algbw * 2 * (world - 1) / world if world > 1 else 0.0
-    print0(f"check: all-reduce OK across {world} rank(s) (sum {got:g} == {expected:g}); "
-           f"{mib} MiB in {seconds * 1e3:.2f} ms: algbw {algbw:.2f} GB/s, busbw {busbw:.2f} GB/s")
+    print0(f"check: all-reduce OK across {world} rank(s) (sum {got:g} == {expected:g})")
+    if world == 1:
+        print0("check: one rank: no bandwidth to measure")
+        return
+    unit = 4 * world  # whole float32 elements, and a shard per rank
+    sizes = sorted({max(unit, grad_bytes // d // unit * unit) for d in (64, 16, 4, 1)})
+    for op in ops:
+        for nbytes in sizes:
+            seconds = _time_collective(op, nbytes, device, world)
+            algbw = nbytes / seconds / 1e9
+            print0(f"{BANDWIDTH_PREFIX} op={op} bytes={nbytes} world_size={world} "
+                   f"time_ms={seconds * 1e3:.3f} algbw_gbs={algbw:.3f} "
+                   f"busbw_gbs={algbw * BUS_FACTOR[op](world):.3f}")
+    print0(f"check: bandwidth measured up to {sizes[-1] / 2**20:.1f} MiB, the model's gradient "
+           f"size (busbw: the figure to compare with the links' nominal bandwidth)")

@@ -123,7 +123,8 @@ def train(args, env: common.DistEnv) -> int:
     model = models.build_model(args.model, data.num_classes, data.input_shape).to(device)
     checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
     if args.check:
-        common.collective_check(device, world)
+        grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # fp32 gradients
+        common.collective_check(device, world, grad_bytes)
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
@@ -152,13 +153,17 @@ def train(args, env: common.DistEnv) -> int:
     val_real = datautils.real_samples(val_sampler)
 
     criterion = nn.CrossEntropyLoss()
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+    steps = len(train_loader)
+    if args.max_steps_per_epoch:
+        steps = min(steps, args.max_steps_per_epoch)
+    lr = common.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay,
                                 # CUDA: one kernel for all parameters, and GradScaler's inf
                                 # check stays on the GPU (no host sync per step with fp16)
                                 fused=device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=args.step_size,
-                                                gamma=args.gamma)
+    # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, common.lr_factor(args, steps))
     dtype = common.amp_dtype(args)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
@@ -167,23 +172,22 @@ def train(args, env: common.DistEnv) -> int:
     start_epoch, start_step = ckpt.resume()
     metrics = ckpt.metrics
 
-    steps = len(train_loader)
-    if args.max_steps_per_epoch:
-        steps = min(steps, args.max_steps_per_epoch)
+    meter = common.StepMeter(args.log_every, args.epochs, steps, global_batch)  # progress lines
     start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
         skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
         train_batches.skip = skip * args.batch_size
-        lr = optimizer.param_groups[0]["lr"]
+        epoch_lr = optimizer.param_groups[0]["lr"]  # at the epoch's first step
         step_model.train()
         # [loss x n, correct, n] of this rank, kept on the device: no host sync per step
         sums = torch.zeros(3, device=device, dtype=torch.float64)
         common.reset_peak_memory(device)  # this epoch's peak, not the whole run's
         common.synchronize(device)
         t0 = time.perf_counter()
-        # to_device: on CUDA the next batch's copy overlaps this step's compute
-        batches = datautils.to_device(train_loader, device)
+        # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
+        # adds up the time spent waiting for the loader
+        batches = meter.epoch(datautils.to_device(train_loader, device), epoch, skip)
         for step, (images, labels) in enumerate(batches, start=skip):
             if step >= steps:
                 break
@@ -197,6 +201,7 @@ def train(args, env: common.DistEnv) -> int:
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
+            scheduler.step()
             sums[0] += loss.detach().double() * labels.size(0)
             sums[1] += (outputs.argmax(1) == labels).sum()
             sums[2] += labels.size(0)
@@ -205,7 +210,6 @@ def train(args, env: common.DistEnv) -> int:
         common.synchronize(device)
         train_time = time.perf_counter() - t0
         ckpt.check_finite(epoch)  # host sync, once per epoch
-        scheduler.step()
 
         val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
 
@@ -213,19 +217,22 @@ def train(args, env: common.DistEnv) -> int:
         # sync per epoch (the .tolist() below), not one per step.
         totals = common.all_reduce(torch.cat([sums, val_sums]))
         t_loss, t_correct, t_n, v_loss, v_correct, v_n = totals.tolist()
-        time_t = torch.tensor(train_time, device=device, dtype=torch.float64)
-        epoch_time = common.all_reduce(time_t, dist.ReduceOp.MAX).item()  # the slowest rank's
+        # the slowest rank sets the pace; data wait: the rank its loader kept waiting longest
+        times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
+        epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
         peaks = common.peak_memory_per_gpu([device])
         metrics = dict(
             strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
             world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
             per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
-            epoch=epoch + 1, epochs=args.epochs, lr=lr,
+            epoch=epoch + 1, epochs=args.epochs, lr=epoch_lr, lr_peak=lr,
+            lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs,
             train_loss=t_loss / max(t_n, 1), train_acc=100.0 * t_correct / max(t_n, 1),
             val_loss=v_loss / max(v_n, 1), val_acc=100.0 * v_correct / max(v_n, 1),
             train_images=int(t_n), val_images=int(v_n), epoch_time_s=epoch_time,
             throughput_img_s=t_n / epoch_time if epoch_time > 0 else 0.0,
             peak_mem_mib=max(peaks), peak_mem_per_gpu_mib=peaks,
+            data_wait_frac=min(1.0, data_wait / epoch_time) if epoch_time > 0 else 0.0,
         )
         print0(common.format_epoch_line(metrics))
         print0(common.format_metric_line(metrics))

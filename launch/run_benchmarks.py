@@ -214,6 +214,9 @@ SETTING_FLAGS = {  # setting -> the flag that sets it, for messages
 
 
 def check_train_args(train_args: list) -> None:
+    if len([a for a in train_args if a.split("=")[0].startswith("--lr-s")]) > 1:
+        raise StudyError("--lr-scaling is given both before and after the --: keep the one "
+                         "before it")
     for arg in train_args:
         flag = arg.split("=")[0]
         if flag.startswith("--batch"):  # argparse also takes abbreviations such as --batch
@@ -236,7 +239,8 @@ def settings_from(args, train_args: list) -> dict:
             "per_gpu_batch": args.per_gpu_batch, "global_batch": args.global_batch,
             "cpus_per_gpu": args.cpus_per_gpu,
             "sbatch_args": shlex.split(args.sbatch_args) if args.sbatch_args is not None else None,
-            "train_args": train_args}
+            "train_args": train_args + (["--lr-scaling", args.lr_scaling] if args.lr_scaling
+                                        else [])}
 
 
 def fill_defaults(s: dict) -> dict:
@@ -456,6 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--global-batch", type=int, default=None, metavar="B",
                    help="strong scaling: the GLOBAL batch, the same in every run; per-GPU "
                         "batch = B / GPUs")
+    b.add_argument("--lr-scaling", choices=("none", "linear", "sqrt"), default=None,
+                   help="passed to every run: scale the learning rate with the global batch "
+                        "(linear: the rule of Goyal et al.; add -- --warmup-epochs E for their "
+                        "warm-up); default: the training scripts' none")
     r = parser.add_argument_group("where and how")
     r.add_argument("--study-dir", default=None, metavar="DIR",
                    help="the study directory: study.json and one run directory per job "

@@ -65,6 +65,30 @@ def record_worker_seed(out: Path) -> None:
     datautils.ImageList.__getitem__ = getitem
 
 
+def slow_loader(out: Path) -> None:
+    """Every synthetic sample takes $SLOW_SAMPLE_S seconds (default 0.005) to make: a loader
+    too slow for its model."""
+    import time
+    real = datautils.SyntheticImages.__getitem__
+    delay = float(os.environ.get("SLOW_SAMPLE_S", "0.005"))
+
+    def getitem(self, index):
+        time.sleep(delay)
+        return real(self, index)
+    datautils.SyntheticImages.__getitem__ = getitem
+
+
+def record_lr(out: Path) -> None:
+    """The learning rate of every optimizer step, one line each, per rank."""
+    real = torch.optim.SGD.step
+
+    def step(self, *args, **kwargs):
+        with open(out / f"lr-rank{RANK}.txt", "a") as f:
+            f.write(f"{self.param_groups[0]['lr']!r}\n")
+        return real(self, *args, **kwargs)
+    torch.optim.SGD.step = step
+
+
 if __name__ == "__main__":
     patch, out, script, *args = sys.argv[1:]
     globals()[patch](Path(out))

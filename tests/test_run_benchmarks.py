@@ -163,6 +163,20 @@ def test_the_workshops_two_tables_and_strong_scaling(tmp_path):
                                             64, [])]
 
 
+def test_lr_scaling_reaches_every_run(tmp_path):
+    study = tmp_path / "s"
+    proc = rb("--dry-run", "--study-dir", study, "--strategies", "ddp", "fsdp", "--gpus", "1",
+              "2", "--lr-scaling", "linear", "--", "--warmup-epochs", "0.5")
+    assert proc.returncode == 0, proc.stderr
+    extra = ["--warmup-epochs", "0.5", "--lr-scaling", "linear"]
+    assert commands(proc.stdout) == [
+        sbatch("ddp-1n1g", "ddp", 1, 1, study, "baseline.slurm", 64, extra),
+        sbatch("ddp-1n2g", "ddp", 1, 2, study, "multi_gpu.slurm", 64, extra),
+        sbatch("fsdp-1n1g", "fsdp", 1, 1, study, "baseline.slurm", 64, extra),
+        sbatch("fsdp-1n2g", "fsdp", 1, 2, study, "multi_gpu.slurm", 64, extra),
+    ]
+
+
 @pytest.mark.parametrize("args,says", [
     (["--", "--batch-size", "32"], "use --per-gpu-batch N"),
     (["--", "--batch=32"], "use --per-gpu-batch N"),
@@ -176,6 +190,7 @@ def test_the_workshops_two_tables_and_strong_scaling(tmp_path):
     (["--resume", "--study-dir", "{tmp}"], "no study.json in"),
     (["--study-dir", "{tmp}/a,b"], "contains a comma"),
     (["--sbatch-args", "'--partition=gpu"], "quote it as one string"),
+    (["--lr-scaling", "linear", "--", "--lr-scaling", "sqrt"], "keep the one before it"),
 ])
 def test_bad_flags_are_one_clear_sentence(tmp_path, args, says):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]

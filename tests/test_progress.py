@@ -1,0 +1,151 @@
+"""A run explains itself while it runs: a progress line at a steady cadence with an ETA that
+holds, and the share of the training time spent waiting for the data loader."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from conftest import REPO, check_ok, env_for_tests, metrics, run_script
+
+import common
+
+PATCHED = REPO / "tests" / "patched_run.py"
+PROGRESS_RE = re.compile(
+    r"^progress: epoch (\d+)/(\d+), step (\d+)/(\d+) \| ([\d.]+) img/s \| elapsed ([\d:]+) \| "
+    r"ETA epoch ([\d:]+), run ([\d:]+)( \+ evaluation)?$", re.M)
+# The CNN on synthetic data whose every sample takes 5 ms to make: about 80 ms a step
+SLOW = ["--model", "cnn", "--synthetic-size", "512", "--batch-size", "16", "--epochs", "3",
+        "--num-workers", "0", "--amp", "off"]
+
+
+def seconds(clock: str) -> int:
+    total = 0
+    for part in clock.split(":"):
+        total = total * 60 + int(part)
+    return total
+
+
+def run_slow(tmp_path, *args, sample_s: float = 0.005) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(PATCHED), "slow_loader", str(tmp_path), "ddp_train.py",
+           *SLOW, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=env_for_tests({"SLOW_SAMPLE_S": str(sample_s)}))
+
+
+def test_progress_lines_come_at_their_cadence_with_an_eta_that_holds(tmp_path):
+    proc = run_slow(tmp_path, "--log-every", "1")
+    check_ok(proc)
+    lines = PROGRESS_RE.findall(proc.stdout)
+    total = float(metrics(proc.stdout)[-1]["total_time_s"])
+    # the first line after the first three steps, then about one a second
+    assert lines[0][:4] == ("1", "3", "3", "32")
+    assert total / 2 <= len(lines) <= total + 3 * 2, (total, len(lines))
+    for epoch, epochs, step, steps, rate, *_ in lines:
+        assert epochs == "3" and steps == "32" and 1 <= int(step) < 32 and float(rate) > 0
+    # every line's ETA for the run, against what the run then really took (a generous factor)
+    for *_, elapsed, eta_epoch, eta_run, plus_eval in lines:
+        remaining = total - seconds(elapsed)
+        if remaining > 3:  # too close to the end, whole seconds say little
+            assert remaining / 3 <= seconds(eta_run) + 1 <= remaining * 3, (eta_run, remaining)
+        assert seconds(eta_epoch) <= seconds(eta_run)
+    assert [p for *_, p in lines if p] and not lines[-1][-1]  # "+ evaluation": epoch 1 only
+    # rank 0 only, and the epoch lines are where they were
+    assert all(line.startswith("progress: ") for line in proc.stdout.splitlines()
+               if "progress" in line)
+
+
+def test_data_wait_is_the_share_of_time_spent_waiting_for_the_loader(tmp_path):
+    # 20 ms a sample, 0.3 s a batch: several times what the step itself takes
+    slow = run_slow(tmp_path, "--log-every", "0", "--synthetic-size", "256", sample_s=0.02)
+    check_ok(slow)
+    assert "progress:" not in slow.stdout  # --log-every 0: none
+    waits = [float(m["data_wait_frac"]) for m in metrics(slow.stdout)]
+    assert len(waits) == 4 and min(waits) > 0.5, waits
+    assert re.search(r"\| Data wait: [5-9]\d%$", slow.stdout, re.M)
+    # the same model on data held on the device: next to no waiting
+    fast = run_script("ddp_train.py", ["--model", "cnn", "--synthetic-size", "512",
+                                       "--batch-size", "16", "--epochs", "2", "--amp", "off",
+                                       "--data-on-device"])
+    check_ok(fast)
+    waits = [float(m["data_wait_frac"]) for m in metrics(fast.stdout)]
+    assert waits and max(waits) < 0.2, waits
+
+
+def test_progress_wording():
+    assert common._clock(0) == "0:00" and common._clock(69.9) == "1:09"
+    assert common._clock(3 * 3600 + 5 * 60 + 9) == "3:05:09"
+    assert common.METRIC_KEYS[-1] == "data_wait_frac"
+
+
+def test_linear_lr_scaling_with_warm_up_gives_the_documented_rate_at_every_step(tmp_path):
+    """--lr-scaling linear: peak = --lr x global batch / --base-batch; over --warmup-epochs the
+    rate at step s (0-based) is peak x (s + 1) / warm-up steps; then x --gamma every
+    --step-size epochs. Recorded from inside a real 2-process run, at every optimizer step."""
+    args = ["--model", "cnn", "--synthetic-size", "256", "--batch-size", "16", "--epochs", "3",
+            "--num-workers", "0", "--amp", "off", "--lr", "0.01", "--lr-scaling", "linear",
+            "--base-batch", "16", "--warmup-epochs", "1.5", "--step-size", "2",
+            "--log-every", "0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(PATCHED), "record_lr", str(tmp_path), "ddp_train.py", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=env_for_tests())
+    check_ok(proc)
+    peak, steps, warmup = 0.01 * 32 / 16, 256 // 32, 12  # 8 steps an epoch; 1.5 x 8
+    expected = [peak * min(1.0, (s + 1) / warmup) * 0.1 ** (s // steps // 2)
+                for s in range(3 * steps)]
+    for rank in (0, 1):
+        got = [float(x) for x in (tmp_path / f"lr-rank{rank}.txt").read_text().split()]
+        assert len(got) == len(expected)
+        assert all(abs(g - e) < 1e-12 for g, e in zip(got, expected)), (got, expected)
+    m = metrics(proc.stdout)
+    assert [x["lr_peak"] for x in m] == ["0.02"] * 4
+    assert {x["lr_scaling"] for x in m} == {"linear"} and {x["warmup_epochs"] for x in m} == {
+        "1.5"}
+    for logged, want in zip([float(x["lr"]) for x in m[:3]], [expected[0], expected[8],
+                                                              expected[16]]):
+        assert abs(logged - want) <= 1e-6 * want  # the line keeps 7 significant digits
+
+
+def test_lr_scaling_rules():
+    import argparse
+    args = argparse.Namespace(lr=0.1, base_batch=256, lr_scaling="linear", warmup_epochs=0,
+                              step_size=30, gamma=0.1)
+    assert common.peak_lr(args, 8192) == 0.1 * 32  # Goyal et al.: 8k batch, 3.2
+    args.lr_scaling = "sqrt"
+    assert abs(common.peak_lr(args, 1024) - 0.2) < 1e-12
+    args.lr_scaling = "none"
+    assert common.peak_lr(args, 8192) == 0.1
+    factor = common.lr_factor(args, steps=100)
+    assert factor(0) == 1.0 and abs(factor(3000) - 0.1) < 1e-12
+    args.warmup_epochs = 0.25  # 25 steps
+    factor = common.lr_factor(args, steps=100)
+    assert [factor(s) for s in (0, 11, 24, 25)] == [1 / 25, 12 / 25, 1.0, 1.0]
+
+
+def test_check_measures_bandwidth_the_way_nccl_tests_do():
+    """fsdp --check: all-gather, reduce-scatter and all-reduce at four sizes up to the model's
+    gradient size; algbw = bytes / time, busbw = algbw x 2(n-1)/n (all-reduce) or (n-1)/n."""
+    import models
+    proc = run_script("fsdp_train.py", ["--check", "--model", "cnn"], nproc=2)
+    check_ok(proc)
+    lines = [dict(kv.split("=") for kv in line.split()[1:]) for line in proc.stdout.splitlines()
+             if line.startswith(common.BANDWIDTH_PREFIX + " ")]
+    assert [x["op"] for x in lines] == ["all_gather"] * 4 + ["reduce_scatter"] * 4 + [
+        "all_reduce"] * 4
+    grad = sum(p.numel() * 4 for p in models.build_model("cnn", 10, (3, 32, 32)).parameters())
+    sizes = [int(x["bytes"]) for x in lines[:4]]
+    assert sizes == sorted(sizes) and sizes[-1] == grad // 8 * 8 and sizes[0] >= grad // 64 - 8
+    for x in lines:
+        algbw = int(x["bytes"]) / (float(x["time_ms"]) / 1e3) / 1e9
+        assert abs(algbw - float(x["algbw_gbs"])) <= 0.01 * algbw + 0.001
+        factor = 1.0 if x["op"] == "all_reduce" else 0.5  # 2(n-1)/n and (n-1)/n at n = 2
+        assert abs(float(x["busbw_gbs"]) - float(x["algbw_gbs"]) * factor) <= 0.0015
+    # DDP measures the all-reduce it uses; one process has nothing to measure
+    ddp = run_script("ddp_train.py", ["--check", "--model", "cnn"], nproc=2)
+    check_ok(ddp)
+    assert ddp.stdout.count("[BANDWIDTH] op=all_reduce ") == 4
+    single = run_script("ddp_train.py", ["--check", "--model", "cnn"])
+    check_ok(single)
+    assert "[BANDWIDTH]" not in single.stdout and "no bandwidth to measure" in single.stdout
