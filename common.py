@@ -53,7 +53,7 @@ METRIC_KEYS = (
     "warmup_epochs",
     "train_loss", "train_acc", "val_loss", "val_acc", "train_images", "val_images",
     "epoch_time_s", "throughput_img_s", "peak_mem_mib", "peak_mem_per_gpu_mib",
-    "data_wait_frac",
+    "data_wait_frac", "train_start_unix", "eval_start_unix", "eval_end_unix",
 )
 
 
@@ -94,8 +94,8 @@ def format_epoch_line(m: dict) -> str:
 def _fmt(value) -> str:
     if isinstance(value, bool):
         return str(int(value))
-    if isinstance(value, float):
-        return "nan" if math.isnan(value) else format(value, ".7g")
+    if isinstance(value, float):  # a clock time (1.8e9 s) keeps its tenths of a second
+        return "nan" if math.isnan(value) else format(value, ".1f" if abs(value) >= 1e7 else ".7g")
     if isinstance(value, (list, tuple)):  # per-GPU values: "812.5/640.1"
         return "/".join(_fmt(v) for v in value)
     text = str(value)
@@ -409,6 +409,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "ranks before the run fails instead of hanging")
     g.add_argument("--strict", action="store_true",
                    help="stop at the first unreadable image (naming it) instead of skipping it")
+    g.add_argument("--profile", nargs="?", const=os.environ.get("RUN_DIR") or ".", default=None,
+                   metavar="DIR",
+                   help="trace 5 steps of the first epoch with torch.profiler after 3 warm-up "
+                        "steps: rank 0 writes DIR/profile_trace_rank0.json (open it in "
+                        "ui.perfetto.dev) and prints a [PROFILE] line, the step split into "
+                        "compute, exposed communication, data wait and other (DIR: default "
+                        "$RUN_DIR under the launchers, else the current directory)")
     g.add_argument("--check", action="store_true",
                    help="run only the preflight checks, an all-reduce sanity test and the "
                         "bandwidth of the strategy's collectives up to the gradient size "
@@ -489,6 +496,15 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
     if args.log_every < 0:
         raise UsageError(f"--log-every must be 0 (no progress lines) or more, got "
                          f"{args.log_every}")
+    if args.profile is not None:
+        try:
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--profile {args.profile}: cannot create that folder "
+                             f"({e.strerror}): give a writable directory") from None
+        if not os.access(args.profile, os.W_OK):
+            raise UsageError(f"--profile {args.profile}: that folder is not writable: give a "
+                             f"writable directory")
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
     check_model(args.model, input_shape(args))  # before any download or data scan
@@ -631,61 +647,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _clock(seconds: float) -> str:
-    """A duration as a person reads it: 5:09, 1:05:09."""
-    seconds = int(max(0.0, seconds))
-    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
-
-
-class StepMeter:
-    """The training batches of one epoch, metered: how long the host waited for each next
-    batch (``wait_s``: the loader's share of the epoch), and rank 0's progress line after the
-    first few steps and then every ``every`` seconds, which answers "is my job alive, and when
-    does it end?". It reads only what the host knows (a step count, the clock): no host sync
-    is added to the step. On a GPU the host runs a few steps ahead of the device, so the rate
-    is that of queued steps; it converges to the real one from the second line on."""
-
-    FIRST_AFTER = 3  # steps: the first line comes once the slow first steps are behind
-
-    def __init__(self, every: float, epochs: int, steps: int, images_per_step: int):
-        self.every, self.epochs, self.steps = every, epochs, steps
-        self.images_per_step = images_per_step
-        self.start = time.perf_counter()
-        self.epoch_wall = 0.0  # one whole epoch (training, evaluation, saving), once known
-        self.wait_s = 0.0
-
-    def epoch(self, batches, epoch: int, first_step: int):
-        """Yield ``batches``; ``first_step``: the steps a resumed epoch already ran."""
-        now = time.perf_counter()
-        if hasattr(self, "epoch_start"):
-            self.epoch_wall = now - self.epoch_start
-        self.epoch_start, self.next_line, self.wait_s = now, now + self.every, 0.0
-        it, done = iter(batches), first_step
-        while True:
-            t = time.perf_counter()
-            batch = next(it, None)
-            self.wait_s += time.perf_counter() - t  # host time blocked on the loader
-            if batch is None:
-                return
-            if done - first_step == self.FIRST_AFTER or t >= self.next_line:
-                self._line(epoch, done, first_step, t)
-            yield batch
-            done += 1
-
-    def _line(self, epoch: int, done: int, first_step: int, now: float) -> None:
-        self.next_line = now + self.every
-        if self.every <= 0 or done >= self.steps:
-            return
-        elapsed = now - self.epoch_start
-        per_step = elapsed / max(1, done - first_step)
-        eta_epoch = (self.steps - done) * per_step
-        eta_run = eta_epoch + (self.epochs - epoch - 1) * max(self.epoch_wall,
-                                                              self.steps * per_step)
-        print0(f"progress: epoch {epoch + 1}/{self.epochs}, step {done}/{self.steps} | "
-               f"{(done - first_step) * self.images_per_step / elapsed:.1f} img/s | elapsed "
-               f"{_clock(now - self.start)} | ETA epoch {_clock(eta_epoch)}, run "
-               f"{_clock(eta_run)}" + ("" if self.epoch_wall else " + evaluation"))
+def phase_times(t0: float, train_time: float) -> dict:
+    """When this epoch's training and evaluation ran, as clock times (seconds since 1970, this
+    rank's clock), for the timelines of analyze_memory.py: ``t0`` is the perf_counter() at
+    the start of training, ``train_time`` its duration; evaluation ends now."""
+    now, clock = time.perf_counter(), time.time()
+    return dict(train_start_unix=clock - (now - t0),
+                eval_start_unix=clock - (now - t0 - train_time), eval_end_unix=clock)
 
 
 def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:
@@ -709,62 +677,3 @@ def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:
         f"compute capability 8.0+, fp16 on older GPUs, off on CPU)",
         f"args: {args_text}",
     ]
-
-
-#: Bus bandwidth as nccl-tests define it: busbw = algbw x this factor at n ranks, so that one
-#: figure compares with the links' speed whatever the collective (algbw = bytes / time, with
-#: bytes = the whole buffer: the all-reduce's, all-gather's output, reduce-scatter's input).
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-              "reduce_scatter": lambda n: (n - 1) / n}
-BANDWIDTH_PREFIX = "[BANDWIDTH]"
-
-
-def _time_collective(op: str, nbytes: int, device: torch.device, world: int) -> float:
-    """Seconds per call of ``op`` over a buffer of ``nbytes`` (every rank takes part)."""
-    whole = torch.ones(nbytes // 4, device=device)
-    shard = torch.ones(nbytes // 4 // world, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    call = {"all_reduce": lambda: dist.all_reduce(whole),
-            "all_gather": lambda: gather(whole, shard),
-            "reduce_scatter": lambda: scatter(shard, whole)}[op]
-    for _ in range(2):  # warm-up: connections, buffers
-        call()
-    synchronize(device)
-    iters = 5
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        call()
-    synchronize(device)
-    return (time.perf_counter() - t0) / iters
-
-
-def collective_check(device: torch.device, world: int, grad_bytes: int,
-                     ops: tuple = ("all_reduce",)) -> None:
-    """--check: an all-reduce with a known answer, then the bandwidth of ``ops`` on this very
-    allocation at four message sizes up to the model's gradient size, one ``[BANDWIDTH]``
-    line each (bus bandwidth as nccl-tests report it: compare it with the fabric's nominal
-    figure; a slow node or a wrong network interface shows here). Every rank takes part."""
-    rank = dist.get_rank()
-    probe = torch.full((4,), float(rank + 1), device=device)
-    dist.all_reduce(probe)
-    expected = world * (world + 1) / 2
-    got = probe[0].item()
-    if got != expected:
-        raise RuntimeError(f"all-reduce returned {got}, expected {expected}: the collective "
-                           f"backend is broken between these ranks")
-    print0(f"check: all-reduce OK across {world} rank(s) (sum {got:g} == {expected:g})")
-    if world == 1:
-        print0("check: one rank: no bandwidth to measure")
-        return
-    unit = 4 * world  # whole float32 elements, and a shard per rank
-    sizes = sorted({max(unit, grad_bytes // d // unit * unit) for d in (64, 16, 4, 1)})
-    for op in ops:
-        for nbytes in sizes:
-            seconds = _time_collective(op, nbytes, device, world)
-            algbw = nbytes / seconds / 1e9
-            print0(f"{BANDWIDTH_PREFIX} op={op} bytes={nbytes} world_size={world} "
-                   f"time_ms={seconds * 1e3:.3f} algbw_gbs={algbw:.3f} "
-                   f"busbw_gbs={algbw * BUS_FACTOR[op](world):.3f}")
-    print0(f"check: bandwidth measured up to {sizes[-1] / 2**20:.1f} MiB, the model's gradient "
-           f"size (busbw: the figure to compare with the links' nominal bandwidth)")

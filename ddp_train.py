@@ -31,6 +31,7 @@ from torch.utils.data import DistributedSampler
 import checkpoint
 import common
 import datautils
+import measure
 import models
 from common import print0
 from faults import UsageError, end_process
@@ -124,7 +125,7 @@ def train(args, env: common.DistEnv) -> int:
     checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
     if args.check:
         grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # fp32 gradients
-        common.collective_check(device, world, grad_bytes)
+        measure.collective_check(device, world, grad_bytes)
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
@@ -172,7 +173,7 @@ def train(args, env: common.DistEnv) -> int:
     start_epoch, start_step = ckpt.resume()
     metrics = ckpt.metrics
 
-    meter = common.StepMeter(args.log_every, args.epochs, steps, global_batch)  # progress lines
+    meter = measure.StepMeter(args, steps, global_batch, device)  # progress, --profile
     start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
@@ -233,6 +234,7 @@ def train(args, env: common.DistEnv) -> int:
             throughput_img_s=t_n / epoch_time if epoch_time > 0 else 0.0,
             peak_mem_mib=max(peaks), peak_mem_per_gpu_mib=peaks,
             data_wait_frac=min(1.0, data_wait / epoch_time) if epoch_time > 0 else 0.0,
+            **common.phase_times(t0, train_time),
         )
         print0(common.format_epoch_line(metrics))
         print0(common.format_metric_line(metrics))

@@ -33,6 +33,7 @@ from torch.utils.data import DistributedSampler
 import checkpoint
 import common
 import datautils
+import measure
 import models
 from common import print0
 from faults import UsageError, end_process
@@ -180,7 +181,7 @@ def train(args, env: common.DistEnv) -> int:
     metrics = ckpt.metrics
 
     gpus = [torch.device("cuda", i) for i in gpu_ids] or [device]
-    meter = common.StepMeter(args.log_every, args.epochs, steps, global_batch)  # progress lines
+    meter = measure.StepMeter(args, steps, global_batch, device)  # progress, --profile
     start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
@@ -244,6 +245,7 @@ def train(args, env: common.DistEnv) -> int:
             throughput_img_s=t_n / epoch_time if epoch_time > 0 else 0.0,
             peak_mem_mib=max(peaks), peak_mem_per_gpu_mib=peaks,
             data_wait_frac=min(1.0, data_wait / epoch_time) if epoch_time > 0 else 0.0,
+            **common.phase_times(t0, train_time),
         )
         print0(common.format_epoch_line(metrics))
         print0(common.format_metric_line(metrics))

@@ -53,6 +53,7 @@ from torchvision.models.resnet import ResNet
 import checkpoint
 import common
 import datautils
+import measure
 import models
 from common import print0
 from faults import UsageError, end_process
@@ -194,7 +195,7 @@ def train(args, env: common.DistEnv) -> int:
         grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # fp32 gradients
         # FSDP's collectives: all-gather (parameters), reduce-scatter (gradients), and the
         # all-reduce between replicas of --sharding hybrid
-        common.collective_check(device, world, grad_bytes,
+        measure.collective_check(device, world, grad_bytes,
                                 ("all_gather", "reduce_scatter", "all_reduce"))
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
@@ -239,7 +240,7 @@ def train(args, env: common.DistEnv) -> int:
     start_epoch, start_step = ckpt.resume()
     metrics = ckpt.metrics
 
-    meter = common.StepMeter(args.log_every, args.epochs, steps, global_batch)  # progress lines
+    meter = measure.StepMeter(args, steps, global_batch, device)  # progress, --profile
     start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
@@ -302,6 +303,7 @@ def train(args, env: common.DistEnv) -> int:
             throughput_img_s=t_n / epoch_time if epoch_time > 0 else 0.0,
             peak_mem_mib=max(peaks), peak_mem_per_gpu_mib=peaks,
             data_wait_frac=min(1.0, data_wait / epoch_time) if epoch_time > 0 else 0.0,
+            **common.phase_times(t0, train_time),
         )
         print0(common.format_epoch_line(metrics))
         print0(common.format_metric_line(metrics))

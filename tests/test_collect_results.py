@@ -80,7 +80,10 @@ def test_a_real_metric_line_round_trips(tmp_path):
              epochs=2, lr=0.01, train_loss=2.298062, train_acc=17.1875, val_loss=2.294444,
              val_acc=18.75, train_images=256, val_images=64, epoch_time_s=0.5164306,
              throughput_img_s=495.7104, peak_mem_mib=771.1953,
-             peak_mem_per_gpu_mib=[771.1953, 765.1094], total_time_s=1.199915)
+             peak_mem_per_gpu_mib=[771.1953, 765.1094], total_time_s=1.199915, lr_peak=0.01,
+             lr_scaling="none", warmup_epochs=0.0, data_wait_frac=0.02,
+             train_start_unix=1795500000.0, eval_start_unix=1795500000.5,
+             eval_end_unix=1795500000.7)
     run = tmp_path / "ddp-1n2g-1"
     run.mkdir()
     (run / "job.env").write_text("JOB_NAME=ddp-1n2g\nEXIT_CODE=0\n")
@@ -93,6 +96,7 @@ def test_a_real_metric_line_round_trips(tmp_path):
     assert float(final["throughput_img_s"]) == 495.7104
     assert [float(v) for v in final["peak_mem_per_gpu_mib"].split("/")] == [771.1953, 765.1094]
     assert final["epoch_time_s"] == "0.5164306"  # the CSV keeps the logged text
+    assert final["eval_end_unix"] == "1795500000.7"  # clock times keep their tenths
     # results.csv has every [METRIC] key, in the writer's order, then total_time_s.
     code, rows, _ = collect([run], tmp_path / "out")
     with open(tmp_path / "out" / "results.csv", newline="") as f:

@@ -7,9 +7,11 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, check_ok, env_for_tests, metrics, run_script
 
 import common
+import measure
 
 PATCHED = REPO / "tests" / "patched_run.py"
 PROGRESS_RE = re.compile(
@@ -74,9 +76,9 @@ def test_data_wait_is_the_share_of_time_spent_waiting_for_the_loader(tmp_path):
 
 
 def test_progress_wording():
-    assert common._clock(0) == "0:00" and common._clock(69.9) == "1:09"
-    assert common._clock(3 * 3600 + 5 * 60 + 9) == "3:05:09"
-    assert common.METRIC_KEYS[-1] == "data_wait_frac"
+    assert measure._clock(0) == "0:00" and measure._clock(69.9) == "1:09"
+    assert measure._clock(3 * 3600 + 5 * 60 + 9) == "3:05:09"
+    assert "data_wait_frac" in common.METRIC_KEYS
 
 
 def test_linear_lr_scaling_with_warm_up_gives_the_documented_rate_at_every_step(tmp_path):
@@ -131,7 +133,7 @@ def test_check_measures_bandwidth_the_way_nccl_tests_do():
     proc = run_script("fsdp_train.py", ["--check", "--model", "cnn"], nproc=2)
     check_ok(proc)
     lines = [dict(kv.split("=") for kv in line.split()[1:]) for line in proc.stdout.splitlines()
-             if line.startswith(common.BANDWIDTH_PREFIX + " ")]
+             if line.startswith(measure.BANDWIDTH_PREFIX + " ")]
     assert [x["op"] for x in lines] == ["all_gather"] * 4 + ["reduce_scatter"] * 4 + [
         "all_reduce"] * 4
     grad = sum(p.numel() * 4 for p in models.build_model("cnn", 10, (3, 32, 32)).parameters())
@@ -149,3 +151,67 @@ def test_check_measures_bandwidth_the_way_nccl_tests_do():
     single = run_script("ddp_train.py", ["--check", "--model", "cnn"])
     check_ok(single)
     assert "[BANDWIDTH]" not in single.stdout and "no bandwidth to measure" in single.stdout
+
+
+def _x(name, start, end, cat="cpu_op"):
+    return {"ph": "X", "name": name, "cat": cat, "ts": start, "dur": end - start}
+
+
+def test_step_breakdown_splits_the_step_into_parts_that_do_not_overlap():
+    # A GPU trace (microseconds): compute kernels 0-100 and 150-300, an NCCL all-reduce
+    # 80-200 (hidden behind compute but for 100-150), the host waiting for data 300-350 and
+    # 120-140 (the latter while the GPU worked: not a stall). 2 steps in 500 us.
+    gpu = {"traceEvents": [
+        _x("sgemm", 0, 100, "kernel"), _x("conv", 150, 300, "gpu_memcpy"),
+        _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 80, 200, "kernel"),
+        _x(measure.WAIT_LABEL, 300, 350, "user_annotation"),
+        _x(measure.WAIT_LABEL, 120, 140, "user_annotation"),
+        _x("aten::addmm", 0, 400), {"ph": "i", "name": "marker", "ts": 5}]}
+    parts = measure.step_breakdown(gpu, steps=2, window_s=500e-6)
+    assert parts == pytest.approx(dict(steps=2, step_ms=0.25, compute_ms=0.125,
+                                       exposed_comm_ms=0.025, data_wait_ms=0.025,
+                                       other_ms=0.075, comm_ms=0.06))
+    # A CPU trace: the training thread's operators 0-100, a gloo all-reduce on its own thread
+    # 90-220, a wait for data 200-250 with the loader's own operator inside (not compute),
+    # the c10d launch (not compute). 1 step in 300 us.
+    cpu = {"traceEvents": [
+        _x("aten::convolution", 0, 100), _x("aten::convolution", 30, 60),
+        _x("gloo:all_reduce", 90, 220, "user_annotation"), _x("c10d::allreduce_", 95, 96),
+        _x(measure.WAIT_LABEL, 200, 250, "user_annotation"), _x("aten::stack", 210, 240)]}
+    parts = measure.step_breakdown(cpu, steps=1, window_s=300e-6)
+    assert parts == pytest.approx(dict(steps=1, step_ms=0.3, compute_ms=0.1,
+                                       exposed_comm_ms=0.1, data_wait_ms=0.05, other_ms=0.05,
+                                       comm_ms=0.13))
+
+
+def test_profile_writes_a_trace_and_a_step_breakdown_that_adds_up(tmp_path):
+    """--profile on CPU with gloo, for each strategy: the trace loads as JSON, and the
+    [PROFILE] line's parts add up to the step time."""
+    import json
+    for script, nproc in (("ddp_train.py", 2), ("fsdp_train.py", 2), ("dp_train.py", None)):
+        out = tmp_path / script
+        proc = run_script(script, ["--model", "cnn", "--synthetic-size", "256",
+                                   "--batch-size", "16", "--epochs", "1", "--amp", "off",
+                                   "--profile", str(out)], nproc=nproc)
+        check_ok(proc)
+        lines = [line for line in proc.stdout.splitlines()
+                 if line.startswith(measure.PROFILE_PREFIX + " ")]
+        assert len(lines) == 1, proc.stdout  # rank 0, once
+        fields = dict(kv.split("=", 1) for kv in lines[0].split()[1:])
+        assert fields["trace"] == str(out / "profile_trace_rank0.json")
+        trace = json.loads((out / "profile_trace_rank0.json").read_text())
+        assert any(e.get("name") == measure.WAIT_LABEL for e in trace["traceEvents"])
+        step, parts = float(fields["step_ms"]), [float(fields[k]) for k in (
+            "compute_ms", "exposed_comm_ms", "data_wait_ms", "other_ms")]
+        assert fields["steps"] == "5" and step > 0 and min(parts) >= 0
+        assert abs(sum(parts) - step) <= 0.02 * step, (parts, step)
+        assert parts[0] > 0.3 * step  # a CPU step is mostly compute
+        assert (float(fields["comm_ms"]) > 0) == (nproc == 2)  # dp: no process group
+        assert "ms per step = compute" in proc.stdout
+
+
+def test_profile_needs_a_writable_folder(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = run_script("ddp_train.py", ["--profile", str(blocker / "sub")])
+    assert proc.returncode == 2 and "--profile" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,293 @@
+"""What a run measures about itself, beyond the epoch's metrics: the progress line, the time
+spent waiting for data, a profile of a few steps (--profile) and the bandwidth of the
+collectives (--check). Each answers a question a user asks of a running job:
+
+- "is my job alive, and when does it end?": ``StepMeter`` prints rank 0's progress line;
+- "is the loader keeping up?": ``StepMeter.wait_s``, the epoch's ``data_wait_frac``;
+- "where does a step's time go?": ``--profile`` traces a few steps with torch.profiler and
+  splits the step into compute, communication not hidden behind compute, data wait and the
+  rest (``step_breakdown``);
+- "is the network as fast as it should be?": ``collective_check`` times the strategy's
+  collectives the way nccl-tests do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common import print0, synchronize
+
+# --------------------------------------------------------------------------------------------
+# Progress and data wait
+# --------------------------------------------------------------------------------------------
+
+def _clock(seconds: float) -> str:
+    """A duration as a person reads it: 5:09, 1:05:09."""
+    seconds = int(max(0.0, seconds))
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class StepMeter:
+    """The training batches of one epoch, metered: how long the host waited for each next
+    batch (``wait_s``: the loader's share of the epoch), and rank 0's progress line after the
+    first few steps and then every ``every`` seconds, which answers "is my job alive, and when
+    does it end?". It reads only what the host knows (a step count, the clock): no host sync
+    is added to the step. On a GPU the host runs a few steps ahead of the device, so the rate
+    is that of queued steps; it converges to the real one from the second line on."""
+
+    FIRST_AFTER = 3  # steps: the first line comes once the slow first steps are behind
+    PROFILE_AFTER, PROFILE_STEPS = 3, 5  # --profile: skip 3 steps (warm-up), trace 5
+
+    def __init__(self, args, steps: int, images_per_step: int, device: torch.device):
+        self.every, self.epochs, self.steps = args.log_every, args.epochs, steps
+        self.images_per_step, self.device = images_per_step, device
+        # --profile: rank 0 traces a few steps of the first epoch it runs
+        is_main = not dist.is_initialized() or dist.get_rank() == 0
+        self.profile_dir = args.profile if is_main else None
+        self.profile = None
+        self.start = time.perf_counter()
+        self.epoch_wall = 0.0  # one whole epoch (training, evaluation, saving), once known
+        self.wait_s = 0.0
+
+    def epoch(self, batches, epoch: int, first_step: int):
+        """Yield ``batches``; ``first_step``: the steps a resumed epoch already ran."""
+        now = time.perf_counter()
+        if hasattr(self, "epoch_start"):
+            self.epoch_wall = now - self.epoch_start
+        self.epoch_start, self.next_line, self.wait_s = now, now + self.every, 0.0
+        it, done = iter(batches), first_step
+        window = self._profile_window(first_step)
+        while True:
+            if done == window[0]:
+                self.profile = _Profile(self.profile_dir, self.device, window[1] - window[0])
+            elif done == window[1]:
+                self.profile.finish()
+                self.profile = self.profile_dir = None
+            t = time.perf_counter()
+            with torch.profiler.record_function(WAIT_LABEL) if self.profile else nullcontext():
+                batch = next(it, None)
+            self.wait_s += time.perf_counter() - t  # host time blocked on the loader
+            if batch is None:
+                return
+            if done - first_step == self.FIRST_AFTER or t >= self.next_line:
+                self._line(epoch, done, first_step, t)
+            yield batch
+            done += 1
+
+    def _profile_window(self, first_step: int) -> tuple:
+        """(first, end) step of this epoch's profile window; (-1, -1): none."""
+        if not self.profile_dir:
+            return -1, -1
+        n = self.steps - first_step
+        start = first_step + min(self.PROFILE_AFTER, n // 3)
+        return start, min(start + self.PROFILE_STEPS, self.steps)
+
+    def _line(self, epoch: int, done: int, first_step: int, now: float) -> None:
+        self.next_line = now + self.every
+        if self.every <= 0 or done >= self.steps:
+            return
+        elapsed = now - self.epoch_start
+        per_step = elapsed / max(1, done - first_step)
+        eta_epoch = (self.steps - done) * per_step
+        eta_run = eta_epoch + (self.epochs - epoch - 1) * max(self.epoch_wall,
+                                                              self.steps * per_step)
+        print0(f"progress: epoch {epoch + 1}/{self.epochs}, step {done}/{self.steps} | "
+               f"{(done - first_step) * self.images_per_step / elapsed:.1f} img/s | elapsed "
+               f"{_clock(now - self.start)} | ETA epoch {_clock(eta_epoch)}, run "
+               f"{_clock(eta_run)}" + ("" if self.epoch_wall else " + evaluation"))
+
+
+# --------------------------------------------------------------------------------------------
+# --profile: where a step's time goes
+# --------------------------------------------------------------------------------------------
+
+PROFILE_PREFIX = "[PROFILE]"
+PROFILE_KEYS = ("steps", "step_ms", "compute_ms", "exposed_comm_ms", "data_wait_ms", "other_ms",
+                "comm_ms")
+WAIT_LABEL = "data wait"  # the span StepMeter marks around each wait for the next batch
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of GPU work
+
+
+def _merge(spans) -> list:
+    """Intervals (start, end) -> sorted, non-overlapping intervals covering the same time."""
+    merged = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _minus(spans: list, cut: list) -> list:
+    """The parts of merged ``spans`` that no interval of merged ``cut`` covers."""
+    left = []
+    for start, end in spans:
+        for c_start, c_end in cut:
+            if c_end <= start or c_start >= end:
+                continue
+            if c_start > start:
+                left.append([start, c_start])
+            start = max(start, c_end)
+        if start < end:
+            left.append([start, end])
+    return left
+
+
+def _total(spans: list) -> float:
+    return sum(end - start for start, end in spans)
+
+
+def step_breakdown(trace: dict, steps: int, window_s: float) -> dict:
+    """Split the time of ``steps`` profiled steps (``window_s`` seconds of wall time) into
+    parts that do not overlap, in milliseconds per step, from a Chrome trace of torch.profiler:
+
+    compute          GPU: time any non-communication kernel or copy runs; CPU: time the
+                     training thread runs an operator, outside the waits for data
+    exposed_comm     time a collective runs (NCCL kernels, gloo's threads) while no compute
+                     does: the communication that overlap with backward did not hide
+    data_wait        time the host waited for the next batch (on a GPU: only while the GPU
+                     had nothing to do)
+    other            the rest: Python, kernel launches, optimizer bookkeeping, idle
+    comm             all communication, hidden or not (not one of the parts)
+    """
+    events = [e for e in trace.get("traceEvents", [])
+              if e.get("ph") == "X" and "dur" in e and "ts" in e]
+
+    def spans(keep):
+        return _merge((float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+                      for e in events if keep(e))
+
+    def is_comm(e):
+        name = e.get("name", "").lower()
+        return "nccl" in name or name.startswith("gloo:")
+
+    waits = spans(lambda e: e.get("name") == WAIT_LABEL)
+    comm = spans(is_comm)
+    if any(e.get("cat") in DEVICE_WORK for e in events):  # a GPU ran the steps
+        compute = spans(lambda e: e.get("cat") in DEVICE_WORK and not is_comm(e))
+        exposed = _minus(comm, compute)
+        wait = _minus(_minus(waits, compute), comm)
+    else:  # CPU: the training thread's operators; those inside a wait load data
+        compute = _minus(spans(lambda e: e.get("cat") == "cpu_op"
+                               and not e.get("name", "").startswith("c10d::")), waits)
+        exposed = _minus(_minus(comm, compute), waits)
+        wait = waits
+    per_step = 1e-3 / steps  # trace times are microseconds
+    parts = dict(compute_ms=_total(compute) * per_step,
+                 exposed_comm_ms=_total(exposed) * per_step,
+                 data_wait_ms=_total(wait) * per_step)
+    step_ms = window_s * 1e3 / steps
+    return dict(steps=steps, step_ms=step_ms, **parts,
+                other_ms=max(0.0, step_ms - sum(parts.values())),
+                comm_ms=_total(comm) * per_step)
+
+
+def format_profile_line(parts: dict, trace_path) -> str:
+    return (PROFILE_PREFIX + " " + " ".join(
+        f"{k}={parts[k]}" if k == "steps" else f"{k}={parts[k]:.3f}" for k in PROFILE_KEYS)
+        + f" trace={trace_path}")
+
+
+class _Profile:
+    """torch.profiler over a window of steps on rank 0, then the breakdown and the trace."""
+
+    def __init__(self, out_dir, device: torch.device, steps: int):
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        if device.type == "cpu":  # kineto's "no GPU" error on a CPU run is noise
+            os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+        self.device, self.steps = device, steps
+        self.path = Path(out_dir) / "profile_trace_rank0.json"
+        self.profiler = torch.profiler.profile(activities=activities)
+        synchronize(device)  # the window starts with an idle device
+        self.profiler.start()
+        self.t0 = time.perf_counter()
+
+    def finish(self) -> None:
+        synchronize(self.device)
+        window_s = time.perf_counter() - self.t0
+        self.profiler.stop()
+        self.profiler.export_chrome_trace(str(self.path))
+        with open(self.path) as f:
+            parts = step_breakdown(json.load(f), self.steps, window_s)
+        print0(format_profile_line(parts, self.path))
+        hidden = 1 - parts["exposed_comm_ms"] / parts["comm_ms"] if parts["comm_ms"] else 1.0
+        print0(f"profile: {parts['step_ms']:.1f} ms per step = compute {parts['compute_ms']:.1f}"
+               f" + exposed communication {parts['exposed_comm_ms']:.1f} + data wait "
+               f"{parts['data_wait_ms']:.1f} + other {parts['other_ms']:.1f} (communication "
+               f"{parts['comm_ms']:.1f} ms, {hidden:.0%} of it hidden behind compute); open "
+               f"{self.path} in https://ui.perfetto.dev")
+
+
+
+# --------------------------------------------------------------------------------------------
+# --check: the bandwidth of the collectives
+# --------------------------------------------------------------------------------------------
+
+#: Bus bandwidth as nccl-tests define it: busbw = algbw x this factor at n ranks, so that one
+#: figure compares with the links' speed whatever the collective (algbw = bytes / time, with
+#: bytes = the whole buffer: the all-reduce's, all-gather's output, reduce-scatter's input).
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+              "reduce_scatter": lambda n: (n - 1) / n}
+BANDWIDTH_PREFIX = "[BANDWIDTH]"
+
+
+def _time_collective(op: str, nbytes: int, device: torch.device, world: int) -> float:
+    """Seconds per call of ``op`` over a buffer of ``nbytes`` (every rank takes part)."""
+    whole = torch.ones(nbytes // 4, device=device)
+    shard = torch.ones(nbytes // 4 // world, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    call = {"all_reduce": lambda: dist.all_reduce(whole),
+            "all_gather": lambda: gather(whole, shard),
+            "reduce_scatter": lambda: scatter(shard, whole)}[op]
+    for _ in range(2):  # warm-up: connections, buffers
+        call()
+    synchronize(device)
+    iters = 5
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        call()
+    synchronize(device)
+    return (time.perf_counter() - t0) / iters
+
+
+def collective_check(device: torch.device, world: int, grad_bytes: int,
+                     ops: tuple = ("all_reduce",)) -> None:
+    """--check: an all-reduce with a known answer, then the bandwidth of ``ops`` on this very
+    allocation at four message sizes up to the model's gradient size, one ``[BANDWIDTH]``
+    line each (bus bandwidth as nccl-tests report it: compare it with the fabric's nominal
+    figure; a slow node or a wrong network interface shows here). Every rank takes part."""
+    rank = dist.get_rank()
+    probe = torch.full((4,), float(rank + 1), device=device)
+    dist.all_reduce(probe)
+    expected = world * (world + 1) / 2
+    got = probe[0].item()
+    if got != expected:
+        raise RuntimeError(f"all-reduce returned {got}, expected {expected}: the collective "
+                           f"backend is broken between these ranks")
+    print0(f"check: all-reduce OK across {world} rank(s) (sum {got:g} == {expected:g})")
+    if world == 1:
+        print0("check: one rank: no bandwidth to measure")
+        return
+    unit = 4 * world  # whole float32 elements, and a shard per rank
+    sizes = sorted({max(unit, grad_bytes // d // unit * unit) for d in (64, 16, 4, 1)})
+    for op in ops:
+        for nbytes in sizes:
+            seconds = _time_collective(op, nbytes, device, world)
+            algbw = nbytes / seconds / 1e9
+            print0(f"{BANDWIDTH_PREFIX} op={op} bytes={nbytes} world_size={world} "
+                   f"time_ms={seconds * 1e3:.3f} algbw_gbs={algbw:.3f} "
+                   f"busbw_gbs={algbw * BUS_FACTOR[op](world):.3f}")
+    print0(f"check: bandwidth measured up to {sizes[-1] / 2**20:.1f} MiB, the model's gradient "
+           f"size (busbw: the figure to compare with the links' nominal bandwidth)")
