@@ -45,6 +45,8 @@ import analyze_memory
 
 METRIC_PREFIX = "[METRIC]"  # = common.METRIC_PREFIX (common imports torch; a test keeps them equal)
 REQUEUE_EXIT = 75           # = common.REQUEUE_EXIT: stopped after a checkpoint, to be requeued
+PROFILE_PREFIX = "[PROFILE]"      # = measure.PROFILE_PREFIX (--profile's step breakdown)
+BANDWIDTH_PREFIX = "[BANDWIDTH]"  # = measure.BANDWIDTH_PREFIX (--check, --profile)
 MANIFEST = "study.json"     # the study's plan, written by launch/run_benchmarks.py
 STRATEGIES = ("dp", "ddp", "fsdp")  # in table order; launch/run_benchmarks.py's --strategies
 STRATEGY_TITLE = {"dp": "DataParallel (dp)", "ddp": "DistributedDataParallel (ddp)",
@@ -62,6 +64,10 @@ HEAD = ("run", "status", "detail", "used_in_tables", "scaling")
 TAIL = ("gpu0", "gpu0_peak_mib", "gpu0_avg_mib", "gpu0_mode_mib",
         "cpu_node", "cpu_peak_rss_mb", "cpu_avg_rss_mb", "cpu_peak_pct", "cpu_avg_pct",
         "throughput_scaling", "memory_avg_scaling", "parallel_efficiency", "baseline",
+        "step_ms", "data_wait_ms", "profile_steps", "profile_step_ms", "profile_compute_ms",
+        "profile_exposed_comm_ms", "profile_data_wait_ms", "profile_other_ms", "profile_comm_ms",
+        "grad_bytes", "busbw_all_reduce_gbs", "busbw_all_gather_gbs",
+        "busbw_reduce_scatter_gbs", "predicted_step_ms", "prediction_error",
         "exit_code", "job_id", "job_name", "restarts", "start_time", "end_time",
         "metric_lines", "bad_metric_lines", "path")
 NOT_COLUMNS = ("final", "notes", "bad")  # in a row, but not in results.csv
@@ -71,6 +77,7 @@ PLOTS = {  # file name -> what it shows
     "val_loss_acc.png": "validation loss and accuracy vs GPUs",
     "peak_memory.png": "peak memory per GPU vs GPUs",
     "throughput.png": "throughput vs GPUs against ideal linear scaling",
+    "step_breakdown.png": "where the step time goes, per configuration",
 }
 
 
@@ -105,6 +112,27 @@ def read_log(path: Path) -> tuple:
                 continue
             bad.append((number, why, text.strip()))
     return lines, bad
+
+
+def read_explanations(path: Path) -> dict:
+    """What --profile adds to a train.log, as row columns: the last [PROFILE] line's parts
+    (profile_<key>) and, per collective, the bus bandwidth at the largest message size
+    measured ([BANDWIDTH] lines: busbw_<op>_gbs, and that size as grad_bytes)."""
+    found = {}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for text in f:
+            for tag in (PROFILE_PREFIX, BANDWIDTH_PREFIX):
+                at = text.find(tag + " ")
+                if at < 0 or not text.endswith("\n"):
+                    continue
+                pairs = dict(p.split("=", 1) for p in text[at + len(tag):].split() if "=" in p)
+                if tag == PROFILE_PREFIX:
+                    found.update((f"profile_{k}", v) for k, v in pairs.items() if k != "trace")
+                elif "op" in pairs and pairs.get("bytes", "").isdigit() and int(
+                        pairs["bytes"]) >= int(found.get("grad_bytes", 0)):
+                    found["grad_bytes"] = pairs["bytes"]
+                    found[f"busbw_{pairs['op']}_gbs"] = pairs.get("busbw_gbs", "")
+    return found
 
 
 def read_job_env(path: Path) -> dict:
@@ -175,6 +203,7 @@ def read_run_dir(run_dir: Path, plan: dict) -> dict:
     lines = []
     if (run_dir / "train.log").is_file():
         lines, row["bad"] = read_log(run_dir / "train.log")
+        row.update(read_explanations(run_dir / "train.log"))
     else:
         row["notes"].append("no train.log in the run directory")
     finals = [m for m in lines if m.get("final") == "1"]
@@ -373,6 +402,93 @@ def scale(rows: list) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# Why not N x: the parts of a step, and a scaling model beyond the study
+# --------------------------------------------------------------------------------------------
+
+#: The share of the 1-GPU step that a strategy's communication can hide behind: DDP
+#: all-reduces gradient buckets during backward (about 2/3 of forward + backward); FSDP
+#: prefetches the next all-gather during forward and backward alike.
+OVERLAP = {"ddp": 2 / 3, "fsdp": 1.0}
+COLLECTIVES = {"ddp": ("all_reduce",), "fsdp": ("all_gather", "reduce_scatter")}
+MODEL_NODES = (2, 4, 8, 16, 32, 64)
+
+
+def step_times(rows: list) -> None:
+    """step_ms (training time of one step in the row's epoch) and data_wait_ms, its share
+    spent waiting for the loader, for every row with numbers."""
+    for row in rows:
+        t, n, b = num(row, "epoch_time_s"), num(row, "train_images"), num(row, "global_batch")
+        if row["status"] in HAS_METRICS and t and n and b:
+            step = t * 1e3 * b / n
+            row["step_ms"] = _4(step)
+            if num(row, "data_wait_frac") is not None:
+                row["data_wait_ms"] = _4(num(row, "data_wait_frac") * step)
+
+
+def comm_ms(strategy: str, n: int, grad_bytes: float, busbw: dict) -> float:
+    """Milliseconds of communication per step at ``n`` ranks with ring collectives, from the
+    bus bandwidth per collective (GB/s, as nccl-tests define it: time = bytes x factor / busbw,
+    factor 2(n-1)/n for an all-reduce, (n-1)/n for an all-gather or a reduce-scatter)."""
+    if n <= 1:
+        return 0.0
+    ring = (n - 1) / n
+    if strategy == "ddp":  # one all-reduce of the gradients
+        return 2 * ring * grad_bytes / busbw["all_reduce"] / 1e6
+    # fsdp: the parameters all-gathered for forward and again for backward, the gradients
+    # reduce-scattered
+    return (2 * ring * grad_bytes / busbw["all_gather"]
+            + ring * grad_bytes / busbw["reduce_scatter"]) / 1e6
+
+
+def predict_step_ms(strategy: str, t1_ms: float, n: int, grad_bytes: float,
+                    busbw: dict) -> float:
+    """Weak scaling: every GPU does the 1-GPU run's work (t1_ms a step) and waits for the
+    communication that compute does not hide: step(n) = t1 + max(0, comm(n) - h x t1), h =
+    OVERLAP[strategy]. Parallel efficiency = t1 / step(n)."""
+    return t1_ms + max(0.0, comm_ms(strategy, n, grad_bytes, busbw) - OVERLAP[strategy] * t1_ms)
+
+
+def model_inputs(key: tuple, configs: dict) -> tuple:
+    """(inputs of the scaling model for a table group, or None, and why not). t1: the 1-GPU
+    run's step; gradient bytes and bus bandwidth: the run with the most nodes that measured
+    them (--profile or --check)."""
+    _order, strategy, scaling = key
+    if strategy not in OVERLAP:
+        return None, f"no scaling model for {strategy or 'this strategy'} (one process)"
+    if scaling == "strong":
+        return None, "the scaling model covers weak scaling (fixed work per GPU)"
+    base = configs.get((1, 1))
+    if not base or num(base, "step_ms") is None:
+        return None, "no scaling model: it needs the 1-GPU run's step time"
+    ops = COLLECTIVES[strategy]
+    measured = [r for r in configs.values() if num(r, "grad_bytes")
+                and all(num(r, f"busbw_{op}_gbs") for op in ops)]
+    if not measured:
+        return None, ("no scaling model: no run measured its bus bandwidth; run the study with "
+                      "`-- --profile` (each multi-GPU run then measures it)")
+    source = max(measured, key=lambda r: (num(r, "nodes"), gpus(r)))
+    nodes = int(num(source, "nodes"))
+    per_node = int(num(source, "gpus_per_node")) if nodes > 1 else max(
+        g for n, g in configs if n == 1)
+    return dict(strategy=strategy, t1=num(base, "step_ms"), grad_bytes=num(source, "grad_bytes"),
+                busbw={op: num(source, f"busbw_{op}_gbs") for op in ops}, source=source,
+                per_node=per_node), ""
+
+
+def predict(rows: list, chosen: dict) -> None:
+    """Each measured multi-node row of a group with a scaling model: its predicted step and
+    the relative error of the prediction."""
+    for key, configs in chosen.items():
+        inputs, _why = model_inputs(key, configs)
+        for (nodes, _g), row in configs.items() if inputs else ():
+            if nodes > 1 and num(row, "step_ms"):
+                predicted = predict_step_ms(inputs["strategy"], inputs["t1"], gpus(row),
+                                            inputs["grad_bytes"], inputs["busbw"])
+                row["predicted_step_ms"] = _4(predicted)
+                row["prediction_error"] = _4(predicted / num(row, "step_ms") - 1)
+
+
+# --------------------------------------------------------------------------------------------
 # results.csv: everything the tables and plots show
 # --------------------------------------------------------------------------------------------
 
@@ -508,6 +624,61 @@ def strategy_markdown(key: tuple, configs: dict, rows: list) -> list:
     return lines + skipped(True) + [""]
 
 
+def _ms(row: dict | None, key: str) -> str:
+    return "—" if row is None or num(row, key) is None else f"{num(row, key):.1f}"
+
+
+def explain_markdown(key: tuple, configs: dict) -> list:
+    """Why a group does not scale perfectly: each run's step split into its parts, then the
+    scaling model's prediction beyond the study."""
+    shown = [(c, r) for c, r in sorted(configs.items()) if num(r, "step_ms") is not None]
+    if not shown:
+        return []
+    lines = ["### Where the step time goes", "",
+             "ms per training step (final epoch). Data wait: the loader kept the step waiting. "
+             "Compute, exposed communication (not hidden behind compute) and other: from "
+             "`--profile`'s 5 traced steps, where profiled.", "",
+             "| Config | Step | Data wait | Compute | Exposed comm. | Other | Comm. total | "
+             "Bus bandwidth (GB/s) |", "|---|---|---|---|---|---|---|---|"]
+    for (nodes, g), r in shown:
+        profiled = num(r, "profile_step_ms") is not None
+        parts = ([_ms(r, f"profile_{k}_ms") for k in ("compute", "exposed_comm", "other",
+                                                      "comm")]
+                 if profiled else ["not profiled"] * 3 + ["—"])
+        bw = ", ".join(f"{op} {r[f'busbw_{op}_gbs']}" for op in
+                       ("all_reduce", "all_gather", "reduce_scatter") if r[f"busbw_{op}_gbs"])
+        lines.append(f"| {_count(nodes, 'node')} x {_count(g, 'GPU')} | {_ms(r, 'step_ms')} | "
+                     f"{_ms(r, 'data_wait_ms')} | " + " | ".join(parts) + f" | {bw or '—'} |")
+    inputs, why = model_inputs(key, configs)
+    if key[1] not in OVERLAP:  # DataParallel: one process, nothing to model
+        return lines + [""]
+    lines += ["", "### Scaling model: beyond this study", ""]
+    if not inputs:
+        return lines + [why + ".", ""]
+    strategy, t1, per_node = inputs["strategy"], inputs["t1"], inputs["per_node"]
+    source = inputs["source"]
+    bw = ", ".join(f"{op} {v:g} GB/s" for op, v in inputs["busbw"].items())
+    comm = ("2(N-1)/N x G / busbw(all_reduce)" if strategy == "ddp" else
+            "2(N-1)/N x G / busbw(all_gather) + (N-1)/N x G / busbw(reduce_scatter)")
+    lines += [f"step(N) = t1 + max(0, comm(N) - h x t1), comm(N) = {comm}; efficiency = t1 / "
+              f"step(N). Here t1 = {t1:.1f} ms (the 1-GPU run), G = "
+              f"{inputs['grad_bytes'] / 1e6:.1f} MB (fp32 gradients), bus bandwidth {bw} "
+              f"(measured by {source['run']} on {_count(int(num(source, 'nodes')), 'node')}), "
+              f"h = {OVERLAP[strategy]:.2f} (the share of a step communication can hide "
+              f"behind). See the README, \"A scaling model\".", "",
+              "| Config | GPUs | Predicted step (ms) | Predicted efficiency | Measured step (ms) "
+              "| Error |", "|---|---|---|---|---|---|"]
+    measured = {c: r for c, r in configs.items() if c[0] > 1 and r["predicted_step_ms"]}
+    planned = {(n, per_node): None for n in MODEL_NODES}
+    for (nodes, g), r in sorted({**planned, **measured}.items()):
+        step = (num(r, "predicted_step_ms") if r else
+                predict_step_ms(strategy, t1, nodes * g, inputs["grad_bytes"], inputs["busbw"]))
+        error = f"{num(r, 'prediction_error'):+.0%}" if r else "—"
+        lines.append(f"| {_count(nodes, 'node')} x {_count(g, 'GPU')} | {nodes * g} | "
+                     f"{step:.1f} | {t1 / step:.0%} | {_ms(r, 'step_ms')} | {error} |")
+    return lines + [""]
+
+
 def write_markdown(rows: list, chosen: dict, studies: list, path: Path, plots: list) -> None:
     counts = ", ".join(f"{n} {s}" for s in STATUSES if (n := [r["status"] for r in rows].count(s)))
     bad = sum(len(r["bad"]) for r in rows)
@@ -525,6 +696,7 @@ def write_markdown(rows: list, chosen: dict, studies: list, path: Path, plots: l
                   f"listed under Notes.", ""]
     for key in sorted(chosen):
         lines += strategy_markdown(key, chosen[key], rows)
+        lines += explain_markdown(key, chosen[key])
     if plots:
         lines += ["## Plots", ""]
         for name in plots:
@@ -578,7 +750,6 @@ def write_plots(chosen: dict, out_dir: Path, dpi: int) -> list:
             for i, k in enumerate(groups)}
     shown = [r for *_, rs in series for r in rs]
     devices = {r.get("device") for r in shown}
-    partial = any(r["status"] != OK for r in shown)
     plain = FuncFormatter(lambda v, _pos: f"{v:g}")
 
     def draw(ax, column, ylabel, logy=False, ideal=False):
@@ -611,8 +782,9 @@ def write_plots(chosen: dict, out_dir: Path, dpi: int) -> list:
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
 
-    def save(fig, name, title):
+    def save(fig, name, title, markers=True):
         fig.suptitle(title)
+        partial = markers and any(r["status"] != OK for r in shown)
         if partial:
             fig.text(0.01, 0.01, "open markers: partial or requeued runs (last completed epoch)",
                      fontsize=8)
@@ -652,6 +824,37 @@ def write_plots(chosen: dict, out_dir: Path, dpi: int) -> list:
     draw(ax, "throughput_img_s", "throughput (training images/s)", logy=True, ideal=True)
     ax.legend(fontsize=8)
     save(fig, "throughput.png", "Throughput against ideal linear scaling")
+
+    bars = [(f"{key[1]}, {_count(n, 'node')} x {_count(g, 'GPU')}", r) for key in groups
+            for (n, g), r in sorted(chosen[key].items()) if num(r, "step_ms") is not None]
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.42 * len(bars)))
+    parts = (("compute", "profile_compute_ms", "C0", None),
+             ("exposed communication", "profile_exposed_comm_ms", "C3", None),
+             ("data wait", "data_wait_ms", "C1", None),
+             ("other (Python, launches, idle)", "profile_other_ms", "0.6", None),
+             ("not profiled: rest of the step", "", "0.88", "//"))
+    for y, (label, r) in enumerate(bars):
+        profiled = num(r, "profile_step_ms") is not None
+        wait = num(r, "profile_data_wait_ms" if profiled else "data_wait_ms") or 0.0
+        widths = ([num(r, k) or 0.0 for _, k, *_ in parts[:2]] + [wait]
+                  + [num(r, "profile_other_ms") or 0.0, 0.0] if profiled else
+                  [0.0, 0.0, wait, 0.0, max(0.0, num(r, "step_ms") - wait)])
+        left = 0.0
+        for (name, _k, color, hatch), width in zip(parts, widths):
+            ax.barh(y, width, left=left, color=color, hatch=hatch, edgecolor="white",
+                    label=name if width > 0 else None)
+            left += width
+        ax.text(left, y, f" {left:.0f} ms", va="center", fontsize=8)
+    handles = dict(zip(*reversed(ax.get_legend_handles_labels())))
+    ax.legend([handles[p[0]] for p in parts if p[0] in handles],
+              [p[0] for p in parts if p[0] in handles], fontsize=8, ncol=3,
+              loc="upper center", bbox_to_anchor=(0.5, -0.5 / len(bars) - 0.12))
+    ax.set_xlim(0, ax.get_xlim()[1] * 1.1)  # room for the labels
+    ax.set_yticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
+    ax.invert_yaxis()  # first configuration on top
+    ax.set_xlabel("milliseconds per training step (profiled: 5 traced steps; else final epoch)")
+    ax.grid(True, axis="x", alpha=0.3)
+    save(fig, "step_breakdown.png", "Where the step time goes", markers=False)
     return list(PLOTS)
 
 
@@ -683,6 +886,8 @@ def main(argv=None) -> int:
             raise UsageError(f"--dpi {args.dpi} is too small to read; use 50 or more")
         rows = read_inputs(args.paths)
         chosen = scale(rows)
+        step_times(rows)
+        predict(rows, chosen)
         try:
             out.mkdir(parents=True, exist_ok=True)
             plots = write_plots(chosen, out, args.dpi) if args.plot else []

@@ -37,6 +37,7 @@ from common import print0
 from faults import UsageError, end_process
 
 STRATEGY = "ddp"
+COLLECTIVES = ("all_reduce",)  # of the gradients, bucket by bucket during backward
 # DDP's per-forward buffer sync is called forward_sync_buffers since torch 2.15 (the old name
 # warns); use whichever this torch has.
 BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
@@ -123,11 +124,13 @@ def train(args, env: common.DistEnv) -> int:
     torch.manual_seed(args.seed)
     model = models.build_model(args.model, data.num_classes, data.input_shape).to(device)
     checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
+    grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # fp32 gradients
     if args.check:
-        grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # fp32 gradients
-        measure.collective_check(device, world, grad_bytes)
+        measure.collective_check(device, world, grad_bytes, COLLECTIVES)
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
+    if args.profile and world > 1:  # the bandwidth this step's collectives get (the study's)
+        measure.bandwidth(device, world, [grad_bytes], COLLECTIVES)
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
     # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
     # the same crop as rank 0's i-th sample at every step).

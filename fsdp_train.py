@@ -59,6 +59,9 @@ from common import print0
 from faults import UsageError, end_process
 
 STRATEGY = "fsdp"
+# all-gather (parameters), reduce-scatter (gradients), all-reduce (between the replicas of
+# --sharding hybrid)
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 SHARDING = ("full", "grad-op", "hybrid")
 
 
@@ -191,14 +194,13 @@ def train(args, env: common.DistEnv) -> int:
     torch.manual_seed(args.seed)
     model = models.build_model(args.model, data.num_classes, data.input_shape).to(device)
     checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
+    grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # fp32 gradients
     if args.check:
-        grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # fp32 gradients
-        # FSDP's collectives: all-gather (parameters), reduce-scatter (gradients), and the
-        # all-reduce between replicas of --sharding hybrid
-        measure.collective_check(device, world, grad_bytes,
-                                ("all_gather", "reduce_scatter", "all_reduce"))
+        measure.collective_check(device, world, grad_bytes, COLLECTIVES)
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
+    if args.profile and world > 1:  # the bandwidth this step's collectives get (the study's)
+        measure.bandwidth(device, world, [grad_bytes], COLLECTIVES)
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
     # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
     # the same crop as rank 0's i-th sample at every step).

@@ -262,6 +262,22 @@ def _time_collective(op: str, nbytes: int, device: torch.device, world: int) -> 
     return (time.perf_counter() - t0) / iters
 
 
+def bandwidth(device: torch.device, world: int, sizes: list, ops=("all_reduce",)) -> list:
+    """One ``[BANDWIDTH]`` line per collective in ``ops`` and message size in ``sizes``
+    (bytes, rounded to whole float32 shards), every rank taking part; returns the sizes used.
+    Bus bandwidth as nccl-tests report it: the figure to compare with the links' nominal one."""
+    unit = 4 * world  # whole float32 elements, and a shard per rank
+    sizes = sorted({max(unit, nbytes // unit * unit) for nbytes in sizes})
+    for op in ops:
+        for nbytes in sizes:
+            seconds = _time_collective(op, nbytes, device, world)
+            algbw = nbytes / seconds / 1e9
+            print0(f"{BANDWIDTH_PREFIX} op={op} bytes={nbytes} world_size={world} "
+                   f"time_ms={seconds * 1e3:.3f} algbw_gbs={algbw:.3f} "
+                   f"busbw_gbs={algbw * BUS_FACTOR[op](world):.3f}")
+    return sizes
+
+
 def collective_check(device: torch.device, world: int, grad_bytes: int,
                      ops: tuple = ("all_reduce",)) -> None:
     """--check: an all-reduce with a known answer, then the bandwidth of ``ops`` on this very
@@ -280,14 +296,6 @@ def collective_check(device: torch.device, world: int, grad_bytes: int,
     if world == 1:
         print0("check: one rank: no bandwidth to measure")
         return
-    unit = 4 * world  # whole float32 elements, and a shard per rank
-    sizes = sorted({max(unit, grad_bytes // d // unit * unit) for d in (64, 16, 4, 1)})
-    for op in ops:
-        for nbytes in sizes:
-            seconds = _time_collective(op, nbytes, device, world)
-            algbw = nbytes / seconds / 1e9
-            print0(f"{BANDWIDTH_PREFIX} op={op} bytes={nbytes} world_size={world} "
-                   f"time_ms={seconds * 1e3:.3f} algbw_gbs={algbw:.3f} "
-                   f"busbw_gbs={algbw * BUS_FACTOR[op](world):.3f}")
+    sizes = bandwidth(device, world, [grad_bytes // d for d in (64, 16, 4, 1)], ops)
     print0(f"check: bandwidth measured up to {sizes[-1] / 2**20:.1f} MiB, the model's gradient "
            f"size (busbw: the figure to compare with the links' nominal bandwidth)")

@@ -72,6 +72,77 @@ def test_the_literals_are_the_training_codes():
     values it shares with the training are literals there, kept equal here."""
     assert collect_results.METRIC_PREFIX == common.METRIC_PREFIX
     assert collect_results.REQUEUE_EXIT == common.REQUEUE_EXIT
+    import measure
+    assert collect_results.PROFILE_PREFIX == measure.PROFILE_PREFIX
+    assert collect_results.BANDWIDTH_PREFIX == measure.BANDWIDTH_PREFIX
+
+
+# --------------------------------------------------------------------------------------------
+# Why not N x: the step's parts and the scaling model
+# --------------------------------------------------------------------------------------------
+
+def test_the_scaling_model_reproduces_a_hand_computed_example():
+    # DDP, 16 GPUs: all-reduce 2 x 15/16 x 100 MB / 1 GB/s = 187.5 ms, of which 2/3 x 100 ms
+    # hide behind backward: 100 + 187.5 - 66.67 = 220.83 ms a step
+    step = collect_results.predict_step_ms("ddp", 100.0, 16, 1e8, {"all_reduce": 1.0})
+    assert step == pytest.approx(100 + 187.5 - 200 / 3, rel=1e-12)
+    # FSDP, 4 GPUs: 2 all-gathers (2 x 3/4 x 100 MB / 2 GB/s = 75 ms) and a reduce-scatter
+    # (3/4 x 100 MB / 1 GB/s = 75 ms), hidden behind the whole 100 ms step: 150 ms
+    bw = {"all_gather": 2.0, "reduce_scatter": 1.0}
+    assert collect_results.predict_step_ms("fsdp", 100.0, 4, 1e8, bw) == pytest.approx(150.0)
+    assert collect_results.predict_step_ms("ddp", 80.0, 1, 1e8, {"all_reduce": 1.0}) == 80.0
+    # fast links hide all of it
+    assert collect_results.predict_step_ms("ddp", 100.0, 8, 1e8, {"all_reduce": 100.0}) == 100
+
+
+PROFILED = {  # lines --profile adds to the fixture study's train.logs
+    "ddp-1n1g-5001": ["[PROFILE] steps=5 step_ms=64.000 compute_ms=50.000 exposed_comm_ms=0.000 "
+                      "data_wait_ms=4.000 other_ms=10.000 comm_ms=0.000 trace=/r/t.json"],
+    "ddp-2n4g-5004": [
+        "[BANDWIDTH] op=all_reduce bytes=25000000 world_size=8 time_ms=20 algbw_gbs=1.25 "
+        "busbw_gbs=2.188",
+        "[BANDWIDTH] op=all_reduce bytes=100000000 world_size=8 time_ms=70 algbw_gbs=1.429 "
+        "busbw_gbs=2.500",
+        "[PROFILE] steps=5 step_ms=75.000 compute_ms=50.000 exposed_comm_ms=15.000 "
+        "data_wait_ms=2.000 other_ms=8.000 comm_ms=40.000 trace=/r/t.json"],
+}
+
+
+def test_the_study_says_where_the_step_time_goes_and_predicts_beyond_itself(tmp_path):
+    study = tmp_path / "study"
+    shutil.copytree(STUDY, study)
+    for run, lines in PROFILED.items():
+        log = study / run / "train.log"
+        log.write_text("\n".join(lines) + "\n" + log.read_text())
+    code, rows, md = collect([study], tmp_path / "out", "--plot")
+    assert code == 0
+    assert (tmp_path / "out" / "step_breakdown.png").read_bytes()[:8] == PNG_MAGIC
+    base, two = rows["ddp-1n1g-5001"], rows["ddp-2n4g-5004"]
+    # step time from the final epoch: epoch time x global batch / images
+    t1 = float(base["epoch_time_s"]) * 1e3 * 64 / float(base["train_images"])
+    assert float(base["step_ms"]) == pytest.approx(t1, abs=1e-4)
+    assert (base["profile_compute_ms"], two["profile_exposed_comm_ms"]) == ("50.000", "15.000")
+    assert (two["grad_bytes"], two["busbw_all_reduce_gbs"]) == ("100000000", "2.500")
+    # by hand: 2 x 7/8 x 100 MB / 2.5 GB/s = 70 ms, 2/3 of t1 hidden
+    predicted = t1 + 70 - 2 / 3 * t1
+    assert float(two["predicted_step_ms"]) == pytest.approx(predicted, abs=1e-4)
+    assert float(two["prediction_error"]) == pytest.approx(
+        predicted / float(two["step_ms"]) - 1, abs=1e-4)
+    assert "| 1 node x 1 GPU | 64.0 | — | 50.0 | 0.0 | 10.0 | 0.0 | — |" in md
+    assert "| 2 nodes x 4 GPUs | 75.3 | — | 50.0 | 15.0 | 8.0 | 40.0 | all_reduce 2.500 |" in md
+    at64 = t1 + 2 * 255 / 256 * 40 - 2 / 3 * t1
+    assert f"| 64 nodes x 4 GPUs | 256 | {at64:.1f} | {t1 / at64:.0%} | — | — |" in md
+    assert f"| 2 nodes x 4 GPUs | 8 | {predicted:.1f} | {t1 / predicted:.0%} | 75.3 |" in md
+    # fsdp's 1-GPU run failed: no model, and the reason; dp (one process) has none to give
+    assert "no scaling model: it needs the 1-GPU run's step time" in md
+    assert "no scaling model for dp" not in md
+
+
+def test_without_bandwidth_figures_the_model_says_how_to_get_them(study):
+    _rows, md, _out = study
+    assert "no run measured its bus bandwidth; run the study with `-- --profile`" in md
+    assert "| 2 nodes x 4 GPUs | 75.3 | — | not profiled | not profiled | not profiled | — | — |" \
+        in md
 
 
 def test_a_real_metric_line_round_trips(tmp_path):

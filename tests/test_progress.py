@@ -207,6 +207,8 @@ def test_profile_writes_a_trace_and_a_step_breakdown_that_adds_up(tmp_path):
         assert abs(sum(parts) - step) <= 0.02 * step, (parts, step)
         assert parts[0] > 0.3 * step  # a CPU step is mostly compute
         assert (float(fields["comm_ms"]) > 0) == (nproc == 2)  # dp: no process group
+        # the bandwidth the collectives get, at the gradient size: collect_results' model
+        assert (f"{measure.BANDWIDTH_PREFIX} op=all_reduce " in proc.stdout) == (nproc == 2)
         assert "ms per step = compute" in proc.stdout
 
 
