@@ -1,7 +1,7 @@
 """Turn a scaling study into tables and plots: results.csv, results.md and, with --plot, PNGs.
 
     python collect_results.py runs/study-20250101-120000          # launch/run_benchmarks.py's
-    python collect_results.py runs/study-20250101-120000 --plot   # + four PNG plots
+    python collect_results.py runs/study-20250101-120000 --plot   # + five PNG plots
     python collect_results.py runs/ddp-1n1g-4101 runs/ddp-1n2g-4102 --out results/  # run dirs
 
 Input: study directories (launch/run_benchmarks.py: study.json, the plan, and a run directory
@@ -26,6 +26,11 @@ tables use the first status in this order, the newest run on a tie):
 Scaling, per strategy and scaling mode, from the final epoch, against the 1-GPU, 1-node run:
 Throughput Scaling = throughput / its throughput; Memory Avg Scaling = GPU 0 Avg / its GPU 0
 Avg (GPU 0 = index 0 on the job's first node); Parallel Efficiency = Throughput Scaling / GPUs.
+
+Why not N x: each run's step time (epoch time x global batch / images), its data wait and,
+from the [PROFILE] and [BANDWIDTH] lines of a run with --profile, the step's parts and the bus
+bandwidth of its collectives; from those a weak-scaling model predicts 2 to 64 nodes
+(predict_step_ms; the formula is in the README, "A scaling model").
 
 Exit status: 0 results written (failed runs are results too); 2 a bad path or flag, nothing to
 collect, or the output cannot be written (one sentence naming the fix).
@@ -718,8 +723,9 @@ def write_markdown(rows: list, chosen: dict, studies: list, path: Path, plots: l
 # --------------------------------------------------------------------------------------------
 
 def write_plots(chosen: dict, out_dir: Path, dpi: int) -> list:
-    """The PNGs of PLOTS, each against the number of GPUs: per strategy, a line through its
-    1-node runs and a dashed one per GPUs-per-node through its node sweep. Returns the names."""
+    """The PNGs of PLOTS: four against the number of GPUs (per strategy, a line through its
+    1-node runs and a dashed one per GPUs-per-node through its node sweep), and the step's
+    parts as stacked bars per configuration. Returns the names."""
     try:
         import matplotlib
         matplotlib.use("Agg")  # headless: no display on a login or compute node
