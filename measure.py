@@ -41,7 +41,8 @@ class StepMeter:
     first few steps and then every ``every`` seconds, which answers "is my job alive, and when
     does it end?". It reads only what the host knows (a step count, the clock): no host sync
     is added to the step. On a GPU the host runs a few steps ahead of the device, so the rate
-    is that of queued steps; it converges to the real one from the second line on."""
+    is that of queued steps; it converges to the real one from the second line on. With
+    --profile it also opens and closes the profiler around a window of steps (``_Profile``)."""
 
     FIRST_AFTER = 3  # steps: the first line comes once the slow first steps are behind
     PROFILE_AFTER, PROFILE_STEPS = 3, 5  # --profile: skip 3 steps (warm-up), trace 5
@@ -84,9 +85,9 @@ class StepMeter:
 
     def _profile_window(self, first_step: int) -> tuple:
         """(first, end) step of this epoch's profile window; (-1, -1): none."""
-        if not self.profile_dir:
-            return -1, -1
         n = self.steps - first_step
+        if not self.profile_dir or n < 1:
+            return -1, -1
         start = first_step + min(self.PROFILE_AFTER, n // 3)
         return start, min(start + self.PROFILE_STEPS, self.steps)
 
