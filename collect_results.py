@@ -481,12 +481,12 @@ def model_inputs(key: tuple, configs: dict) -> tuple:
 
 
 def predict(rows: list, chosen: dict) -> None:
-    """Each measured multi-node row of a group with a scaling model: its predicted step and
+    """Each measured multi-GPU row of a group with a scaling model: its predicted step and
     the relative error of the prediction."""
     for key, configs in chosen.items():
         inputs, _why = model_inputs(key, configs)
-        for (nodes, _g), row in configs.items() if inputs else ():
-            if nodes > 1 and num(row, "step_ms"):
+        for row in configs.values() if inputs else ():
+            if gpus(row) > 1 and num(row, "step_ms"):
                 predicted = predict_step_ms(inputs["strategy"], inputs["t1"], gpus(row),
                                             inputs["grad_bytes"], inputs["busbw"])
                 row["predicted_step_ms"] = _4(predicted)
@@ -668,12 +668,13 @@ def explain_markdown(key: tuple, configs: dict) -> list:
     lines += [f"step(N) = t1 + max(0, comm(N) - h x t1), comm(N) = {comm}; efficiency = t1 / "
               f"step(N). Here t1 = {t1:.1f} ms (the 1-GPU run), G = "
               f"{inputs['grad_bytes'] / 1e6:.1f} MB (fp32 gradients), bus bandwidth {bw} "
-              f"(measured by {source['run']} on {_count(int(num(source, 'nodes')), 'node')}), "
+              f"(measured by {source['run']} on {_count(int(num(source, 'nodes')), 'node')}"
+              f"{'' if num(source, 'nodes') > 1 else ': within a node, so optimistic beyond'}), "
               f"h = {OVERLAP[strategy]:.2f} (the share of a step communication can hide "
               f"behind). See the README, \"A scaling model\".", "",
               "| Config | GPUs | Predicted step (ms) | Predicted efficiency | Measured step (ms) "
               "| Error |", "|---|---|---|---|---|---|"]
-    measured = {c: r for c, r in configs.items() if c[0] > 1 and r["predicted_step_ms"]}
+    measured = {c: r for c, r in configs.items() if r["predicted_step_ms"]}
     planned = {(n, per_node): None for n in MODEL_NODES}
     for (nodes, g), r in sorted({**planned, **measured}.items()):
         step = (num(r, "predicted_step_ms") if r else

@@ -126,6 +126,8 @@ def test_the_study_says_where_the_step_time_goes_and_predicts_beyond_itself(tmp_
     # by hand: 2 x 7/8 x 100 MB / 2.5 GB/s = 70 ms, 2/3 of t1 hidden
     predicted = t1 + 70 - 2 / 3 * t1
     assert float(two["predicted_step_ms"]) == pytest.approx(predicted, abs=1e-4)
+    # one node, 2 GPUs: 2 x 1/2 x 100 MB / 2.5 GB/s = 40 ms, all of it hidden behind backward
+    assert float(rows["ddp-1n2g-5002"]["predicted_step_ms"]) == pytest.approx(t1, abs=1e-4)
     assert float(two["prediction_error"]) == pytest.approx(
         predicted / float(two["step_ms"]) - 1, abs=1e-4)
     assert "| 1 node x 1 GPU | 64.0 | — | 50.0 | 0.0 | 10.0 | 0.0 | — |" in md
