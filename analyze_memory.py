@@ -3,8 +3,8 @@
 launch/node.sh starts two loggers on every node (a requeued job's later attempts write
 <node>.restart1.csv, <node>.restart2.csv, ... beside the first):
 
-    nvidia-smi --query-gpu=timestamp,index,name,memory.used,memory.total \\
-        --format=csv,nounits -l 5 > "$RUN_DIR/gpu_memory/<node>.csv" &
+    nvidia-smi --format=csv,nounits -l 5 > "$RUN_DIR/gpu_memory/<node>.csv" \\
+    --query-gpu=timestamp,index,name,memory.used,memory.total,utilization.gpu,power.draw,clocks.sm &
     psrecord "$TRAIN_PID" --include-children --interval 5 --log "$RUN_DIR/cpu_memory/<node>.txt" &
 
 Copy-paste usage:
@@ -12,16 +12,20 @@ Copy-paste usage:
     python analyze_memory.py runs/myjob-123/                # a run directory, walked recursively
     python analyze_memory.py gpu_memory_log.csv             # one log file
     python analyze_memory.py --json runs/myjob-123/ > memory.json     # or --csv
+    python analyze_memory.py --plot runs/myjob-123/         # also draws runs/myjob-123/timeline.png
 
 Output: GPU lines, then CPU lines, labelled by node (the file name without extension and
 .restart<N>); a node's attempts are folded together, and a note on stderr says how many:
 
     [gpu_memory_log - GPU 0] Peak = 26532 MiB, Avg = 22458.63 MiB, Mode = 26532 MiB
+    [n1 - GPU 0] Peak = 26532 MiB, Avg = 20206.67 MiB, Mode = 26532 MiB, Util avg = 87.3%
     [n1 - CPU] Peak RSS = 2411.00 MB, Avg RSS = 1344.64 MB, Peak CPU = 398.2%, Avg CPU = 183.6%
 
 Statistics of one GPU, over all its memory.used samples (MiB) in every attempt:
     Peak = the largest sample; Avg = the mean, 2 decimals;
-    Mode = the most frequent sample; on a tie, the larger value.
+    Mode = the most frequent sample; on a tie, the larger value;
+    Util avg = the mean of the readable utilization.gpu samples, 1 decimal, only in logs that
+    have the column (older logs have only the first five: their line ends at Mode).
 Statistics of one node's psrecord samples (training process plus children): Peak / Avg RSS =
 max / mean of "Real (MB)" (bytes / 1024**2, psrecord's unit), 2 decimals; Peak / Avg CPU =
 max / mean of "CPU (%)", 1 decimal (100% = one core busy).
@@ -36,11 +40,21 @@ reached the disk, its last data did not); the lines before them are summarised w
     file (the node probably crashed while logging)
 NUL bytes inside a file and bytes that are not UTF-8 text are ignored and noted the same way.
 
+Timeline (--plot): one PNG per run directory, RUN_DIR/timeline.png, with a panel per node
+(restarts folded in): GPU memory used and GPU utilisation per GPU, the node's CPU memory (RSS),
+epoch starts (dashed lines) and evaluations (grey spans) from the [METRIC] lines of the run's
+train.log. The x-axis is seconds since the run's first sample. nvidia-smi writes the node's local
+time, read here in this machine's time zone (set TZ=... if the cluster's differs). psrecord logs
+only seconds since its start: it starts with the node's nvidia-smi (node.sh), so each attempt is
+aligned to the first sample of the same attempt's GPU log; without one, to the first epoch start
+after the previous attempt (a note says so). Requeued attempts are separate line segments.
+
 Exit status: 0 every input was summarised; 1 some were summarised but at least one path or file
 was bad (each named on stderr in one line); 2 nothing could be summarised, or a bad command line.
 
 Python API (collect_results.py imports it; importing has no side effects):
     gpu_stats, cpu_stats, problems = summarize_paths(["runs/myjob-123"], notes=None)
+    figure = plot_timeline("runs/myjob-123", "timeline.png")    # needs matplotlib
 gpu_stats / cpu_stats: dicts with exactly GPU_KEYS / CPU_KEYS, one per node (and GPU).
 problems: dicts {"kind", "path", "message"}; kind NO_LOGS = a directory without any log,
 BAD_INPUT = a path or file that could not be summarised. notes (a list) gets the notes.
@@ -56,14 +70,16 @@ import os
 import re
 import sys
 from collections import Counter
+from datetime import datetime
 from pathlib import Path
 
 # ---- Output contract: collect_results.py imports it, so writer and reader cannot drift
 
 #: Keys of one GPU record (one per node and GPU), in output order. attempts: how many log files
 #: (first attempt and restarts) the statistics cover; file: those files, joined by ";".
+#: avg_util_pct: mean utilization.gpu (%), None for a log without that column (older node.sh).
 GPU_KEYS = ("node", "gpu", "name", "samples", "attempts", "peak_mib", "avg_mib", "mode_mib",
-            "total_mib", "skipped_lines", "file")
+            "total_mib", "avg_util_pct", "skipped_lines", "file")
 #: Keys of one CPU record (one per node), in output order.
 CPU_KEYS = ("node", "samples", "attempts", "duration_s", "peak_rss_mb", "avg_rss_mb",
             "peak_cpu_pct", "avg_cpu_pct", "skipped_lines", "file")
@@ -72,11 +88,13 @@ CSV_KEYS = ("kind",) + GPU_KEYS + tuple(k for k in CPU_KEYS if k not in GPU_KEYS
 
 GPU_LINE = ("[{node} - GPU {gpu}] Peak = {peak_mib} MiB, Avg = {avg_mib:.2f} MiB, "
             "Mode = {mode_mib} MiB")
+GPU_UTIL_PART = ", Util avg = {avg_util_pct:.1f}%"    # appended when avg_util_pct is not None
 CPU_LINE = ("[{node} - CPU] Peak RSS = {peak_rss_mb:.2f} MB, Avg RSS = {avg_rss_mb:.2f} MB, "
             "Peak CPU = {peak_cpu_pct:.1f}%, Avg CPU = {avg_cpu_pct:.1f}%")
 #: Regexes that read the two text lines back (e.g. from a job's .out file).
 GPU_LINE_RE = re.compile(r"\[(?P<node>.+) - GPU (?P<gpu>\d+)\] Peak = (?P<peak_mib>\d+) MiB, "
-                         r"Avg = (?P<avg_mib>\d+\.\d{2}) MiB, Mode = (?P<mode_mib>\d+) MiB")
+                         r"Avg = (?P<avg_mib>\d+\.\d{2}) MiB, Mode = (?P<mode_mib>\d+) MiB"
+                         r"(?:, Util avg = (?P<avg_util_pct>\d+\.\d)%)?")
 CPU_LINE_RE = re.compile(r"\[(?P<node>.+) - CPU\] Peak RSS = (?P<peak_rss_mb>\d+\.\d{2}) MB, "
                          r"Avg RSS = (?P<avg_rss_mb>\d+\.\d{2}) MB, "
                          r"Peak CPU = (?P<peak_cpu_pct>\d+\.\d)%, "
@@ -99,8 +117,13 @@ BAD_NUL_END = "unreadable bytes (NUL) at the end of the file"
 BAD_NUL_INSIDE = "unreadable bytes (NUL) inside the file"
 BAD_UTF8 = "undecodable bytes (not UTF-8 text)"
 
-# The header nvidia-smi writes for node.sh's --query-gpu with --format=csv,nounits.
+# The header nvidia-smi writes for node.sh's --query-gpu with --format=csv,nounits: these five
+# columns first; node.sh's newer logs add GPU_EXTRA_COLUMNS after them.
 GPU_HEADER = "timestamp, index, name, memory.used [MiB], memory.total [MiB]"
+GPU_COLUMNS = tuple(GPU_HEADER.split(", "))
+#: Optional columns (header -> key of the per-GPU sample lists); others after the five are ignored.
+GPU_EXTRA_COLUMNS = {"utilization.gpu [%]": "util", "power.draw [W]": "power_w",
+                     "clocks.current.sm [MHz]": "sm_mhz"}
 _LOG_DIRS = ("gpu_memory", "cpu_memory")
 _RESTART_RE = re.compile(r"(?P<node>.+)\.restart(?P<attempt>\d+)")   # a file stem
 _NUL_RUN_RE = re.compile(rb"\0+")
@@ -114,9 +137,16 @@ class LogError(Exception):
 
 # ---- Reading one log file
 
+def _gpu_columns(line: str) -> tuple | None:
+    """The column names of an nvidia-smi header line (GPU_COLUMNS, then any extra columns);
+    None when the line is not one."""
+    columns = tuple(f.strip() for f in line.split(","))
+    return columns if columns[:len(GPU_COLUMNS)] == GPU_COLUMNS else None
+
+
 def _header_kind(line: str) -> str | None:
     line = line.strip()
-    if line == GPU_HEADER:
+    if _gpu_columns(line):
         return KIND_GPU
     if line.startswith("#") and "Elapsed time" in line:     # psrecord's plain --log header
         return KIND_CPU
@@ -164,27 +194,49 @@ def _skip_text(skips: Counter) -> str:
     return ", ".join(f"{why}: {n}" for why, n in sorted(skips.items()))
 
 
+def _number(text) -> float | None:
+    """The value of an optional column: a float, or None for [N/A], [Not Supported], a missing
+    column or anything else that is not a finite number."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
 def parse_gpu_lines(lines, skips: Counter) -> dict:
-    """{index: {"used": [MiB, ...], "name": str, "total": MiB or None}} from the lines of an
-    nvidia-smi log with GPU_HEADER's columns; skipped lines are counted in skips."""
-    gpus = {}
+    """{index: {"used": [MiB, ...], "name": str, "total": MiB or None, "stamp": [timestamp
+    text, ...], "util": [% or None, ...], "power_w": [...], "sm_mhz": [...]}} from the lines of
+    an nvidia-smi log; skipped lines are counted in skips. The lists have one entry per
+    memory.used sample; an unreadable optional value (e.g. power.draw [Not Supported]) is None
+    and does not skip the sample. Each header line sets the columns of the lines after it."""
+    gpus, columns = {}, GPU_COLUMNS
     for raw in lines:
         line = raw.strip()
-        if not line or line == GPU_HEADER:
+        if not line:
+            continue
+        header = _gpu_columns(line)
+        if header:
+            columns = header
             continue
         fields = [f.strip() for f in line.split(",")]
-        if len(fields) != 5:
+        if len(fields) != len(columns):
             skips[SKIP_MALFORMED] += 1
             continue
-        _time, index, name, used, total = fields
+        row = dict(zip(columns, fields))
+        time, index, name, used, total = (row[c] for c in GPU_COLUMNS)
         if index.startswith("[") or used.startswith("["):   # [N/A], [Unknown Error], ...
             skips[SKIP_UNAVAILABLE] += 1
             continue
         if not (index.isdecimal() and used.isdecimal()):
             skips[SKIP_MALFORMED] += 1
             continue
-        gpu = gpus.setdefault(int(index), {"used": [], "name": name, "total": None})
+        gpu = gpus.setdefault(int(index), {"used": [], "name": name, "total": None, "stamp": [],
+                                           **{key: [] for key in GPU_EXTRA_COLUMNS.values()}})
         gpu["used"].append(int(used))
+        gpu["stamp"].append(time)
+        for column, key in GPU_EXTRA_COLUMNS.items():
+            gpu[key].append(_number(row.get(column)))
         if total.isdecimal():     # an unavailable total does not spoil the memory.used sample
             gpu["total"] = max(gpu["total"] or 0, int(total))
     return gpus
@@ -227,11 +279,13 @@ def gpu_records(node: str, logs: list) -> list:
     for index in sorted({index for log in logs for index in log["data"]}):
         gpus = [log["data"][index] for log in logs if index in log["data"]]
         used = [mib for gpu in gpus for mib in gpu["used"]]
+        util = [pct for gpu in gpus for pct in gpu["util"] if pct is not None]
         records.append({
             "node": node, "gpu": index, "name": gpus[0]["name"], "samples": len(used),
             "attempts": len(logs), "peak_mib": max(used),
             "avg_mib": _round(sum(used) / len(used), 2), "mode_mib": _mode(Counter(used)),
             "total_mib": max((gpu["total"] for gpu in gpus if gpu["total"]), default=None),
+            "avg_util_pct": _round(math.fsum(util) / len(util), 1) if util else None,
             "skipped_lines": sum(log["skipped"] for log in logs),
             "file": ";".join(str(log["path"]) for log in logs),
         })
@@ -334,8 +388,17 @@ def summarize_paths(paths, notes: list | None = None) -> tuple:
     list, the sentences of summarize_file's notes and one per node whose attempts were folded
     are appended to it."""
     notes = [] if notes is None else notes
-    problems, seen = [], set()
-    logs = {}               # (kind, folder, node) -> one dict per attempt's log file
+    problems = []
+    gpu_stats, cpu_stats = summarize_logs(collect_logs(paths, notes, problems), notes)
+    return gpu_stats, cpu_stats, problems
+
+
+def collect_logs(paths, notes: list, problems: list) -> dict:
+    """Read every log file of paths (files and directories): {(kind, folder, node): [one dict
+    {"path", "attempt", "skipped", "data"} per attempt, in attempt order]}, folder being the
+    resolved directory of the files. Appends notes and problems as summarize_paths does, except
+    the notes on folded attempts (summarize_logs adds those)."""
+    seen, logs = set(), {}
     for file in _log_files(paths, problems):
         if file.resolve() in seen:
             continue
@@ -354,10 +417,16 @@ def summarize_paths(paths, notes: list | None = None) -> tuple:
         logs.setdefault((kind, file.resolve().parent, node), []).append({
             "path": file, "attempt": int(restart["attempt"]) if restart else 0,
             "skipped": sum(skips.values()), "data": samples})
+    for node_logs in logs.values():
+        node_logs.sort(key=lambda log: log["attempt"])
+    return logs
 
+
+def summarize_logs(logs: dict, notes: list) -> tuple:
+    """(gpu_stats, cpu_stats) of collect_logs' result; a note per node whose attempts were
+    folded together."""
     gpu_stats, cpu_stats = [], []
     for (kind, _folder, node), node_logs in logs.items():
-        node_logs.sort(key=lambda log: log["attempt"])
         if len(node_logs) > 1:
             names = ", ".join(log["path"].name for log in node_logs)
             notes.append(f"{node_logs[0]['path'].parent / node}: folded {len(node_logs)} "
@@ -366,13 +435,311 @@ def summarize_paths(paths, notes: list | None = None) -> tuple:
             gpu_stats.extend(gpu_records(node, node_logs))
         else:
             cpu_stats.append(cpu_record(node, node_logs))
-    return gpu_stats, cpu_stats, problems
+    return gpu_stats, cpu_stats
+
+
+# ---- Timeline (--plot): a run over time, one panel per node
+
+#: The file --plot writes in each run directory.
+TIMELINE_NAME = "timeline.png"
+METRIC_PREFIX = "[METRIC]"     # the training scripts' machine line (common.py, not imported)
+_STAMP_FORMATS = ("%Y/%m/%d %H:%M:%S.%f", "%Y/%m/%d %H:%M:%S")
+
+
+def stamp_to_unix(stamp: str) -> float | None:
+    """Seconds since 1970 of an nvidia-smi timestamp such as "2026/11/24 06:30:01.123" (the
+    node's local time, read in this machine's time zone: set TZ if they differ); None when the
+    text is not such a timestamp."""
+    for fmt in _STAMP_FORMATS:
+        try:
+            return datetime.strptime(stamp, fmt).timestamp()
+        except ValueError:
+            pass
+    return None
+
+
+def parse_metric_fields(line: str) -> dict | None:
+    """{key: value text} of the key=value tokens after "[METRIC]" in a line; None when the line
+    has no [METRIC] prefix. Tokens without "=" are ignored."""
+    at = line.find(METRIC_PREFIX)
+    if at < 0:
+        return None
+    fields = {}
+    for token in line[at + len(METRIC_PREFIX):].split():
+        key, sep, value = token.partition("=")
+        if sep:
+            fields[key] = value
+    return fields
+
+
+def find_training_logs(run_dir, notes: list) -> list:
+    """The files of run_dir with the training's output: train.log (launch/job.sh tees the
+    training's stdout and stderr into it), else every other file directly in run_dir (e.g. a
+    copied Slurm .out file) that has a [METRIC] line."""
+    run_dir = Path(run_dir)
+    if (run_dir / "train.log").is_file():
+        return [run_dir / "train.log"]
+    found = []
+    try:
+        for path in sorted(run_dir.iterdir()):
+            if (path.is_file() and not path.name.startswith(".")
+                    and METRIC_PREFIX.encode() in path.read_bytes()):
+                found.append(path)
+    except OSError as e:
+        notes.append(f"{run_dir}: cannot look for the training log ({e.strerror or e}); the "
+                     f"timeline has no epoch marks")
+    return found
+
+
+def read_phases(paths, notes: list) -> list:
+    """The epochs of the [METRIC] lines in the files paths: dicts {"epoch", "train_start",
+    "eval_start", "eval_end"} (clock times in seconds since 1970, None where missing), sorted by
+    train_start, each epoch once (the final line repeats the last one). Lines without
+    train_start_unix (older training scripts) give no phase."""
+    phases = {}
+    for path in paths:
+        try:
+            text = Path(path).read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            notes.append(f"{path}: cannot be read ({e.strerror or e}); no epoch marks from it")
+            continue
+        for line in text.splitlines():
+            fields = parse_metric_fields(line)
+            if not fields or _number(fields.get("train_start_unix")) is None:
+                continue
+            phase = {"epoch": fields.get("epoch", "?"),
+                     "train_start": _number(fields["train_start_unix"]),
+                     "eval_start": _number(fields.get("eval_start_unix")),
+                     "eval_end": _number(fields.get("eval_end_unix"))}
+            phases[tuple(phase.values())] = phase
+    return sorted(phases.values(), key=lambda p: p["train_start"])
+
+
+def gpu_series(log: dict) -> dict:
+    """{index: {"time": [s since 1970], "used": [MiB], "util": [% or nan]}} of one attempt's
+    nvidia-smi log (a collect_logs dict); samples without a readable timestamp are left out."""
+    series = {}
+    for index, gpu in sorted(log["data"].items()):
+        points = [(stamp_to_unix(stamp), used, math.nan if util is None else util)
+                  for stamp, used, util in zip(gpu["stamp"], gpu["used"], gpu["util"])]
+        points = [p for p in points if p[0] is not None]
+        series[index] = {"time": [p[0] for p in points], "used": [p[1] for p in points],
+                         "util": [p[2] for p in points]}
+    return series
+
+
+def _cpu_start(log: dict, gpu_starts: dict, notes: list) -> float:
+    """Clock time of psrecord's 0 s for one attempt of a node. node.sh starts psrecord with the
+    node's nvidia-smi, so: the first sample of the same attempt's GPU log. Without one (a CPU
+    run), the log file's last change, when psrecord wrote its last sample, minus that
+    sample's elapsed time (a note says so: a copy that did not keep the file's time is off)."""
+    if log["attempt"] in gpu_starts:
+        return gpu_starts[log["attempt"]]
+    notes.append(f"{log['path']}: no GPU log to align it to; its start is the file's last "
+                 f"change minus its last sample's elapsed time")
+    return Path(log["path"]).stat().st_mtime - max(sample[0] for sample in log["data"])
+
+
+def node_timelines(logs: dict, notes: list) -> dict:
+    """{node: {"gpu": [gpu_series of each attempt], "cpu": [{"time", "rss"} of each attempt]}}
+    from one run's collect_logs result, every time in seconds since 1970 (psrecord's elapsed
+    seconds aligned by _cpu_start), nodes in sorted order."""
+    nodes = {}
+    for (kind, _folder, node), attempts in sorted(logs.items(), key=lambda kv: kv[0][2]):
+        entry = nodes.setdefault(node, {"gpu": [], "cpu": [], "gpu_starts": {}, "cpu_logs": []})
+        if kind == KIND_GPU:
+            for log in attempts:
+                series = gpu_series(log)
+                entry["gpu"].append(series)
+                times = [t for s in series.values() for t in s["time"]]
+                if times:
+                    entry["gpu_starts"][log["attempt"]] = min(times)
+        else:
+            entry["cpu_logs"] = attempts
+    for entry in nodes.values():
+        for log in entry.pop("cpu_logs"):
+            if not log["data"]:
+                continue
+            start = _cpu_start(log, entry["gpu_starts"], notes)
+            entry["cpu"].append({"time": [start + sample[0] for sample in log["data"]],
+                                 "rss": [sample[2] for sample in log["data"]]})
+        del entry["gpu_starts"]
+    return nodes
+
+
+def _run_start(nodes: dict, phases: list) -> float:
+    """The earliest time of a run (a sample or an epoch start), in seconds since 1970."""
+    times = [p["train_start"] for p in phases]
+    for entry in nodes.values():
+        times += [s["time"][0] for series in entry["gpu"] for s in series.values() if s["time"]]
+        times += [attempt["time"][0] for attempt in entry["cpu"] if attempt["time"]]
+    return min(times, default=0.0)
+
+
+def _check_clocks(nodes: dict, phases: list, run_dir, notes: list) -> None:
+    """A note when no epoch lies within the GPU logs' time span: the usual cause is a time
+    zone that differs between the cluster and this machine."""
+    times = [t for entry in nodes.values() for series in entry["gpu"]
+             for s in series.values() for t in s["time"]]
+    if times and phases and not any(min(times) - 600 <= p["train_start"] <= max(times) + 600
+                                    for p in phases):
+        notes.append(f"{run_dir}: the epochs of the training log lie outside the GPU logs' "
+                     f"time span; if this machine's time zone differs from the cluster's, rerun "
+                     f"with TZ set to the cluster's (e.g. TZ=Europe/Berlin)")
+
+
+def _mark_phases(ax, phases: list, t0: float, with_labels: bool) -> None:
+    """Dashed lines at epoch starts and grey spans over evaluations; with_labels: name the
+    epochs above the axes and put one of each mark in the legend."""
+    for i, p in enumerate(phases):
+        first = with_labels and i == 0
+        ax.axvline(p["train_start"] - t0, color="0.35", linestyle="--", linewidth=0.8,
+                   label="epoch start" if first else "_epoch start", gid="epoch start")
+        if p["eval_start"] is not None and p["eval_end"] is not None:
+            ax.axvspan(p["eval_start"] - t0, p["eval_end"] - t0, color="0.6", alpha=0.3,
+                       linewidth=0, label="evaluation" if first else "_evaluation",
+                       gid="evaluation")
+        if with_labels and len(phases) <= 30:
+            ax.text(p["train_start"] - t0, 1.01, f"epoch {p['epoch']}", fontsize="x-small",
+                    transform=ax.get_xaxis_transform(), va="bottom")
+
+
+def _gpu_color(index: int, n_gpus: int):
+    """One colour per GPU: tab10 for up to 10 GPUs, tab20 for more."""
+    import matplotlib
+    cmap = matplotlib.colormaps["tab10" if n_gpus <= 10 else "tab20"]
+    return cmap(index % cmap.N)
+
+
+def _node_rows(entry: dict) -> list:
+    """The rows of a node's panel: "gpu_mem" and "gpu_util" (when its GPU logs have those
+    samples), "cpu" (when it has a psrecord log)."""
+    has_mem = any(s["time"] for series in entry["gpu"] for s in series.values())
+    has_util = any(not math.isnan(u) for series in entry["gpu"] for s in series.values()
+                   for u in s["util"])
+    return ((["gpu_mem"] if has_mem else []) + (["gpu_util"] if has_util else [])
+            + (["cpu"] if entry["cpu"] else []))
+
+
+def _draw_node(subfig, node: str, entry: dict, phases: list, t0: float, xlim: tuple) -> None:
+    """One node's panel: GPU memory, GPU utilisation (when logged) and CPU memory rows."""
+    indices = sorted({i for series in entry["gpu"] for i in series})
+    rows = _node_rows(entry)
+    has_util = "gpu_util" in rows
+    missing = []
+    if not indices:
+        missing.append("no GPU logs (CPU run)")
+    elif not has_util:
+        missing.append("no utilisation in the GPU logs (written before node.sh logged it)")
+    if not entry["cpu"]:
+        missing.append("no CPU log (psrecord did not run)")
+    subfig.suptitle(f"node {node}" + ("".join(f"; {m}" for m in missing)), fontsize="medium")
+    axes = subfig.subplots(len(rows), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, row in zip(axes, rows):
+        ax.set_xlim(*xlim)
+        ax.grid(alpha=0.3)
+        if row == "cpu":
+            for n, attempt in enumerate(entry["cpu"]):
+                ax.plot([t - t0 for t in attempt["time"]], attempt["rss"], color="black",
+                        linewidth=1.2, label="RSS" if n == 0 else "_RSS",
+                        gid=f"CPU, attempt {n}")
+            ax.set_ylabel("CPU memory,\nRSS (MB)")
+            ax.set_ylim(bottom=0)
+        else:
+            key = "used" if row == "gpu_mem" else "util"
+            for n, series in enumerate(entry["gpu"]):
+                for index, s in series.items():
+                    ax.plot([t - t0 for t in s["time"]], s[key], linewidth=1.2,
+                            color=_gpu_color(index, len(indices)),
+                            label=f"GPU {index}" if n == 0 else f"_GPU {index}",
+                            gid=f"GPU {index}, attempt {n}")
+            if row == "gpu_mem":
+                ax.set_ylabel("GPU memory\nused (MiB)")
+                ax.set_ylim(bottom=0)
+            else:
+                ax.set_ylabel("GPU\nutilisation (%)")
+                ax.set_ylim(0, 105)
+        _mark_phases(ax, phases, t0, with_labels=ax is axes[0])
+    axes[0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    axes[-1].set_xlabel(f"seconds since the run's first sample "
+                        f"({datetime.fromtimestamp(t0):%Y-%m-%d %H:%M:%S} local time)"
+                        if t0 else "seconds since psrecord started")
+
+
+def plot_timeline(run_dir, out_path=None, notes: list | None = None, logs: dict | None = None):
+    """The timeline of one run directory as a matplotlib Figure, saved to out_path unless None:
+    a panel (SubFigure) per node with rows of GPU memory used and GPU utilisation per GPU
+    (one colour and one legend entry per GPU) and the node's CPU RSS, epoch starts and
+    evaluations marked. logs: the run's collect_logs result (read from run_dir when None).
+    Notes (alignment, unreadable files) are appended to notes. Raises LogError when run_dir
+    has no usable log, OSError when out_path cannot be written."""
+    from matplotlib.figure import Figure     # lazily: the summary needs no matplotlib
+
+    notes = [] if notes is None else notes
+    if logs is None:
+        problems = []
+        logs = collect_logs([run_dir], notes, problems)
+        notes.extend(p["message"] for p in problems if logs)
+        if not logs:
+            raise LogError(problems[0]["message"] if problems else f"{run_dir}: no logs")
+    phases = read_phases(find_training_logs(run_dir, notes), notes)
+    nodes = node_timelines(logs, notes)
+    _check_clocks(nodes, phases, run_dir, notes)
+    t0 = _run_start(nodes, phases)
+    ends = [t for entry in nodes.values() for series in entry["gpu"] for s in series.values()
+            for t in s["time"][-1:]]
+    ends += [a["time"][-1] for entry in nodes.values() for a in entry["cpu"] if a["time"]]
+    ends += [p["eval_end"] or p["train_start"] for p in phases]
+    xlim = (0.0, max(max(ends, default=t0) - t0, 1.0))
+
+    rows = [len(_node_rows(entry)) for entry in nodes.values()]
+    fig = Figure(figsize=(13, 1.0 + sum(2.0 * r + 0.6 for r in rows)), layout="constrained")
+    fig.suptitle(f"{run_dir}: memory and utilisation over time")
+    subfigs = fig.subfigures(len(nodes), 1, squeeze=False, height_ratios=rows)[:, 0]
+    for subfig, (node, entry) in zip(subfigs, nodes.items()):
+        _draw_node(subfig, node, entry, phases, t0, xlim)
+    if out_path is not None:
+        fig.savefig(out_path, dpi=100)
+    return fig
+
+
+def write_timelines(logs: dict, notes: list, problems: list) -> list:
+    """Draw TIMELINE_NAME in every run directory that collect_logs' result logs comes from
+    (the folder above gpu_memory/ and cpu_memory/); return the paths written. A log outside
+    such a folder and a timeline that cannot be written are appended to problems."""
+    runs = {}
+    for key, attempts in logs.items():
+        folder = key[1]
+        if folder.name in _LOG_DIRS:
+            run_dir = attempts[0]["path"].parent.parent     # as the user spelled it
+            runs.setdefault(folder.parent, (run_dir, {}))[1][key] = attempts
+        else:
+            for log in attempts:
+                problems.append(_problem(BAD_INPUT, log["path"], "not in a gpu_memory/ or "
+                                         "cpu_memory/ folder, so no timeline; for --plot pass "
+                                         "the run directory that holds those folders"))
+    written = []
+    for _resolved, (run_dir, run_logs) in sorted(runs.items()):
+        out = run_dir / TIMELINE_NAME
+        try:
+            plot_timeline(run_dir, out, notes, logs=run_logs)
+        except OSError as e:
+            problems.append(_problem(BAD_INPUT, out, f"cannot write the timeline "
+                                     f"({e.strerror or e}); make the run directory writable "
+                                     f"or copy the run somewhere you can write"))
+            continue
+        written.append(out)
+    return written
 
 
 # ---- Command line
 
 def format_gpu_line(record: dict) -> str:
-    return GPU_LINE.format(**record)
+    """GPU_LINE of a GPU record, with GPU_UTIL_PART when it has a utilisation average."""
+    line = GPU_LINE.format(**record)
+    if record.get("avg_util_pct") is not None:
+        line += GPU_UTIL_PART.format(**record)
+    return line
 
 
 def format_cpu_line(record: dict) -> str:
@@ -393,13 +760,27 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--csv", action="store_true",
                      help="print one CSV table with a header row: column kind (gpu or cpu), "
                           "then the GPU and CPU record keys; empty cells where not applicable")
+    parser.add_argument("--plot", action="store_true",
+                        help=f"also draw {TIMELINE_NAME} in each run directory (needs "
+                             f"matplotlib): memory and utilisation over time, per node, with "
+                             f"the epochs of train.log; prints the path of each file written")
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    notes = []
-    gpu_stats, cpu_stats, problems = summarize_paths(args.paths, notes)
+    if args.plot:
+        try:
+            import matplotlib
+        except ImportError:
+            print("error: --plot needs matplotlib, which is not installed here: pip install "
+                  "matplotlib (or leave out --plot)", file=sys.stderr)
+            return 2
+        matplotlib.use("Agg")       # headless: files only, no window
+    notes, problems = [], []
+    logs = collect_logs(args.paths, notes, problems)
+    gpu_stats, cpu_stats = summarize_logs(logs, notes)
+    timelines = write_timelines(logs, notes, problems) if args.plot else []
 
     if args.json:
         print(json.dumps({"gpu": gpu_stats, "cpu": cpu_stats, "problems": problems}, indent=2))
@@ -415,6 +796,8 @@ def main(argv=None) -> int:
             print(format_gpu_line(r))
         for r in cpu_stats:
             print(format_cpu_line(r))
+    for path in timelines:      # on stderr after --json/--csv, which own stdout
+        print(f"timeline: {path}", file=sys.stderr if args.json or args.csv else sys.stdout)
     sys.stdout.flush()      # results before the notes when both go to one terminal
 
     for note in notes:

@@ -1,7 +1,8 @@
 """Turn a scaling study into tables and plots: results.csv, results.md and, with --plot, PNGs.
 
     python collect_results.py runs/study-20250101-120000          # launch/run_benchmarks.py's
-    python collect_results.py runs/study-20250101-120000 --plot   # + five PNG plots
+    python collect_results.py runs/study-20250101-120000 --plot   # + five PNG plots, and
+                                                                  # timeline-<run>.png per run
     python collect_results.py runs/ddp-1n1g-4101 runs/ddp-1n2g-4102 --out results/  # run dirs
 
 Input: study directories (launch/run_benchmarks.py: study.json, the plan, and a run directory
@@ -865,6 +866,24 @@ def write_plots(chosen: dict, out_dir: Path, dpi: int) -> list:
     return list(PLOTS)
 
 
+def write_timelines(rows: list, out_dir: Path) -> list:
+    """--plot: each run directory's timeline, as ``timeline-<run>.png`` in out_dir (what
+    ``analyze_memory.py --plot RUN_DIR`` draws); a run it cannot draw gets a note."""
+    written = []
+    for row in rows:
+        run_dir = Path(row["path"]) if row["path"] else None
+        if run_dir is None or not any((run_dir / d).is_dir() for d in ("gpu_memory",
+                                                                        "cpu_memory")):
+            continue
+        try:
+            path = out_dir / f"timeline-{row['run']}.png"
+            analyze_memory.plot_timeline(run_dir, path, [])
+            written.append(path)
+        except (analyze_memory.LogError, OSError) as e:
+            row["notes"].append(f"no timeline drawn: {e}")
+    return written
+
+
 # --------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------
@@ -898,6 +917,7 @@ def main(argv=None) -> int:
         try:
             out.mkdir(parents=True, exist_ok=True)
             plots = write_plots(chosen, out, args.dpi) if args.plot else []
+            timelines = write_timelines(rows, out) if args.plot else []
             write_csv(rows, out / "results.csv")
             write_markdown(rows, chosen, args.paths, out / "results.md", plots)
         except OSError as e:
@@ -920,6 +940,9 @@ def main(argv=None) -> int:
             print(f"  {path}/train.log:{number}: {why}", file=sys.stderr)
     print(f"wrote {out / 'results.csv'} and {out / 'results.md'}"
           + (f", plots: {', '.join(str(out / p) for p in plots)}" if plots else ""))
+    if timelines:
+        print(f"timelines (memory and utilisation over time, one per run): "
+              f"{out / 'timeline-<run>.png'}, {len(timelines)} of them")
     return 0
 
 

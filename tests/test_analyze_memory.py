@@ -7,6 +7,8 @@ tests/fixtures/memory/, so a wrong mean, a wrong tie-break or a skipped-line bug
 import csv
 import io
 import json
+import math
+import os
 import shutil
 import subprocess
 import sys
@@ -503,3 +505,264 @@ def test_no_logs_is_a_problem_kind_not_a_sentence(tmp_path):
     _, _, problems = am.summarize_paths([tmp_path])
     assert [(p["kind"], p["path"]) for p in problems] == [
         (am.BAD_INPUT, str(tmp_path / "gpu_memory" / "n1.csv"))]
+
+
+# --------------------------------------------------------------------------------------------
+# Utilisation and the timeline (issue 18): tests/fixtures/memory/timeline_run/
+# --------------------------------------------------------------------------------------------
+
+TIMELINE_RUN = FIX / "timeline_run"
+# n1.csv, n1.restart1.csv: node.sh's newer 8 columns (utilization.gpu, power.draw, clocks.sm
+# after the memory columns); n2.csv: the older 5 columns. All times 2026/11/24 06:30:00 + s,
+# read as UTC (the fixture `utc`): 06:30:00 UTC = 1795501800.
+# n1 GPU 0: used 0, 20480, 26532, 26532, 26532 | restart: 0, 26532, 26532 -> 153140 / 8 =
+# 19142.5; util 0, 97, [N/A], 12, 88 | 0, 99, 90 -> the 7 readable: 386 / 7 = 55.14 -> 55.1.
+# n1 GPU 1: used 0, 20992 (power [Not Supported]: the sample counts), 26532, ([N/A] memory:
+# line skipped, its util 11 too), cut-off last line skipped | 0, 26532, 26532 -> 100588 / 6 =
+# 16764.67; util 0, 95, 91 | 0, 98, 92 -> 376 / 6 = 62.67 -> 62.7.
+# n2 GPU 0 (no utilisation column): 0, 18000, 18000, 19000 -> 13750.00, the line of old.
+EXPECTED_TIMELINE_GPU_LINES = [
+    "[n1 - GPU 0] Peak = 26532 MiB, Avg = 19142.50 MiB, Mode = 26532 MiB, Util avg = 55.1%",
+    "[n1 - GPU 1] Peak = 26532 MiB, Avg = 16764.67 MiB, Mode = 26532 MiB, Util avg = 62.7%",
+    "[n2 - GPU 0] Peak = 19000 MiB, Avg = 13750.00 MiB, Mode = 18000 MiB",
+]
+RUN_START = 1795501800.101      # the first sample: n1.csv, GPU 0, 06:30:00.101
+
+
+@pytest.fixture
+def utc(monkeypatch):
+    """Read nvidia-smi's local times as UTC in this process."""
+    import time
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def _timeline_copy(tmp_path):
+    """A writable copy of the timeline fixture run."""
+    run = tmp_path / "timeline_run"
+    shutil.copytree(TIMELINE_RUN, run)
+    return run
+
+
+def _data(ax, gid):
+    """(x, y) of the one line of ax with this gid, as lists."""
+    (line,) = [ln for ln in ax.get_lines() if ln.get_gid() == gid]
+    return list(line.get_xdata()), list(line.get_ydata())
+
+
+def _secs(*clock_times):
+    """x values of 06:30:00 + these seconds, relative to the run's first sample."""
+    return pytest.approx([1795501800 + t - RUN_START for t in clock_times], abs=1e-6)
+
+
+def test_utilisation_average_in_the_summary_line():
+    notes = []
+    gpu, _cpu, problems = am.summarize_paths([TIMELINE_RUN], notes)
+    assert problems == []
+    assert [am.format_gpu_line(r) for r in gpu] == EXPECTED_TIMELINE_GPU_LINES
+    assert [r["avg_util_pct"] for r in gpu] == [55.1, 62.7, None]
+    assert [tuple(r) for r in gpu] == [am.GPU_KEYS] * 3
+    for r in gpu:       # the regex reads both forms back
+        m = am.GPU_LINE_RE.fullmatch(am.format_gpu_line(r))
+        util = m["avg_util_pct"]
+        assert (float(util) if util else None) == r["avg_util_pct"]
+    assert any("n1.csv: skipped 2 line(s) ([N/A]-like value: 1, incomplete last line: 1)" in n
+               for n in notes)
+
+
+def test_old_logs_keep_exactly_the_old_line():
+    gpu, _, _ = am.summarize_paths([RUN])
+    assert [r["avg_util_pct"] for r in gpu] == [None] * 4
+    assert [am.format_gpu_line(r) for r in gpu] == EXPECTED_RUN_GPU_LINES
+
+
+def test_unavailable_power_does_not_skip_the_memory_sample():
+    kind, lines, skips, _bad = am.read_log(TIMELINE_RUN / "gpu_memory" / "n1.csv")
+    assert kind == am.KIND_GPU
+    gpus = am.parse_gpu_lines(lines, skips)
+    assert gpus[1]["used"] == [0, 20992, 26532]
+    assert gpus[1]["power_w"] == [None, None, 633.1]     # [N/A], [Not Supported]
+    assert gpus[0]["util"] == [0, 97, None, 12, 88]
+    assert gpus[0]["sm_mhz"] == [345, 1980, 1980, 1755, 1980]
+    assert gpus[0]["stamp"][0] == "2026/11/24 06:30:00.101"
+    assert skips == {am.SKIP_UNAVAILABLE: 1, am.SKIP_INCOMPLETE: 1}
+
+
+def test_cli_json_and_csv_carry_the_utilisation():
+    out = json.loads(run_cli("--json", TIMELINE_RUN).stdout)
+    assert [r["avg_util_pct"] for r in out["gpu"]] == [55.1, 62.7, None]
+    rows = list(csv.DictReader(io.StringIO(run_cli("--csv", TIMELINE_RUN).stdout)))
+    assert [r["avg_util_pct"] for r in rows] == ["55.1", "62.7", "", "", ""]
+
+
+def test_metric_lines_are_parsed_generically_and_each_epoch_once():
+    assert am.parse_metric_fields("rank0: [METRIC] epoch=2 a=b junk lr=0.1") == {
+        "epoch": "2", "a": "b", "lr": "0.1"}
+    assert am.parse_metric_fields("Epoch [1/3] LR: 0.1") is None
+    logs = am.find_training_logs(TIMELINE_RUN, [])
+    assert logs == [TIMELINE_RUN / "train.log"]
+    phases = am.read_phases(logs, [])       # the final line repeats epoch 3: once
+    assert [(p["epoch"], p["train_start"], p["eval_start"], p["eval_end"]) for p in phases] == [
+        ("1", 1795501803.0, 1795501812.0, 1795501814.0),
+        ("2", 1795501814.0, 1795501819.5, 1795501820.5),
+        ("3", 1795501862.0, 1795501868.0, 1795501869.5)]
+
+
+def test_plot_timeline_panels_and_line_data(tmp_path, utc):
+    run = _timeline_copy(tmp_path)
+    notes = []
+    fig = am.plot_timeline(run, run / "timeline.png", notes)
+    assert (run / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    n1, n2 = fig.subfigs                    # one panel per node, restarts folded in
+    assert [t.get_text() for t in n1.texts] == ["node n1"]
+    mem, util, cpu = n1.axes
+    assert [ax.get_ylabel() for ax in n1.axes] == ["GPU memory\nused (MiB)",
+                                                   "GPU\nutilisation (%)", "CPU memory,\nRSS (MB)"]
+    assert cpu.get_xlabel() == ("seconds since the run's first sample "
+                                "(2026-11-24 06:30:00 local time)")
+    # Each attempt is its own line: nothing joins the two across the requeue's gap.
+    x, y = _data(mem, "GPU 0, attempt 0")
+    assert x == _secs(0.101, 5.103, 10.105, 15.107, 20.109)
+    assert y == [0, 20480, 26532, 26532, 26532]
+    x, y = _data(mem, "GPU 0, attempt 1")
+    assert x == _secs(60.201, 65.203, 70.205) and y == [0, 26532, 26532]
+    x, y = _data(util, "GPU 0, attempt 0")
+    assert y == pytest.approx([0, 97, math.nan, 12, 88], nan_ok=True)    # [N/A]: a gap
+    x, y = _data(util, "GPU 1, attempt 1")
+    assert x == _secs(60.202, 65.204, 70.206) and y == [0, 98, 92]
+    assert [ln.get_label() for ln in mem.get_lines() if ln.get_label().startswith("GPU")] == [
+        "GPU 0", "GPU 1"]
+    # psrecord's elapsed seconds start at the same attempt's first nvidia-smi sample.
+    x, y = _data(cpu, "CPU, attempt 0")
+    assert x == _secs(0.101, 5.105, 10.109, 15.113, 20.117)
+    assert y == [7.871, 2411.004, 2398.512, 2402.25, 2415.75]
+    x, _ = _data(cpu, "CPU, attempt 1")
+    assert x == _secs(60.201, 65.205, 70.209)
+    # Epoch starts (epoch 3 once, though the final [METRIC] line repeats it) and evaluations.
+    starts = [ln.get_xdata()[0] for ln in mem.get_lines() if ln.get_gid() == "epoch start"]
+    assert starts == _secs(3.0, 14.0, 62.0)
+    spans = [(p.get_x(), p.get_x() + p.get_width()) for p in mem.patches
+             if p.get_gid() == "evaluation"]
+    assert [a for span in spans for a in span] == _secs(12.0, 14.0, 19.5, 20.5, 68.0, 69.5)
+    # Node n2's log has no utilisation column: no empty axis, a note in its title instead.
+    assert [ax.get_ylabel() for ax in n2.axes] == ["GPU memory\nused (MiB)",
+                                                   "CPU memory,\nRSS (MB)"]
+    assert "no utilisation in the GPU logs" in n2.texts[0].get_text()
+    x, y = _data(n2.axes[0], "GPU 0, attempt 0")
+    assert x == _secs(1.301, 6.302, 11.303, 16.304) and y == [0, 18000, 18000, 19000]
+    x, _ = _data(n2.axes[1], "CPU, attempt 0")
+    assert x == _secs(1.301, 6.801, 11.301)
+    assert not [n for n in notes if "align" in n or "time zone" in n]
+
+
+def test_plot_of_damaged_logs_keeps_the_readable_samples(tmp_path, utc):
+    run = _timeline_copy(tmp_path)
+    restart = run / "gpu_memory" / "n1.restart1.csv"
+    restart.write_bytes(restart.read_bytes() + b"2026/11/24 06:31:15.207, 0, NVIDIA H1"
+                        + NUL_TAIL)
+    notes = []
+    mem = am.plot_timeline(run, None, notes).subfigs[0].axes[0]
+    assert _data(mem, "GPU 0, attempt 1") == (_secs(60.201, 65.203, 70.205), [0, 26532, 26532])
+    assert any(f"{restart}: ignored 4096 unreadable bytes (NUL)" in n for n in notes)
+
+
+def test_plot_eight_gpus_one_colour_and_legend_entry_each(tmp_path, utc):
+    log = tmp_path / "run" / "gpu_memory" / "n1.csv"
+    log.parent.mkdir(parents=True)
+    log.write_text(
+        "timestamp, index, name, memory.used [MiB], memory.total [MiB], utilization.gpu [%], "
+        "power.draw [W], clocks.current.sm [MHz]\n" + "".join(
+            f"2026/11/24 06:30:{5 * t:02d}.000, {g}, NVIDIA H100 80GB HBM3, {1000 * g + t}, "
+            f"81559, {10 * g}, [N/A], 1980\n" for t in range(3) for g in range(8)))
+    fig = am.plot_timeline(tmp_path / "run")
+    (panel,) = fig.subfigs
+    mem, util = panel.axes
+    legend = [t.get_text() for t in mem.get_legend().get_texts()]
+    assert legend == [f"GPU {g}" for g in range(8)]
+    colours = {tuple(ln.get_color()) for ln in mem.get_lines()}
+    assert len(colours) == 8
+    assert _data(util, "GPU 7, attempt 0") == (pytest.approx([0, 5, 10]), [70, 70, 70])
+    assert "no CPU log" in panel.texts[0].get_text()
+
+
+def test_plot_cpu_only_run_gets_a_note_not_an_empty_gpu_axis(tmp_path):
+    run = tmp_path / "cpu_run"
+    log = run / "cpu_memory" / "n1.txt"
+    _cpu_log(log, [(0, 50, 100), (5, 150, 300), (10, 90, 350)])
+    # psrecord started 3 s before the first epoch (1795501803.0 in the fixture's train.log):
+    # its last sample, at 10 s, is when the file last changed
+    os.utime(log, (1795501803.0 - 3 + 10, 1795501803.0 - 3 + 10))
+    shutil.copy(TIMELINE_RUN / "train.log", run / "slurm-77.out")     # no train.log: searched
+    notes = []
+    fig = am.plot_timeline(run, None, notes)
+    (panel,) = fig.subfigs
+    assert "no GPU logs (CPU run)" in panel.texts[0].get_text()
+    (cpu,) = panel.axes
+    assert cpu.get_ylabel() == "CPU memory,\nRSS (MB)"
+    assert _data(cpu, "CPU, attempt 0") == (pytest.approx([0, 5, 10]), [100, 300, 350])
+    assert [ln.get_xdata()[0] for ln in cpu.get_lines() if ln.get_gid() == "epoch start"] == \
+        pytest.approx([3, 14, 62])
+    assert any("n1.txt: no GPU log to align it to; its start is the file's last change" in n
+               for n in notes)
+    # No training log either: the same samples, no phases
+    (run / "slurm-77.out").unlink()
+    (cpu,) = am.plot_timeline(run, None, []).subfigs[0].axes
+    assert cpu.get_xlabel().startswith("seconds since the run's first sample")
+    assert not [ln for ln in cpu.get_lines() if ln.get_gid() == "epoch start"]
+    assert _data(cpu, "CPU, attempt 0") == ([0, 5, 10], [100, 300, 350])
+
+
+def test_cli_plot_writes_one_png_per_run_and_prints_its_path(tmp_path):
+    run = _timeline_copy(tmp_path)
+    p = subprocess.run([sys.executable, str(SCRIPT), "--plot", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env={**os.environ,
+                                                                         "TZ": "UTC"})
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[:3] == EXPECTED_TIMELINE_GPU_LINES
+    assert lines[-1] == f"timeline: {run / 'timeline.png'}"
+    assert (run / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Traceback" not in p.stderr and "time zone" not in p.stderr
+
+
+def test_cli_plot_notes_a_time_zone_mismatch(tmp_path):
+    run = _timeline_copy(tmp_path)
+    p = subprocess.run([sys.executable, str(SCRIPT), "--json", "--plot", str(run)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env={**os.environ,
+                                                                         "TZ": "JST-9"})
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["problems"] == []      # --json keeps stdout to itself
+    assert f"timeline: {run / 'timeline.png'}" in p.stderr.splitlines()
+    assert "rerun with TZ set to the cluster's" in p.stderr
+
+
+def test_cli_plot_bad_inputs_one_sentence_no_traceback(tmp_path):
+    p = run_cli("--plot", "runs/does-not-exist-123/")
+    assert p.returncode == 2 and p.stdout == "" and "Traceback" not in p.stderr
+    (line,) = p.stderr.splitlines()
+    assert "does-not-exist-123" in line and "check the path" in line
+    # A log file outside a run directory: summarised, but no timeline, and why.
+    p = run_cli("--plot", FIX / "gpu_memory_log.csv")
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stdout.startswith("[gpu_memory_log - GPU 0]")
+    (line,) = p.stderr.splitlines()
+    assert "no timeline; for --plot pass the run directory" in line
+    # A run directory where the picture cannot be written.
+    run = _timeline_copy(tmp_path)
+    (run / "timeline.png").mkdir()
+    p = run_cli("--plot", run)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "cannot write the timeline" in errors[0]
+    assert "make the run directory writable" in errors[0]
+
+
+def test_summary_without_plot_does_not_import_matplotlib():
+    code = ("import sys, analyze_memory as am; am.main([sys.argv[1]]); "
+            "assert 'matplotlib' not in sys.modules")
+    p = subprocess.run([sys.executable, "-c", code, str(TIMELINE_RUN)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr

@@ -140,6 +140,14 @@ def test_the_study_says_where_the_step_time_goes_and_predicts_beyond_itself(tmp_
     assert "no scaling model for dp" not in md
 
 
+def test_plot_draws_every_runs_timeline_into_the_output_folder(study):
+    _rows, _md, out = study
+    names = sorted(p.name for p in out.glob("timeline-*.png"))
+    assert "timeline-ddp-2n4g-5004.png" in names and len(names) == 11  # runs with memory logs
+    assert all((out / n).read_bytes()[:8] == PNG_MAGIC for n in names)
+    assert not list(STUDY.rglob("timeline*.png"))  # the run directories are left as they are
+
+
 def test_without_bandwidth_figures_the_model_says_how_to_get_them(study):
     _rows, md, _out = study
     assert "no run measured its bus bandwidth; run the study with `-- --profile`" in md
