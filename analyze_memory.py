@@ -3,8 +3,8 @@
 launch/node.sh starts two loggers on every node (a requeued job's later attempts write
 <node>.restart1.csv, <node>.restart2.csv, ... beside the first):
 
-    nvidia-smi --format=csv,nounits -l 5 > "$RUN_DIR/gpu_memory/<node>.csv" \\
-    --query-gpu=timestamp,index,name,memory.used,memory.total,utilization.gpu,power.draw,clocks.sm &
+    q=timestamp,index,name,memory.used,memory.total,utilization.gpu,power.draw,clocks.sm
+    nvidia-smi --query-gpu=$q --format=csv,nounits -l 5 > "$RUN_DIR/gpu_memory/<node>.csv" &
     psrecord "$TRAIN_PID" --include-children --interval 5 --log "$RUN_DIR/cpu_memory/<node>.txt" &
 
 Copy-paste usage:
@@ -46,8 +46,9 @@ epoch starts (dashed lines) and evaluations (grey spans) from the [METRIC] lines
 train.log. The x-axis is seconds since the run's first sample. nvidia-smi writes the node's local
 time, read here in this machine's time zone (set TZ=... if the cluster's differs). psrecord logs
 only seconds since its start: it starts with the node's nvidia-smi (node.sh), so each attempt is
-aligned to the first sample of the same attempt's GPU log; without one, to the first epoch start
-after the previous attempt (a note says so). Requeued attempts are separate line segments.
+aligned to the first sample of the same attempt's GPU log; without one (a CPU run), its start is
+the file's last change minus its last sample's elapsed time (a note says so). Requeued attempts
+are separate line segments.
 
 Exit status: 0 every input was summarised; 1 some were summarised but at least one path or file
 was bad (each named on stderr in one line); 2 nothing could be summarised, or a bad command line.
