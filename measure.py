@@ -98,8 +98,11 @@ class StepMeter:
         elapsed = now - self.epoch_start
         per_step = elapsed / max(1, done - first_step)
         eta_epoch = (self.steps - done) * per_step
-        eta_run = eta_epoch + (self.epochs - epoch - 1) * max(self.epoch_wall,
-                                                              self.steps * per_step)
+        # the rest of the run: this epoch's steps and its evaluation (what a whole epoch took
+        # beyond its steps, once one is known), then the remaining epochs
+        evaluation = max(0.0, self.epoch_wall - self.steps * per_step)
+        eta_run = eta_epoch + evaluation + (self.epochs - epoch - 1) * max(
+            self.epoch_wall, self.steps * per_step)
         print0(f"progress: epoch {epoch + 1}/{self.epochs}, step {done}/{self.steps} | "
                f"{(done - first_step) * self.images_per_step / elapsed:.1f} img/s | elapsed "
                f"{_clock(now - self.start)} | ETA epoch {_clock(eta_epoch)}, run "
