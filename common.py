@@ -12,10 +12,11 @@ in reading order:
 - ``run(train, parser)``, which every script's main() calls, and ``print0``;
 - the command-line flags (``add_common_args``) and their resolved defaults (``resolve_args``);
 - the evaluation pass (``evaluate``, every validation sample counted exactly once), memory
-  statistics, provenance and the collective check of --check.
+  statistics, the epoch's clock times and provenance.
 
-The models are in models.py, the data in datautils.py, checkpoints in checkpoint.py, and
-what happens when something goes wrong in faults.py. Importing this module has no side effects.
+The models are in models.py, the data in datautils.py, checkpoints in checkpoint.py, what
+happens when something goes wrong in faults.py, and what a run measures about itself beyond
+the metrics (progress, data wait, --profile, --check's bandwidth) in measure.py. Importing this module has no side effects.
 """
 
 from __future__ import annotations
@@ -540,6 +541,7 @@ def lr_factor(args, steps: int):
         ramp = min(1.0, (s + 1) / warmup) if warmup else 1.0
         return ramp * args.gamma ** (s // steps // args.step_size)
     return factor
+
 
 def seed_for_rank(seed: int, rank: int) -> int:
     """The seed of one rank's own randomness: crops, flips, dropout, DataLoader workers.
