@@ -391,7 +391,10 @@ def test_local_study_collected(local_study, tmp_path):
     for name in collect_results.PLOTS:
         data = (out / name).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 15_000, name
-    assert sorted(p.name for p in out.glob("*.png")) == sorted(collect_results.PLOTS)
+    timelines = sorted(f"timeline-{r['run']}.png" for r in rows)  # one per run, memory over time
+    for name in timelines:
+        assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
+    assert sorted(p.name for p in out.glob("*.png")) == sorted([*collect_results.PLOTS, *timelines])
 
 
 def test_local_resume_reruns_only_the_failed_run(local_study, tmp_path):
