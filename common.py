@@ -404,7 +404,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(load with torch.load(PATH, weights_only=True))")
     g.add_argument("--log-every", type=float, default=30, metavar="SECONDS",
                    help="rank 0 prints a progress line (step, images/s, elapsed, ETA) this "
-                        "often, and once after the first steps; 0: never")
+                        "often, and once after the first steps (within 10 s); 0: never")
     g.add_argument("--dist-timeout", type=int, default=600,
                    help="seconds a collective or the process-group start may wait for other "
                         "ranks before the run fails instead of hanging")

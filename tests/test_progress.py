@@ -217,3 +217,19 @@ def test_profile_needs_a_writable_folder(tmp_path):
     blocker.write_text("")
     proc = run_script("ddp_train.py", ["--profile", str(blocker / "sub")])
     assert proc.returncode == 2 and "--profile" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_first_progress_line_comes_within_seconds_when_steps_are_slow(monkeypatch, capsys):
+    """6 s a step (ResNet-50 on a 2-core CPU): the first line comes at the first step boundary
+    10 s into the epoch (after 2 steps), not after 3 steps (18 s); then every --log-every."""
+    import argparse
+    clock = [1000.0]
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+    args = argparse.Namespace(log_every=30, epochs=1, profile=None)
+    meter = measure.StepMeter(args, steps=20, images_per_step=128, device=None)
+    for _ in meter.epoch(range(20), epoch=0, first_step=0):
+        clock[0] += 6.0  # the step
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("progress")]
+    steps = [int(PROGRESS_RE.match(line).group(3)) for line in lines]
+    assert steps == [2, 7, 12, 17], lines  # at 12 s, then at 42, 72 and 102 s
+    assert lines[0].endswith("| 21.3 img/s | elapsed 0:12 | ETA epoch 1:48, run 1:48 + evaluation")
