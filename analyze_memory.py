@@ -74,6 +74,9 @@ from collections import Counter
 from datetime import datetime
 from pathlib import Path
 
+import contract
+from contract import METRIC_PREFIX
+
 # ---- Output contract: collect_results.py imports it, so writer and reader cannot drift
 
 #: Keys of one GPU record (one per node and GPU), in output order. attempts: how many log files
@@ -443,7 +446,6 @@ def summarize_logs(logs: dict, notes: list) -> tuple:
 
 #: The file --plot writes in each run directory.
 TIMELINE_NAME = "timeline.png"
-METRIC_PREFIX = "[METRIC]"     # the training scripts' machine line (common.py, not imported)
 _STAMP_FORMATS = ("%Y/%m/%d %H:%M:%S.%f", "%Y/%m/%d %H:%M:%S")
 
 
@@ -457,20 +459,6 @@ def stamp_to_unix(stamp: str) -> float | None:
         except ValueError:
             pass
     return None
-
-
-def parse_metric_fields(line: str) -> dict | None:
-    """{key: value text} of the key=value tokens after "[METRIC]" in a line; None when the line
-    has no [METRIC] prefix. Tokens without "=" are ignored."""
-    at = line.find(METRIC_PREFIX)
-    if at < 0:
-        return None
-    fields = {}
-    for token in line[at + len(METRIC_PREFIX):].split():
-        key, sep, value = token.partition("=")
-        if sep:
-            fields[key] = value
-    return fields
 
 
 def find_training_logs(run_dir, notes: list) -> list:
@@ -505,8 +493,8 @@ def read_phases(paths, notes: list) -> list:
             notes.append(f"{path}: cannot be read ({e.strerror or e}); no epoch marks from it")
             continue
         for line in text.splitlines():
-            fields = parse_metric_fields(line)
-            if not fields or _number(fields.get("train_start_unix")) is None:
+            fields = (contract.fields(line, METRIC_PREFIX) or ({},))[0]
+            if _number(fields.get("train_start_unix")) is None:
                 continue
             phase = {"epoch": fields.get("epoch", "?"),
                      "train_start": _number(fields["train_start_unix"]),

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import REQUEUE_EXIT, STOP_LINE, on_rank0, print0
+from common import on_rank0, print0
+from contract import REQUEUE_EXIT, STOP_LINE
 from faults import NonFiniteLoss, StopSignals, UsageError, lock_checkpoint_dir
 
 # --------------------------------------------------------------------------------------------

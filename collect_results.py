@@ -48,11 +48,9 @@ from datetime import datetime
 from pathlib import Path
 
 import analyze_memory
+import contract
+from contract import BANDWIDTH_PREFIX, METRIC_PREFIX, PROFILE_PREFIX, REQUEUE_EXIT
 
-METRIC_PREFIX = "[METRIC]"  # = common.METRIC_PREFIX (common imports torch; a test keeps them equal)
-REQUEUE_EXIT = 75           # = common.REQUEUE_EXIT: stopped after a checkpoint, to be requeued
-PROFILE_PREFIX = "[PROFILE]"      # = measure.PROFILE_PREFIX (--profile's step breakdown)
-BANDWIDTH_PREFIX = "[BANDWIDTH]"  # = measure.BANDWIDTH_PREFIX (--check, --profile)
 MANIFEST = "study.json"     # the study's plan, written by launch/run_benchmarks.py
 STRATEGIES = ("dp", "ddp", "fsdp")  # in table order; launch/run_benchmarks.py's --strategies
 STRATEGY_TITLE = {"dp": "DataParallel (dp)", "ddp": "DistributedDataParallel (ddp)",
@@ -102,11 +100,10 @@ def read_log(path: Path) -> tuple:
     lines, bad = [], []
     with open(path, encoding="utf-8", errors="replace") as f:
         for number, text in enumerate(f, 1):
-            at = text.find(METRIC_PREFIX)
-            if at < 0:
+            parsed = contract.fields(text, METRIC_PREFIX)
+            if parsed is None:
                 continue
-            pairs = text[at + len(METRIC_PREFIX):].split()
-            stray = [p for p in pairs if "=" not in p]
+            pairs, stray = parsed
             if not text.endswith("\n"):
                 why = "last line without its newline (the job was killed mid-write)"
             elif stray:
@@ -114,7 +111,7 @@ def read_log(path: Path) -> tuple:
             elif not pairs:
                 why = "no key=value after the tag"
             else:
-                lines.append(dict(p.split("=", 1) for p in pairs))
+                lines.append(pairs)
                 continue
             bad.append((number, why, text.strip()))
     return lines, bad
@@ -128,10 +125,10 @@ def read_explanations(path: Path) -> dict:
     with open(path, encoding="utf-8", errors="replace") as f:
         for text in f:
             for tag in (PROFILE_PREFIX, BANDWIDTH_PREFIX):
-                at = text.find(tag + " ")
-                if at < 0 or not text.endswith("\n"):
+                parsed = contract.fields(text, tag + " ")
+                if parsed is None or not text.endswith("\n"):
                     continue
-                pairs = dict(p.split("=", 1) for p in text[at + len(tag):].split() if "=" in p)
+                pairs = parsed[0]
                 if tag == PROFILE_PREFIX:
                     found.update((f"profile_{k}", v) for k, v in pairs.items() if k != "trace")
                 elif "op" in pairs and pairs.get("bytes", "").isdigit() and int(

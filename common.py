@@ -5,18 +5,17 @@ dp_train.py, ddp_train.py and fsdp_train.py each keep inline what a strategy *is
 group, model wrapper, sampler, training step, metric reduction, saving). This module holds,
 in reading order:
 
-- the output contract: the epoch line and the ``[METRIC]`` line with its list of keys
-  (``METRIC_KEYS``, which collect_results.py imports so the two cannot drift), the ``[STOP]``
-  line and the exit codes;
 - the distributed environment as torchrun or Slurm describe it;
 - ``run(train, parser)``, which every script's main() calls, and ``print0``;
 - the command-line flags (``add_common_args``) and their resolved defaults (``resolve_args``);
 - the evaluation pass (``evaluate``, every validation sample counted exactly once), memory
   statistics, the epoch's clock times and provenance.
 
-The models are in models.py, the data in datautils.py, checkpoints in checkpoint.py, what
-happens when something goes wrong in faults.py, and what a run measures about itself beyond
-the metrics (progress, data wait, --profile, --check's bandwidth) in measure.py. Importing this module has no side effects.
+The output lines (epoch, ``[METRIC]``, ``[STOP]``) and the exit codes are in contract.py, the
+models in models.py, the data in datautils.py, checkpoints in checkpoint.py, what happens when
+something goes wrong in faults.py, and what a run measures about itself beyond the metrics
+(progress, data wait, --profile, --check's bandwidth) in measure.py. Importing this module has
+no side effects.
 """
 
 from __future__ import annotations
@@ -38,94 +37,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import contract
 from faults import (NonFiniteLoss, UsageError, catch_stop_signals, collective_failed,
                     fail_cleanly, is_collective_failure, start_watchdog)
 from models import check_model, synthetic_shape
-
-# --------------------------------------------------------------------------------------------
-# Output contract: the lines other programs read
-# --------------------------------------------------------------------------------------------
-
-
-#: Keys of every ``[METRIC]`` line, in order. The final line adds ``FINAL_KEYS``.
-METRIC_KEYS = (
-    "strategy", "model", "dataset", "device", "world_size", "nodes", "gpus_per_node",
-    "per_gpu_batch", "global_batch", "amp", "epoch", "epochs", "lr", "lr_peak", "lr_scaling",
-    "warmup_epochs",
-    "train_loss", "train_acc", "val_loss", "val_acc", "train_images", "val_images",
-    "epoch_time_s", "throughput_img_s", "peak_mem_mib", "peak_mem_per_gpu_mib",
-    "data_wait_frac", "train_start_unix", "eval_start_unix", "eval_end_unix",
-)
-
-
-#: Extra keys of the one ``[METRIC]`` line printed after the last epoch (``final=1``).
-FINAL_KEYS = ("final", "total_time_s")
-
-
-METRIC_PREFIX = "[METRIC]"
-
-
-#: Exit code after a checkpoint taken on SIGUSR1/SIGTERM: "requeue me, I will resume".
-REQUEUE_EXIT = 75
-
-
-#: Exit code when the loss became NaN/inf (nothing was saved over the last good checkpoint).
-NONFINITE_EXIT = 3
-
-
-#: The line rank 0 prints when a stop signal ended the run; launch/job.sh requeues the job
-#: when it reads one with saved=1 (torchrun reports its workers' exit 75 as 1).
-STOP_PREFIX = "[STOP]"
-
-
-STOP_LINE = (STOP_PREFIX + " signal={signal} epoch={epoch} step={step} saved={saved} "
-             "exit_code={code}")
-
-
-EPOCH_LINE = ("Epoch [{epoch}/{epochs}] LR: {lr:.6f} | Loss (train, val): {train_loss:.3f}, "
-              "{val_loss:.3f} | Accuracy (train, val): {train_acc:.2f}%, {val_acc:.2f}% | "
-              "Throughput: {throughput_img_s:.1f} img/s | Data wait: {data_wait_frac:.0%}")
-
-
-def format_epoch_line(m: dict) -> str:
-    """The per-epoch line users know from the workshop (values global across ranks)."""
-    return EPOCH_LINE.format(**m)
-
-
-def _fmt(value) -> str:
-    if isinstance(value, bool):
-        return str(int(value))
-    if isinstance(value, float):  # a clock time (1.8e9 s) keeps its tenths of a second
-        return "nan" if math.isnan(value) else format(value, ".1f" if abs(value) >= 1e7 else ".7g")
-    if isinstance(value, (list, tuple)):  # per-GPU values: "812.5/640.1"
-        return "/".join(_fmt(v) for v in value)
-    text = str(value)
-    return text.replace(" ", "_") or "-"
-
-
-def format_metric_line(m: dict, final: bool = False) -> str:
-    """``[METRIC] key=value ...`` with exactly METRIC_KEYS (+ FINAL_KEYS on the last line)."""
-    keys = METRIC_KEYS + (FINAL_KEYS if final else ())
-    missing = [k for k in keys if k not in m and k != "final"]
-    if missing:
-        raise KeyError(f"metric line lacks {missing}")
-    values = dict(m, final=1)
-    return METRIC_PREFIX + " " + " ".join(f"{k}={_fmt(values[k])}" for k in keys)
-
-
-def parse_metric_line(line: str) -> dict | None:
-    """Parse one ``[METRIC]`` line into {key: str}; None when the line is not one."""
-    at = line.find(METRIC_PREFIX)
-    if at < 0:
-        return None
-    fields = {}
-    for token in line[at + len(METRIC_PREFIX):].split():
-        key, sep, value = token.partition("=")
-        if not sep:
-            return None
-        fields[key] = value
-    return fields if all(k in fields for k in METRIC_KEYS) else None
-
 
 # --------------------------------------------------------------------------------------------
 # Distributed environment (torchrun, or srun without torchrun)
@@ -292,7 +207,7 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
     """What every training script does around its ``train(args, env)``, so each script keeps
     only the lesson: parse the flags; find the rank layout (torchrun, srun or one process);
     catch the stop signals from the start; start the watchdog; map what went wrong to an exit
-    code (2: a problem the user can fix, NONFINITE_EXIT: NaN loss, 1: a collective failed,
+    code (2: a problem the user can fix, 3: NaN loss, 1: a collective failed,
     anything else: its traceback); and, once every rank has finished, the last barrier and
     the process group's teardown. Returns the exit code for end_process."""
     global _rank
@@ -312,7 +227,7 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
     except NonFiniteLoss as err:  # every rank raises it at the same check (a vote)
         if env is None or env.rank == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
-        return NONFINITE_EXIT
+        return contract.NONFINITE_EXIT
     except RuntimeError as err:  # a peer died or a collective timed out: never hang
         if not is_collective_failure(err):
             raise
@@ -361,7 +276,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="training samples of the synthetic dataset (validation gets a quarter)")
     g = parser.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=3, help="number of epochs")
-    g.add_argument("--batch-size", type=int, default=64,
+    g.add_argument("--batch-size", type=int, default=contract.DEFAULT_BATCH_SIZE,
                    help="batch size PER PROCESS/GPU; the global batch is this times the number "
                         "of GPUs and is printed at start")
     g.add_argument("--lr", type=float, default=0.01,

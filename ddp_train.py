@@ -9,7 +9,7 @@ Run it:
     srun --kill-on-bad-exit=1 --ntasks-per-node 4 --gpus-per-node 4 python ddp_train.py
 
 Every epoch rank 0 prints one line with metrics reduced over ALL ranks, then one
-machine-readable ``[METRIC]`` line (keys: common.METRIC_KEYS):
+machine-readable ``[METRIC]`` line (keys: contract.METRIC_KEYS):
 
     Epoch [3/3] LR: 0.001000 | Loss (train, val): 5.149, 5.664 | Accuracy (train, val): ...
 
@@ -30,6 +30,7 @@ from torch.utils.data import DistributedSampler
 
 import checkpoint
 import common
+import contract
 import datautils
 import measure
 import models
@@ -210,7 +211,7 @@ def train(args, env: common.DistEnv) -> int:
             sums[1] += (outputs.argmax(1) == labels).sum()
             sums[2] += labels.size(0)
             if ckpt.after_step(loss, epoch, step + 1, steps):  # a stop signal: saved, stop
-                return common.REQUEUE_EXIT
+                return contract.REQUEUE_EXIT
         common.synchronize(device)
         train_time = time.perf_counter() - t0
         ckpt.check_finite(epoch)  # host sync, once per epoch
@@ -239,8 +240,8 @@ def train(args, env: common.DistEnv) -> int:
             data_wait_frac=min(1.0, data_wait / epoch_time) if epoch_time > 0 else 0.0,
             **common.phase_times(t0, train_time),
         )
-        print0(common.format_epoch_line(metrics))
-        print0(common.format_metric_line(metrics))
+        print0(contract.format_epoch_line(metrics))
+        print0(contract.format_metric_line(metrics))
         datautils.report_skipped(t_n, (steps - skip) * global_batch, v_n, len(data.val))
         ckpt.end_epoch(epoch, metrics)
     ckpt.finish()
@@ -253,7 +254,7 @@ def train(args, env: common.DistEnv) -> int:
         print0("nothing to train: the checkpoint is already past --epochs")
         return 0
     metrics["total_time_s"] = total_time
-    print0(common.format_metric_line(metrics, final=True))
+    print0(contract.format_metric_line(metrics, final=True))
     print0(f"Total time: {total_time:.1f} s")
     return 0
 

@@ -52,6 +52,7 @@ from torchvision.models.resnet import ResNet
 
 import checkpoint
 import common
+import contract
 import datautils
 import measure
 import models
@@ -278,7 +279,7 @@ def train(args, env: common.DistEnv) -> int:
             sums[1] += (outputs.argmax(1) == labels).sum()
             sums[2] += labels.size(0)
             if ckpt.after_step(loss, epoch, step + 1, steps):  # a stop signal: saved, stop
-                return common.REQUEUE_EXIT
+                return contract.REQUEUE_EXIT
         common.synchronize(device)
         train_time = time.perf_counter() - t0
         ckpt.check_finite(epoch)  # host sync, once per epoch
@@ -307,8 +308,8 @@ def train(args, env: common.DistEnv) -> int:
             data_wait_frac=min(1.0, data_wait / epoch_time) if epoch_time > 0 else 0.0,
             **common.phase_times(t0, train_time),
         )
-        print0(common.format_epoch_line(metrics))
-        print0(common.format_metric_line(metrics))
+        print0(contract.format_epoch_line(metrics))
+        print0(contract.format_metric_line(metrics))
         datautils.report_skipped(t_n, (steps - skip) * global_batch, v_n, len(data.val))
         ckpt.end_epoch(epoch, metrics)
     ckpt.finish()
@@ -325,7 +326,7 @@ def train(args, env: common.DistEnv) -> int:
         print0("nothing to train: the checkpoint is already past --epochs")
         return 0
     metrics["total_time_s"] = total_time
-    print0(common.format_metric_line(metrics, final=True))
+    print0(contract.format_metric_line(metrics, final=True))
     print0(f"Total time: {total_time:.1f} s")
     return 0
 

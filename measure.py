@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from common import print0, synchronize
+from contract import BANDWIDTH_PREFIX, PROFILE_KEYS, PROFILE_PREFIX
 
 # --------------------------------------------------------------------------------------------
 # Progress and data wait
@@ -117,9 +118,6 @@ class StepMeter:
 # --profile: where a step's time goes
 # --------------------------------------------------------------------------------------------
 
-PROFILE_PREFIX = "[PROFILE]"
-PROFILE_KEYS = ("steps", "step_ms", "compute_ms", "exposed_comm_ms", "data_wait_ms", "other_ms",
-                "comm_ms")
 WAIT_LABEL = "data wait"  # the span StepMeter marks around each wait for the next batch
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of GPU work
 
@@ -247,7 +245,6 @@ class _Profile:
 #: bytes = the whole buffer: the all-reduce's, all-gather's output, reduce-scatter's input).
 BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
               "reduce_scatter": lambda n: (n - 1) / n}
-BANDWIDTH_PREFIX = "[BANDWIDTH]"
 
 
 def _time_collective(op: str, nbytes: int, device: torch.device, world: int) -> float:

@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import torch  # noqa: E402
 
-import common  # noqa: E402
+import contract  # noqa: E402
 from make_tinyimagenet import make_tree, make_tree_parallel  # noqa: E402
 
 CEILING = "synthetic on device"
@@ -82,7 +82,7 @@ def run_row(script: str, args: list, timeout: int) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     except subprocess.TimeoutExpired:
         return {"error": f"no result within {timeout} s", "cmd": cmd}
-    rows = [m for m in map(common.parse_metric_line, proc.stdout.splitlines()) if m]
+    rows = [m for m in map(contract.parse_metric_line, proc.stdout.splitlines()) if m]
     if proc.returncode != 0 or not rows:
         last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
         return {"error": f"exit {proc.returncode}: {last[:200]}", "cmd": cmd}

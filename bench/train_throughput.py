@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import contract  # noqa: E402
 import models  # noqa: E402
 import datautils  # noqa: E402
 
@@ -46,7 +47,7 @@ def ddp_throughput(args, extra) -> float:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"error: {' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-    rows = [m for m in map(common.parse_metric_line, proc.stdout.splitlines()) if m]
+    rows = [m for m in map(contract.parse_metric_line, proc.stdout.splitlines()) if m]
     return float(rows[-1]["throughput_img_s"])  # epoch 2: warm (cudnn autotune, caches)
 
 

@@ -236,7 +236,7 @@ wait "$tee_pid" 2>/dev/null || true
 
 # Did the training stop after checkpointing for a requeue? dp_train.py exits 75 itself; torchrun
 # turns its workers' 75 into 1, so also read rank 0's machine line from this attempt's part of
-# train.log: "[STOP] signal=SIGUSR1 epoch=2 step=15 saved=1 exit_code=75" (common.STOP_LINE).
+# train.log: "[STOP] signal=SIGUSR1 epoch=2 step=15 saved=1 exit_code=75" (contract.STOP_LINE).
 requeue_ckpt=0
 if tail -c +"$((log_size + 1))" "$RUN_DIR/train.log" | grep -q '\[STOP\] .* saved=1 '
 then

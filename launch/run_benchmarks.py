@@ -73,8 +73,8 @@ sys.path.insert(0, str(REPO_DIR))
 
 import collect_results  # noqa: E402  (the study's reader: no torch)
 from collect_results import MANIFEST, STRATEGIES  # noqa: E402
+from contract import DEFAULT_BATCH_SIZE  # noqa: E402  (the training scripts' --batch-size)
 
-DEFAULT_PER_GPU_BATCH = 64  # the training scripts' --batch-size default (a test checks it)
 SLURM_FILES = {"baseline": "baseline.slurm", "multi_gpu": "multi_gpu.slurm",
                "multi_node": "multi_node.slurm"}
 DP_ONE_NODE = "DataParallel (dp) is one process on one node; use ddp or fsdp across nodes"
@@ -254,7 +254,7 @@ def fill_defaults(s: dict) -> dict:
         if s["global_batch"] is not None:
             raise StudyError("--global-batch is for --scaling strong; with weak scaling set the "
                              "per-GPU batch with --per-gpu-batch")
-        s["per_gpu_batch"] = s["per_gpu_batch"] or DEFAULT_PER_GPU_BATCH
+        s["per_gpu_batch"] = s["per_gpu_batch"] or DEFAULT_BATCH_SIZE
     else:
         if s["per_gpu_batch"] is not None:
             raise StudyError("--per-gpu-batch is for weak scaling; with --scaling strong set the "
@@ -456,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weak: per-GPU batch fixed (default); strong: global batch fixed")
     b.add_argument("--per-gpu-batch", type=int, default=None, metavar="B",
                    help=f"weak scaling: batch size PER GPU, the same in every run (default "
-                        f"{DEFAULT_PER_GPU_BATCH}); the global batch is B x GPUs")
+                        f"{DEFAULT_BATCH_SIZE}); the global batch is B x GPUs")
     b.add_argument("--global-batch", type=int, default=None, metavar="B",
                    help="strong scaling: the GLOBAL batch, the same in every run; per-GPU "
                         "batch = B / GPUs")

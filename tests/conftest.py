@@ -17,7 +17,7 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(TESTS))
 
-import common  # noqa: E402
+import contract  # noqa: E402
 from make_tinyimagenet import make_tree  # noqa: E402
 
 EPOCH_RE = re.compile(
@@ -56,7 +56,7 @@ def run_script(script: str, args=(), nproc: int | None = None, timeout: int = 60
 
 
 def metrics(stdout: str) -> list:
-    return [m for m in map(common.parse_metric_line, stdout.splitlines()) if m]
+    return [m for m in map(contract.parse_metric_line, stdout.splitlines()) if m]
 
 
 def epoch_lines(stdout: str) -> list:

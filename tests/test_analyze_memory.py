@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import analyze_memory as am  # noqa: E402
+import contract  # noqa: E402
 
 SCRIPT = ROOT / "analyze_memory.py"
 FIX = ROOT / "tests" / "fixtures" / "memory"
@@ -599,9 +600,9 @@ def test_cli_json_and_csv_carry_the_utilisation():
 
 
 def test_metric_lines_are_parsed_generically_and_each_epoch_once():
-    assert am.parse_metric_fields("rank0: [METRIC] epoch=2 a=b junk lr=0.1") == {
-        "epoch": "2", "a": "b", "lr": "0.1"}
-    assert am.parse_metric_fields("Epoch [1/3] LR: 0.1") is None
+    assert contract.fields("rank0: [METRIC] epoch=2 a=b junk lr=0.1", "[METRIC]") == (
+        {"epoch": "2", "a": "b", "lr": "0.1"}, ["junk"])
+    assert contract.fields("Epoch [1/3] LR: 0.1", "[METRIC]") is None
     logs = am.find_training_logs(TIMELINE_RUN, [])
     assert logs == [TIMELINE_RUN / "train.log"]
     phases = am.read_phases(logs, [])       # the final line repeats epoch 3: once

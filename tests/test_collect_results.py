@@ -38,7 +38,7 @@ import pytest
 from conftest import REPO, TESTS, env_for_tests
 
 import collect_results
-import common
+import contract
 
 STUDY = TESTS / "fixtures" / "study"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -67,14 +67,15 @@ def study(tmp_path_factory):
 # The contract with the training scripts
 # --------------------------------------------------------------------------------------------
 
-def test_the_literals_are_the_training_codes():
-    """collect_results.py must run without torch, so it cannot import common.py: the two
-    values it shares with the training are literals there, kept equal here."""
-    assert collect_results.METRIC_PREFIX == common.METRIC_PREFIX
-    assert collect_results.REQUEUE_EXIT == common.REQUEUE_EXIT
-    import measure
-    assert collect_results.PROFILE_PREFIX == measure.PROFILE_PREFIX
-    assert collect_results.BANDWIDTH_PREFIX == measure.BANDWIDTH_PREFIX
+def test_every_line_tag_and_exit_code_is_defined_once_in_contract():
+    """Writer and readers share contract.py (which imports no torch): no other module spells
+    a line tag or the requeue exit code itself, so they cannot drift apart."""
+    assert "import torch" not in (REPO / "contract.py").read_text()
+    tags = ('"[METRIC]"', '"[STOP]"', '"[PROFILE]"', '"[BANDWIDTH]"', "= 75")
+    for path in sorted(REPO.glob("*.py")) + sorted((REPO / "launch").glob("*.py")):
+        if path.name != "contract.py":
+            text = path.read_text()
+            assert not [t for t in tags if t in text], path.name
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,7 +170,7 @@ def test_a_real_metric_line_round_trips(tmp_path):
     run.mkdir()
     (run / "job.env").write_text("JOB_NAME=ddp-1n2g\nEXIT_CODE=0\n")
     log = run / "train.log"
-    log.write_text(common.format_metric_line(m) + "\n" + common.format_metric_line(m, final=True)
+    log.write_text(contract.format_metric_line(m) + "\n" + contract.format_metric_line(m, final=True)
                    + "\n")
     lines, bad = collect_results.read_log(log)
     assert len(lines) == 2 and not bad
@@ -182,8 +183,8 @@ def test_a_real_metric_line_round_trips(tmp_path):
     code, rows, _ = collect([run], tmp_path / "out")
     with open(tmp_path / "out" / "results.csv", newline="") as f:
         cols = next(csv.reader(f))
-    at = cols.index(common.METRIC_KEYS[0])
-    keys = common.METRIC_KEYS + common.FINAL_KEYS[1:]
+    at = cols.index(contract.METRIC_KEYS[0])
+    keys = contract.METRIC_KEYS + contract.FINAL_KEYS[1:]
     assert code == 0 and tuple(cols[at:at + len(keys)]) == keys
     assert rows["ddp-1n2g-1"]["epoch_time_s"] == "0.5164306"
     assert rows["ddp-1n2g-1"]["status"] == "ok"

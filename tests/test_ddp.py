@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 import common
+import contract
 import models
 import prepare_tinyimagenet
 import datautils
@@ -32,7 +33,7 @@ def test_torchrun_two_processes_prints_contract_lines():
     assert len(ms) == 3 and "final" not in ms[0] and ms[-1]["final"] == "1"
     assert float(ms[-1]["total_time_s"]) > 0
     for m in ms:
-        assert set(common.METRIC_KEYS) <= set(m)
+        assert set(contract.METRIC_KEYS) <= set(m)
         assert (m["strategy"], m["world_size"], m["nodes"], m["gpus_per_node"]) == \
             ("ddp", "2", "1", "2")
         assert (m["per_gpu_batch"], m["global_batch"], m["device"]) == ("16", "32", "cpu")

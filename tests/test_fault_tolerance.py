@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 
-import common
+import contract
 import checkpoint
 from conftest import REPO, check_ok, env_for_tests, metrics, read_until, run_script, wait_for
 
@@ -100,7 +100,7 @@ def test_sigusr1_checkpoints_exits_75_and_resumes(tmp_path):
     out = head + rest
     assert proc.returncode != 0, out
     assert "SIGUSR1: checkpoint saved at epoch" in out
-    assert f"exiting with code {common.REQUEUE_EXIT} to be requeued" in out
+    assert f"exiting with code {contract.REQUEUE_EXIT} to be requeued" in out
     assert "Epoch [6/6]" not in out  # it really stopped early
     resumed = run_script("ddp_train.py", args + ["--save-model", str(tmp_path / "r.pt")],
                          nproc=2)
@@ -116,7 +116,7 @@ def test_dp_sigterm_exit_code_is_75(tmp_path):
     assert wait_for(lambda: checkpoint.list_checkpoints(ck) or proc.poll() is not None)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == common.REQUEUE_EXIT, out
+    assert proc.returncode == contract.REQUEUE_EXIT, out
     assert "SIGTERM: checkpoint saved" in out
 
 
@@ -263,5 +263,5 @@ def test_nan_loss_stops_naming_epoch_and_step_and_keeps_good_checkpoints(tmp_pat
         state = torch.load(path, weights_only=True)
         assert all(torch.isfinite(t).all() for t in state["model"].values()), path
     proc = run_script("dp_train.py", RUN + ["--lr", "1e9"])
-    assert proc.returncode == common.NONFINITE_EXIT
+    assert proc.returncode == contract.NONFINITE_EXIT
     assert "the loss became NaN or inf at epoch 1, step" in proc.stderr

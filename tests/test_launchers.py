@@ -34,7 +34,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-import common  # noqa: E402  (the parser of the [METRIC] lines the training scripts write)
+import contract  # noqa: E402  (the parser of the [METRIC] lines the training scripts write)
 from conftest import read_until  # noqa: E402
 
 LAUNCH = REPO / "launch"
@@ -173,7 +173,7 @@ def check_training_log(text: str, strategy: str, world_size: int, nodes: int,
     """Both epoch lines from rank 0, and every [METRIC] line with the expected layout."""
     epochs = EPOCH_RE.findall(text)
     assert [e for e in epochs if e[1] == "2"] == [("1", "2"), ("2", "2")], epochs
-    metrics = [m for m in map(common.parse_metric_line, text.splitlines()) if m]
+    metrics = [m for m in map(contract.parse_metric_line, text.splitlines()) if m]
     assert len(metrics) == 3, metrics  # one per epoch + the final line
     layout = {(m["strategy"], m["world_size"], m["nodes"]) for m in metrics}
     assert layout == {(strategy, str(world_size), str(nodes))}, layout
@@ -577,7 +577,7 @@ def test_slurm_time_limit_requeues_and_resumes(jobs, slurm_lab):
     assert done == list(range(1, 9)), done
     info = read_env_file(run_dir / "job.env")  # rewritten by the last attempt
     assert (info["RESTARTS"], info["EXIT_CODE"]) == ("1", "0")
-    metrics = [m for m in map(common.parse_metric_line, log.splitlines()) if m]
+    metrics = [m for m in map(contract.parse_metric_line, log.splitlines()) if m]
     assert metrics[-1].get("final") == "1" and metrics[-1]["epoch"] == "8"
     # both attempts kept their memory logs
     assert sorted(p.name for p in (run_dir / "cpu_memory").iterdir()) == \

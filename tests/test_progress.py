@@ -11,6 +11,7 @@ import pytest
 from conftest import REPO, check_ok, env_for_tests, metrics, run_script
 
 import common
+import contract
 import measure
 
 PATCHED = REPO / "tests" / "patched_run.py"
@@ -78,7 +79,7 @@ def test_data_wait_is_the_share_of_time_spent_waiting_for_the_loader(tmp_path):
 def test_progress_wording():
     assert measure._clock(0) == "0:00" and measure._clock(69.9) == "1:09"
     assert measure._clock(3 * 3600 + 5 * 60 + 9) == "3:05:09"
-    assert "data_wait_frac" in common.METRIC_KEYS
+    assert "data_wait_frac" in contract.METRIC_KEYS
 
 
 def test_linear_lr_scaling_with_warm_up_gives_the_documented_rate_at_every_step(tmp_path):
@@ -133,7 +134,7 @@ def test_check_measures_bandwidth_the_way_nccl_tests_do():
     proc = run_script("fsdp_train.py", ["--check", "--model", "cnn"], nproc=2)
     check_ok(proc)
     lines = [dict(kv.split("=") for kv in line.split()[1:]) for line in proc.stdout.splitlines()
-             if line.startswith(measure.BANDWIDTH_PREFIX + " ")]
+             if line.startswith(contract.BANDWIDTH_PREFIX + " ")]
     assert [x["op"] for x in lines] == ["all_gather"] * 4 + ["reduce_scatter"] * 4 + [
         "all_reduce"] * 4
     grad = sum(p.numel() * 4 for p in models.build_model("cnn", 10, (3, 32, 32)).parameters())
@@ -195,7 +196,7 @@ def test_profile_writes_a_trace_and_a_step_breakdown_that_adds_up(tmp_path):
                                    "--profile", str(out)], nproc=nproc)
         check_ok(proc)
         lines = [line for line in proc.stdout.splitlines()
-                 if line.startswith(measure.PROFILE_PREFIX + " ")]
+                 if line.startswith(contract.PROFILE_PREFIX + " ")]
         assert len(lines) == 1, proc.stdout  # rank 0, once
         fields = dict(kv.split("=", 1) for kv in lines[0].split()[1:])
         assert fields["trace"] == str(out / "profile_trace_rank0.json")
@@ -208,7 +209,7 @@ def test_profile_writes_a_trace_and_a_step_breakdown_that_adds_up(tmp_path):
         assert parts[0] > 0.3 * step  # a CPU step is mostly compute
         assert (float(fields["comm_ms"]) > 0) == (nproc == 2)  # dp: no process group
         # the bandwidth the collectives get, at the gradient size: collect_results' model
-        assert (f"{measure.BANDWIDTH_PREFIX} op=all_reduce " in proc.stdout) == (nproc == 2)
+        assert (f"{contract.BANDWIDTH_PREFIX} op=all_reduce " in proc.stdout) == (nproc == 2)
         assert "ms per step = compute" in proc.stdout
 
 

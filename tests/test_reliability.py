@@ -20,7 +20,7 @@ import psutil
 import torch
 import pytest
 
-import common
+import contract
 import prepare_tinyimagenet
 import faults
 import checkpoint
@@ -309,7 +309,7 @@ def test_stop_signal_on_rank_1_only_is_named_by_rank_0(tmp_path):
         _cleanup(proc.pid)
     out = head + rest
     assert "SIGUSR1: checkpoint saved at epoch" in out, out[-3000:]
-    assert f"exiting with code {common.REQUEUE_EXIT} to be requeued" in out
+    assert f"exiting with code {contract.REQUEUE_EXIT} to be requeued" in out
     # the machine line launch/job.sh reads to requeue the job
     assert re.search(r"^\[STOP\] signal=SIGUSR1 epoch=\d+ step=\d+ saved=1 exit_code=75$", out,
                      re.M), out[-3000:]

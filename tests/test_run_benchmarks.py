@@ -108,7 +108,7 @@ def test_default_batch_is_the_training_scripts():
     sys.modules["run_benchmarks"] = mod  # dataclasses look their module up while defining
     spec.loader.exec_module(mod)
     parser = common.add_common_args(argparse.ArgumentParser())
-    assert mod.DEFAULT_PER_GPU_BATCH == parser.get_default("batch_size")
+    assert mod.DEFAULT_BATCH_SIZE == parser.get_default("batch_size")  # imported: one definition
     assert mod.MANIFEST is collect_results.MANIFEST  # imported: one definition
     assert mod.STRATEGIES is collect_results.STRATEGIES
 

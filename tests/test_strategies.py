@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-import common
+import contract
 from conftest import FAST, REPO, check_ok, env_for_tests, epoch_lines, metrics, run_script
 
 EQUIV = ["--model", "cnn", "--synthetic-size", "320", "--epochs", "2", "--num-workers", "0",
@@ -68,7 +68,7 @@ def test_same_metric_keys_for_every_strategy():
         m = metrics(proc.stdout)
         keys.add(tuple(m[0]))
         keys.add(tuple(m[-1]))
-    assert keys == {common.METRIC_KEYS, common.METRIC_KEYS + common.FINAL_KEYS}
+    assert keys == {contract.METRIC_KEYS, contract.METRIC_KEYS + contract.FINAL_KEYS}
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def test_the_training_step_and_the_epoch_end_are_the_same_text(other):
                "        val_sums = common.evaluate("),
               ("        val_sums = common.evaluate(",
                "        peaks = common.peak_memory_per_gpu("),
-              ("        print0(common.format_epoch_line(metrics))", "    total_time = ")]
+              ("        print0(contract.format_epoch_line(metrics))", "    total_time = ")]
     for start, end in blocks:
         ddp = [line for line in _code("ddp_train.py", start, end) if "synchronize" not in line]
         theirs = [line for line in _code(other, start, end) if "synchronize" not in line

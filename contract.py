@@ -1,0 +1,106 @@
+"""The output contract: the lines a training run prints for other programs, defined once.
+
+Every line a launcher or a parser reacts to is ``[TAG] key=value ...``:
+
+- ``[METRIC]``: one per epoch, with exactly ``METRIC_KEYS`` (the final one adds ``FINAL_KEYS``);
+  collect_results.py makes results.csv from it, analyze_memory.py --plot marks the epochs;
+- ``[STOP]``: a stop signal ended the run; launch/job.sh requeues the job when ``saved=1``;
+- ``[PROFILE]``: --profile's step breakdown (``PROFILE_KEYS``), read by collect_results.py;
+- ``[BANDWIDTH]``: one collective's bandwidth (--check, --profile), read by collect_results.py.
+
+The training scripts write them (through common.py and measure.py), the parsers read them
+with ``fields``. This module imports no torch, so the parsers run on a login node without it.
+"""
+
+from __future__ import annotations
+
+import math
+
+METRIC_PREFIX, STOP_PREFIX = "[METRIC]", "[STOP]"
+PROFILE_PREFIX, BANDWIDTH_PREFIX = "[PROFILE]", "[BANDWIDTH]"
+
+#: Keys of every ``[METRIC]`` line, in order. The final line adds ``FINAL_KEYS``.
+METRIC_KEYS = (
+    "strategy", "model", "dataset", "device", "world_size", "nodes", "gpus_per_node",
+    "per_gpu_batch", "global_batch", "amp", "epoch", "epochs", "lr", "lr_peak", "lr_scaling",
+    "warmup_epochs",
+    "train_loss", "train_acc", "val_loss", "val_acc", "train_images", "val_images",
+    "epoch_time_s", "throughput_img_s", "peak_mem_mib", "peak_mem_per_gpu_mib",
+    "data_wait_frac", "train_start_unix", "eval_start_unix", "eval_end_unix",
+)
+
+#: Extra keys of the one ``[METRIC]`` line printed after the last epoch (``final=1``).
+FINAL_KEYS = ("final", "total_time_s")
+
+#: --profile's parts of one training step, in milliseconds (``steps``: how many were traced).
+PROFILE_KEYS = ("steps", "step_ms", "compute_ms", "exposed_comm_ms", "data_wait_ms", "other_ms",
+                "comm_ms")
+
+#: The training scripts' --batch-size default (per GPU); launch/run_benchmarks.py plans with it.
+DEFAULT_BATCH_SIZE = 64
+
+#: Exit code after a checkpoint taken on SIGUSR1/SIGTERM: "requeue me, I will resume".
+REQUEUE_EXIT = 75
+
+#: Exit code when the loss became NaN/inf (nothing was saved over the last good checkpoint).
+NONFINITE_EXIT = 3
+
+#: The line rank 0 prints when a stop signal ended the run; launch/job.sh requeues the job
+#: when it reads one with saved=1 (torchrun reports its workers' exit 75 as 1).
+STOP_LINE = (STOP_PREFIX + " signal={signal} epoch={epoch} step={step} saved={saved} "
+             "exit_code={code}")
+
+#: The per-epoch line people read (the workshop's), values global across ranks.
+EPOCH_LINE = ("Epoch [{epoch}/{epochs}] LR: {lr:.6f} | Loss (train, val): {train_loss:.3f}, "
+              "{val_loss:.3f} | Accuracy (train, val): {train_acc:.2f}%, {val_acc:.2f}% | "
+              "Throughput: {throughput_img_s:.1f} img/s | Data wait: {data_wait_frac:.0%}")
+
+
+def format_epoch_line(m: dict) -> str:
+    return EPOCH_LINE.format(**m)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, float):  # a clock time (1.8e9 s) keeps its tenths of a second
+        return "nan" if math.isnan(value) else format(value, ".1f" if abs(value) >= 1e7 else ".7g")
+    if isinstance(value, (list, tuple)):  # per-GPU values: "812.5/640.1"
+        return "/".join(_fmt(v) for v in value)
+    text = str(value)
+    return text.replace(" ", "_") or "-"
+
+
+def format_metric_line(m: dict, final: bool = False) -> str:
+    """``[METRIC] key=value ...`` with exactly METRIC_KEYS (+ FINAL_KEYS on the last line)."""
+    keys = METRIC_KEYS + (FINAL_KEYS if final else ())
+    missing = [k for k in keys if k not in m and k != "final"]
+    if missing:
+        raise KeyError(f"metric line lacks {missing}")
+    values = dict(m, final=1)
+    return METRIC_PREFIX + " " + " ".join(f"{k}={_fmt(values[k])}" for k in keys)
+
+
+def fields(line: str, tag: str) -> tuple | None:
+    """``({key: value text}, stray)`` of the ``key=value`` tokens after ``tag`` in ``line``;
+    ``stray``: the tokens without "=" (another process's output glued into the line). None when
+    the line has no ``tag``. Anything before the tag (a "rank0:" prefix) is ignored."""
+    at = line.find(tag)
+    if at < 0:
+        return None
+    found, stray = {}, []
+    for token in line[at + len(tag):].split():
+        key, sep, value = token.partition("=")
+        if sep:
+            found[key] = value
+        else:
+            stray.append(token)
+    return found, stray
+
+
+def parse_metric_line(line: str) -> dict | None:
+    """One complete ``[METRIC]`` line as {key: text}; None when the line is not one."""
+    parsed = fields(line, METRIC_PREFIX)
+    if parsed is None or parsed[1] or not all(k in parsed[0] for k in METRIC_KEYS):
+        return None
+    return parsed[0]
