@@ -75,6 +75,7 @@ from datetime import datetime
 from pathlib import Path
 
 import contract
+import plots
 from contract import METRIC_PREFIX
 
 # ---- Output contract: collect_results.py imports it, so writer and reader cannot drift
@@ -556,15 +557,6 @@ def node_timelines(logs: dict, notes: list) -> dict:
     return nodes
 
 
-def _run_start(nodes: dict, phases: list) -> float:
-    """The earliest time of a run (a sample or an epoch start), in seconds since 1970."""
-    times = [p["train_start"] for p in phases]
-    for entry in nodes.values():
-        times += [s["time"][0] for series in entry["gpu"] for s in series.values() if s["time"]]
-        times += [attempt["time"][0] for attempt in entry["cpu"] if attempt["time"]]
-    return min(times, default=0.0)
-
-
 def _check_clocks(nodes: dict, phases: list, run_dir, notes: list) -> None:
     """A note when no epoch lies within the GPU logs' time span: the usual cause is a time
     zone that differs between the cluster and this machine."""
@@ -577,93 +569,12 @@ def _check_clocks(nodes: dict, phases: list, run_dir, notes: list) -> None:
                      f"with TZ set to the cluster's (e.g. TZ=Europe/Berlin)")
 
 
-def _mark_phases(ax, phases: list, t0: float, with_labels: bool) -> None:
-    """Dashed lines at epoch starts and grey spans over evaluations; with_labels: name the
-    epochs above the axes and put one of each mark in the legend."""
-    for i, p in enumerate(phases):
-        first = with_labels and i == 0
-        ax.axvline(p["train_start"] - t0, color="0.35", linestyle="--", linewidth=0.8,
-                   label="epoch start" if first else "_epoch start", gid="epoch start")
-        if p["eval_start"] is not None and p["eval_end"] is not None:
-            ax.axvspan(p["eval_start"] - t0, p["eval_end"] - t0, color="0.6", alpha=0.3,
-                       linewidth=0, label="evaluation" if first else "_evaluation",
-                       gid="evaluation")
-        if with_labels and len(phases) <= 30:
-            ax.text(p["train_start"] - t0, 1.01, f"epoch {p['epoch']}", fontsize="x-small",
-                    transform=ax.get_xaxis_transform(), va="bottom")
-
-
-def _gpu_color(index: int, n_gpus: int):
-    """One colour per GPU: tab10 for up to 10 GPUs, tab20 for more."""
-    import matplotlib
-    cmap = matplotlib.colormaps["tab10" if n_gpus <= 10 else "tab20"]
-    return cmap(index % cmap.N)
-
-
-def _node_rows(entry: dict) -> list:
-    """The rows of a node's panel: "gpu_mem" and "gpu_util" (when its GPU logs have those
-    samples), "cpu" (when it has a psrecord log)."""
-    has_mem = any(s["time"] for series in entry["gpu"] for s in series.values())
-    has_util = any(not math.isnan(u) for series in entry["gpu"] for s in series.values()
-                   for u in s["util"])
-    return ((["gpu_mem"] if has_mem else []) + (["gpu_util"] if has_util else [])
-            + (["cpu"] if entry["cpu"] else []))
-
-
-def _draw_node(subfig, node: str, entry: dict, phases: list, t0: float, xlim: tuple) -> None:
-    """One node's panel: GPU memory, GPU utilisation (when logged) and CPU memory rows."""
-    indices = sorted({i for series in entry["gpu"] for i in series})
-    rows = _node_rows(entry)
-    has_util = "gpu_util" in rows
-    missing = []
-    if not indices:
-        missing.append("no GPU logs (CPU run)")
-    elif not has_util:
-        missing.append("no utilisation in the GPU logs (written before node.sh logged it)")
-    if not entry["cpu"]:
-        missing.append("no CPU log (psrecord did not run)")
-    subfig.suptitle(f"node {node}" + ("".join(f"; {m}" for m in missing)), fontsize="medium")
-    axes = subfig.subplots(len(rows), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, row in zip(axes, rows):
-        ax.set_xlim(*xlim)
-        ax.grid(alpha=0.3)
-        if row == "cpu":
-            for n, attempt in enumerate(entry["cpu"]):
-                ax.plot([t - t0 for t in attempt["time"]], attempt["rss"], color="black",
-                        linewidth=1.2, label="RSS" if n == 0 else "_RSS",
-                        gid=f"CPU, attempt {n}")
-            ax.set_ylabel("CPU memory,\nRSS (MB)")
-            ax.set_ylim(bottom=0)
-        else:
-            key = "used" if row == "gpu_mem" else "util"
-            for n, series in enumerate(entry["gpu"]):
-                for index, s in series.items():
-                    ax.plot([t - t0 for t in s["time"]], s[key], linewidth=1.2,
-                            color=_gpu_color(index, len(indices)),
-                            label=f"GPU {index}" if n == 0 else f"_GPU {index}",
-                            gid=f"GPU {index}, attempt {n}")
-            if row == "gpu_mem":
-                ax.set_ylabel("GPU memory\nused (MiB)")
-                ax.set_ylim(bottom=0)
-            else:
-                ax.set_ylabel("GPU\nutilisation (%)")
-                ax.set_ylim(0, 105)
-        _mark_phases(ax, phases, t0, with_labels=ax is axes[0])
-    axes[0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-    axes[-1].set_xlabel(f"seconds since the run's first sample "
-                        f"({datetime.fromtimestamp(t0):%Y-%m-%d %H:%M:%S} local time)"
-                        if t0 else "seconds since psrecord started")
-
-
 def plot_timeline(run_dir, out_path=None, notes: list | None = None, logs: dict | None = None):
-    """The timeline of one run directory as a matplotlib Figure, saved to out_path unless None:
-    a panel (SubFigure) per node with rows of GPU memory used and GPU utilisation per GPU
-    (one colour and one legend entry per GPU) and the node's CPU RSS, epoch starts and
-    evaluations marked. logs: the run's collect_logs result (read from run_dir when None).
+    """The timeline of one run directory as a matplotlib Figure (plots.timeline: a panel per
+    node, GPU memory and utilisation per GPU, the node's CPU RSS, the epochs marked), saved to
+    out_path unless None. logs: the run's collect_logs result (read from run_dir when None).
     Notes (alignment, unreadable files) are appended to notes. Raises LogError when run_dir
     has no usable log, OSError when out_path cannot be written."""
-    from matplotlib.figure import Figure     # lazily: the summary needs no matplotlib
-
     notes = [] if notes is None else notes
     if logs is None:
         problems = []
@@ -674,19 +585,7 @@ def plot_timeline(run_dir, out_path=None, notes: list | None = None, logs: dict 
     phases = read_phases(find_training_logs(run_dir, notes), notes)
     nodes = node_timelines(logs, notes)
     _check_clocks(nodes, phases, run_dir, notes)
-    t0 = _run_start(nodes, phases)
-    ends = [t for entry in nodes.values() for series in entry["gpu"] for s in series.values()
-            for t in s["time"][-1:]]
-    ends += [a["time"][-1] for entry in nodes.values() for a in entry["cpu"] if a["time"]]
-    ends += [p["eval_end"] or p["train_start"] for p in phases]
-    xlim = (0.0, max(max(ends, default=t0) - t0, 1.0))
-
-    rows = [len(_node_rows(entry)) for entry in nodes.values()]
-    fig = Figure(figsize=(13, 1.0 + sum(2.0 * r + 0.6 for r in rows)), layout="constrained")
-    fig.suptitle(f"{run_dir}: memory and utilisation over time")
-    subfigs = fig.subfigures(len(nodes), 1, squeeze=False, height_ratios=rows)[:, 0]
-    for subfig, (node, entry) in zip(subfigs, nodes.items()):
-        _draw_node(subfig, node, entry, phases, t0, xlim)
+    fig = plots.timeline(f"{run_dir}: memory and utilisation over time", nodes, phases)
     if out_path is not None:
         fig.savefig(out_path, dpi=100)
     return fig

@@ -11,7 +11,7 @@ memory_summary.json). No torch needed; --plot needs matplotlib.
 
 The pipeline: each run directory -> one row, a plain dict (every key=value of the training's last
 [METRIC] line, job.env, GPU 0 and CPU memory from analyze_memory.py) -> its status -> scaling
-factors -> results.csv. The tables and plots are made from those rows alone.
+factors -> results.csv. The tables and plots are made from those rows alone (plots.py draws).
 
 Status of a run (a configuration run several times keeps every attempt in results.csv; the
 tables use the first status in this order, the newest run on a tie):
@@ -49,7 +49,9 @@ from pathlib import Path
 
 import analyze_memory
 import contract
+import plots
 from contract import BANDWIDTH_PREFIX, METRIC_PREFIX, PROFILE_PREFIX, REQUEUE_EXIT
+from plots import PLOTS
 
 MANIFEST = "study.json"     # the study's plan, written by launch/run_benchmarks.py
 STRATEGIES = ("dp", "ddp", "fsdp")  # in table order; launch/run_benchmarks.py's --strategies
@@ -75,15 +77,6 @@ TAIL = ("gpu0", "gpu0_peak_mib", "gpu0_avg_mib", "gpu0_mode_mib",
         "exit_code", "job_id", "job_name", "restarts", "start_time", "end_time",
         "metric_lines", "bad_metric_lines", "path")
 NOT_COLUMNS = ("final", "notes", "bad")  # in a row, but not in results.csv
-
-PLOTS = {  # file name -> what it shows
-    "time_per_epoch.png": "time per epoch vs GPUs (log scale)",
-    "val_loss_acc.png": "validation loss and accuracy vs GPUs",
-    "peak_memory.png": "peak memory per GPU vs GPUs",
-    "throughput.png": "throughput vs GPUs against ideal linear scaling",
-    "step_breakdown.png": "where the step time goes, per configuration",
-}
-
 
 class UsageError(Exception):
     """A problem the user can fix: printed as one sentence naming the fix, exit code 2."""
@@ -683,7 +676,7 @@ def explain_markdown(key: tuple, configs: dict) -> list:
     return lines + [""]
 
 
-def write_markdown(rows: list, chosen: dict, studies: list, path: Path, plots: list) -> None:
+def write_markdown(rows: list, chosen: dict, studies: list, path: Path, pngs: list) -> None:
     counts = ", ".join(f"{n} {s}" for s in STATUSES if (n := [r["status"] for r in rows].count(s)))
     bad = sum(len(r["bad"]) for r in rows)
     lines = ["# Scaling study results", "",
@@ -701,9 +694,9 @@ def write_markdown(rows: list, chosen: dict, studies: list, path: Path, plots: l
     for key in sorted(chosen):
         lines += strategy_markdown(key, chosen[key], rows)
         lines += explain_markdown(key, chosen[key])
-    if plots:
+    if pngs:
         lines += ["## Plots", ""]
-        for name in plots:
+        for name in pngs:
             lines += [f"![{PLOTS[name]}]({name})", ""]
     notes = []
     for r in rows:
@@ -718,149 +711,61 @@ def write_markdown(rows: list, chosen: dict, studies: list, path: Path, plots: l
 
 
 # --------------------------------------------------------------------------------------------
-# Plots
+# Plots: what to draw, as plain numbers (plots.py draws it)
 # --------------------------------------------------------------------------------------------
 
-def write_plots(chosen: dict, out_dir: Path, dpi: int) -> list:
-    """The PNGs of PLOTS: four against the number of GPUs (per strategy, a line through its
-    1-node runs and a dashed one per GPUs-per-node through its node sweep), and the step's
-    parts as stacked bars per configuration. Returns the names."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")  # headless: no display on a login or compute node
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
-    except ImportError:
-        raise UsageError("--plot needs matplotlib: pip install matplotlib (it is in "
-                         "requirements-test.txt), or drop --plot") from None
-    series = []  # (group, label, line style, rows in GPU order)
+PLOTTED = ("epoch_time_s", "val_loss", "val_acc", "gpu0_peak_mib", "peak_mem_mib",
+           "throughput_img_s")
+
+
+def plot_data(chosen: dict) -> tuple:
+    """(series, ideal, bars) for plots.study_plots: per strategy, a line through its 1-node runs
+    and a dashed one per GPUs-per-node through its node sweep; the ideal throughput (1-GPU x
+    GPUs) where there is a 1-GPU baseline; a bar of the step's parts per configuration."""
+    def points(rows: list) -> list:
+        return [dict(gpus=gpus(r), partial=r["status"] != OK, device=r.get("device"),
+                     **{column: num(r, column) for column in PLOTTED}) for r in rows]
+
+    series, ideal, bars = [], [], []
     for key in sorted(chosen):
         configs = {c: r for c, r in chosen[key].items()
                    if r["status"] in HAS_METRICS and num(r, "throughput_img_s") is not None}
+        if not configs:
+            continue
         name = key[1] + (f" ({key[2]})" if len({k[2] for k in chosen}) > 1 and key[2] else "")
         if any(n == 1 for n, g in configs):
-            series.append((key, f"{name}, 1 node", "-",
-                           [configs[c] for c in sorted(configs) if c[0] == 1]))
+            series.append(dict(group=key, label=f"{name}, 1 node", line="-",
+                               points=points([configs[c] for c in sorted(configs) if c[0] == 1])))
         for g in sorted({g for n, g in configs if n > 1}):
             sweep = sorted(c for c in configs if c[1] == g)
-            series.append((key, f"{name}, {g} GPU/node, 1-{sweep[-1][0]} nodes", "--",
-                           [configs[c] for c in sweep]))
+            series.append(dict(group=key, label=f"{name}, {g} GPU/node, 1-{sweep[-1][0]} nodes",
+                               line="--", points=points([configs[c] for c in sweep])))
+        base, own = chosen[key].get((1, 1)), sorted({gpus(r) for r in configs.values()})
+        if base and base["baseline"] and len(own) > 1:
+            ideal.append((key, f"{key[1]}, ideal (1-GPU x GPUs)", own,
+                          [num(base, "throughput_img_s") * x for x in own]))
+        for (n, g), r in sorted(chosen[key].items()):
+            if num(r, "step_ms") is None:
+                continue
+            if num(r, "profile_step_ms") is not None:  # --profile: the traced steps' parts
+                parts = dict(compute=num(r, "profile_compute_ms") or 0.0,
+                             exposed_comm=num(r, "profile_exposed_comm_ms") or 0.0,
+                             data_wait=num(r, "profile_data_wait_ms") or 0.0,
+                             other=num(r, "profile_other_ms") or 0.0)
+            else:  # the epoch's data wait, and the rest unexplained
+                wait = num(r, "data_wait_ms") or 0.0
+                parts = dict(data_wait=wait, unprofiled=max(0.0, num(r, "step_ms") - wait))
+            bars.append((f"{key[1]}, {_count(n, 'node')} x {_count(g, 'GPU')}", parts))
+    return series, ideal, bars
+
+
+def write_plots(chosen: dict, out_dir: Path, dpi: int) -> list:
+    """The PNGs of PLOTS in out_dir; returns their names (none when no run has metrics)."""
+    series, ideal, bars = plot_data(chosen)
     if not series:
         print("note: no run with metrics to plot; no PNG written", file=sys.stderr)
         return []
-    groups = sorted({key for key, *_ in series})
-    # Equal values (dp, ddp and fsdp compute the same model) would hide each other: a marker
-    # each, the first drawn largest, so every point stays visible.
-    look = {k: dict(color=f"C{i}", marker="osD^v<>"[i % 7], markersize=max(4, 11 - 2.5 * i))
-            for i, k in enumerate(groups)}
-    shown = [r for *_, rs in series for r in rs]
-    devices = {r.get("device") for r in shown}
-    plain = FuncFormatter(lambda v, _pos: f"{v:g}")
-
-    def draw(ax, column, ylabel, logy=False, ideal=False):
-        for key, label, line, rs in series:
-            pts = [(gpus(r), num(r, column), r["status"]) for r in rs
-                   if num(r, column) is not None]
-            if pts:
-                ax.plot([x for x, _, _ in pts], [y for _, y, _ in pts], line, label=label,
-                        **look[key])
-            for x, y, status in pts:
-                if status != OK:  # open marker: numbers of the last completed epoch
-                    ax.plot([x], [y], linestyle="", markerfacecolor="white", **look[key])
-        for key in groups if ideal else ():
-            base = chosen[key].get((1, 1))
-            own = sorted({gpus(r) for k, *_, rs in series if k == key for r in rs})
-            if base and base["baseline"] and len(own) > 1:
-                ax.plot(own, [num(base, column) * x for x in own], ":",
-                        color=look[key]["color"], label=f"{key[1]}, ideal (1-GPU x GPUs)")
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_locator(FixedLocator(sorted({gpus(r) for r in shown})))
-        ax.xaxis.set_major_formatter(plain)
-        ax.xaxis.set_minor_locator(NullLocator())
-        if logy:  # plain numbers; the minor ticks labelled too when the range is narrow
-            ax.set_yscale("log")
-            low, high = ax.get_ylim()
-            ax.yaxis.set_major_formatter(plain)
-            ax.yaxis.set_minor_formatter(plain if high / low < 20 else NullFormatter())
-        ax.set_xlabel("processes (CPU run: each stands in for one GPU)" if devices == {"cpu"}
-                      else "GPUs (nodes x GPUs per node)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-
-    def save(fig, name, title, markers=True):
-        fig.suptitle(title)
-        partial = markers and any(r["status"] != OK for r in shown)
-        if partial:
-            fig.text(0.01, 0.01, "open markers: partial or requeued runs (last completed epoch)",
-                     fontsize=8)
-        fig.tight_layout(rect=(0, 0.03 if partial else 0, 1, 1))
-        fig.savefig(out_dir / name, dpi=dpi)
-        plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    draw(ax, "epoch_time_s", "time per epoch (s, training part, final epoch)", logy=True)
-    ax.legend(fontsize=8)
-    save(fig, "time_per_epoch.png", "Time per epoch")
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.2))
-    draw(a1, "val_loss", "validation loss (cross-entropy)")
-    draw(a2, "val_acc", "validation accuracy (%)")
-    a1.legend(fontsize=8)
-    save(fig, "val_loss_acc.png", "Validation loss and accuracy (final epoch)")
-
-    gpu_log = any(r["gpu0_peak_mib"] != "" for r in shown)  # else: one panel
-    fig, axes = plt.subplots(1, 1 + gpu_log, figsize=(7 + 5.5 * gpu_log, 4.5), squeeze=False)
-    first, last = axes[0][0], axes[0][-1]
-    if gpu_log:
-        draw(first, "gpu0_peak_mib", "GPU 0 peak memory (MiB, nvidia-smi)")
-        first.set_title("nvidia-smi: GPU 0 of the first node", fontsize=10)
-    draw(last, "peak_mem_mib",
-         "peak RSS per process, max over ranks (MiB)\n(CPU run: no GPU memory)"
-         if devices == {"cpu"} else
-         "peak allocated per GPU, max over ranks (MiB)\n(torch.cuda.max_memory_allocated)"
-         if devices == {"cuda"} else
-         "peak memory per process, max over ranks (MiB)\n(GPU: allocated; CPU: RSS)")
-    last.set_title("the training's [METRIC] peak_mem_mib", fontsize=10)
-    first.legend(fontsize=8)
-    save(fig, "peak_memory.png", "Peak memory per process (CPU run)" if devices == {"cpu"}
-         else "Peak memory per GPU")
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    draw(ax, "throughput_img_s", "throughput (training images/s)", logy=True, ideal=True)
-    ax.legend(fontsize=8)
-    save(fig, "throughput.png", "Throughput against ideal linear scaling")
-
-    bars = [(f"{key[1]}, {_count(n, 'node')} x {_count(g, 'GPU')}", r) for key in groups
-            for (n, g), r in sorted(chosen[key].items()) if num(r, "step_ms") is not None]
-    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.42 * len(bars)))
-    parts = (("compute", "profile_compute_ms", "C0", None),
-             ("exposed communication", "profile_exposed_comm_ms", "C3", None),
-             ("data wait", "data_wait_ms", "C1", None),
-             ("other (Python, launches, idle)", "profile_other_ms", "0.6", None),
-             ("not profiled: rest of the step", "", "0.88", "//"))
-    for y, (label, r) in enumerate(bars):
-        profiled = num(r, "profile_step_ms") is not None
-        wait = num(r, "profile_data_wait_ms" if profiled else "data_wait_ms") or 0.0
-        widths = ([num(r, k) or 0.0 for _, k, *_ in parts[:2]] + [wait]
-                  + [num(r, "profile_other_ms") or 0.0, 0.0] if profiled else
-                  [0.0, 0.0, wait, 0.0, max(0.0, num(r, "step_ms") - wait)])
-        left = 0.0
-        for (name, _k, color, hatch), width in zip(parts, widths):
-            ax.barh(y, width, left=left, color=color, hatch=hatch, edgecolor="white",
-                    label=name if width > 0 else None)
-            left += width
-        ax.text(left, y, f" {left:.0f} ms", va="center", fontsize=8)
-    handles = dict(zip(*reversed(ax.get_legend_handles_labels())))
-    ax.legend([handles[p[0]] for p in parts if p[0] in handles],
-              [p[0] for p in parts if p[0] in handles], fontsize=8, ncol=3,
-              loc="upper center", bbox_to_anchor=(0.5, -0.5 / len(bars) - 0.12))
-    ax.set_xlim(0, ax.get_xlim()[1] * 1.1)  # room for the labels
-    ax.set_yticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
-    ax.invert_yaxis()  # first configuration on top
-    ax.set_xlabel("milliseconds per training step (profiled: 5 traced steps; else final epoch)")
-    ax.grid(True, axis="x", alpha=0.3)
-    save(fig, "step_breakdown.png", "Where the step time goes", markers=False)
-    return list(PLOTS)
+    return plots.study_plots(series, ideal, bars, out_dir, dpi)
 
 
 def write_timelines(rows: list, out_dir: Path) -> list:
@@ -907,16 +812,23 @@ def main(argv=None) -> int:
     try:
         if args.dpi < 50:
             raise UsageError(f"--dpi {args.dpi} is too small to read; use 50 or more")
+        if args.plot:
+            try:
+                import matplotlib
+            except ImportError:
+                raise UsageError("--plot needs matplotlib: pip install matplotlib (it is in "
+                                 "requirements.txt), or drop --plot") from None
+            matplotlib.use("Agg")  # headless: files only, no window
         rows = read_inputs(args.paths)
         chosen = scale(rows)
         step_times(rows)
         predict(rows, chosen)
         try:
             out.mkdir(parents=True, exist_ok=True)
-            plots = write_plots(chosen, out, args.dpi) if args.plot else []
+            pngs = write_plots(chosen, out, args.dpi) if args.plot else []
             timelines = write_timelines(rows, out) if args.plot else []
             write_csv(rows, out / "results.csv")
-            write_markdown(rows, chosen, args.paths, out / "results.md", plots)
+            write_markdown(rows, chosen, args.paths, out / "results.md", pngs)
         except OSError as e:
             raise UsageError(f"cannot write to {out} ({e.strerror or e}); pass a writable "
                              f"--out DIR") from None
@@ -936,7 +848,7 @@ def main(argv=None) -> int:
         for path, (number, why, _text) in bad:
             print(f"  {path}/train.log:{number}: {why}", file=sys.stderr)
     print(f"wrote {out / 'results.csv'} and {out / 'results.md'}"
-          + (f", plots: {', '.join(str(out / p) for p in plots)}" if plots else ""))
+          + (f", plots: {', '.join(str(out / p) for p in pngs)}" if pngs else ""))
     if timelines:
         print(f"timelines (memory and utilisation over time, one per run): "
               f"{out / 'timeline-<run>.png'}, {len(timelines)} of them")

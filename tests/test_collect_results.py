@@ -206,6 +206,33 @@ def test_runs_without_torch(tmp_path):
     assert proc.returncode != 0 and "No module named 'torch' (tests/no_torch.py)" in proc.stderr
 
 
+def test_plot_without_matplotlib_is_one_sentence_and_writes_nothing(tmp_path):
+    """Without matplotlib, --plot stops before anything is written (exit 2, one sentence);
+    without --plot the same environment collects the study."""
+    script = (
+        "import sys\n"
+        "class NoMatplotlib:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'matplotlib':\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NoMatplotlib())\n"
+        "import collect_results\n"
+        "sys.exit(collect_results.main(sys.argv[1:]))\n")
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=REPO,
+                              capture_output=True, text=True, env=env_for_tests(), timeout=300)
+    proc = run(STUDY, "--plot", "--out", tmp_path / "out")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: --plot needs matplotlib: pip install matplotlib (it is in requirements.txt), "
+        "or drop --plot"]
+    assert not (tmp_path / "out").exists()
+    proc = run(STUDY, "--out", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "results.md").is_file()
+
+
 # --------------------------------------------------------------------------------------------
 # Scaling factors and efficiencies, exactly
 # --------------------------------------------------------------------------------------------

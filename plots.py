@@ -1,0 +1,270 @@
+"""The pictures: a study's plots (collect_results.py --plot) and one run's timeline
+(analyze_memory.py --plot).
+
+Drawing only. The parsers decide what to show and hand over plain numbers (plot points, bars,
+time series), so this module imports nothing of the project, and matplotlib only when it draws
+(headless: files only, no display on a login or compute node). The parsers check that
+matplotlib is installed before they call it.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from pathlib import Path
+
+#: collect_results.py --plot's files: file name -> what it shows.
+PLOTS = {
+    "time_per_epoch.png": "time per epoch vs GPUs (log scale)",
+    "val_loss_acc.png": "validation loss and accuracy vs GPUs",
+    "peak_memory.png": "peak memory per GPU vs GPUs",
+    "throughput.png": "throughput vs GPUs against ideal linear scaling",
+    "step_breakdown.png": "where the step time goes, per configuration",
+}
+
+#: The parts of a step_breakdown.png bar, in drawing order: key -> (legend, colour, hatch).
+BAR_PARTS = {
+    "compute": ("compute", "C0", None),
+    "exposed_comm": ("exposed communication", "C3", None),
+    "data_wait": ("data wait", "C1", None),
+    "other": ("other (Python, launches, idle)", "0.6", None),
+    "unprofiled": ("not profiled: rest of the step", "0.88", "//"),
+}
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+# --------------------------------------------------------------------------------------------
+# A study: four plots against the number of GPUs, and where the step time goes
+# --------------------------------------------------------------------------------------------
+
+def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) -> list:
+    """Write PLOTS into out_dir; return their names.
+
+    series: dicts {"group", "label", "line", "points"}: one line each, "-" through a strategy's
+    1-node runs, "--" through a node sweep; points: dicts {"gpus", "partial", "device", and a
+    number or None per plotted column}; a partial point (a run that did not finish) gets an open
+    marker. groups sort in table order and share a colour and marker. ideal: (group, label, GPU
+    counts, throughputs) of the ideal linear scaling lines. bars: (label, {BAR_PARTS key: ms})
+    of step_breakdown.png, top to bottom."""
+    plt = _pyplot()
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+
+    groups = sorted({s["group"] for s in series})
+    # Equal values (dp, ddp and fsdp compute the same model) would hide each other: a marker
+    # each, the first drawn largest, so every point stays visible.
+    look = {k: dict(color=f"C{i}", marker="osD^v<>"[i % 7], markersize=max(4, 11 - 2.5 * i))
+            for i, k in enumerate(groups)}
+    shown = [p for s in series for p in s["points"]]
+    devices = {p["device"] for p in shown}
+    plain = FuncFormatter(lambda v, _pos: f"{v:g}")
+
+    def draw(ax, column, ylabel, logy=False, with_ideal=False):
+        for s in series:
+            pts = [p for p in s["points"] if p[column] is not None]
+            if pts:
+                ax.plot([p["gpus"] for p in pts], [p[column] for p in pts], s["line"],
+                        label=s["label"], **look[s["group"]])
+            for p in pts:
+                if p["partial"]:  # open marker: numbers of the last completed epoch
+                    ax.plot([p["gpus"]], [p[column]], linestyle="", markerfacecolor="white",
+                            **look[s["group"]])
+        for group, label, xs, ys in ideal if with_ideal else ():
+            ax.plot(xs, ys, ":", color=look[group]["color"], label=label)
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(sorted({p["gpus"] for p in shown})))
+        ax.xaxis.set_major_formatter(plain)
+        ax.xaxis.set_minor_locator(NullLocator())
+        if logy:  # plain numbers; the minor ticks labelled too when the range is narrow
+            ax.set_yscale("log")
+            low, high = ax.get_ylim()
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(plain if high / low < 20 else NullFormatter())
+        ax.set_xlabel("processes (CPU run: each stands in for one GPU)" if devices == {"cpu"}
+                      else "GPUs (nodes x GPUs per node)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+
+    def save(fig, name, title, markers=True):
+        fig.suptitle(title)
+        partial = markers and any(p["partial"] for p in shown)
+        if partial:
+            fig.text(0.01, 0.01, "open markers: partial or requeued runs (last completed epoch)",
+                     fontsize=8)
+        fig.tight_layout(rect=(0, 0.03 if partial else 0, 1, 1))
+        fig.savefig(out_dir / name, dpi=dpi)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    draw(ax, "epoch_time_s", "time per epoch (s, training part, final epoch)", logy=True)
+    ax.legend(fontsize=8)
+    save(fig, "time_per_epoch.png", "Time per epoch")
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.2))
+    draw(a1, "val_loss", "validation loss (cross-entropy)")
+    draw(a2, "val_acc", "validation accuracy (%)")
+    a1.legend(fontsize=8)
+    save(fig, "val_loss_acc.png", "Validation loss and accuracy (final epoch)")
+
+    gpu_log = any(p["gpu0_peak_mib"] is not None for p in shown)  # else: one panel
+    fig, axes = plt.subplots(1, 1 + gpu_log, figsize=(7 + 5.5 * gpu_log, 4.5), squeeze=False)
+    first, last = axes[0][0], axes[0][-1]
+    if gpu_log:
+        draw(first, "gpu0_peak_mib", "GPU 0 peak memory (MiB, nvidia-smi)")
+        first.set_title("nvidia-smi: GPU 0 of the first node", fontsize=10)
+    draw(last, "peak_mem_mib",
+         "peak RSS per process, max over ranks (MiB)\n(CPU run: no GPU memory)"
+         if devices == {"cpu"} else
+         "peak allocated per GPU, max over ranks (MiB)\n(torch.cuda.max_memory_allocated)"
+         if devices == {"cuda"} else
+         "peak memory per process, max over ranks (MiB)\n(GPU: allocated; CPU: RSS)")
+    last.set_title("the training's [METRIC] peak_mem_mib", fontsize=10)
+    first.legend(fontsize=8)
+    save(fig, "peak_memory.png", "Peak memory per process (CPU run)" if devices == {"cpu"}
+         else "Peak memory per GPU")
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    draw(ax, "throughput_img_s", "throughput (training images/s)", logy=True, with_ideal=True)
+    ax.legend(fontsize=8)
+    save(fig, "throughput.png", "Throughput against ideal linear scaling")
+
+    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.42 * len(bars)))
+    for y, (_label, widths) in enumerate(bars):
+        left = 0.0
+        for key, (name, color, hatch) in BAR_PARTS.items():
+            width = widths.get(key, 0.0)
+            ax.barh(y, width, left=left, color=color, hatch=hatch, edgecolor="white",
+                    label=name if width > 0 else None)
+            left += width
+        ax.text(left, y, f" {left:.0f} ms", va="center", fontsize=8)
+    handles = dict(zip(*reversed(ax.get_legend_handles_labels())))
+    names = [name for name, *_ in BAR_PARTS.values() if name in handles]
+    ax.legend([handles[n] for n in names], names, fontsize=8, ncol=3,
+              loc="upper center", bbox_to_anchor=(0.5, -0.5 / len(bars) - 0.12))
+    ax.set_xlim(0, ax.get_xlim()[1] * 1.1)  # room for the labels
+    ax.set_yticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
+    ax.invert_yaxis()  # first configuration on top
+    ax.set_xlabel("milliseconds per training step (profiled: 5 traced steps; else final epoch)")
+    ax.grid(True, axis="x", alpha=0.3)
+    save(fig, "step_breakdown.png", "Where the step time goes", markers=False)
+    return list(PLOTS)
+
+
+# --------------------------------------------------------------------------------------------
+# A run over time: one panel per node
+# --------------------------------------------------------------------------------------------
+
+def timeline(title: str, nodes: dict, phases: list):
+    """One run's timeline as a matplotlib Figure: a panel (SubFigure) per node with rows of GPU
+    memory used and GPU utilisation per GPU (one colour and one legend entry per GPU) and the
+    node's CPU RSS; epoch starts dashed, evaluations grey. nodes: {node: {"gpu": [{index:
+    {"time", "used", "util"}} per attempt], "cpu": [{"time", "rss"} per attempt]}}; phases:
+    dicts {"epoch", "train_start", "eval_start", "eval_end"}; times in seconds since 1970. The
+    x-axis counts seconds from the run's first sample or epoch."""
+    from matplotlib.figure import Figure
+
+    t0 = _run_start(nodes, phases)
+    ends = [t for entry in nodes.values() for series in entry["gpu"] for s in series.values()
+            for t in s["time"][-1:]]
+    ends += [a["time"][-1] for entry in nodes.values() for a in entry["cpu"] if a["time"]]
+    ends += [p["eval_end"] or p["train_start"] for p in phases]
+    xlim = (0.0, max(max(ends, default=t0) - t0, 1.0))
+
+    rows = [len(_node_rows(entry)) for entry in nodes.values()]
+    fig = Figure(figsize=(13, 1.0 + sum(2.0 * r + 0.6 for r in rows)), layout="constrained")
+    fig.suptitle(title)
+    subfigs = fig.subfigures(len(nodes), 1, squeeze=False, height_ratios=rows)[:, 0]
+    for subfig, (node, entry) in zip(subfigs, nodes.items()):
+        _draw_node(subfig, node, entry, phases, t0, xlim)
+    return fig
+
+
+def _run_start(nodes: dict, phases: list) -> float:
+    """The earliest time of a run (a sample or an epoch start), in seconds since 1970."""
+    times = [p["train_start"] for p in phases]
+    for entry in nodes.values():
+        times += [s["time"][0] for series in entry["gpu"] for s in series.values() if s["time"]]
+        times += [attempt["time"][0] for attempt in entry["cpu"] if attempt["time"]]
+    return min(times, default=0.0)
+
+
+def _node_rows(entry: dict) -> list:
+    """The rows of a node's panel: "gpu_mem" and "gpu_util" (when its GPU logs have those
+    samples), "cpu" (when it has a psrecord log)."""
+    has_mem = any(s["time"] for series in entry["gpu"] for s in series.values())
+    has_util = any(not math.isnan(u) for series in entry["gpu"] for s in series.values()
+                   for u in s["util"])
+    return ((["gpu_mem"] if has_mem else []) + (["gpu_util"] if has_util else [])
+            + (["cpu"] if entry["cpu"] else []))
+
+
+def _gpu_color(index: int, n_gpus: int):
+    """One colour per GPU: tab10 for up to 10 GPUs, tab20 for more."""
+    import matplotlib
+    cmap = matplotlib.colormaps["tab10" if n_gpus <= 10 else "tab20"]
+    return cmap(index % cmap.N)
+
+
+def _mark_phases(ax, phases: list, t0: float, with_labels: bool) -> None:
+    """Dashed lines at epoch starts and grey spans over evaluations; with_labels: name the
+    epochs above the axes and put one of each mark in the legend."""
+    for i, p in enumerate(phases):
+        first = with_labels and i == 0
+        ax.axvline(p["train_start"] - t0, color="0.35", linestyle="--", linewidth=0.8,
+                   label="epoch start" if first else "_epoch start", gid="epoch start")
+        if p["eval_start"] is not None and p["eval_end"] is not None:
+            ax.axvspan(p["eval_start"] - t0, p["eval_end"] - t0, color="0.6", alpha=0.3,
+                       linewidth=0, label="evaluation" if first else "_evaluation",
+                       gid="evaluation")
+        if with_labels and len(phases) <= 30:
+            ax.text(p["train_start"] - t0, 1.01, f"epoch {p['epoch']}", fontsize="x-small",
+                    transform=ax.get_xaxis_transform(), va="bottom")
+
+
+def _draw_node(subfig, node: str, entry: dict, phases: list, t0: float, xlim: tuple) -> None:
+    """One node's panel: GPU memory, GPU utilisation (when logged) and CPU memory rows."""
+    indices = sorted({i for series in entry["gpu"] for i in series})
+    rows = _node_rows(entry)
+    missing = []
+    if not indices:
+        missing.append("no GPU logs (CPU run)")
+    elif "gpu_util" not in rows:
+        missing.append("no utilisation in the GPU logs (written before node.sh logged it)")
+    if not entry["cpu"]:
+        missing.append("no CPU log (psrecord did not run)")
+    subfig.suptitle(f"node {node}" + ("".join(f"; {m}" for m in missing)), fontsize="medium")
+    axes = subfig.subplots(len(rows), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, row in zip(axes, rows):
+        ax.set_xlim(*xlim)
+        ax.grid(alpha=0.3)
+        if row == "cpu":
+            for n, attempt in enumerate(entry["cpu"]):
+                ax.plot([t - t0 for t in attempt["time"]], attempt["rss"], color="black",
+                        linewidth=1.2, label="RSS" if n == 0 else "_RSS",
+                        gid=f"CPU, attempt {n}")
+            ax.set_ylabel("CPU memory,\nRSS (MB)")
+            ax.set_ylim(bottom=0)
+        else:
+            key = "used" if row == "gpu_mem" else "util"
+            for n, series in enumerate(entry["gpu"]):
+                for index, s in series.items():
+                    ax.plot([t - t0 for t in s["time"]], s[key], linewidth=1.2,
+                            color=_gpu_color(index, len(indices)),
+                            label=f"GPU {index}" if n == 0 else f"_GPU {index}",
+                            gid=f"GPU {index}, attempt {n}")
+            if row == "gpu_mem":
+                ax.set_ylabel("GPU memory\nused (MiB)")
+                ax.set_ylim(bottom=0)
+            else:
+                ax.set_ylabel("GPU\nutilisation (%)")
+                ax.set_ylim(0, 105)
+        _mark_phases(ax, phases, t0, with_labels=ax is axes[0])
+    axes[0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    axes[-1].set_xlabel(f"seconds since the run's first sample "
+                        f"({datetime.fromtimestamp(t0):%Y-%m-%d %H:%M:%S} local time)"
+                        if t0 else "seconds since psrecord started")
