@@ -815,10 +815,11 @@ def main(argv=None) -> int:
         if args.plot:
             try:
                 import matplotlib
+                matplotlib.use("Agg")  # headless: files only, no window
+                import matplotlib.pyplot  # noqa: F401  (what plots.py draws with)
             except ImportError:
                 raise UsageError("--plot needs matplotlib: pip install matplotlib (it is in "
                                  "requirements.txt), or drop --plot") from None
-            matplotlib.use("Agg")  # headless: files only, no window
         rows = read_inputs(args.paths)
         chosen = scale(rows)
         step_times(rows)

@@ -207,9 +207,9 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
     """What every training script does around its ``train(args, env)``, so each script keeps
     only the lesson: parse the flags; find the rank layout (torchrun, srun or one process);
     catch the stop signals from the start; start the watchdog; map what went wrong to an exit
-    code (2: a problem the user can fix, 3: NaN loss, 1: a collective failed,
-    anything else: its traceback); and, once every rank has finished, the last barrier and
-    the process group's teardown. Returns the exit code for end_process."""
+    code (2: a problem the user can fix, contract.NONFINITE_EXIT: NaN loss, 1: a collective
+    failed, anything else: its traceback); and, once every rank has finished, the last barrier
+    and the process group's teardown. Returns the exit code for end_process."""
     global _rank
     args = parser.parse_args(argv)
     env = None

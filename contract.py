@@ -8,8 +8,8 @@ Every line a launcher or a parser reacts to is ``[TAG] key=value ...``:
 - ``[PROFILE]``: --profile's step breakdown (``PROFILE_KEYS``), read by collect_results.py;
 - ``[BANDWIDTH]``: one collective's bandwidth (--check, --profile), read by collect_results.py.
 
-The training scripts write them (through common.py and measure.py), the parsers read them
-with ``fields``. This module imports no torch, so the parsers run on a login node without it.
+The training scripts write the epoch and ``[METRIC]`` lines, checkpoint.py the ``[STOP]`` line,
+measure.py the ``[PROFILE]`` and ``[BANDWIDTH]`` lines; the parsers read them with ``fields``. This module imports no torch, so the parsers run on a login node without it.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ EPOCH_LINE = ("Epoch [{epoch}/{epochs}] LR: {lr:.6f} | Loss (train, val): {train
 
 
 def format_epoch_line(m: dict) -> str:
+    """The per-epoch line users know from the workshop (values global across ranks)."""
     return EPOCH_LINE.format(**m)
 
 

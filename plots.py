@@ -44,7 +44,7 @@ def _pyplot():
 # --------------------------------------------------------------------------------------------
 
 def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) -> list:
-    """Write PLOTS into out_dir; return their names.
+    """Write PLOTS into out_dir; return the names written (step_breakdown.png needs bars).
 
     series: dicts {"group", "label", "line", "points"}: one line each, "-" through a strategy's
     1-node runs, "--" through a node sweep; points: dicts {"gpus", "partial", "device", and a
@@ -133,6 +133,8 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
     ax.legend(fontsize=8)
     save(fig, "throughput.png", "Throughput against ideal linear scaling")
 
+    if not bars:  # no run with a step time (its [METRIC] line lacks the figures for one)
+        return [name for name in PLOTS if name != "step_breakdown.png"]
     fig, ax = plt.subplots(figsize=(9, 1.6 + 0.42 * len(bars)))
     for y, (_label, widths) in enumerate(bars):
         left = 0.0

@@ -71,8 +71,10 @@ def test_every_line_tag_and_exit_code_is_defined_once_in_contract():
     """Writer and readers share contract.py (which imports no torch): no other module spells
     a line tag or the requeue exit code itself, so they cannot drift apart."""
     assert "import torch" not in (REPO / "contract.py").read_text()
-    tags = ('"[METRIC]"', '"[STOP]"', '"[PROFILE]"', '"[BANDWIDTH]"', "= 75")
-    for path in sorted(REPO.glob("*.py")) + sorted((REPO / "launch").glob("*.py")):
+    tags = [q + t + q for t in ("[METRIC]", "[STOP]", "[PROFILE]", "[BANDWIDTH]") for q in "\"'"]
+    tags.append("= 75")
+    for path in sorted(REPO.glob("*.py")) + sorted(REPO.glob("launch/*.py")) + sorted(
+            REPO.glob("bench/*.py")):
         if path.name != "contract.py":
             text = path.read_text()
             assert not [t for t in tags if t in text], path.name
@@ -139,6 +141,59 @@ def test_the_study_says_where_the_step_time_goes_and_predicts_beyond_itself(tmp_
     # fsdp's 1-GPU run failed: no model, and the reason; dp (one process) has none to give
     assert "no scaling model: it needs the 1-GPU run's step time" in md
     assert "no scaling model for dp" not in md
+
+
+def test_the_plots_get_the_studys_numbers(tmp_path):
+    """plot_data hands plots.py exactly the tables' numbers: a line per strategy through its
+    1-node runs and one through its node sweep (open markers for runs that did not finish),
+    the ideal line from the 1-GPU baseline, and a bar per configuration: the traced parts
+    where profiled, else the data wait and the rest of the step."""
+    study = tmp_path / "study"
+    shutil.copytree(STUDY, study)
+    for run, lines in PROFILED.items():
+        log = study / run / "train.log"
+        log.write_text("\n".join(lines) + "\n" + log.read_text())
+    rows = collect_results.read_inputs([study])
+    chosen = collect_results.scale(rows)
+    collect_results.step_times(rows)
+    series, ideal, bars = collect_results.plot_data(chosen)
+    lines = {s["label"]: (s["line"], [(p["gpus"], p["throughput_img_s"], p["partial"])
+                                      for p in s["points"]]) for s in series}
+    assert lines == {
+        "dp, 1 node": ("-", [(1, 800.0, False), (2, 1200.0, False), (4, 1600.0, False)]),
+        "ddp, 1 node": ("-", [(1, 1000.0, False), (2, 1900.0, False), (4, 3600.0, False)]),
+        "ddp, 4 GPU/node, 1-4 nodes": ("--", [(4, 3600.0, False), (8, 6800.0, False),
+                                              (16, 12800.0, True)]),
+        "fsdp, 1 node": ("-", [(2, 1800.0, False), (4, 3100.0, True)]),  # no 1-GPU run
+    }
+    assert [(label, xs, ys) for _group, label, xs, ys in ideal] == [
+        ("dp, ideal (1-GPU x GPUs)", [1, 2, 4], [800.0, 1600.0, 3200.0]),
+        ("ddp, ideal (1-GPU x GPUs)", [1, 2, 4, 8, 16], [1000.0, 2000.0, 4000.0, 8000.0, 16000.0])]
+    bars = dict(bars)
+    assert bars["ddp, 1 node x 1 GPU"] == dict(compute=50.0, exposed_comm=0.0, data_wait=4.0,
+                                              other=10.0)
+    assert bars["ddp, 2 nodes x 4 GPUs"] == dict(compute=50.0, exposed_comm=15.0,
+                                                data_wait=2.0, other=8.0)
+    step = float(next(r for r in rows if r["run"] == "dp-1n4g-5203")["step_ms"])
+    assert bars["dp, 1 node x 4 GPUs"] == dict(data_wait=0.0, unprofiled=step) and step > 0
+    assert len(bars) == 10  # every configuration with a step time, fsdp's failed one not
+
+
+def test_plot_without_step_times_leaves_out_the_breakdown(tmp_path):
+    """A [METRIC] line without the figures of a step time (an older script's) still gets the
+    plots that need none; the step breakdown is left out, not drawn empty or a traceback."""
+    run = tmp_path / "ddp-1n1g-1"
+    run.mkdir()
+    (run / "train.log").write_text(
+        "[METRIC] strategy=ddp model=cnn dataset=synthetic device=cpu world_size=1 nodes=1 "
+        "gpus_per_node=1 epoch=1 epochs=1 val_loss=1.5 val_acc=40 epoch_time_s=3 "
+        "throughput_img_s=50 peak_mem_mib=10 final=1 total_time_s=4\n")
+    (run / "job.env").write_text("EXIT_CODE=0\n")
+    code = collect_results.main([str(run), "--out", str(tmp_path / "out"), "--plot"])
+    assert code == 0
+    written = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
+    assert written == sorted(set(collect_results.PLOTS) - {"step_breakdown.png"})
+    assert "step_breakdown.png" not in (tmp_path / "out" / "results.md").read_text()
 
 
 def test_plot_draws_every_runs_timeline_into_the_output_folder(study):
