@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -106,10 +108,27 @@ def tidy_checkpoint_dir(directory) -> None:
             _remove(p)
 
 
-def claim_checkpoint_dir(directory) -> None:
-    """Every rank, before resuming: rank 0 takes the lock and tidies what a crash left."""
+def claim_checkpoint_dir(directory, fresh: bool = False) -> None:
+    """Every rank, before resuming: rank 0 takes the lock and tidies what a crash left; for a
+    fresh start (--resume never) it also moves the checkpoints already there aside."""
     if directory:
-        on_rank0(lambda: (lock_checkpoint_dir(directory), tidy_checkpoint_dir(directory)))
+        on_rank0(lambda: (lock_checkpoint_dir(directory), tidy_checkpoint_dir(directory),
+                          fresh and set_aside_checkpoints(directory)))
+
+
+def set_aside_checkpoints(directory) -> None:
+    """Move a directory's checkpoints into ``superseded-<time>/`` inside it: a fresh run's own
+    would otherwise be pruned first whenever an older run's sort newer (a later epoch), and
+    --resume auto would later continue the older run. Nothing is deleted."""
+    old = list_checkpoints(directory)
+    if not old:
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f"superseded-{time.strftime('%Y%m%d-%H%M%S')}-",
+                                  dir=directory))
+    for path in old:
+        os.replace(path, aside / path.name)
+    print0(f"note: --resume never: moved the {len(old)} checkpoint(s) already in {directory} to "
+           f"{aside} (delete it when you no longer need them)")
 
 
 def atomic_save(obj, path) -> None:
@@ -134,10 +153,15 @@ def check_writable(path) -> None:
     """Fail before training, not after it, when --save-model cannot be written."""
     if path is None:
         return
-    parent = Path(path).resolve().parent
-    probe = parent
+    if Path(path).is_dir():  # saving would replace the folder and all that is in it
+        raise UsageError(f"--save-model {path} is a folder: give a file name, e.g. "
+                         f"--save-model {Path(path) / 'model.pt'}")
+    probe = Path(path).resolve().parent
     while not probe.exists():
         probe = probe.parent
+    if not probe.is_dir():
+        raise UsageError(f"cannot write --save-model {path}: {probe} is a file, not a folder; "
+                         f"choose another path")
     if not os.access(probe, os.W_OK):
         raise UsageError(f"cannot write --save-model {path}: {probe} is not writable; choose "
                          f"another path")
@@ -359,7 +383,7 @@ class Checkpoints:
 
     def resume(self) -> tuple:
         """(epoch, step) to start from, on every rank: (0, 0) for a fresh start."""
-        claim_checkpoint_dir(self.dir)  # lock it; tidy an interrupted save
+        claim_checkpoint_dir(self.dir, fresh=self.args.resume == "never")  # lock it, tidy it
         meta = load_newest(resume_candidates(self.args),
                            lambda path: dict(self._load(path, self.state), path=path))
         if not meta:

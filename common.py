@@ -232,6 +232,12 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         if not is_collective_failure(err):
             raise
         return collective_failed(err, env)
+    except KeyboardInterrupt:  # Ctrl-C: one line, and end_process releases the checkpoint lock
+        if env is None or env.rank == 0:
+            print("error: interrupted (Ctrl-C); nothing was saved since the last checkpoint. "
+                  "To stop with a checkpoint, send SIGTERM or SIGUSR1 (scancel --signal=USR1)",
+                  file=sys.stderr, flush=True)
+        return 130
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -243,6 +249,7 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
 
 
 DATASETS = ("tinyimagenet", "cifar10", "mnist", "synthetic")
+MAX_DIST_TIMEOUT = 86400  # seconds; far beyond it, gloo's and NCCL's own timers overflow
 
 
 DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_net",
@@ -407,11 +414,32 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
     for flag in ("num_workers", "max_steps_per_epoch", "checkpoint_every"):
         if getattr(args, flag) < 0:
             raise UsageError(f"--{flag.replace('_', '-')} cannot be negative")
-    if args.warmup_epochs < 0:
-        raise UsageError(f"--warmup-epochs cannot be negative, got {args.warmup_epochs}")
+    if not 0 <= args.warmup_epochs < math.inf:
+        raise UsageError(f"--warmup-epochs must be 0 or a positive number of epochs, got "
+                         f"{args.warmup_epochs}")
+    if args.warmup_epochs > args.epochs and env.rank == 0:
+        print(f"note: --warmup-epochs {args.warmup_epochs:g} is longer than --epochs "
+              f"{args.epochs}: the learning rate never reaches its peak", flush=True)
+    for flag in ("seed", "momentum", "weight_decay"):
+        if not getattr(args, flag) >= 0:
+            raise UsageError(f"--{flag.replace('_', '-')} cannot be negative, got "
+                             f"{getattr(args, flag)}")
+    if not args.gamma > 0:
+        raise UsageError(f"--gamma must be positive (the learning rate is multiplied by it), "
+                         f"got {args.gamma}")
+    if args.dist_timeout > MAX_DIST_TIMEOUT:
+        raise UsageError(f"--dist-timeout is in seconds and at most {MAX_DIST_TIMEOUT} (a day), "
+                         f"got {args.dist_timeout}")
+    if args.save_model and args.checkpoint_dir and (
+            Path(args.save_model).resolve() == Path(args.checkpoint_dir).resolve()):
+        raise UsageError(f"--save-model {args.save_model} is the --checkpoint-dir: give it a "
+                         f"file name, e.g. --save-model {Path(args.save_model) / 'model.pt'}")
     if args.log_every < 0:
         raise UsageError(f"--log-every must be 0 (no progress lines) or more, got "
                          f"{args.log_every}")
+    if args.profile is not None and args.check:
+        raise UsageError("--check is a preflight that trains nothing, so there is nothing for "
+                         "--profile to trace: drop one of them")
     if args.profile is not None:
         try:
             Path(args.profile).mkdir(parents=True, exist_ok=True)

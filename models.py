@@ -68,7 +68,8 @@ def check_model(name: str, shape: tuple) -> None:
     shown = "x".join(map(str, shape))
     if name == "cnn" and tuple(shape) != (3, 32, 32):
         raise UsageError(f"--model cnn takes 3x32x32 images (cifar10 or synthetic), not "
-                         f"{shown}: choose --model resnet50")
+                         f"{shown}: choose --model "
+                         f"{'mnist_net' if tuple(shape) == (1, 28, 28) else 'resnet50'}")
     if name == "mnist_net" and tuple(shape) != (1, 28, 28):
         raise UsageError(f"--model mnist_net takes 1x28x28 images (mnist or synthetic), not "
                          f"{shown}: choose another --model")
@@ -98,5 +99,14 @@ def build_model(name: str, num_classes: int, input_shape: tuple) -> nn.Module:
     # evaluation multiplies the mismatch through every block: the synthetic demo's validation
     # loss was 208-256 after its first epoch, against 5.3 (ln 200) at chance; with it, 5.26.
     zero_init = name.startswith(("resnet", "resnext", "wide_resnet"))
-    return models.get_model(name, weights=None, num_classes=num_classes,
-                            **({"zero_init_residual": True} if zero_init else {}))
+    model = models.get_model(name, weights=None, num_classes=num_classes,
+                             **({"zero_init_residual": True} if zero_init else {}))
+    try:  # one image, no state changed: some models take one image size only (ViT: 224x224)
+        with torch.no_grad():
+            model.eval()(torch.zeros(1, *input_shape))
+    except (AssertionError, RuntimeError, ValueError) as err:
+        shown = "x".join(map(str, input_shape))
+        raise UsageError(f"--model {name} cannot take this dataset's {shown} images "
+                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__}): "
+                         f"choose --model resnet50") from None
+    return model.train()

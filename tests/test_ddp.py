@@ -218,7 +218,18 @@ BAD_INPUTS = [
     (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--model", "cnn", "--synthetic-size", "64", "--batch-size", "100"], "lower --batch-size"),
     (["--model", "no_such_net"], "unknown --model"),
-    (["--dataset", "mnist", "--model", "cnn"], "--model cnn takes 3x32x32"),
+    (["--model", "vit_b_16"], "--model vit_b_16 cannot take this dataset's 3x64x64 images"),
+    (["--dataset", "mnist", "--model", "cnn"], "1x28x28: choose --model mnist_net"),
+    (["--check", "--profile", "{tmp}/trace"], "nothing for --profile to trace"),
+    (["--seed", "-1"], "--seed cannot be negative"),
+    (["--momentum", "-1"], "--momentum cannot be negative"),
+    (["--weight-decay", "-1"], "--weight-decay cannot be negative"),
+    (["--gamma", "0"], "--gamma must be positive"),
+    (["--warmup-epochs", "nan"], "--warmup-epochs must be 0 or a positive number"),
+    (["--dist-timeout", "99999999999"], "--dist-timeout is in seconds and at most 86400"),
+    (["--save-model", "{tmp}"], "is a folder: give a file name"),
+    (["--save-model", "{tmp}/afile/model.pt"], "is a file, not a folder"),
+    (["--save-model", "{tmp}/ck", "--checkpoint-dir", "{tmp}/ck"], "is the --checkpoint-dir"),
 ]
 
 
@@ -226,11 +237,15 @@ BAD_INPUTS = [
 def test_bad_input_exits_2_with_one_line(args, message, tmp_path):
     if args[:2] == ["--dataset", "mnist"]:
         args = args + ["--data-dir", str(tmp_path)]
+    (tmp_path / "keep.txt").write_text("a user's file")
+    (tmp_path / "afile").write_text("not a folder")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     proc = run_script("ddp_train.py", args + ["--epochs", "1"], timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert len([l for l in proc.stderr.splitlines() if l.startswith("error:")]) == 1
+    assert (tmp_path / "keep.txt").read_text() == "a user's file"  # nothing lost
 
 
 def _broken_tree(src, dst, damage):

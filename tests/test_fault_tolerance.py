@@ -13,8 +13,9 @@ import psutil
 import pytest
 import torch
 
-import contract
 import checkpoint
+import contract
+import faults
 from conftest import REPO, check_ok, env_for_tests, metrics, read_until, run_script, wait_for
 
 # 20 steps per epoch at 1 x 16 (10 per rank at 2 x 16... per rank 160 samples / 16 = 10)
@@ -120,6 +121,23 @@ def test_dp_sigterm_exit_code_is_75(tmp_path):
     assert "SIGTERM: checkpoint saved" in out
 
 
+def test_ctrl_c_is_one_line_and_releases_the_checkpoint_dir(tmp_path):
+    """Before: Ctrl-C (SIGINT) printed a KeyboardInterrupt traceback and left the checkpoint
+    dir's lock behind."""
+    ck = tmp_path / "ck"
+    proc = _start([sys.executable, str(REPO / "ddp_train.py"), *RUN, "--epochs", "30",
+                   "--checkpoint-dir", str(ck)])
+    assert wait_for(lambda: checkpoint.list_checkpoints(ck) or proc.poll() is not None)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert [l for l in out.splitlines() if l.startswith("error:")] == [
+        "error: interrupted (Ctrl-C); nothing was saved since the last checkpoint. To stop "
+        "with a checkpoint, send SIGTERM or SIGUSR1 (scancel --signal=USR1)"]
+    assert not (ck / faults.LOCK_FILE).exists()
+
+
 def test_fsdp_checkpoint_resumes_at_another_world_size(uninterrupted, tmp_path):
     """Sharded DCP checkpoint written by 2 ranks, read by 1 rank with the same global batch:
     the run ends where the uninterrupted 2-rank run ends (which equals DDP's)."""
@@ -172,6 +190,27 @@ def test_resume_never_and_missing_path(tmp_path):
     assert "Resumed" not in fresh.stdout
     bad = run_script("ddp_train.py", RUN + ["--resume", str(tmp_path / "nope.pt")])
     assert bad.returncode == 2 and "no such checkpoint" in bad.stderr
+
+
+def test_resume_never_sets_an_older_runs_checkpoints_aside(tmp_path):
+    """Before: a fresh run into a folder holding a longer run's checkpoints had its own pruned
+    as soon as they were written (the older run's sort newer), and --resume auto then went on
+    with the older run. Now they move into superseded-*/, and nothing is deleted."""
+    ck = tmp_path / "ck"
+    check_ok(run_script("ddp_train.py", RUN + ["--epochs", "3", "--checkpoint-dir", str(ck),
+                                              "--max-steps-per-epoch", "2"]))
+    older = sorted(p.name for p in checkpoint.list_checkpoints(ck))
+    fresh = run_script("ddp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck),
+                                              "--max-steps-per-epoch", "2", "--resume", "never"])
+    check_ok(fresh)
+    assert f"moved the {len(older)} checkpoint(s) already in {ck}" in fresh.stdout
+    assert [p.name for p in checkpoint.list_checkpoints(ck)] == [checkpoint.checkpoint_name(1, 0)]
+    (aside,) = ck.glob("superseded-*")
+    assert sorted(p.name for p in aside.iterdir()) == older
+    again = run_script("ddp_train.py", RUN + ["--epochs", "2", "--checkpoint-dir", str(ck),
+                                              "--max-steps-per-epoch", "2"])
+    check_ok(again)
+    assert "Resumed from epoch 2, step 0" in again.stdout  # the fresh run's, not the older one
 
 
 def test_killed_rank_ends_the_job_quickly():
