@@ -67,7 +67,8 @@ def scan_tinyimagenet(root) -> tuple:
     root = Path(root)
     hint = "point --data-dir at the tiny-imagenet-200 folder (it holds wnids.txt, train/, val/)"
     if not root.is_dir():
-        raise UsageError(f"data dir {root} does not exist: {hint}")
+        what = "is a file, not a folder" if root.exists() else "does not exist"
+        raise UsageError(f"data dir {root} {what}: {hint}")
     wnids_file = root / "wnids.txt"
     if not wnids_file.is_file():
         raise UsageError(f"{wnids_file} is missing: {hint}")
@@ -277,6 +278,8 @@ def main(argv=None) -> int:
     parser.add_argument("--strict", action="store_true",
                         help="stop at the first unreadable image instead of leaving it out")
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
     try:
         directory = prepare(args.data_dir, args.cache_dir, args.strict, args.workers,
                             log=lambda m: print(m, flush=True))

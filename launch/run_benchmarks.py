@@ -254,7 +254,8 @@ def fill_defaults(s: dict) -> dict:
         if s["global_batch"] is not None:
             raise StudyError("--global-batch is for --scaling strong; with weak scaling set the "
                              "per-GPU batch with --per-gpu-batch")
-        s["per_gpu_batch"] = s["per_gpu_batch"] or DEFAULT_BATCH_SIZE
+        if s["per_gpu_batch"] is None:
+            s["per_gpu_batch"] = DEFAULT_BATCH_SIZE
     else:
         if s["per_gpu_batch"] is not None:
             raise StudyError("--per-gpu-batch is for weak scaling; with --scaling strong set the "
@@ -262,7 +263,7 @@ def fill_defaults(s: dict) -> dict:
         if s["global_batch"] is None:
             raise StudyError("--scaling strong needs --global-batch N: the global batch that "
                              "stays fixed while the GPUs grow")
-    s["cpus_per_gpu"] = s["cpus_per_gpu"] or 4
+    s["cpus_per_gpu"] = 4 if s["cpus_per_gpu"] is None else s["cpus_per_gpu"]
     s["sbatch_args"] = s["sbatch_args"] or []
     for flag, values in (("--gpus", s["gpus"]), ("--nodes", s["nodes"]),
                          ("--multi-node-gpus", s["multi_node_gpus"])):

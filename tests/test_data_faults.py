@@ -199,3 +199,10 @@ def test_prepare_tinyimagenet_builds_the_cache_the_training_reuses(tiny_imagenet
                          env=env_for_tests(), timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: data dir ")
     assert "Traceback" not in bad.stderr
+    (tmp_path / "afile").write_text("")
+    for args, says in (([tmp_path / "afile"], "afile is a file, not a folder"),
+                       ([root, "--workers", "0"], "--workers must be at least 1")):
+        bad = subprocess.run([sys.executable, str(REPO / "prepare_tinyimagenet.py"),
+                              *map(str, args)], capture_output=True, text=True,
+                             env=env_for_tests(), timeout=120)
+        assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr

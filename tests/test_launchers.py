@@ -554,7 +554,10 @@ def test_slurm_time_limit_requeues_and_resumes(jobs, slurm_lab):
         state = re.search(r"JobState=(\w+)", info).group(1)
         restarts = int(re.search(r"Restarts=(\d+)", info).group(1))
         if restarts >= 1:
-            update = ["TimeLimit=10"] + (["StartTime=now"] if state == "PENDING" else [])
+            # now+3 s, not now: a start in the second of the requeue gets a credential of that
+            # same second, which the node still holds as revoked ("Killing non-startable batch
+            # job: Job credential revoked", seen once on a loaded CI machine)
+            update = ["TimeLimit=10"] + (["StartTime=now+3"] if state == "PENDING" else [])
             res = subprocess.run(["scontrol", "update", f"JobId={job.id}", *update], env=env,
                                  capture_output=True, text=True)
             assert res.returncode == 0, res.stderr

@@ -186,6 +186,8 @@ def test_lr_scaling_reaches_every_run(tmp_path):
      "--per-gpu-batch is for weak scaling"),
     (["--global-batch", "64"], "--global-batch is for --scaling strong"),
     (["--gpus", "0"], "--gpus 0: counts must be at least 1"),
+    (["--per-gpu-batch", "0"], "--per-gpu-batch 0: must be at least 1"),
+    (["--cpus-per-gpu", "0"], "--cpus-per-gpu 0: must be at least 1"),
     (["--resume"], "--resume needs --study-dir"),
     (["--resume", "--study-dir", "{tmp}"], "no study.json in"),
     (["--study-dir", "{tmp}/a,b"], "contains a comma"),
