@@ -232,6 +232,35 @@ def check_train_args(train_args: list) -> None:
                              f"before the --")
 
 
+# Parse the training arguments with each script's own parser, as its jobs will.
+_PARSE = ("import importlib, sys\n"
+          "for script in sys.argv[1].split(','):\n"
+          "    sys.argv[0] = script + '.py'\n"
+          "    importlib.import_module(script).build_parser().parse_args(sys.argv[2:])\n")
+
+
+def check_train_args_parse(train_args: list, strategies: list) -> None:
+    """Every strategy's script accepts the training arguments: a typo after -- stops the study
+    here, once, instead of failing each of its jobs. Skipped with a note where this Python
+    cannot import the scripts (a login node without torch)."""
+    if not train_args:
+        return
+    python = shlex.split(os.environ.get("PYTHON") or "") or [sys.executable]
+    scripts = ",".join(f"{s}_train" for s in strategies)
+    try:
+        proc = subprocess.run([*python, "-c", _PARSE, scripts, *train_args], cwd=REPO_DIR,
+                              capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        proc = subprocess.CompletedProcess([], 1, "", str(e))
+    last = (proc.stderr.strip().splitlines() or [""])[-1]
+    if proc.returncode == 2 and ": error: " in last:  # argparse's own sentence
+        raise StudyError(f"the training arguments after -- are refused ({last}); fix them "
+                         f"(python {last.split(':')[0]} --help lists its flags)")
+    if proc.returncode != 0:
+        print(f"note: the training arguments after -- were not checked ({last[:200]}); a "
+              f"wrong one fails every run", file=sys.stderr)
+
+
 def settings_from(args, train_args: list) -> dict:
     """The study's settings from the command line; None where a flag was not given."""
     return {"strategies": args.strategies, "gpus": args.gpus, "nodes": args.nodes,
@@ -274,6 +303,7 @@ def fill_defaults(s: dict) -> dict:
         if s[key] is not None and s[key] < 1:
             raise StudyError(f"{SETTING_FLAGS[key]} {s[key]}: must be at least 1")
     check_train_args(s["train_args"])
+    check_train_args_parse(s["train_args"], s["strategies"])
     return s
 
 

@@ -193,6 +193,10 @@ def test_lr_scaling_reaches_every_run(tmp_path):
     (["--study-dir", "{tmp}/a,b"], "contains a comma"),
     (["--sbatch-args", "'--partition=gpu"], "quote it as one string"),
     (["--lr-scaling", "linear", "--", "--lr-scaling", "sqrt"], "keep the one before it"),
+    (["--", "--nonsense"], "are refused (dp_train.py: error: unrecognized arguments: "
+                           "--nonsense); fix them (python dp_train.py --help lists its flags)"),
+    (["--strategies", "ddp", "fsdp", "--", "--sharding", "hybrid"],
+     "(ddp_train.py: error: unrecognized arguments: --sharding hybrid)"),
 ])
 def test_bad_flags_are_one_clear_sentence(tmp_path, args, says):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
