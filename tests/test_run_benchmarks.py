@@ -177,6 +177,17 @@ def test_lr_scaling_reaches_every_run(tmp_path):
     ]
 
 
+def test_training_arguments_unchecked_where_the_scripts_cannot_be_imported(tmp_path):
+    """Where PYTHON cannot import the training scripts (a login node without torch), the study
+    goes ahead with a note instead of refusing good arguments."""
+    proc = rb("--dry-run", "--strategies", "ddp", "--gpus", "1", "--study-dir", tmp_path / "s",
+              "--", "--epochs", "1", env={"PYTHON": f"{sys.executable} -c 'raise "
+                                                   f"ImportError(\"no torch here\")'"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip() == ("note: the training arguments after -- were not checked "
+                                   "(ImportError: no torch here); a wrong one fails every run")
+
+
 @pytest.mark.parametrize("args,says", [
     (["--", "--batch-size", "32"], "use --per-gpu-batch N"),
     (["--", "--batch=32"], "use --per-gpu-batch N"),
