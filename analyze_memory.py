@@ -657,14 +657,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.plot:
-        try:
-            import matplotlib
-        except ImportError:
-            print("error: --plot needs matplotlib, which is not installed here: pip install "
-                  "matplotlib (or leave out --plot)", file=sys.stderr)
-            return 2
-        matplotlib.use("Agg")       # headless: files only, no window
+    if args.plot and (why := plots.missing_matplotlib()):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     notes, problems = [], []
     logs = collect_logs(args.paths, notes, problems)
     gpu_stats, cpu_stats = summarize_logs(logs, notes)

@@ -111,9 +111,14 @@ def tidy_checkpoint_dir(directory) -> None:
 def claim_checkpoint_dir(directory, fresh: bool = False) -> None:
     """Every rank, before resuming: rank 0 takes the lock and tidies what a crash left; for a
     fresh start (--resume never) it also moves the checkpoints already there aside."""
+    def claim():
+        lock_checkpoint_dir(directory)
+        tidy_checkpoint_dir(directory)
+        if fresh:
+            set_aside_checkpoints(directory)
+
     if directory:
-        on_rank0(lambda: (lock_checkpoint_dir(directory), tidy_checkpoint_dir(directory),
-                          fresh and set_aside_checkpoints(directory)))
+        on_rank0(claim)
 
 
 def set_aside_checkpoints(directory) -> None:

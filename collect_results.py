@@ -812,14 +812,8 @@ def main(argv=None) -> int:
     try:
         if args.dpi < 50:
             raise UsageError(f"--dpi {args.dpi} is too small to read; use 50 or more")
-        if args.plot:
-            try:
-                import matplotlib
-                matplotlib.use("Agg")  # headless: files only, no window
-                import matplotlib.pyplot  # noqa: F401  (what plots.py draws with)
-            except ImportError:
-                raise UsageError("--plot needs matplotlib: pip install matplotlib (it is in "
-                                 "requirements.txt), or drop --plot") from None
+        if args.plot and (why := plots.missing_matplotlib()):
+            raise UsageError(why)
         rows = read_inputs(args.paths)
         chosen = scale(rows)
         step_times(rows)

@@ -3,8 +3,8 @@
 
 Drawing only. The parsers decide what to show and hand over plain numbers (plot points, bars,
 time series), so this module imports nothing of the project, and matplotlib only when it draws
-(headless: files only, no display on a login or compute node). The parsers check that
-matplotlib is installed before they call it.
+(headless: files only, no display on a login or compute node). The parsers ask
+``missing_matplotlib()`` before they start.
 """
 
 from __future__ import annotations
@@ -37,6 +37,16 @@ def _pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def missing_matplotlib() -> str | None:
+    """What both parsers say before any work when --plot cannot draw here; None when it can."""
+    try:
+        _pyplot()
+    except ImportError:
+        return ("--plot needs matplotlib: pip install matplotlib (it is in requirements.txt), "
+                "or drop --plot")
+    return None
 
 
 # --------------------------------------------------------------------------------------------

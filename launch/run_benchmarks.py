@@ -303,7 +303,6 @@ def fill_defaults(s: dict) -> dict:
         if s[key] is not None and s[key] < 1:
             raise StudyError(f"{SETTING_FLAGS[key]} {s[key]}: must be at least 1")
     check_train_args(s["train_args"])
-    check_train_args_parse(s["train_args"], s["strategies"])
     return s
 
 
@@ -609,6 +608,7 @@ def study(args, train_args: list, argv: list) -> int:
                              f"string, e.g. --sbatch-args '--partition=gpu --time=01:00:00'")
     mode = "local" if args.local else "slurm"
     study_dir, manifest, settings = open_study(args, settings_from(args, train_args), mode)
+    check_train_args_parse(settings["train_args"], settings["strategies"])
     if mode == "slurm" and not args.dry_run and shutil.which("sbatch") is None:
         raise StudyError("sbatch not found: run this on the cluster's login node, or use "
                          "--dry-run to print the commands or --local to run on this machine")
