@@ -9,7 +9,9 @@ Every line a launcher or a parser reacts to is ``[TAG] key=value ...``:
 - ``[BANDWIDTH]``: one collective's bandwidth (--check, --profile), read by collect_results.py.
 
 The training scripts write the epoch and ``[METRIC]`` lines, checkpoint.py the ``[STOP]`` line,
-measure.py the ``[PROFILE]`` and ``[BANDWIDTH]`` lines; the parsers read them with ``fields``. This module imports no torch, so the parsers run on a login node without it.
+measure.py the ``[PROFILE]`` and ``[BANDWIDTH]`` lines; the parsers read them with ``fields``
+(a value with ``number``). This module imports no torch, so the parsers run on a login node
+without it.
 """
 
 from __future__ import annotations
@@ -97,6 +99,16 @@ def fields(line: str, tag: str) -> tuple | None:
         else:
             stray.append(token)
     return found, stray
+
+
+def number(text) -> float | None:
+    """A value's text as a finite float; None for "", "[N/A]", "nan", "inf", a missing value
+    (None) or anything else that is not a finite number."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
 
 
 def parse_metric_line(line: str) -> dict | None:

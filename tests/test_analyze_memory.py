@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 import analyze_memory as am  # noqa: E402
 import contract  # noqa: E402
+import timeline  # noqa: E402
 
 SCRIPT = ROOT / "analyze_memory.py"
 FIX = ROOT / "tests" / "fixtures" / "memory"
@@ -603,9 +604,9 @@ def test_metric_lines_are_parsed_generically_and_each_epoch_once():
     assert contract.fields("rank0: [METRIC] epoch=2 a=b junk lr=0.1", "[METRIC]") == (
         {"epoch": "2", "a": "b", "lr": "0.1"}, ["junk"])
     assert contract.fields("Epoch [1/3] LR: 0.1", "[METRIC]") is None
-    logs = am.find_training_logs(TIMELINE_RUN, [])
+    logs = timeline.find_training_logs(TIMELINE_RUN, [])
     assert logs == [TIMELINE_RUN / "train.log"]
-    phases = am.read_phases(logs, [])       # the final line repeats epoch 3: once
+    phases = timeline.read_phases(logs, [])       # the final line repeats epoch 3: once
     assert [(p["epoch"], p["train_start"], p["eval_start"], p["eval_end"]) for p in phases] == [
         ("1", 1795501803.0, 1795501812.0, 1795501814.0),
         ("2", 1795501814.0, 1795501819.5, 1795501820.5),

@@ -1,0 +1,168 @@
+"""A run over time, as a picture: memory, GPU utilisation and the training's phases per node.
+
+    python analyze_memory.py --plot runs/myjob-123/      # writes runs/myjob-123/timeline.png
+    python collect_results.py --plot runs/study-.../     # timeline-<run>.png for every run
+
+One panel per node (restarts folded in): GPU memory used and GPU utilisation per GPU, the node's
+CPU memory (RSS), epoch starts (dashed lines) and evaluations (grey spans) from the [METRIC]
+lines of the run's train.log. The x-axis is seconds since the run's first sample.
+
+Clocks: nvidia-smi writes the node's local time, read here in this machine's time zone (set
+TZ=... if the cluster's differs). psrecord logs only seconds since its start: it starts with the
+node's nvidia-smi (launch/node.sh), so each attempt is aligned to the first sample of the same
+attempt's GPU log; without one (a CPU run), its start is the file's last change minus its last
+sample's elapsed time (a note says so). Requeued attempts are separate line segments.
+
+analyze_memory.py reads the logs (collect_logs) and calls draw(); this module turns its samples
+and the training log into times, and plots.timeline draws them.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from pathlib import Path
+
+import contract
+import plots
+from contract import METRIC_PREFIX
+
+#: The file analyze_memory.py --plot writes in each run directory.
+TIMELINE_NAME = "timeline.png"
+_STAMP_FORMATS = ("%Y/%m/%d %H:%M:%S.%f", "%Y/%m/%d %H:%M:%S")
+
+
+def stamp_to_unix(stamp: str) -> float | None:
+    """Seconds since 1970 of an nvidia-smi timestamp such as "2026/11/24 06:30:01.123" (the
+    node's local time, read in this machine's time zone: set TZ if they differ); None when the
+    text is not such a timestamp."""
+    for fmt in _STAMP_FORMATS:
+        try:
+            return datetime.strptime(stamp, fmt).timestamp()
+        except ValueError:
+            pass
+    return None
+
+
+def find_training_logs(run_dir, notes: list) -> list:
+    """The files of run_dir with the training's output: train.log (launch/job.sh tees the
+    training's stdout and stderr into it), else every other file directly in run_dir (e.g. a
+    copied Slurm .out file) that has a [METRIC] line."""
+    run_dir = Path(run_dir)
+    if (run_dir / "train.log").is_file():
+        return [run_dir / "train.log"]
+    found = []
+    try:
+        for path in sorted(run_dir.iterdir()):
+            if (path.is_file() and not path.name.startswith(".")
+                    and METRIC_PREFIX.encode() in path.read_bytes()):
+                found.append(path)
+    except OSError as e:
+        notes.append(f"{run_dir}: cannot look for the training log ({e.strerror or e}); the "
+                     f"timeline has no epoch marks")
+    return found
+
+
+def read_phases(paths, notes: list) -> list:
+    """The epochs of the [METRIC] lines in the files paths: dicts {"epoch", "train_start",
+    "eval_start", "eval_end"} (clock times in seconds since 1970, None where missing), sorted by
+    train_start, each epoch once (the final line repeats the last one). Lines without
+    train_start_unix (older training scripts) give no phase."""
+    phases = {}
+    for path in paths:
+        try:
+            text = Path(path).read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            notes.append(f"{path}: cannot be read ({e.strerror or e}); no epoch marks from it")
+            continue
+        for line in text.splitlines():
+            fields = (contract.fields(line, METRIC_PREFIX) or ({},))[0]
+            if contract.number(fields.get("train_start_unix")) is None:
+                continue
+            phase = {"epoch": fields.get("epoch", "?"),
+                     "train_start": contract.number(fields["train_start_unix"]),
+                     "eval_start": contract.number(fields.get("eval_start_unix")),
+                     "eval_end": contract.number(fields.get("eval_end_unix"))}
+            phases[tuple(phase.values())] = phase
+    return sorted(phases.values(), key=lambda p: p["train_start"])
+
+
+def gpu_series(log: dict) -> dict:
+    """{index: {"time": [s since 1970], "used": [MiB], "util": [% or nan]}} of one attempt's
+    nvidia-smi log (a collect_logs dict); samples without a readable timestamp are left out."""
+    series = {}
+    for index, gpu in sorted(log["data"].items()):
+        points = [(stamp_to_unix(stamp), used, math.nan if util is None else util)
+                  for stamp, used, util in zip(gpu["stamp"], gpu["used"], gpu["util"])]
+        points = [p for p in points if p[0] is not None]
+        series[index] = {"time": [p[0] for p in points], "used": [p[1] for p in points],
+                         "util": [p[2] for p in points]}
+    return series
+
+
+def _cpu_start(log: dict, gpu_starts: dict, notes: list) -> float:
+    """Clock time of psrecord's 0 s for one attempt of a node. node.sh starts psrecord with the
+    node's nvidia-smi, so: the first sample of the same attempt's GPU log. Without one (a CPU
+    run), the log file's last change, when psrecord wrote its last sample, minus that
+    sample's elapsed time (a note says so: a copy that did not keep the file's time is off)."""
+    if log["attempt"] in gpu_starts:
+        return gpu_starts[log["attempt"]]
+    notes.append(f"{log['path']}: no GPU log to align it to; its start is the file's last "
+                 f"change minus its last sample's elapsed time")
+    return Path(log["path"]).stat().st_mtime - max(sample[0] for sample in log["data"])
+
+
+def node_timelines(gpu_logs: list, cpu_logs: list, notes: list) -> dict:
+    """{node: {"gpu": [gpu_series of each attempt], "cpu": [{"time", "rss"} of each attempt]}}
+    of one run, every time in seconds since 1970 (psrecord's elapsed seconds aligned by
+    _cpu_start), nodes in sorted order. gpu_logs, cpu_logs: (node, attempts) pairs, the attempts
+    being analyze_memory.collect_logs' dicts of one node's nvidia-smi or psrecord logs."""
+    nodes = {}
+    for node, attempts in sorted(gpu_logs + cpu_logs, key=lambda pair: pair[0]):
+        nodes.setdefault(node, {"gpu": [], "cpu": [], "gpu_starts": {}, "cpu_logs": []})
+    for node, attempts in gpu_logs:
+        entry = nodes[node]
+        for log in attempts:
+            series = gpu_series(log)
+            entry["gpu"].append(series)
+            times = [t for s in series.values() for t in s["time"]]
+            if times:
+                entry["gpu_starts"][log["attempt"]] = min(times)
+    for node, attempts in cpu_logs:
+        nodes[node]["cpu_logs"] = attempts
+    for entry in nodes.values():
+        for log in entry.pop("cpu_logs"):
+            if not log["data"]:
+                continue
+            start = _cpu_start(log, entry["gpu_starts"], notes)
+            entry["cpu"].append({"time": [start + sample[0] for sample in log["data"]],
+                                 "rss": [sample[2] for sample in log["data"]]})
+        del entry["gpu_starts"]
+    return nodes
+
+
+def _check_clocks(nodes: dict, phases: list, run_dir, notes: list) -> None:
+    """A note when no epoch lies within the GPU logs' time span: the usual cause is a time
+    zone that differs between the cluster and this machine."""
+    times = [t for entry in nodes.values() for series in entry["gpu"]
+             for s in series.values() for t in s["time"]]
+    if times and phases and not any(min(times) - 600 <= p["train_start"] <= max(times) + 600
+                                    for p in phases):
+        notes.append(f"{run_dir}: the epochs of the training log lie outside the GPU logs' "
+                     f"time span; if this machine's time zone differs from the cluster's, rerun "
+                     f"with TZ set to the cluster's (e.g. TZ=Europe/Berlin)")
+
+
+def draw(run_dir, gpu_logs: list, cpu_logs: list, out_path=None, notes: list | None = None):
+    """The timeline of one run directory as a matplotlib Figure (plots.timeline), saved to
+    out_path unless None; gpu_logs and cpu_logs as node_timelines takes them. Notes (alignment,
+    unreadable training logs, clocks) are appended to notes. Raises OSError when out_path cannot
+    be written."""
+    notes = [] if notes is None else notes
+    phases = read_phases(find_training_logs(run_dir, notes), notes)
+    nodes = node_timelines(gpu_logs, cpu_logs, notes)
+    _check_clocks(nodes, phases, run_dir, notes)
+    fig = plots.timeline(f"{run_dir}: memory and utilisation over time", nodes, phases)
+    if out_path is not None:
+        fig.savefig(out_path, dpi=100)
+    return fig
