@@ -90,14 +90,6 @@ GPU_LINE = ("[{node} - GPU {gpu}] Peak = {peak_mib} MiB, Avg = {avg_mib:.2f} MiB
 GPU_UTIL_PART = ", Util avg = {avg_util_pct:.1f}%"    # appended when avg_util_pct is not None
 CPU_LINE = ("[{node} - CPU] Peak RSS = {peak_rss_mb:.2f} MB, Avg RSS = {avg_rss_mb:.2f} MB, "
             "Peak CPU = {peak_cpu_pct:.1f}%, Avg CPU = {avg_cpu_pct:.1f}%")
-#: Regexes that read the two text lines back (e.g. from a job's .out file).
-GPU_LINE_RE = re.compile(r"\[(?P<node>.+) - GPU (?P<gpu>\d+)\] Peak = (?P<peak_mib>\d+) MiB, "
-                         r"Avg = (?P<avg_mib>\d+\.\d{2}) MiB, Mode = (?P<mode_mib>\d+) MiB"
-                         r"(?:, Util avg = (?P<avg_util_pct>\d+\.\d)%)?")
-CPU_LINE_RE = re.compile(r"\[(?P<node>.+) - CPU\] Peak RSS = (?P<peak_rss_mb>\d+\.\d{2}) MB, "
-                         r"Avg RSS = (?P<avg_rss_mb>\d+\.\d{2}) MB, "
-                         r"Peak CPU = (?P<peak_cpu_pct>\d+\.\d)%, "
-                         r"Avg CPU = (?P<avg_cpu_pct>\d+\.\d)%")
 
 KIND_GPU = "gpu"
 KIND_CPU = "cpu"
