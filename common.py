@@ -256,6 +256,17 @@ DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_n
                  "synthetic": "resnet50"}
 
 
+def positive(text: str) -> float:
+    """An argparse type: a finite number above 0 (argparse names the flag in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}")
+    return value
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags every training script takes, with the same names, defaults and meaning."""
     g = parser.add_argument_group("data and model")

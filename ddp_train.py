@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common.add_common_args(parser)
     g = parser.add_argument_group("DDP")
-    g.add_argument("--bucket-cap-mb", type=float, default=25,
+    g.add_argument("--bucket-cap-mb", type=common.positive, default=25,
                    help="gradient bucket size: larger buckets mean fewer, bigger all-reduces")
     g.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction,
                    default=True,

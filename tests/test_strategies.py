@@ -133,6 +133,8 @@ def test_dp_on_one_device_matches_ddp_single_process(tmp_path):
 
 @pytest.mark.parametrize("script,args,message", [
     ("dp_train.py", ["--gpus", "2"], "no GPU is visible"),
+    ("ddp_train.py", ["--bucket-cap-mb", "-1"],
+     "argument --bucket-cap-mb: must be a number above 0"),
     ("dp_train.py", ["--data-dir", "/nonexistent"], "does not exist"),
     ("fsdp_train.py", ["--data-dir", "/nonexistent"], "does not exist"),
     ("fsdp_train.py", ["--model", "cnn", "--dataset", "tinyimagenet", "--data-dir", "/tmp"],
