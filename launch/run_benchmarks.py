@@ -72,7 +72,9 @@ REPO_DIR = LAUNCH_DIR.parent
 sys.path.insert(0, str(REPO_DIR))
 
 import collect_results  # noqa: E402  (the study's reader: no torch)
-from collect_results import MANIFEST, STRATEGIES  # noqa: E402
+import scaling  # noqa: E402  (the runs' statuses)
+from collect_results import MANIFEST  # noqa: E402
+from scaling import STRATEGIES  # noqa: E402
 from contract import DEFAULT_BATCH_SIZE  # noqa: E402  (the training scripts' --batch-size)
 
 SLURM_FILES = {"baseline": "baseline.slurm", "multi_gpu": "multi_gpu.slurm",
@@ -388,8 +390,8 @@ def resume_states(study: Path, manifest: dict, names: list) -> dict:
         ids = [str(a["job_id"]) for a in entries.get(name, {}).get("attempts", [])
                if a.get("job_id")]
         runs_of = [row for row in rows if row["job_name"] == name]
-        best = collect_results.best(runs_of) if runs_of else None
-        if best is not None and best["status"] == collect_results.OK:
+        best = scaling.best(runs_of) if runs_of else None
+        if best is not None and best["status"] == scaling.OK:
             states[name] = (False, f"done ({best['run']})")
             continue
         still = [i for i in ids if queued and i in queued]

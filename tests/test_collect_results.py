@@ -39,6 +39,9 @@ from conftest import REPO, TESTS, env_for_tests
 
 import collect_results
 import contract
+import plots
+import report
+import scaling
 
 STUDY = TESTS / "fixtures" / "study"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -87,15 +90,15 @@ def test_every_line_tag_and_exit_code_is_defined_once_in_contract():
 def test_the_scaling_model_reproduces_a_hand_computed_example():
     # DDP, 16 GPUs: all-reduce 2 x 15/16 x 100 MB / 1 GB/s = 187.5 ms, of which 2/3 x 100 ms
     # hide behind backward: 100 + 187.5 - 66.67 = 220.83 ms a step
-    step = collect_results.predict_step_ms("ddp", 100.0, 16, 1e8, {"all_reduce": 1.0})
+    step = scaling.predict_step_ms("ddp", 100.0, 16, 1e8, {"all_reduce": 1.0})
     assert step == pytest.approx(100 + 187.5 - 200 / 3, rel=1e-12)
     # FSDP, 4 GPUs: 2 all-gathers (2 x 3/4 x 100 MB / 2 GB/s = 75 ms) and a reduce-scatter
     # (3/4 x 100 MB / 1 GB/s = 75 ms), hidden behind the whole 100 ms step: 150 ms
     bw = {"all_gather": 2.0, "reduce_scatter": 1.0}
-    assert collect_results.predict_step_ms("fsdp", 100.0, 4, 1e8, bw) == pytest.approx(150.0)
-    assert collect_results.predict_step_ms("ddp", 80.0, 1, 1e8, {"all_reduce": 1.0}) == 80.0
+    assert scaling.predict_step_ms("fsdp", 100.0, 4, 1e8, bw) == pytest.approx(150.0)
+    assert scaling.predict_step_ms("ddp", 80.0, 1, 1e8, {"all_reduce": 1.0}) == 80.0
     # fast links hide all of it
-    assert collect_results.predict_step_ms("ddp", 100.0, 8, 1e8, {"all_reduce": 100.0}) == 100
+    assert scaling.predict_step_ms("ddp", 100.0, 8, 1e8, {"all_reduce": 100.0}) == 100
 
 
 PROFILED = {  # lines --profile adds to the fixture study's train.logs
@@ -154,9 +157,9 @@ def test_the_plots_get_the_studys_numbers(tmp_path):
         log = study / run / "train.log"
         log.write_text("\n".join(lines) + "\n" + log.read_text())
     rows = collect_results.read_inputs([study])
-    chosen = collect_results.scale(rows)
-    collect_results.step_times(rows)
-    series, ideal, bars = collect_results.plot_data(chosen)
+    chosen = scaling.scale(rows)
+    scaling.step_times(rows)
+    series, ideal, bars = report.plot_data(chosen)
     lines = {s["label"]: (s["line"], [(p["gpus"], p["throughput_img_s"], p["partial"])
                                       for p in s["points"]]) for s in series}
     assert lines == {
@@ -192,7 +195,7 @@ def test_plot_without_step_times_leaves_out_the_breakdown(tmp_path):
     code = collect_results.main([str(run), "--out", str(tmp_path / "out"), "--plot"])
     assert code == 0
     written = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
-    assert written == sorted(set(collect_results.PLOTS) - {"step_breakdown.png"})
+    assert written == sorted(set(plots.PLOTS) - {"step_breakdown.png"})
     assert "step_breakdown.png" not in (tmp_path / "out" / "results.md").read_text()
 
 
@@ -468,7 +471,7 @@ def test_memory_summary_json_when_logs_are_gone(tmp_path):
 
 def test_plots_are_real_pngs(study):
     _, md, out = study
-    for name in collect_results.PLOTS:
+    for name in plots.PLOTS:
         data = (out / name).read_bytes()
         assert data[:8] == PNG_MAGIC, name
         assert len(data) > 15_000, name  # axes, lines and labels, not an empty canvas

@@ -26,6 +26,8 @@ from conftest import REPO, TESTS, env_for_tests
 
 import collect_results
 import common
+import plots
+import scaling
 
 SCRIPT = REPO / "launch" / "run_benchmarks.py"
 FIXTURE_STUDY = TESTS / "fixtures" / "study"
@@ -110,7 +112,7 @@ def test_default_batch_is_the_training_scripts():
     parser = common.add_common_args(argparse.ArgumentParser())
     assert mod.DEFAULT_BATCH_SIZE == parser.get_default("batch_size")  # imported: one definition
     assert mod.MANIFEST is collect_results.MANIFEST  # imported: one definition
-    assert mod.STRATEGIES is collect_results.STRATEGIES
+    assert mod.STRATEGIES is scaling.STRATEGIES
 
 
 def test_dry_run_prints_the_multi_node_matrix(tmp_path):
@@ -405,13 +407,13 @@ def test_local_study_collected(local_study, tmp_path):
     assert md.count("### Multi-GPU Scaling (1 Node)") == 2
     assert md.count("| 2 GPUs, 1 Node | ") == 2
     assert md.count("No multi-node runs in this study.") == 2
-    for name in collect_results.PLOTS:
+    for name in plots.PLOTS:
         data = (out / name).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 15_000, name
     timelines = sorted(f"timeline-{r['run']}.png" for r in rows)  # one per run, memory over time
     for name in timelines:
         assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
-    assert sorted(p.name for p in out.glob("*.png")) == sorted([*collect_results.PLOTS, *timelines])
+    assert sorted(p.name for p in out.glob("*.png")) == sorted([*plots.PLOTS, *timelines])
 
 
 def test_local_resume_reruns_only_the_failed_run(local_study, tmp_path):
@@ -436,6 +438,6 @@ def test_local_resume_reruns_only_the_failed_run(local_study, tmp_path):
     entry = json.loads((study / "study.json").read_text())["runs"][1]
     assert len(entry["attempts"]) == 2 and entry["attempts"][1]["exit_code"] == 0
     rows = {r["run"]: r for r in collect_results.read_study(study)}
-    collect_results.scale(list(rows.values()))
+    scaling.scale(list(rows.values()))
     assert rows[failed]["status"] == "failed" and not rows[failed]["used_in_tables"]
     assert rows[Path(entry["attempts"][1]["run_dir"]).name]["used_in_tables"]

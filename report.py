@@ -1,0 +1,309 @@
+"""A scaling study's report: results.md (the workshop's tables per strategy, where the step time
+goes, the scaling model beyond the study) and, with --plot, the PNGs and each run's timeline.
+
+Made from the rows alone (collect_results.py reads them, scaling.py adds the factors and the
+predictions); plots.py draws what plot_data hands it, timeline.py a run over time.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import analyze_memory
+import plots
+from plots import PLOTS
+from scaling import (FAILED, HAS_METRICS, MODEL_NODES, OK, OVERLAP, SKIPPED, STATUSES, gpus,
+                     group_of, model_inputs, num, predict_step_ms)
+
+STRATEGY_TITLE = {"dp": "DataParallel (dp)", "ddp": "DistributedDataParallel (ddp)",
+                  "fsdp": "FSDP (fsdp)"}
+NO_BASELINE = "no 1-GPU baseline"
+
+
+# --------------------------------------------------------------------------------------------
+# results.md: the workshop's two tables per strategy
+# --------------------------------------------------------------------------------------------
+
+def _fmt(row: dict, key: str, spec: str, unit: str = "") -> str:
+    value = num(row, key)
+    return "—" if value is None else f"{value:{spec}}{unit}"
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("s" if n != 1 else "")
+
+
+def table_row(label: str, row: dict | None, epochs: str) -> list:
+    """One table row: the workshop's columns, then parallel efficiency and status."""
+    if row is None:
+        return [label] + ["—"] * 9 + ["not in this study"]
+    status = row["status"] + (f": {row['detail']}" if row["detail"] else "")
+    if row["status"] not in HAS_METRICS or num(row, "throughput_img_s") is None:
+        return [label] + [FAILED if row["status"] == FAILED else "—"] * 9 + [status]
+    tag = f" (epoch {row['epoch']})" if epochs and row.get("epoch") != epochs else ""
+    gpu = [row["gpu0"], "n/a", "n/a"]
+    if row["gpu0_peak_mib"] != "":
+        gpu = [str(row["gpu0_peak_mib"]), _fmt(row, "gpu0_avg_mib", ".2f"),
+               str(row["gpu0_mode_mib"])]
+    factors = [NO_BASELINE] * 3
+    if row["baseline"]:
+        memory = _fmt(row, "memory_avg_scaling", ".2f", "×")
+        if memory == "—":  # say why
+            memory = row["gpu0"] if row["gpu0_avg_mib"] == "" else "n/a (baseline: no GPU log)"
+        factors = [_fmt(row, "throughput_scaling", ".2f", "×"), memory,
+                   _fmt(row, "parallel_efficiency", ".0%")]
+    return [label, _fmt(row, "train_loss", ".3f") + tag, _fmt(row, "train_acc", ".2f", "%") + tag,
+            _fmt(row, "throughput_img_s", ".1f"), *gpu, *factors, status]
+
+
+def _table(vs: str, epochs: str, labelled_rows: list) -> list:
+    ep = f"Epoch {epochs}" if epochs else "final epoch"
+    header = ["Config", f"Train Loss ({ep})", f"Train Acc ({ep})", "Throughput (img/s)",
+              "GPU 0 Peak (MiB)", "GPU 0 Avg (MiB)", "GPU 0 Mode (MiB)",
+              f"Throughput Scaling vs {vs}", f"Memory Avg Scaling vs {vs}",
+              "Parallel Efficiency", "Status"]
+    rows = [table_row(label, row, epochs) for label, row in labelled_rows]
+    return (["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+            + ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows])
+
+
+def _distinct(rows: list, key: str) -> list:
+    """The distinct values of a key, numbers in numeric order."""
+    def order(value: str) -> tuple:
+        n = num({key: value}, key)
+        return (n is None, n or 0.0, value)
+    return sorted({str(r[key]) for r in rows if r.get(key) not in (None, "")}, key=order)
+
+
+def strategy_markdown(key: tuple, configs: dict, rows: list) -> list:
+    """A strategy's heading, its workload, and the workshop's two tables."""
+    _order, strategy, scaling = key
+    members = [r for r in rows if group_of(r) == key]
+    logged = [r for r in members if r["status"] in HAS_METRICS and r["metric_lines"]]
+
+    def values(k, rows=logged):
+        return "/".join(_distinct(rows, k))
+
+    per_gpu = values("per_gpu_batch") or values("per_gpu_batch", members) or "?"
+    global_ = values("global_batch") or values("global_batch", members) or "?"
+    mode = {"weak": f"weak scaling, {per_gpu} images per GPU per step",
+            "strong": f"strong scaling, global batch {global_} (per GPU: {per_gpu})"}.get(
+        scaling, "scaling mode not recorded (no study.json)")
+    lines = [f"## {STRATEGY_TITLE.get(strategy, strategy or 'unknown strategy')}: {mode}", ""]
+    context = [f"{k} {values(k)}" for k in ("model", "dataset", "device", "amp") if values(k)]
+    context += [f"{values('epochs')} epochs"] if values("epochs") else []
+    if values("lr_peak"):  # the learning rate each run trained with, and why
+        context.append(f"learning rate {values('lr_peak')} (lr scaling "
+                       f"{values('lr_scaling') or 'none'}, warm-up "
+                       f"{values('warmup_epochs') or '0'} epochs)")
+    if context:
+        lines.append(", ".join(context) + ".")
+    if values("device") == "cpu":
+        lines.append("CPU run: each \"GPU\" below is one process; there is no GPU memory log, "
+                     "so CPU memory (psrecord) is in results.csv.")
+    fixed = {"weak": ("per_gpu_batch",), "strong": ("global_batch",)}.get(scaling, ())
+    for k in ("model", "dataset", "epochs") + fixed:
+        if len(_distinct(logged, k)) > 1:
+            lines.append(f"**Warning:** the runs differ in {k} ({', '.join(_distinct(logged, k))}"
+                         f"): their scaling factors compare different workloads.")
+    epochs = values("epochs") if len(_distinct(logged, "epochs")) == 1 else ""
+    shown = {c: r for c, r in configs.items() if r["status"] != SKIPPED}
+
+    def skipped(multi_node: bool) -> list:
+        names = [c for c in sorted(configs) if configs[c]["status"] == SKIPPED
+                 and (c[0] > 1) == multi_node]
+        listed = ", ".join(f"{_count(n, 'Node')} x {_count(g, 'GPU')}" for n, g in names)
+        return ["", f"Skipped: {listed}: {configs[names[0]]['detail']}."] if names else []
+
+    lines += ["", "### Multi-GPU Scaling (1 Node)", ""]
+    single = sorted(g for (n, g) in shown if n == 1)
+    if single:
+        labelled = [(f"{_count(g, 'GPU')}, 1 Node" + (" (baseline)" if g == 1 else ""),
+                     shown[(1, g)]) for g in single]
+        if 1 not in single:
+            labelled.insert(0, ("1 GPU, 1 Node (baseline)", None))
+        lines += _table("1G", epochs, labelled)
+    else:
+        lines.append("No single-node runs in this study.")
+    lines += skipped(False) + ["", "### Multi-Node Scaling (Fixed GPUs per Node)", ""]
+    sweeps = sorted({g for (n, g) in shown if n > 1})
+    if sweeps:
+        labelled = [("1 Node, 1 GPU (baseline)", shown.get((1, 1)))]
+        labelled += [(f"{_count(n, 'Node')} x {_count(g, 'GPU')}", shown[(n, g)])
+                     for g in sweeps for n in sorted(n for (n, gg) in shown if gg == g)
+                     if (n, g) != (1, 1)]
+        lines += _table("1N", epochs, labelled)
+        lines += ["", "1N = the 1-GPU, 1-node baseline run (as in the workshop), so both "
+                      "tables compare with the same run; the 1-node rows show where each node "
+                      "sweep starts."]
+    else:
+        lines.append("No multi-node runs in this study.")
+    return lines + skipped(True) + [""]
+
+
+def _ms(row: dict | None, key: str) -> str:
+    return "—" if row is None or num(row, key) is None else f"{num(row, key):.1f}"
+
+
+def explain_markdown(key: tuple, configs: dict) -> list:
+    """Why a group does not scale perfectly: each run's step split into its parts, then the
+    scaling model's prediction beyond the study."""
+    shown = [(c, r) for c, r in sorted(configs.items()) if num(r, "step_ms") is not None]
+    if not shown:
+        return []
+    lines = ["### Where the step time goes", "",
+             "ms per training step (final epoch). Data wait: the loader kept the step waiting. "
+             "Compute, exposed communication (not hidden behind compute) and other: from "
+             "`--profile`'s 5 traced steps, where profiled.", "",
+             "| Config | Step | Data wait | Compute | Exposed comm. | Other | Comm. total | "
+             "Bus bandwidth (GB/s) |", "|---|---|---|---|---|---|---|---|"]
+    for (nodes, g), r in shown:
+        profiled = num(r, "profile_step_ms") is not None
+        parts = ([_ms(r, f"profile_{k}_ms") for k in ("compute", "exposed_comm", "other",
+                                                      "comm")]
+                 if profiled else ["not profiled"] * 3 + ["—"])
+        bw = ", ".join(f"{op} {r[f'busbw_{op}_gbs']}" for op in
+                       ("all_reduce", "all_gather", "reduce_scatter") if r[f"busbw_{op}_gbs"])
+        lines.append(f"| {_count(nodes, 'node')} x {_count(g, 'GPU')} | {_ms(r, 'step_ms')} | "
+                     f"{_ms(r, 'data_wait_ms')} | " + " | ".join(parts) + f" | {bw or '—'} |")
+    inputs, why = model_inputs(key, configs)
+    if key[1] not in OVERLAP:  # DataParallel: one process, nothing to model
+        return lines + [""]
+    lines += ["", "### Scaling model: beyond this study", ""]
+    if not inputs:
+        return lines + [why + ".", ""]
+    strategy, t1, per_node = inputs["strategy"], inputs["t1"], inputs["per_node"]
+    source = inputs["source"]
+    bw = ", ".join(f"{op} {v:g} GB/s" for op, v in inputs["busbw"].items())
+    comm = ("2(N-1)/N x G / busbw(all_reduce)" if strategy == "ddp" else
+            "2(N-1)/N x G / busbw(all_gather) + (N-1)/N x G / busbw(reduce_scatter)")
+    lines += [f"step(N) = t1 + max(0, comm(N) - h x t1), comm(N) = {comm}; efficiency = t1 / "
+              f"step(N). Here t1 = {t1:.1f} ms (the 1-GPU run), G = "
+              f"{inputs['grad_bytes'] / 1e6:.1f} MB (fp32 gradients), bus bandwidth {bw} "
+              f"(measured by {source['run']} on {_count(int(num(source, 'nodes')), 'node')}"
+              f"{'' if num(source, 'nodes') > 1 else ': within a node, so optimistic beyond'}), "
+              f"h = {OVERLAP[strategy]:.2f} (the share of a step communication can hide "
+              f"behind). See the README, \"A scaling model\".", "",
+              "| Config | GPUs | Predicted step (ms) | Predicted efficiency | Measured step (ms) "
+              "| Error |", "|---|---|---|---|---|---|"]
+    measured = {c: r for c, r in configs.items() if r["predicted_step_ms"]}
+    planned = {(n, per_node): None for n in MODEL_NODES}
+    for (nodes, g), r in sorted({**planned, **measured}.items()):
+        step = (num(r, "predicted_step_ms") if r else
+                predict_step_ms(strategy, t1, nodes * g, inputs["grad_bytes"], inputs["busbw"]))
+        error = f"{num(r, 'prediction_error'):+.0%}" if r else "—"
+        lines.append(f"| {_count(nodes, 'node')} x {_count(g, 'GPU')} | {nodes * g} | "
+                     f"{step:.1f} | {t1 / step:.0%} | {_ms(r, 'step_ms')} | {error} |")
+    return lines + [""]
+
+
+def write_markdown(rows: list, chosen: dict, studies: list, path: Path, pngs: list) -> None:
+    counts = ", ".join(f"{n} {s}" for s in STATUSES if (n := [r["status"] for r in rows].count(s)))
+    bad = sum(len(r["bad"]) for r in rows)
+    lines = ["# Scaling study results", "",
+             f"Collected from {', '.join(f'`{s}`' for s in studies)} on "
+             f"{datetime.now():%Y-%m-%d %H:%M} by `python collect_results.py`: {len(rows)} runs "
+             f"({counts}).", "",
+             "Values are from each run's final epoch. Throughput Scaling = throughput / "
+             "throughput of the same strategy's 1-GPU, 1-node run; Memory Avg Scaling = GPU 0 "
+             "Avg / its GPU 0 Avg (GPU 0 = index 0 on the job's first node); Parallel "
+             "Efficiency = Throughput Scaling / GPUs. All columns, CPU memory and every "
+             "attempt are in results.csv.", ""]
+    if bad:
+        lines += [f"**{bad} [METRIC] line(s) could not be parsed** and were left out; they are "
+                  f"listed under Notes.", ""]
+    for key in sorted(chosen):
+        lines += strategy_markdown(key, chosen[key], rows)
+        lines += explain_markdown(key, chosen[key])
+    if pngs:
+        lines += ["## Plots", ""]
+        for name in pngs:
+            lines += [f"![{PLOTS[name]}]({name})", ""]
+    notes = []
+    for r in rows:
+        notes += [f"- {r['run']}: {note}" for note in r["notes"]]
+        notes += [f"- {r['run']}: unparseable [METRIC] line at train.log:{number}: {why}: "
+                  f"`{text[:160]}`" for number, why, text in r["bad"][:5]]
+        if len(r["bad"]) > 5:
+            notes.append(f"- {r['run']}: ... and {len(r['bad']) - 5} more unparseable lines")
+    if notes:
+        lines += ["## Notes", ""] + notes + [""]
+    path.write_text("\n".join(lines), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------
+# Plots: what to draw, as plain numbers (plots.py draws it)
+# --------------------------------------------------------------------------------------------
+
+PLOTTED = ("epoch_time_s", "val_loss", "val_acc", "gpu0_peak_mib", "peak_mem_mib",
+           "throughput_img_s")
+
+
+def plot_data(chosen: dict) -> tuple:
+    """(series, ideal, bars) for plots.study_plots: per strategy, a line through its 1-node runs
+    and a dashed one per GPUs-per-node through its node sweep; the ideal throughput (1-GPU x
+    GPUs) where there is a 1-GPU baseline; a bar of the step's parts per configuration."""
+    def points(rows: list) -> list:
+        return [dict(gpus=gpus(r), partial=r["status"] != OK, device=r.get("device"),
+                     **{column: num(r, column) for column in PLOTTED}) for r in rows]
+
+    series, ideal, bars = [], [], []
+    for key in sorted(chosen):
+        configs = {c: r for c, r in chosen[key].items()
+                   if r["status"] in HAS_METRICS and num(r, "throughput_img_s") is not None}
+        if not configs:
+            continue
+        name = key[1] + (f" ({key[2]})" if len({k[2] for k in chosen}) > 1 and key[2] else "")
+        if any(n == 1 for n, g in configs):
+            series.append(dict(group=key, label=f"{name}, 1 node", line="-",
+                               points=points([configs[c] for c in sorted(configs) if c[0] == 1])))
+        for g in sorted({g for n, g in configs if n > 1}):
+            sweep = sorted(c for c in configs if c[1] == g)
+            series.append(dict(group=key, label=f"{name}, {g} GPU/node, 1-{sweep[-1][0]} nodes",
+                               line="--", points=points([configs[c] for c in sweep])))
+        base, own = chosen[key].get((1, 1)), sorted({gpus(r) for r in configs.values()})
+        if base and base["baseline"] and len(own) > 1:
+            ideal.append((key, f"{key[1]}, ideal (1-GPU x GPUs)", own,
+                          [num(base, "throughput_img_s") * x for x in own]))
+        for (n, g), r in sorted(chosen[key].items()):
+            if num(r, "step_ms") is None:
+                continue
+            if num(r, "profile_step_ms") is not None:  # --profile: the traced steps' parts
+                parts = dict(compute=num(r, "profile_compute_ms") or 0.0,
+                             exposed_comm=num(r, "profile_exposed_comm_ms") or 0.0,
+                             data_wait=num(r, "profile_data_wait_ms") or 0.0,
+                             other=num(r, "profile_other_ms") or 0.0)
+            else:  # the epoch's data wait, and the rest unexplained
+                wait = num(r, "data_wait_ms") or 0.0
+                parts = dict(data_wait=wait, unprofiled=max(0.0, num(r, "step_ms") - wait))
+            bars.append((f"{key[1]}, {_count(n, 'node')} x {_count(g, 'GPU')}", parts))
+    return series, ideal, bars
+
+
+def write_plots(chosen: dict, out_dir: Path, dpi: int) -> list:
+    """The PNGs of PLOTS in out_dir; returns their names (none when no run has metrics)."""
+    series, ideal, bars = plot_data(chosen)
+    if not series:
+        print("note: no run with metrics to plot; no PNG written", file=sys.stderr)
+        return []
+    return plots.study_plots(series, ideal, bars, out_dir, dpi)
+
+
+def write_timelines(rows: list, out_dir: Path) -> list:
+    """--plot: each run directory's timeline, as ``timeline-<run>.png`` in out_dir (what
+    ``analyze_memory.py --plot RUN_DIR`` draws); a run it cannot draw gets a note."""
+    written = []
+    for row in rows:
+        run_dir = Path(row["path"]) if row["path"] else None
+        if run_dir is None or not any((run_dir / d).is_dir() for d in ("gpu_memory",
+                                                                        "cpu_memory")):
+            continue
+        try:
+            path = out_dir / f"timeline-{row['run']}.png"
+            analyze_memory.plot_timeline(run_dir, path, [])
+            written.append(path)
+        except (analyze_memory.LogError, OSError) as e:
+            row["notes"].append(f"no timeline drawn: {e}")
+    return written
