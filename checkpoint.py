@@ -149,11 +149,6 @@ def atomic_save(obj, path) -> None:
     replace_checkpoint(tmp, path)
 
 
-def save_state_dict(state: dict, path) -> None:
-    """--save-model: the bare state_dict, written atomically."""
-    atomic_save(state, path)
-
-
 def check_writable(path) -> None:
     """Fail before training, not after it, when --save-model cannot be written."""
     if path is None:
