@@ -67,10 +67,14 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import contract
-import plots
-import timeline
-from timeline import TIMELINE_NAME
+try:  # the repository's modules beside this file: a copy of this file alone says what to add
+    import contract
+    import plots
+    import timeline
+except ModuleNotFoundError as missing:
+    sys.exit(f"error: {Path(__file__).name} needs {missing.name}.py beside it: copy contract.py, "
+             f"plots.py and timeline.py from the repository too, or run it from the repository")
+from timeline import TIMELINE_NAME  # noqa: E402
 
 # ---- Output contract: collect_results.py imports it, so writer and reader cannot drift
 
@@ -542,4 +546,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:     # the reader left early (| head): no traceback, no second error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)

@@ -47,13 +47,18 @@ import shlex
 import sys
 from pathlib import Path
 
-import analyze_memory
-import contract
-import plots
-import report
-import scaling
-from contract import BANDWIDTH_PREFIX, METRIC_PREFIX, PROFILE_PREFIX, REQUEUE_EXIT
-from scaling import FAILED, MISSING, OK, PARTIAL, REQUEUED, SKIPPED, STATUSES
+try:  # the repository's modules beside this file: a copy of this file alone says what to add
+    import analyze_memory
+    import contract
+    import plots
+    import report
+    import scaling
+except ModuleNotFoundError as missing:
+    sys.exit(f"error: {Path(__file__).name} needs {missing.name}.py beside it: copy "
+             f"analyze_memory.py, contract.py, plots.py, report.py, scaling.py and timeline.py "
+             f"from the repository too, or run it from the repository")
+from contract import BANDWIDTH_PREFIX, METRIC_PREFIX, PROFILE_PREFIX, REQUEUE_EXIT  # noqa: E402
+from scaling import FAILED, MISSING, OK, PARTIAL, REQUEUED, SKIPPED, STATUSES  # noqa: E402
 
 MANIFEST = "study.json"     # the study's plan, written by launch/run_benchmarks.py
 NO_GPU_LOG = "n/a (no GPU log)"

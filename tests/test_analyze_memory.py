@@ -702,6 +702,24 @@ def test_plot_cpu_only_run_gets_a_note_not_an_empty_gpu_axis(tmp_path):
     assert _data(cpu, "CPU, attempt 0") == ([0, 5, 10], [100, 300, 350])
 
 
+def test_a_copy_of_the_script_alone_names_what_to_copy(tmp_path):
+    shutil.copy(SCRIPT, tmp_path)
+    proc = subprocess.run([sys.executable, str(tmp_path / SCRIPT.name), str(RUN)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines() == [
+        "error: analyze_memory.py needs contract.py beside it: copy contract.py, plots.py and "
+        "timeline.py from the repository too, or run it from the repository"]
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(RUN)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()     # as `| head -0` does, before the first line is written
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and err == ""
+
+
 def test_cli_plot_writes_one_png_per_run_and_prints_its_path(tmp_path):
     run = _timeline_copy(tmp_path)
     p = subprocess.run([sys.executable, str(SCRIPT), "--plot", str(tmp_path)], cwd=ROOT,
