@@ -40,12 +40,20 @@ reached the disk, its last data did not); the lines before them are summarised w
     file (the node probably crashed while logging)
 NUL bytes inside a file and bytes that are not UTF-8 text are ignored and noted the same way.
 
-Timeline (--plot): RUN_DIR/timeline.png, a panel per node with GPU memory and utilisation per
-GPU, CPU memory, and the epochs and evaluations of the run's train.log over time (timeline.py).
-nvidia-smi writes the node's local time: set TZ=... if this machine's time zone differs.
+Timeline (--plot): one PNG per run directory, RUN_DIR/timeline.png, with a panel per node
+(restarts folded in): GPU memory used and GPU utilisation per GPU, the node's CPU memory (RSS),
+epoch starts (dashed lines) and evaluations (grey spans) from the [METRIC] lines of the run's
+train.log. The x-axis is seconds since the run's first sample. nvidia-smi writes the node's local
+time, read here in this machine's time zone (set TZ=... if the cluster's differs). psrecord logs
+only seconds since its start: it starts with the node's nvidia-smi (node.sh), so each attempt is
+aligned to the first sample of the same attempt's GPU log; without one (a CPU run), its start is
+the file's last change minus its last sample's elapsed time (a note says so). Requeued attempts
+are separate line segments.
 
 Exit status: 0 every input was summarised; 1 some were summarised but at least one path or file
-was bad (each named on stderr in one line); 2 nothing could be summarised, or a bad command line.
+was bad (each named on stderr in one line); 2 nothing could be summarised, a bad command line, or
+a module of the repository missing beside this file. A reader that leaves early (| head) changes
+nothing: the notes and errors still go to stderr, with the same exit status.
 
 Python API (collect_results.py imports it; importing has no side effects):
     gpu_stats, cpu_stats, problems = summarize_paths(["runs/myjob-123"], notes=None)
@@ -72,9 +80,12 @@ try:  # the repository's modules beside this file: a copy of this file alone say
     import plots
     import timeline
 except ModuleNotFoundError as missing:
-    sys.exit(f"error: {Path(__file__).name} needs {missing.name}.py beside it: copy contract.py, "
-             f"plots.py and timeline.py from the repository too, or run it from the repository")
-from timeline import TIMELINE_NAME  # noqa: E402
+    if __name__ != "__main__":
+        raise
+    print(f"error: {Path(__file__).name} needs {missing.name}.py beside it: copy contract.py, "
+          f"plots.py and timeline.py from the repository too, or run the repository's copy",
+          file=sys.stderr)
+    sys.exit(2)
 
 # ---- Output contract: collect_results.py imports it, so writer and reader cannot drift
 
@@ -425,6 +436,10 @@ def summarize_logs(logs: dict, notes: list) -> tuple:
 
 # ---- Timeline (--plot): a run over time, one panel per node (timeline.py)
 
+#: The file --plot writes in each run directory.
+TIMELINE_NAME = "timeline.png"
+
+
 def plot_timeline(run_dir, out_path=None, notes: list | None = None, logs: dict | None = None):
     """The timeline of one run directory as a matplotlib Figure (timeline.draw: a panel per
     node, GPU memory and utilisation per GPU, the node's CPU RSS, the epochs marked), saved to
@@ -438,9 +453,8 @@ def plot_timeline(run_dir, out_path=None, notes: list | None = None, logs: dict 
         notes.extend(p["message"] for p in problems if logs)
         if not logs:
             raise LogError(problems[0]["message"] if problems else f"{run_dir}: no logs")
-    by_node = sorted(logs.items(), key=lambda item: item[0][2])
-    gpu_logs = [(node, attempts) for (kind, _, node), attempts in by_node if kind == KIND_GPU]
-    cpu_logs = [(node, attempts) for (kind, _, node), attempts in by_node if kind == KIND_CPU]
+    gpu_logs = [(node, attempts) for (kind, _, node), attempts in logs.items() if kind == KIND_GPU]
+    cpu_logs = [(node, attempts) for (kind, _, node), attempts in logs.items() if kind == KIND_CPU]
     return timeline.draw(run_dir, gpu_logs, cpu_logs, out_path, notes)
 
 
@@ -508,16 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.plot and (why := plots.missing_matplotlib()):
-        print(f"error: {why}", file=sys.stderr)
-        return 2
-    notes, problems = [], []
-    logs = collect_logs(args.paths, notes, problems)
-    gpu_stats, cpu_stats = summarize_logs(logs, notes)
-    timelines = write_timelines(logs, notes, problems) if args.plot else []
-
+def print_results(args, gpu_stats: list, cpu_stats: list, problems: list,
+                  timelines: list) -> None:
+    """The summary on stdout: text lines, or --json, or --csv; then the timelines written."""
     if args.json:
         print(json.dumps({"gpu": gpu_stats, "cpu": cpu_stats, "problems": problems}, indent=2))
     elif args.csv:
@@ -536,6 +543,22 @@ def main(argv=None) -> int:
         print(f"timeline: {path}", file=sys.stderr if args.json or args.csv else sys.stdout)
     sys.stdout.flush()      # results before the notes when both go to one terminal
 
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.plot and (why := plots.missing_matplotlib()):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    notes, problems = [], []
+    logs = collect_logs(args.paths, notes, problems)
+    gpu_stats, cpu_stats = summarize_logs(logs, notes)
+    timelines = write_timelines(logs, notes, problems) if args.plot else []
+
+    try:
+        print_results(args, gpu_stats, cpu_stats, problems, timelines)
+    except BrokenPipeError:     # the reader left early (| head): notes and errors still follow
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     for problem in problems:
@@ -546,8 +569,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except BrokenPipeError:     # the reader left early (| head): no traceback, no second error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
+    sys.exit(main())

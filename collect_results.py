@@ -35,7 +35,8 @@ bandwidth of its collectives; from those a weak-scaling model predicts 2 to 64 n
 (scaling.predict_step_ms; the formula is in the README, "A scaling model").
 
 Exit status: 0 results written (failed runs are results too); 2 a bad path or flag, nothing to
-collect, or the output cannot be written (one sentence naming the fix).
+collect, the output cannot be written, or a module of the repository missing beside this file
+(one sentence naming the fix).
 """
 
 from __future__ import annotations
@@ -54,9 +55,12 @@ try:  # the repository's modules beside this file: a copy of this file alone say
     import report
     import scaling
 except ModuleNotFoundError as missing:
-    sys.exit(f"error: {Path(__file__).name} needs {missing.name}.py beside it: copy "
-             f"analyze_memory.py, contract.py, plots.py, report.py, scaling.py and timeline.py "
-             f"from the repository too, or run it from the repository")
+    if __name__ != "__main__":
+        raise
+    print(f"error: {Path(__file__).name} needs {missing.name}.py beside it: copy "
+          f"analyze_memory.py, contract.py, plots.py, report.py, scaling.py and timeline.py from "
+          f"the repository too, or run the repository's copy", file=sys.stderr)
+    sys.exit(2)
 from contract import BANDWIDTH_PREFIX, METRIC_PREFIX, PROFILE_PREFIX, REQUEUE_EXIT  # noqa: E402
 from scaling import FAILED, MISSING, OK, PARTIAL, REQUEUED, SKIPPED, STATUSES  # noqa: E402
 
@@ -75,6 +79,7 @@ TAIL = ("gpu0", "gpu0_peak_mib", "gpu0_avg_mib", "gpu0_mode_mib",
         "exit_code", "job_id", "job_name", "restarts", "start_time", "end_time",
         "metric_lines", "bad_metric_lines", "path")
 NOT_COLUMNS = ("final", "notes", "bad")  # in a row, but not in results.csv
+
 
 class UsageError(Exception):
     """A problem the user can fix: printed as one sentence naming the fix, exit code 2."""
@@ -341,6 +346,28 @@ def write_csv(rows: list, path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# --plot: each run over time (analyze_memory.py draws it)
+# --------------------------------------------------------------------------------------------
+
+def write_timelines(rows: list, out_dir: Path) -> list:
+    """--plot: each run directory's timeline, as ``timeline-<run>.png`` in out_dir (what
+    ``analyze_memory.py --plot RUN_DIR`` draws); a run it cannot draw gets a note."""
+    written = []
+    for row in rows:
+        run_dir = Path(row["path"]) if row["path"] else None
+        if run_dir is None or not any((run_dir / d).is_dir() for d in ("gpu_memory",
+                                                                        "cpu_memory")):
+            continue
+        try:
+            path = out_dir / f"timeline-{row['run']}.png"
+            analyze_memory.plot_timeline(run_dir, path, [])
+            written.append(path)
+        except (analyze_memory.LogError, OSError) as e:
+            row["notes"].append(f"no timeline drawn: {e}")
+    return written
+
+
+# --------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------
 
@@ -375,7 +402,7 @@ def main(argv=None) -> int:
         try:
             out.mkdir(parents=True, exist_ok=True)
             pngs = report.write_plots(chosen, out, args.dpi) if args.plot else []
-            timelines = report.write_timelines(rows, out) if args.plot else []
+            timelines = write_timelines(rows, out) if args.plot else []
             write_csv(rows, out / "results.csv")
             report.write_markdown(rows, chosen, args.paths, out / "results.md", pngs)
         except OSError as e:

@@ -257,7 +257,10 @@ DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_n
 
 
 def positive(text: str) -> float:
-    """An argparse type: a finite number above 0 (argparse names the flag in its error)."""
+    """An argparse type: a finite number above 0 (argparse names the flag in its error). A
+    strategy's own flag is checked this way, while parsing, so that launch/run_benchmarks.py's
+    check of the training arguments refuses it before a study is submitted; the shared flags
+    are checked in resolve_args, whose sentences also name the fix."""
     try:
         value = float(text)
     except ValueError:

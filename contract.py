@@ -103,7 +103,8 @@ def fields(line: str, tag: str) -> tuple | None:
 
 def number(text) -> float | None:
     """A value's text as a finite float; None for "", "[N/A]", "nan", "inf", a missing value
-    (None) or anything else that is not a finite number."""
+    (None) or anything else that is not a finite number: a clock time of a [METRIC] line, or an
+    optional column of an nvidia-smi log (analyze_memory.py), that may be unreadable."""
     try:
         value = float(text)
     except (TypeError, ValueError):

@@ -1,10 +1,10 @@
 """The pictures: a study's plots (collect_results.py --plot) and one run's timeline
 (analyze_memory.py --plot).
 
-Drawing only. The parsers decide what to show and hand over plain numbers (plot points, bars,
-time series), so this module imports nothing of the project, and matplotlib only when it draws
-(headless: files only, no display on a login or compute node). The parsers ask
-``missing_matplotlib()`` before they start.
+Drawing only. Others decide what to show and hand over plain numbers: report.plot_data the
+study's plot points and bars, timeline.node_timelines a run's time series. So this module imports
+nothing of the project, and matplotlib only when it draws (headless: files only, no display on a
+login or compute node). Both parsers ask ``missing_matplotlib()`` before they start.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
 # A run over time: one panel per node
 # --------------------------------------------------------------------------------------------
 
-def timeline(title: str, nodes: dict, phases: list):
+def timeline_figure(title: str, nodes: dict, phases: list):
     """One run's timeline as a matplotlib Figure: a panel (SubFigure) per node with rows of GPU
     memory used and GPU utilisation per GPU (one colour and one legend entry per GPU) and the
     node's CPU RSS; epoch starts dashed, evaluations grey. nodes: {node: {"gpu": [{index:

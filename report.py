@@ -1,8 +1,8 @@
 """A scaling study's report: results.md (the workshop's tables per strategy, where the step time
-goes, the scaling model beyond the study) and, with --plot, the PNGs and each run's timeline.
+goes, the scaling model beyond the study) and, with --plot, the study's PNGs.
 
-Made from the rows alone (collect_results.py reads them, scaling.py adds the factors and the
-predictions); plots.py draws what plot_data hands it, timeline.py a run over time.
+Made from the rows alone: collect_results.py reads them, scaling.py adds the factors and the
+predictions, plots.py draws what plot_data hands it.
 """
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-import analyze_memory
 import plots
-from plots import PLOTS
-from scaling import (FAILED, HAS_METRICS, MODEL_NODES, OK, OVERLAP, SKIPPED, STATUSES, gpus,
-                     group_of, model_inputs, num, predict_step_ms)
+from scaling import (FAILED, HAS_METRICS, OK, OVERLAP, SKIPPED, STATUSES, beyond_study, gpus,
+                     group_of, model_inputs, num)
 
 STRATEGY_TITLE = {"dp": "DataParallel (dp)", "ddp": "DistributedDataParallel (ddp)",
                   "fsdp": "FSDP (fsdp)"}
@@ -174,8 +172,7 @@ def explain_markdown(key: tuple, configs: dict) -> list:
     lines += ["", "### Scaling model: beyond this study", ""]
     if not inputs:
         return lines + [why + ".", ""]
-    strategy, t1, per_node = inputs["strategy"], inputs["t1"], inputs["per_node"]
-    source = inputs["source"]
+    strategy, t1, source = inputs["strategy"], inputs["t1"], inputs["source"]
     bw = ", ".join(f"{op} {v:g} GB/s" for op, v in inputs["busbw"].items())
     comm = ("2(N-1)/N x G / busbw(all_reduce)" if strategy == "ddp" else
             "2(N-1)/N x G / busbw(all_gather) + (N-1)/N x G / busbw(reduce_scatter)")
@@ -188,11 +185,7 @@ def explain_markdown(key: tuple, configs: dict) -> list:
               f"behind). See the README, \"A scaling model\".", "",
               "| Config | GPUs | Predicted step (ms) | Predicted efficiency | Measured step (ms) "
               "| Error |", "|---|---|---|---|---|---|"]
-    measured = {c: r for c, r in configs.items() if r["predicted_step_ms"]}
-    planned = {(n, per_node): None for n in MODEL_NODES}
-    for (nodes, g), r in sorted({**planned, **measured}.items()):
-        step = (num(r, "predicted_step_ms") if r else
-                predict_step_ms(strategy, t1, nodes * g, inputs["grad_bytes"], inputs["busbw"]))
+    for nodes, g, step, r in beyond_study(inputs, configs):
         error = f"{num(r, 'prediction_error'):+.0%}" if r else "—"
         lines.append(f"| {_count(nodes, 'node')} x {_count(g, 'GPU')} | {nodes * g} | "
                      f"{step:.1f} | {t1 / step:.0%} | {_ms(r, 'step_ms')} | {error} |")
@@ -220,7 +213,7 @@ def write_markdown(rows: list, chosen: dict, studies: list, path: Path, pngs: li
     if pngs:
         lines += ["## Plots", ""]
         for name in pngs:
-            lines += [f"![{PLOTS[name]}]({name})", ""]
+            lines += [f"![{plots.PLOTS[name]}]({name})", ""]
     notes = []
     for r in rows:
         notes += [f"- {r['run']}: {note}" for note in r["notes"]]
@@ -283,27 +276,9 @@ def plot_data(chosen: dict) -> tuple:
 
 
 def write_plots(chosen: dict, out_dir: Path, dpi: int) -> list:
-    """The PNGs of PLOTS in out_dir; returns their names (none when no run has metrics)."""
+    """The PNGs of plots.PLOTS in out_dir; returns their names (none when no run has metrics)."""
     series, ideal, bars = plot_data(chosen)
     if not series:
         print("note: no run with metrics to plot; no PNG written", file=sys.stderr)
         return []
     return plots.study_plots(series, ideal, bars, out_dir, dpi)
-
-
-def write_timelines(rows: list, out_dir: Path) -> list:
-    """--plot: each run directory's timeline, as ``timeline-<run>.png`` in out_dir (what
-    ``analyze_memory.py --plot RUN_DIR`` draws); a run it cannot draw gets a note."""
-    written = []
-    for row in rows:
-        run_dir = Path(row["path"]) if row["path"] else None
-        if run_dir is None or not any((run_dir / d).is_dir() for d in ("gpu_memory",
-                                                                        "cpu_memory")):
-            continue
-        try:
-            path = out_dir / f"timeline-{row['run']}.png"
-            analyze_memory.plot_timeline(run_dir, path, [])
-            written.append(path)
-        except (analyze_memory.LogError, OSError) as e:
-            row["notes"].append(f"no timeline drawn: {e}")
-    return written

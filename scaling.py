@@ -23,7 +23,8 @@ HAS_METRICS = (OK, REQUEUED, PARTIAL)  # statuses whose numbers go into the tabl
 # --------------------------------------------------------------------------------------------
 
 def num(row: dict, key: str) -> float | None:
-    """A row's value as a number; None when it is empty or not a number."""
+    """A row's value as a number; None when it is empty or not a number. nan and inf stay what
+    they are (a diverged loss shows as nan in the tables), unlike contract.number."""
     try:
         return float(row.get(key))
     except (TypeError, ValueError):
@@ -31,6 +32,7 @@ def num(row: dict, key: str) -> float | None:
 
 
 def gpus(row: dict) -> int | None:
+    """The row's GPUs (processes on CPU): nodes x GPUs per node; None when either is unknown."""
     nodes, per_node = num(row, "nodes"), num(row, "gpus_per_node")
     return None if nodes is None or per_node is None else int(nodes * per_node)
 
@@ -86,7 +88,6 @@ def scale(rows: list) -> dict:
                         row["memory_avg_scaling"] = _4(num(row, "gpu0_avg_mib")
                                                        / num(base, "gpu0_avg_mib"))
     return chosen
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,7 +166,7 @@ def model_inputs(key: tuple, configs: dict) -> tuple:
 
 def predict(rows: list, chosen: dict) -> None:
     """Each measured multi-GPU row of a group with a scaling model: its predicted step and
-    the relative error of the prediction."""
+    the relative error of the prediction. Call step_times first: the model starts from them."""
     for key, configs in chosen.items():
         inputs, _why = model_inputs(key, configs)
         for row in configs.values() if inputs else ():
@@ -174,3 +175,17 @@ def predict(rows: list, chosen: dict) -> None:
                                             inputs["grad_bytes"], inputs["busbw"])
                 row["predicted_step_ms"] = _4(predicted)
                 row["prediction_error"] = _4(predicted / num(row, "step_ms") - 1)
+
+
+def beyond_study(inputs: dict, configs: dict) -> list:
+    """The scaling model's table for a group with model_inputs' inputs: (nodes, GPUs per node,
+    predicted step ms, the measured row or None) for MODEL_NODES nodes of the measuring run's
+    GPUs per node, and for every measured row that predict() gave a prediction, in order."""
+    measured = {c: r for c, r in configs.items() if r["predicted_step_ms"]}
+    planned = {(n, inputs["per_node"]): None for n in MODEL_NODES}
+    table = []
+    for (nodes, g), row in sorted({**planned, **measured}.items()):
+        step = num(row, "predicted_step_ms") if row else predict_step_ms(
+            inputs["strategy"], inputs["t1"], nodes * g, inputs["grad_bytes"], inputs["busbw"])
+        table.append((nodes, g, step, row))
+    return table

@@ -1,20 +1,9 @@
-"""A run over time, as a picture: memory, GPU utilisation and the training's phases per node.
+"""A run over time: the memory logs' samples and the epochs of train.log on one clock, per node.
 
-    python analyze_memory.py --plot runs/myjob-123/      # writes runs/myjob-123/timeline.png
-    python collect_results.py --plot runs/study-.../     # timeline-<run>.png for every run
-
-One panel per node (restarts folded in): GPU memory used and GPU utilisation per GPU, the node's
-CPU memory (RSS), epoch starts (dashed lines) and evaluations (grey spans) from the [METRIC]
-lines of the run's train.log. The x-axis is seconds since the run's first sample.
-
-Clocks: nvidia-smi writes the node's local time, read here in this machine's time zone (set
-TZ=... if the cluster's differs). psrecord logs only seconds since its start: it starts with the
-node's nvidia-smi (launch/node.sh), so each attempt is aligned to the first sample of the same
-attempt's GPU log; without one (a CPU run), its start is the file's last change minus its last
-sample's elapsed time (a note says so). Requeued attempts are separate line segments.
-
-analyze_memory.py reads the logs (collect_logs) and calls draw(); this module turns its samples
-and the training log into times, and plots.timeline draws them.
+analyze_memory.py --plot (RUN_DIR/timeline.png) and collect_results.py --plot (timeline-<run>.png)
+draw it; analyze_memory.py's --help says what the picture shows and how the clocks are aligned.
+analyze_memory.collect_logs reads the logs, node_timelines turns their samples into clock times,
+read_phases finds the epochs and evaluations, and plots.timeline_figure draws them.
 """
 
 from __future__ import annotations
@@ -27,8 +16,6 @@ import contract
 import plots
 from contract import METRIC_PREFIX
 
-#: The file analyze_memory.py --plot writes in each run directory.
-TIMELINE_NAME = "timeline.png"
 _STAMP_FORMATS = ("%Y/%m/%d %H:%M:%S.%f", "%Y/%m/%d %H:%M:%S")
 
 
@@ -117,9 +104,8 @@ def node_timelines(gpu_logs: list, cpu_logs: list, notes: list) -> dict:
     of one run, every time in seconds since 1970 (psrecord's elapsed seconds aligned by
     _cpu_start), nodes in sorted order. gpu_logs, cpu_logs: (node, attempts) pairs, the attempts
     being analyze_memory.collect_logs' dicts of one node's nvidia-smi or psrecord logs."""
-    nodes = {}
-    for node, attempts in sorted(gpu_logs + cpu_logs, key=lambda pair: pair[0]):
-        nodes.setdefault(node, {"gpu": [], "cpu": [], "gpu_starts": {}, "cpu_logs": []})
+    nodes = {node: {"gpu": [], "cpu": [], "gpu_starts": {}, "cpu_logs": []}
+             for node in sorted({node for node, _attempts in gpu_logs + cpu_logs})}
     for node, attempts in gpu_logs:
         entry = nodes[node]
         for log in attempts:
@@ -154,7 +140,7 @@ def _check_clocks(nodes: dict, phases: list, run_dir, notes: list) -> None:
 
 
 def draw(run_dir, gpu_logs: list, cpu_logs: list, out_path=None, notes: list | None = None):
-    """The timeline of one run directory as a matplotlib Figure (plots.timeline), saved to
+    """The timeline of one run directory as a matplotlib Figure (plots.timeline_figure), saved to
     out_path unless None; gpu_logs and cpu_logs as node_timelines takes them. Notes (alignment,
     unreadable training logs, clocks) are appended to notes. Raises OSError when out_path cannot
     be written."""
@@ -162,7 +148,7 @@ def draw(run_dir, gpu_logs: list, cpu_logs: list, out_path=None, notes: list | N
     phases = read_phases(find_training_logs(run_dir, notes), notes)
     nodes = node_timelines(gpu_logs, cpu_logs, notes)
     _check_clocks(nodes, phases, run_dir, notes)
-    fig = plots.timeline(f"{run_dir}: memory and utilisation over time", nodes, phases)
+    fig = plots.timeline_figure(f"{run_dir}: memory and utilisation over time", nodes, phases)
     if out_path is not None:
         fig.savefig(out_path, dpi=100)
     return fig

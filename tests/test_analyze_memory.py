@@ -706,18 +706,22 @@ def test_a_copy_of_the_script_alone_names_what_to_copy(tmp_path):
     shutil.copy(SCRIPT, tmp_path)
     proc = subprocess.run([sys.executable, str(tmp_path / SCRIPT.name), str(RUN)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines() == [
         "error: analyze_memory.py needs contract.py beside it: copy contract.py, plots.py and "
-        "timeline.py from the repository too, or run it from the repository"]
+        "timeline.py from the repository too, or run the repository's copy"]
 
 
-def test_a_reader_that_leaves_early_gets_no_traceback():
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(RUN)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+def test_a_reader_that_leaves_early_still_gets_the_errors(tmp_path):
+    """`analyze_memory.py ... | head`: no traceback, and the notes, errors and exit status of a
+    run whose output was read."""
+    args = [sys.executable, str(SCRIPT), str(tmp_path / "missing"), str(RUN)]
+    whole = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.stdout.close()     # as `| head -0` does, before the first line is written
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1 and err == ""
+    assert "Traceback" not in err and "no such file" in err
+    assert (proc.returncode, err) == (whole.returncode, whole.stderr) == (1, whole.stderr)
 
 
 def test_cli_plot_writes_one_png_per_run_and_prints_its_path(tmp_path):
