@@ -721,7 +721,7 @@ def test_a_reader_that_leaves_early_still_gets_the_errors(tmp_path):
     proc.stdout.close()     # as `| head -0` does, before the first line is written
     _, err = proc.communicate(timeout=60)
     assert "Traceback" not in err and "no such file" in err
-    assert (proc.returncode, err) == (whole.returncode, whole.stderr) == (1, whole.stderr)
+    assert proc.returncode == whole.returncode == 1 and err == whole.stderr
 
 
 def test_cli_plot_writes_one_png_per_run_and_prints_its_path(tmp_path):
