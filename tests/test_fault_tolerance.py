@@ -110,13 +110,19 @@ def test_sigusr1_checkpoints_exits_75_and_resumes(tmp_path):
     _same_weights(ref, tmp_path / "r.pt")
 
 
-def test_dp_sigterm_exit_code_is_75(tmp_path):
-    ck = tmp_path / "ck"
-    proc = _start([sys.executable, str(REPO / "dp_train.py"), *RUN, "--epochs", "30",
+def _signal_after_first_checkpoint(script, sig, ck) -> tuple:
+    """Run ``script`` as one process for 30 epochs, send ``sig`` once its first checkpoint is in
+    ``ck``; (the process, its whole output)."""
+    proc = _start([sys.executable, str(REPO / script), *RUN, "--epochs", "30",
                    "--checkpoint-dir", str(ck)])
     assert wait_for(lambda: checkpoint.list_checkpoints(ck) or proc.poll() is not None)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
+    return proc, out
+
+
+def test_dp_sigterm_exit_code_is_75(tmp_path):
+    proc, out = _signal_after_first_checkpoint("dp_train.py", signal.SIGTERM, tmp_path / "ck")
     assert proc.returncode == contract.REQUEUE_EXIT, out
     assert "SIGTERM: checkpoint saved" in out
 
@@ -125,11 +131,7 @@ def test_ctrl_c_is_one_line_and_releases_the_checkpoint_dir(tmp_path):
     """Before: Ctrl-C (SIGINT) printed a KeyboardInterrupt traceback and left the checkpoint
     dir's lock behind."""
     ck = tmp_path / "ck"
-    proc = _start([sys.executable, str(REPO / "ddp_train.py"), *RUN, "--epochs", "30",
-                   "--checkpoint-dir", str(ck)])
-    assert wait_for(lambda: checkpoint.list_checkpoints(ck) or proc.poll() is not None)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
+    proc, out = _signal_after_first_checkpoint("ddp_train.py", signal.SIGINT, ck)
     assert proc.returncode == 130, out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     assert [l for l in out.splitlines() if l.startswith("error:")] == [
