@@ -28,7 +28,6 @@ import re
 import resource
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -604,15 +603,6 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued device work, so the clock measures work done, not work queued."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def phase_times(t0: float, train_time: float) -> dict:
-    """When this epoch's training and evaluation ran, as clock times (seconds since 1970, this
-    rank's clock), for the timelines of analyze_memory.py: ``t0`` is the perf_counter() at
-    the start of training, ``train_time`` its duration; evaluation ends now."""
-    now, clock = time.perf_counter(), time.time()
-    return dict(train_start_unix=clock - (now - t0),
-                eval_start_unix=clock - (now - t0 - train_time), eval_end_unix=clock)
 
 
 def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:

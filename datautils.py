@@ -286,11 +286,11 @@ def real_samples(sampler) -> int:
     return len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
 
 
-def report_skipped(train_seen: float, train_expected: int, val_seen: float,
-                   val_total: int) -> None:
-    """End-of-epoch count of images dropped because they could not be read."""
-    skipped_train = int(train_expected - train_seen)
-    skipped_val = int(val_total - val_seen)
+def report_skipped(metrics: dict, train_expected: int, val_total: int) -> None:
+    """End-of-epoch count of images dropped because they could not be read (metrics: the
+    epoch's, with the images counted over all ranks)."""
+    skipped_train = train_expected - metrics["train_images"]
+    skipped_val = val_total - metrics["val_images"]
     if skipped_train > 0 or skipped_val > 0:
         print0(f"warning: skipped {skipped_train} unreadable training and {skipped_val} "
                f"validation image(s) this epoch (see the warnings above; --strict stops at "

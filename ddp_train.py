@@ -178,6 +178,12 @@ def train(args, env: common.DistEnv) -> int:
     metrics = ckpt.metrics
 
     meter = measure.StepMeter(args, steps, global_batch, device)  # progress, --profile
+    # what every [METRIC] line of this run says about the run; each epoch adds its figures
+    run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
+                    world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
+                    per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
+                    epochs=args.epochs, lr_peak=lr, lr_scaling=args.lr_scaling,
+                    warmup_epochs=args.warmup_epochs)
     start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
@@ -220,29 +226,16 @@ def train(args, env: common.DistEnv) -> int:
 
         # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. One host
         # sync per epoch (the .tolist() below), not one per step.
-        totals = common.all_reduce(torch.cat([sums, val_sums]))
-        t_loss, t_correct, t_n, v_loss, v_correct, v_n = totals.tolist()
+        totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
         # the slowest rank sets the pace; data wait: the rank its loader kept waiting longest
         times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
         epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
         peaks = common.peak_memory_per_gpu([device])
-        metrics = dict(
-            strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
-            world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
-            per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
-            epoch=epoch + 1, epochs=args.epochs, lr=epoch_lr, lr_peak=lr,
-            lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs,
-            train_loss=t_loss / max(t_n, 1), train_acc=100.0 * t_correct / max(t_n, 1),
-            val_loss=v_loss / max(v_n, 1), val_acc=100.0 * v_correct / max(v_n, 1),
-            train_images=int(t_n), val_images=int(v_n), epoch_time_s=epoch_time,
-            throughput_img_s=t_n / epoch_time if epoch_time > 0 else 0.0,
-            peak_mem_mib=max(peaks), peak_mem_per_gpu_mib=peaks,
-            data_wait_frac=min(1.0, data_wait / epoch_time) if epoch_time > 0 else 0.0,
-            **common.phase_times(t0, train_time),
-        )
+        metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
+            totals, epoch_time, data_wait, peaks, t0, train_time)
         print0(contract.format_epoch_line(metrics))
         print0(contract.format_metric_line(metrics))
-        datautils.report_skipped(t_n, (steps - skip) * global_batch, v_n, len(data.val))
+        datautils.report_skipped(metrics, (steps - skip) * global_batch, len(data.val))
         ckpt.end_epoch(epoch, metrics)
     ckpt.finish()
 

@@ -1,7 +1,8 @@
-"""What a run measures about itself, beyond the epoch's metrics: the progress line, the time
-spent waiting for data, a profile of a few steps (--profile) and the bandwidth of the
-collectives (--check). Each answers a question a user asks of a running job:
+"""What a run measures about itself: the figures of each epoch's [METRIC] line, the progress
+line, the time spent waiting for data, a profile of a few steps (--profile) and the bandwidth of
+the collectives (--check). Each answers a question a user asks of a running job:
 
+- "how fast, how good, how much memory?": ``epoch_metrics``, from the sums reduced over ranks;
 - "is my job alive, and when does it end?": ``StepMeter`` prints rank 0's progress line;
 - "is the loader keeping up?": ``StepMeter.wait_s``, the epoch's ``data_wait_frac``;
 - "where does a step's time go?": ``--profile`` traces a few steps with torch.profiler and
@@ -24,6 +25,32 @@ import torch.distributed as dist
 
 from common import print0, synchronize
 from contract import BANDWIDTH_PREFIX, PROFILE_KEYS, PROFILE_PREFIX
+
+# --------------------------------------------------------------------------------------------
+# The epoch's figures
+# --------------------------------------------------------------------------------------------
+
+def epoch_metrics(totals: list, epoch_time: float, data_wait: float, peaks: list, t0: float,
+                  train_time: float) -> dict:
+    """The measured keys of an epoch's [METRIC] line. totals: the six sums reduced over all
+    ranks (train loss x n, correct, n, then the same for validation), so each average is a sum
+    divided by a count, never a mean of the ranks' means; epoch_time, data_wait: the slowest
+    rank's, in s; peaks: MiB per GPU; t0, train_time: this rank's perf_counter() when training
+    started, and how long it took."""
+    t_loss, t_correct, t_n, v_loss, v_correct, v_n = totals
+    now, clock = time.perf_counter(), time.time()
+    return dict(
+        train_loss=t_loss / max(t_n, 1), train_acc=100.0 * t_correct / max(t_n, 1),
+        val_loss=v_loss / max(v_n, 1), val_acc=100.0 * v_correct / max(v_n, 1),
+        train_images=int(t_n), val_images=int(v_n), epoch_time_s=epoch_time,
+        throughput_img_s=t_n / epoch_time if epoch_time > 0 else 0.0,
+        peak_mem_mib=max(peaks), peak_mem_per_gpu_mib=peaks,
+        data_wait_frac=min(1.0, data_wait / epoch_time) if epoch_time > 0 else 0.0,
+        # when training and evaluation ran, in seconds since 1970 on this rank's clock: the
+        # epochs on analyze_memory.py's timelines (evaluation ends now)
+        train_start_unix=clock - (now - t0), eval_start_unix=clock - (now - t0 - train_time),
+        eval_end_unix=clock)
+
 
 # --------------------------------------------------------------------------------------------
 # Progress and data wait

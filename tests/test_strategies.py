@@ -180,7 +180,7 @@ def test_the_training_step_and_the_epoch_end_are_the_same_text(other):
                "        val_sums = common.evaluate("),
               ("        val_sums = common.evaluate(",
                "        peaks = common.peak_memory_per_gpu("),
-              ("        print0(contract.format_epoch_line(metrics))", "    total_time = ")]
+              ("        metrics = run_info | ", "    total_time = ")]
     for start, end in blocks:
         ddp = [line for line in _code("ddp_train.py", start, end) if "synchronize" not in line]
         theirs = [line for line in _code(other, start, end) if "synchronize" not in line
