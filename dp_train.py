@@ -162,9 +162,7 @@ def train(args, env: common.DistEnv) -> int:
     val_real = datautils.real_samples(val_sampler)
 
     criterion = nn.CrossEntropyLoss()
-    steps = len(train_loader)
-    if args.max_steps_per_epoch:
-        steps = min(steps, args.max_steps_per_epoch)
+    steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
     lr = common.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay,
@@ -179,7 +177,6 @@ def train(args, env: common.DistEnv) -> int:
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint, device)
     start_epoch, start_step = ckpt.resume()
-    metrics = ckpt.metrics
 
     gpus = [torch.device("cuda", i) for i in gpu_ids] or [device]
     meter = measure.StepMeter(args, steps, global_batch, device)  # progress, --profile
@@ -251,12 +248,7 @@ def train(args, env: common.DistEnv) -> int:
     if args.save_model and is_main:
         checkpoint.atomic_save(model.state_dict(), args.save_model)  # unwrapped weights
         print0(f"saved model state_dict to {args.save_model}")
-    if not metrics:
-        print0("nothing to train: the checkpoint is already past --epochs")
-        return 0
-    metrics["total_time_s"] = total_time
-    print0(contract.format_metric_line(metrics, final=True))
-    print0(f"Total time: {total_time:.1f} s")
+    measure.print_final(ckpt.metrics, total_time, trained=start_epoch < args.epochs)
     return 0
 
 

@@ -15,6 +15,7 @@ the collectives (--check). Each answers a question a user asks of a running job:
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from contextlib import nullcontext
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from common import print0, synchronize
-from contract import BANDWIDTH_PREFIX, PROFILE_KEYS, PROFILE_PREFIX
+from contract import BANDWIDTH_PREFIX, PROFILE_KEYS, PROFILE_PREFIX, format_metric_line
 
 # --------------------------------------------------------------------------------------------
 # The epoch's figures
@@ -50,6 +51,21 @@ def epoch_metrics(totals: list, epoch_time: float, data_wait: float, peaks: list
         # epochs on analyze_memory.py's timelines (evaluation ends now)
         train_start_unix=clock - (now - t0), eval_start_unix=clock - (now - t0 - train_time),
         eval_end_unix=clock)
+
+
+def print_final(metrics: dict, total_time: float, trained: bool) -> None:
+    """After the last epoch (rank 0 prints): the final [METRIC] line, the last epoch's metrics
+    with final=1 and total_time_s (the seconds this process trained), then the total time. A
+    run resumed from a checkpoint already past --epochs trains nothing: it says so, and its final
+    line repeats the checkpoint's last epoch with total_time_s=nan (not measured here), so that
+    the study still sees the run end."""
+    if not trained:
+        print0("nothing to train: the checkpoint is already past --epochs")
+    if metrics:
+        total = total_time if trained else math.nan
+        print0(format_metric_line(metrics | {"total_time_s": total}, final=True))
+    if trained:
+        print0(f"Total time: {total_time:.1f} s")
 
 
 # --------------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ def test_torchrun_two_processes_prints_contract_lines():
     ms = metrics(out)
     assert len(ms) == 3 and "final" not in ms[0] and ms[-1]["final"] == "1"
     assert float(ms[-1]["total_time_s"]) > 0
+    # the final line repeats the last epoch's, plus final=1 and the run's total time
+    assert {k: v for k, v in ms[-1].items() if k not in contract.FINAL_KEYS} == ms[-2]
     for m in ms:
         assert set(contract.METRIC_KEYS) <= set(m)
         assert (m["strategy"], m["world_size"], m["nodes"], m["gpus_per_node"]) == \

@@ -183,9 +183,19 @@ def test_corrupt_newest_checkpoint_falls_back_with_warning(tmp_path):
     assert "could be loaded" in proc.stderr and "--resume never" in proc.stderr
 
 
-def test_resume_never_and_missing_path(tmp_path):
+def test_resume_past_the_end_never_and_missing_path(tmp_path):
     ck = tmp_path / "ck"
-    check_ok(run_script("ddp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck)]))
+    first = run_script("ddp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck)])
+    check_ok(first)
+    again = run_script("ddp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck)])
+    check_ok(again)
+    assert "nothing to train: the checkpoint is already past --epochs" in again.stdout
+    # the final line repeats the checkpoint's last epoch, so a study sees the run end; this
+    # process timed nothing, so its total time is nan rather than a few microseconds
+    done, (final,) = metrics(first.stdout)[-1], metrics(again.stdout)
+    assert final["total_time_s"] == "nan" and "Total time" not in again.stdout
+    assert {k: v for k, v in final.items() if k != "total_time_s"} == \
+        {k: v for k, v in done.items() if k != "total_time_s"}
     fresh = run_script("ddp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck),
                                               "--resume", "never"])
     check_ok(fresh)
