@@ -351,7 +351,9 @@ def write_csv(rows: list, path: Path) -> None:
 
 def write_timelines(rows: list, out_dir: Path) -> list:
     """--plot: each run directory's timeline, as ``timeline-<run>.png`` in out_dir (what
-    ``analyze_memory.py --plot RUN_DIR`` draws); a run it cannot draw gets a note."""
+    ``analyze_memory.py --plot RUN_DIR`` draws). What the drawing notes (clocks that disagree,
+    an unreadable training log, how a CPU log was aligned) joins the run's notes, except what
+    reading the memory logs already noted; a run it cannot draw gets a note."""
     written = []
     for row in rows:
         run_dir = Path(row["path"]) if row["path"] else None
@@ -360,8 +362,10 @@ def write_timelines(rows: list, out_dir: Path) -> list:
             continue
         try:
             path = out_dir / f"timeline-{row['run']}.png"
-            analyze_memory.plot_timeline(run_dir, path, [])
+            notes = []
+            analyze_memory.plot_timeline(run_dir, path, notes)
             written.append(path)
+            row["notes"] += [f"timeline: {n}" for n in notes if n not in row["notes"]]
         except (analyze_memory.LogError, OSError) as e:
             row["notes"].append(f"no timeline drawn: {e}")
     return written

@@ -207,6 +207,21 @@ def test_plot_draws_every_runs_timeline_into_the_output_folder(study):
     assert not list(STUDY.rglob("timeline*.png"))  # the run directories are left as they are
 
 
+@pytest.mark.parametrize("tz, noted", [("UTC", False), ("JST-9", True)])
+def test_plot_puts_what_the_timeline_notes_into_results_md(tmp_path, tz, noted):
+    """The fixture run's nvidia-smi times are UTC: read in another time zone, its epochs fall
+    outside the GPU logs, and results.md says so (before, only analyze_memory.py --plot did)."""
+    run = TESTS / "fixtures" / "memory" / "timeline_run"
+    p = subprocess.run([sys.executable, str(REPO / "collect_results.py"), str(run), "--out",
+                        str(tmp_path), "--plot"], capture_output=True, text=True, timeout=120,
+                       env=env_for_tests({"TZ": tz}))
+    assert p.returncode == 0, p.stderr
+    md = (tmp_path / "results.md").read_text()
+    assert (f"- timeline_run: timeline: {run}: the epochs of the training log lie outside the "
+            f"GPU logs' time span" in md) == noted
+    assert md.count("folded 2 attempts") == 2  # the memory notes are not repeated
+
+
 def test_without_bandwidth_figures_the_model_says_how_to_get_them(study):
     _rows, md, _out = study
     assert "no run measured its bus bandwidth; run the study with `-- --profile`" in md
