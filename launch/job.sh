@@ -237,8 +237,10 @@ wait "$tee_pid" 2>/dev/null || true
 # Did the training stop after checkpointing for a requeue? dp_train.py exits 75 itself; torchrun
 # turns its workers' 75 into 1, so also read rank 0's machine line from this attempt's part of
 # train.log: "[STOP] signal=SIGUSR1 epoch=2 step=15 saved=1 exit_code=75" (contract.STOP_LINE).
+# grep reads all of it (no -q): with pipefail, a grep that leaves early makes tail die of SIGPIPE
+# once the log outgrows the pipe, and the pipeline would then fail even though the line is there.
 requeue_ckpt=0
-if tail -c +"$((log_size + 1))" "$RUN_DIR/train.log" | grep -q '\[STOP\] .* saved=1 '
+if tail -c +"$((log_size + 1))" "$RUN_DIR/train.log" | grep '\[STOP\] .* saved=1 ' >/dev/null
 then
   requeue_ckpt=1
   rc=75

@@ -304,6 +304,29 @@ def test_local_sh_usr1_checkpoints_then_run_dir_resumes(tmp_path):
     assert_loggers_gone(tmp_path, run_dir)
 
 
+def test_a_stop_line_after_a_long_log_is_still_read(tmp_path):
+    """job.sh reads this attempt's [STOP] line to tell a stop for requeue from a failure
+    (torchrun reports its workers' exit 75 as 1). Before, `tail | grep -q` under pipefail
+    failed whenever tail was still writing when grep found the line (SIGPIPE): always once the
+    attempt's log outgrew the pipe, so a long run stopped at its time limit was not requeued."""
+    fake = tmp_path / "fake_train.py"
+    stop = contract.STOP_LINE.format(signal="SIGUSR1", epoch=5, step=10, saved=1, code=75)
+    fake.write_text("import sys\n"
+                    "for i in range(4000):\n"
+                    "    print(f'progress: line {i:05d} ' + 'x' * 80)\n"
+                    f"print({stop!r})\n"
+                    "for i in range(4000):\n"
+                    "    print('torchrun teardown ' + 'y' * 80)\n"
+                    "sys.exit(1)\n")
+    env = base_env(tmp_path)
+    env.update(RUNS_DIR=str(tmp_path / "runs"), STRATEGY="dp", TRAIN_SCRIPT=str(fake))
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    out = res.stdout + res.stderr
+    assert "training exit code: 75" in out, out[-2000:]
+    assert res.returncode == 75 and "stopped after a checkpoint: continue with RUN_DIR=" in out
+
+
 def test_local_sh_check_only_and_bad_run_dir(tmp_path):
     env = base_env(tmp_path)
     env.update(RUNS_DIR=str(tmp_path / "runs"), CHECK_ONLY="1", NCCL_SOCKET_IFNAME="lo")
