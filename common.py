@@ -305,7 +305,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--lr-scaling", choices=("none", "linear", "sqrt"), default="none",
                    help="scale --lr with the global batch: linear (x global / base batch, the "
                         "rule of Goyal et al., 2017) or sqrt; none keeps --lr at every world "
-                        "size (the seed's behaviour)")
+                        "size (the workshop script's behaviour)")
     g.add_argument("--base-batch", type=int, default=64,
                    help="the global batch that --lr is meant for under --lr-scaling (default: "
                         "one GPU at the default --batch-size)")
@@ -398,7 +398,7 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
     if device.type == "cuda":
         cc = torch.cuda.get_device_capability(device)
         bf16_ok = cc >= (8, 0)  # Ampere and newer: bf16 tensor cores
-        if args.amp is None:  # bf16 needs no GradScaler; fp16 (the seed's) on V100 and older
+        if args.amp is None:  # bf16 needs no GradScaler; fp16 (the workshop's) on V100 and older
             args.amp = "bf16" if bf16_ok else "fp16"
         elif args.amp == "bf16" and not bf16_ok:
             raise UsageError(f"--amp bf16 needs a GPU of compute capability 8.0 or newer (A100, "
@@ -548,18 +548,19 @@ def evaluate(model, loader, device, dtype, n_real: int, prepare=None) -> torch.T
     return sums
 
 
-def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak (at each epoch's start, so each epoch reports its own): the CUDA
-    allocator's peak on a GPU, the process's peak resident set size on a CPU (Linux: writing 5
-    to /proc/self/clear_refs resets VmHWM; elsewhere the peak stays the whole run's)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+def reset_peak_memory(*devices: torch.device) -> None:
+    """Start a new peak on each device (at each epoch's start, so each epoch reports its own):
+    the CUDA allocator's peak on a GPU, the process's peak resident set size on a CPU (Linux:
+    writing 5 to /proc/self/clear_refs resets VmHWM; elsewhere the peak stays the whole run's)."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            continue
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -599,10 +600,11 @@ def peak_memory_per_gpu(devices: list) -> list:
     return torch.cat(everyone).tolist()
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for queued device work, so the clock measures work done, not work queued."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def synchronize(*devices: torch.device) -> None:
+    """Wait for the devices' queued work, so the clock measures work done, not work queued."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:

@@ -39,8 +39,8 @@ from faults import UsageError, end_process
 
 STRATEGY = "ddp"
 COLLECTIVES = ("all_reduce",)  # of the gradients, bucket by bucket during backward
-# DDP's per-forward buffer sync is called forward_sync_buffers since torch 2.15 (the old name
-# warns); use whichever this torch has.
+# DDP's per-forward buffer sync is called forward_sync_buffers in recent torch (the old name,
+# broadcast_buffers, warns); use whichever this torch has.
 BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
                inspect.signature(DDP).parameters else "broadcast_buffers")
 
@@ -61,9 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--broadcast-buffers", action=argparse.BooleanOptionalAction, default=True,
                    help="before every forward, copy rank 0's buffers (BatchNorm running "
                         "statistics) to all ranks: every replica evaluates with the same "
-                        "statistics (the seed's behaviour). --no-broadcast-buffers saves one "
-                        "small broadcast per step; each rank then keeps the statistics of its "
-                        "own shard of the data")
+                        "statistics (the workshop script's behaviour). --no-broadcast-buffers "
+                        "saves one small broadcast per step; each rank then keeps the statistics "
+                        "of its own shard of the data")
     g.add_argument("--static-graph", action="store_true",
                    help="tell DDP the graph is the same every step (lets it skip per-step "
                         "bookkeeping)")
@@ -130,7 +130,7 @@ def train(args, env: common.DistEnv) -> int:
         measure.collective_check(device, world, grad_bytes, COLLECTIVES)
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
-    if args.profile and world > 1:  # the bandwidth this step's collectives get (the study's)
+    if args.profile and world > 1:  # the bandwidth the step's collectives get
         measure.bandwidth(device, world, [grad_bytes], COLLECTIVES)
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
     # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
@@ -145,15 +145,16 @@ def train(args, env: common.DistEnv) -> int:
                   static_graph=args.static_graph)
     step_model = torch.compile(replica) if args.compile else replica
 
+    batch = args.batch_size  # one DataLoader batch: this process's share of the global batch
     # Each rank reads a disjoint shard of the training set; the permutation depends on
     # (seed, epoch) only, so all ranks agree on it. drop_last keeps the shards equal.
     train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True,
                                        seed=args.seed, drop_last=True)
     train_batches = checkpoint.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
-    train_loader = datautils.make_loader(data.train, train_batches, args.batch_size, args, device,
+    train_loader = datautils.make_loader(data.train, train_batches, batch, args, device,
                                          drop_last=True)
-    val_loader = datautils.make_loader(data.val, val_sampler, args.batch_size, args, device,
+    val_loader = datautils.make_loader(data.val, val_sampler, batch, args, device,
                                        start_now=True, val=True)
     val_real = datautils.real_samples(val_sampler)
 
@@ -174,6 +175,7 @@ def train(args, env: common.DistEnv) -> int:
     ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint, device)
     start_epoch, start_step = ckpt.resume()
 
+    devices = [device]  # the device(s) this process drives: for the clock and peak memory
     meter = measure.StepMeter(args, steps, global_batch, device)  # progress, --profile
     # what every [METRIC] line of this run says about the run; each epoch adds its figures
     run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
@@ -185,13 +187,13 @@ def train(args, env: common.DistEnv) -> int:
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
         skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
-        train_batches.skip = skip * args.batch_size
+        train_batches.skip = skip * batch
         epoch_lr = optimizer.param_groups[0]["lr"]  # at the epoch's first step
         step_model.train()
         # [loss x n, correct, n] of this rank, kept on the device: no host sync per step
         sums = torch.zeros(3, device=device, dtype=torch.float64)
-        common.reset_peak_memory(device)  # this epoch's peak, not the whole run's
-        common.synchronize(device)
+        common.reset_peak_memory(*devices)  # this epoch's peak, not the whole run's
+        common.synchronize(*devices)
         t0 = time.perf_counter()
         # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
         # adds up the time spent waiting for the loader
@@ -215,7 +217,7 @@ def train(args, env: common.DistEnv) -> int:
             sums[2] += labels.size(0)
             if ckpt.after_step(loss, epoch, step + 1, steps):  # a stop signal: saved, stop
                 return contract.REQUEUE_EXIT
-        common.synchronize(device)
+        common.synchronize(*devices)
         train_time = time.perf_counter() - t0
         ckpt.check_finite(epoch)  # host sync, once per epoch
 
@@ -227,7 +229,7 @@ def train(args, env: common.DistEnv) -> int:
         # the slowest rank sets the pace; data wait: the rank its loader kept waiting longest
         times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
         epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
-        peaks = common.peak_memory_per_gpu([device])
+        peaks = common.peak_memory_per_gpu(devices)
         metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
             totals, epoch_time, data_wait, peaks, t0, train_time)
         print0(contract.format_epoch_line(metrics))

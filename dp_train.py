@@ -2,7 +2,7 @@
 scatters the batch from GPU 0 to the GPUs, copies the model from GPU 0 to every GPU, runs the
 replicas in Python threads, gathers the outputs back on GPU 0, and sums the gradients on GPU 0.
 
-Run it (same flags and output lines as ddp_train.py, plus --gpus):
+Run it (the shared flags and output lines of ddp_train.py; its own flag: --gpus):
     python dp_train.py                                    # all visible GPUs (or the CPU)
     python dp_train.py --gpus 2 --data-dir /data/tiny-imagenet-200
     STRATEGY=dp sbatch launch/multi_gpu.slurm             # one process on one node
@@ -149,15 +149,15 @@ def train(args, env: common.DistEnv) -> int:
     step_model = nn.DataParallel(AutocastForward(inner, device.type, common.amp_dtype(args)),
                                  device_ids=gpu_ids or None)
 
-    # The same sampler as the other scripts at world size 1: the same shuffling order. The
-    # loader's batch is the global batch, which DataParallel splits into one chunk per GPU.
+    batch = global_batch  # one DataLoader batch: the global batch, which DataParallel splits
+    # The same sampler as the other scripts at world size 1: the same shuffling order.
     train_sampler = DistributedSampler(data.train, num_replicas=1, rank=0, shuffle=True,
                                        seed=args.seed, drop_last=True)
     train_batches = checkpoint.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=1, rank=0, shuffle=False)
-    train_loader = datautils.make_loader(data.train, train_batches, global_batch, args, device,
+    train_loader = datautils.make_loader(data.train, train_batches, batch, args, device,
                                          drop_last=True)
-    val_loader = datautils.make_loader(data.val, val_sampler, global_batch, args, device,
+    val_loader = datautils.make_loader(data.val, val_sampler, batch, args, device,
                                        start_now=True, val=True)
     val_real = datautils.real_samples(val_sampler)
 
@@ -178,7 +178,7 @@ def train(args, env: common.DistEnv) -> int:
     ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint, device)
     start_epoch, start_step = ckpt.resume()
 
-    gpus = [torch.device("cuda", i) for i in gpu_ids] or [device]
+    devices = [torch.device("cuda", i) for i in gpu_ids] or [device]  # GPU 0 holds the most
     meter = measure.StepMeter(args, steps, global_batch, device)  # progress, --profile
     # what every [METRIC] line of this run says about the run; each epoch adds its figures
     run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
@@ -188,16 +188,15 @@ def train(args, env: common.DistEnv) -> int:
                     warmup_epochs=args.warmup_epochs)
     start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
-        train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
+        train_sampler.set_epoch(epoch)  # reshuffle: a new permutation every epoch
         skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
-        train_batches.skip = skip * global_batch
+        train_batches.skip = skip * batch
         epoch_lr = optimizer.param_groups[0]["lr"]  # at the epoch's first step
         step_model.train()
-        # [loss x n, correct, n] of this rank, kept on the device: no host sync per step
+        # [loss x n, correct, n] of the epoch, kept on the device: no host sync per step
         sums = torch.zeros(3, device=device, dtype=torch.float64)
-        for gpu in gpus:
-            common.reset_peak_memory(gpu)  # this epoch's peak, not the whole run's
-            common.synchronize(gpu)
+        common.reset_peak_memory(*devices)  # this epoch's peak, not the whole run's
+        common.synchronize(*devices)
         t0 = time.perf_counter()
         # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
         # adds up the time spent waiting for the loader
@@ -222,20 +221,19 @@ def train(args, env: common.DistEnv) -> int:
             sums[2] += labels.size(0)
             if ckpt.after_step(loss, epoch, step + 1, steps):  # a stop signal: saved, stop
                 return contract.REQUEUE_EXIT
-        for gpu in gpus:
-            common.synchronize(gpu)
+        common.synchronize(*devices)
         train_time = time.perf_counter() - t0
         ckpt.check_finite(epoch)  # host sync, once per epoch
 
         val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
 
-        # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. One host
-        # sync per epoch (the .tolist() below), not one per step.
+        # Metrics: sums of (loss x n, correct, n), then divide; one process, so all_reduce has
+        # nothing to reduce. One host sync per epoch (the .tolist() below), not one per step.
         totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
-        # the slowest rank sets the pace; data wait: the rank its loader kept waiting longest
+        # one process: its own training time and the time its loader kept it waiting
         times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
         epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
-        peaks = common.peak_memory_per_gpu(gpus)  # GPU 0 holds the most
+        peaks = common.peak_memory_per_gpu(devices)
         metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
             totals, epoch_time, data_wait, peaks, t0, train_time)
         print0(contract.format_epoch_line(metrics))

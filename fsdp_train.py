@@ -3,7 +3,7 @@ GPU like DDP, but each rank keeps only a 1/N shard of the parameters, gradients 
 state. Before a block runs, its parameters are all-gathered; after backward, its gradients are
 reduce-scattered so each rank receives only the gradient of its own shard.
 
-Run it (same flags and output lines as ddp_train.py, plus --sharding):
+Run it (the shared flags and output lines of ddp_train.py; its own flag: --sharding):
     python fsdp_train.py                                  # 1 process; built-in synthetic data
     torchrun --nproc-per-node 2 fsdp_train.py             # 2 processes (CPU: gloo, GPU: NCCL)
     torchrun --nproc-per-node 4 fsdp_train.py --data-dir /data/tiny-imagenet-200 --sharding full
@@ -21,8 +21,9 @@ Run it (same flags and output lines as ddp_train.py, plus --sharding):
              traffic on the slower inter-node network; per-GPU memory like `full` on one node.
 
 Units: one per residual block of ResNet (its BatchNorm layers inside it), plus the root for
-the stem and the classifier: one all-gather and one reduce-scatter per block and step. (A unit
-per BatchNorm layer would add about 70 small, latency-bound collectives per step.)
+the stem and the classifier: per block and step, one all-gather in forward (full: another in
+backward) and one reduce-scatter. (A unit per BatchNorm layer would add about 70 small,
+latency-bound collectives per step.)
 
 Mixed precision: the forward runs under autocast as in ddp_train.py, and gradients are
 reduced in fp32. A model without BatchNorm also gathers its parameters in the --amp dtype
@@ -104,7 +105,7 @@ def setup_distributed(args, env: common.DistEnv):
 
 
 def shard_units(model: nn.Module) -> list:
-    """The blocks that become FSDP units (one all-gather / reduce-scatter each)."""
+    """The blocks that become FSDP units (each gathers and reduce-scatters on its own)."""
     if isinstance(model, ResNet):  # every bottleneck (or basic) block of the four stages
         return [block for stage in (model.layer1, model.layer2, model.layer3, model.layer4)
                 for block in stage]
@@ -200,7 +201,7 @@ def train(args, env: common.DistEnv) -> int:
         measure.collective_check(device, world, grad_bytes, COLLECTIVES)
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
-    if args.profile and world > 1:  # the bandwidth this step's collectives get (the study's)
+    if args.profile and world > 1:  # the bandwidth the step's collectives get
         measure.bandwidth(device, world, [grad_bytes], COLLECTIVES)
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
     # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
@@ -210,15 +211,16 @@ def train(args, env: common.DistEnv) -> int:
     model = apply_fsdp(model, mesh, args)
     step_model = torch.compile(model) if args.compile else model
 
+    batch = args.batch_size  # one DataLoader batch: this process's share of the global batch
     # Each rank reads a disjoint shard of the training set; the permutation depends on
     # (seed, epoch) only, so all ranks agree on it. drop_last keeps the shards equal.
     train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True,
                                        seed=args.seed, drop_last=True)
     train_batches = checkpoint.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
-    train_loader = datautils.make_loader(data.train, train_batches, args.batch_size, args, device,
+    train_loader = datautils.make_loader(data.train, train_batches, batch, args, device,
                                          drop_last=True)
-    val_loader = datautils.make_loader(data.val, val_sampler, args.batch_size, args, device,
+    val_loader = datautils.make_loader(data.val, val_sampler, batch, args, device,
                                        start_now=True, val=True)
     val_real = datautils.real_samples(val_sampler)
 
@@ -240,6 +242,7 @@ def train(args, env: common.DistEnv) -> int:
     ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint, device)
     start_epoch, start_step = ckpt.resume()
 
+    devices = [device]  # the device(s) this process drives: for the clock and peak memory
     meter = measure.StepMeter(args, steps, global_batch, device)  # progress, --profile
     # what every [METRIC] line of this run says about the run; each epoch adds its figures
     run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
@@ -251,13 +254,13 @@ def train(args, env: common.DistEnv) -> int:
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
         skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
-        train_batches.skip = skip * args.batch_size
+        train_batches.skip = skip * batch
         epoch_lr = optimizer.param_groups[0]["lr"]  # at the epoch's first step
         step_model.train()
         # [loss x n, correct, n] of this rank, kept on the device: no host sync per step
         sums = torch.zeros(3, device=device, dtype=torch.float64)
-        common.reset_peak_memory(device)  # this epoch's peak, not the whole run's
-        common.synchronize(device)
+        common.reset_peak_memory(*devices)  # this epoch's peak, not the whole run's
+        common.synchronize(*devices)
         t0 = time.perf_counter()
         # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
         # adds up the time spent waiting for the loader
@@ -267,7 +270,7 @@ def train(args, env: common.DistEnv) -> int:
                 break
             images = prepare(images, train=True)
             optimizer.zero_grad(set_to_none=True)
-            # forward: each unit all-gathers its parameters from all ranks, then (full) frees
+            # forward: each unit gathers its parameters from its shard group; full frees them after
             with torch.autocast(device.type, dtype=dtype or torch.float32,
                                 enabled=dtype is not None):
                 outputs = step_model(images)
@@ -283,7 +286,7 @@ def train(args, env: common.DistEnv) -> int:
             sums[2] += labels.size(0)
             if ckpt.after_step(loss, epoch, step + 1, steps):  # a stop signal: saved, stop
                 return contract.REQUEUE_EXIT
-        common.synchronize(device)
+        common.synchronize(*devices)
         train_time = time.perf_counter() - t0
         ckpt.check_finite(epoch)  # host sync, once per epoch
 
@@ -295,7 +298,7 @@ def train(args, env: common.DistEnv) -> int:
         # the slowest rank sets the pace; data wait: the rank its loader kept waiting longest
         times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
         epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
-        peaks = common.peak_memory_per_gpu([device])
+        peaks = common.peak_memory_per_gpu(devices)
         metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
             totals, epoch_time, data_wait, peaks, t0, train_time)
         print0(contract.format_epoch_line(metrics))

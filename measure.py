@@ -55,10 +55,10 @@ def epoch_metrics(totals: list, epoch_time: float, data_wait: float, peaks: list
 
 def print_final(metrics: dict, total_time: float, trained: bool) -> None:
     """After the last epoch (rank 0 prints): the final [METRIC] line, the last epoch's metrics
-    with final=1 and total_time_s (the seconds this process trained), then the total time. A
-    run resumed from a checkpoint already past --epochs trains nothing: it says so, and its final
-    line repeats the checkpoint's last epoch with total_time_s=nan (not measured here), so that
-    the study still sees the run end."""
+    with final=1 and total_time_s (seconds since this process's first epoch began: training,
+    evaluation, checkpoints), then the total time. A run resumed from a checkpoint already past
+    --epochs trains nothing: it says so, and its final line repeats the checkpoint's last epoch
+    with total_time_s=nan (nothing was timed), so that the study still sees the run end."""
     if not trained:
         print0("nothing to train: the checkpoint is already past --epochs")
     if metrics:

@@ -4,9 +4,9 @@
     python tests/make_tinyimagenet.py /tmp/tin --classes 20 --train-per-class 200   # test data
     python bench/input_pipeline.py --data-dir /tmp/tin
 
-folder: the seed's way. JPEG files decoded with PIL, RandomCrop + flip + ToTensor + Normalize per
-        image in DataLoader workers; measured at every worker count from 0 to the CPU count, the
-        best one reported.
+folder: the workshop script's way. JPEG files decoded with PIL, RandomCrop + flip + ToTensor +
+        Normalize per image in DataLoader workers; measured at every worker count from 0 to the
+        CPU count, the best one reported.
 cache:  --data-cache. uint8 batches gathered from the memory-mapped decoded array; their crop,
         flip and normalisation then run on the device, per batch, after the copy (measured
         separately below, on this machine's device).

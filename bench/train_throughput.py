@@ -4,7 +4,7 @@
     python bench/train_throughput.py --data-dir /tmp/tin --model resnet18 --steps 10   # CPU
 
 Rows (same model, batch and step count; steady-state epoch 2 of each run):
-    folder     ddp_train.py reading JPEGs with PIL in DataLoader workers (the seed's way)
+    folder     ddp_train.py reading JPEGs with PIL in DataLoader workers (the workshop script's way)
     cache      ddp_train.py --data-cache: uint8 batches, augmentation on the device
     synthetic  ddp_train.py on built-in synthetic data held on the device (--data-on-device):
                no loader, no decoding, no copy: compute only, the ceiling
