@@ -279,6 +279,18 @@ def build_data(args, is_main: bool) -> DataBundle:
     return _torchvision_data(args, is_main)
 
 
+def describe(data: DataBundle, global_batch: int, made_of: str) -> None:
+    """Rank 0 says what the run trains on. A global batch larger than the training set
+    (made_of: how it is made, e.g. "64 per process x 4") is refused: no step could run."""
+    if global_batch > len(data.train):
+        raise UsageError(f"global batch {global_batch} ({made_of}) is larger than the "
+                         f"{len(data.train)} training samples: lower --batch-size")
+    if data.name == "synthetic":
+        print0("note: no --data-dir given, so this run uses built-in synthetic data "
+               "(numbers show the pipeline, not TinyImageNet accuracy)")
+    print0(f"data: {data.description}")
+
+
 def real_samples(sampler) -> int:
     """How many of this rank's validation indices are real. A DistributedSampler without
     shuffle pads the stream by repeating the first samples so every rank gets the same count;

@@ -35,7 +35,7 @@ import datautils
 import measure
 import models
 from common import print0
-from faults import UsageError, end_process
+from faults import end_process
 
 STRATEGY = "ddp"
 COLLECTIVES = ("all_reduce",)  # of the gradients, bucket by bucket during backward
@@ -111,14 +111,7 @@ def train(args, env: common.DistEnv) -> int:
     data = datautils.build_data(args, is_main)
     checkpoint.check_writable(args.save_model)
     global_batch = args.batch_size * world
-    if global_batch > len(data.train):
-        raise UsageError(f"global batch {global_batch} ({args.batch_size} per process x {world}) "
-                         f"is larger than the {len(data.train)} training samples: lower "
-                         f"--batch-size")
-    if data.name == "synthetic":
-        print0("note: no --data-dir given, so this run uses built-in synthetic data "
-               "(numbers show the pipeline, not TinyImageNet accuracy)")
-    print0(f"data: {data.description}")
+    datautils.describe(data, global_batch, f"{args.batch_size} per process x {world}")
     print0(f"global batch: {global_batch} = {args.batch_size} per process x {world} processes")
 
     # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).

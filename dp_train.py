@@ -121,14 +121,7 @@ def train(args, env: common.DistEnv) -> int:
     data = datautils.build_data(args, is_main)
     checkpoint.check_writable(args.save_model)
     global_batch = args.batch_size * world
-    if global_batch > len(data.train):
-        raise UsageError(f"global batch {global_batch} ({args.batch_size} per GPU x {world}) is "
-                         f"larger than the {len(data.train)} training samples: lower "
-                         f"--batch-size")
-    if data.name == "synthetic":
-        print0("note: no --data-dir given, so this run uses built-in synthetic data "
-               "(numbers show the pipeline, not TinyImageNet accuracy)")
-    print0(f"data: {data.description}")
+    datautils.describe(data, global_batch, f"{args.batch_size} per GPU x {world}")
     print0(f"global batch: {global_batch} = {args.batch_size} per GPU x {world} GPU(s), one "
            f"DataLoader batch split by DataParallel")
 

@@ -133,6 +133,11 @@ def test_dp_on_one_device_matches_ddp_single_process(tmp_path):
 
 @pytest.mark.parametrize("script,args,message", [
     ("dp_train.py", ["--gpus", "2"], "no GPU is visible"),
+    ("ddp_train.py", ["--synthetic-size", "40", "--batch-size", "64"],
+     "global batch 64 (64 per process x 1) is larger than the 40 training samples: lower "
+     "--batch-size"),
+    ("dp_train.py", ["--synthetic-size", "40", "--batch-size", "64"],
+     "global batch 64 (64 per GPU x 1) is larger than the 40 training samples"),
     ("ddp_train.py", ["--bucket-cap-mb", "-1"],
      "argument --bucket-cap-mb: must be a number above 0"),
     ("dp_train.py", ["--data-dir", "/nonexistent"], "does not exist"),
