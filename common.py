@@ -269,6 +269,17 @@ def positive(text: str) -> float:
     return value
 
 
+def positive_int(text: str) -> int:
+    """An argparse type like positive: a whole number above 0 (e.g. dp_train.py's --gpus)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number above 0, got {text!r}")
+    return value
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags every training script takes, with the same names, defaults and meaning."""
     g = parser.add_argument_group("data and model")

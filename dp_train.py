@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common.add_common_args(parser)
     g = parser.add_argument_group("DataParallel")
-    g.add_argument("--gpus", type=int, default=None,
+    g.add_argument("--gpus", type=common.positive_int, default=None,
                    help="number of GPUs to use (default: all visible)")
     return parser
 
@@ -73,8 +73,6 @@ def setup_devices(args):
         raise UsageError("dp_train.py is a single process that drives all GPUs itself: run it "
                          "with python, not torchrun --nproc-per-node > 1")
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if args.gpus is not None and args.gpus < 1:
-        raise UsageError(f"--gpus must be at least 1, got {args.gpus}")
     if visible == 0:
         if args.gpus:
             raise UsageError(f"--gpus {args.gpus} was asked for but no GPU is visible: drop "

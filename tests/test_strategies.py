@@ -133,6 +133,7 @@ def test_dp_on_one_device_matches_ddp_single_process(tmp_path):
 
 @pytest.mark.parametrize("script,args,message", [
     ("dp_train.py", ["--gpus", "2"], "no GPU is visible"),
+    ("dp_train.py", ["--gpus", "0"], "argument --gpus: must be a whole number above 0, got '0'"),
     ("ddp_train.py", ["--synthetic-size", "40", "--batch-size", "64"],
      "global batch 64 (64 per process x 1) is larger than the 40 training samples: lower "
      "--batch-size"),
