@@ -237,10 +237,10 @@ wait "$tee_pid" 2>/dev/null || true
 # Did the training stop after checkpointing for a requeue? dp_train.py exits 75 itself; torchrun
 # turns its workers' 75 into 1, so also read rank 0's machine line from this attempt's part of
 # train.log: "[STOP] signal=SIGUSR1 epoch=2 step=15 saved=1 exit_code=75" (contract.STOP_LINE).
-# grep reads all of it (no -q): with pipefail, a grep that leaves early makes tail die of SIGPIPE
-# once the log outgrows the pipe, and the pipeline would then fail even though the line is there.
+# Not `tail | grep -q` under pipefail: grep leaves at the match, tail may still be writing the
+# lines after it (torchrun's failure report) and die of SIGPIPE, and the pipeline then fails.
 requeue_ckpt=0
-if tail -c +"$((log_size + 1))" "$RUN_DIR/train.log" | grep '\[STOP\] .* saved=1 ' >/dev/null
+if grep -q '\[STOP\] .* saved=1 ' < <(tail -c +"$((log_size + 1))" "$RUN_DIR/train.log")
 then
   requeue_ckpt=1
   rc=75
@@ -279,7 +279,8 @@ echo "end           : $end (exit code $rc)"
 if [ "$requeue_ckpt" = 1 ]; then
   state=""
   if [ -n "${SLURM_JOB_ID:-}" ]; then
-    state=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p')
+    state=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null \
+      | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' || true)  # unknown: not requeued, but said
   fi
   if [ -z "${SLURM_JOB_ID:-}" ]; then
     echo "stopped after a checkpoint: continue with RUN_DIR=$RUN_DIR bash launch/local.sh ..."
