@@ -440,12 +440,14 @@ def summarize_logs(logs: dict, notes: list) -> tuple:
 TIMELINE_NAME = "timeline.png"
 
 
-def plot_timeline(run_dir, out_path=None, notes: list | None = None, logs: dict | None = None):
+def plot_timeline(run_dir, out_path=None, notes: list | None = None, logs: dict | None = None,
+                  alignment_notes: bool = True):
     """The timeline of one run directory as a matplotlib Figure (timeline.draw: a panel per
     node, GPU memory and utilisation per GPU, the node's CPU RSS, the epochs marked), saved to
     out_path unless None. logs: the run's collect_logs result (read from run_dir when None).
-    Notes (alignment, unreadable files) are appended to notes. Raises LogError when run_dir
-    has no usable log, OSError when out_path cannot be written."""
+    Notes (unreadable files, clocks; alignment_notes: how a CPU-only log was placed) are
+    appended to notes. Raises LogError when run_dir has no usable log, OSError when out_path
+    cannot be written."""
     notes = [] if notes is None else notes
     if logs is None:
         problems = []
@@ -455,7 +457,7 @@ def plot_timeline(run_dir, out_path=None, notes: list | None = None, logs: dict 
             raise LogError(problems[0]["message"] if problems else f"{run_dir}: no logs")
     gpu_logs = [(node, attempts) for (kind, _, node), attempts in logs.items() if kind == KIND_GPU]
     cpu_logs = [(node, attempts) for (kind, _, node), attempts in logs.items() if kind == KIND_CPU]
-    return timeline.draw(run_dir, gpu_logs, cpu_logs, out_path, notes)
+    return timeline.draw(run_dir, gpu_logs, cpu_logs, out_path, notes, alignment_notes)
 
 
 def write_timelines(logs: dict, notes: list, problems: list) -> list:

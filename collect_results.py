@@ -352,8 +352,9 @@ def write_csv(rows: list, path: Path) -> None:
 def write_timelines(rows: list, out_dir: Path) -> list:
     """--plot: each run directory's timeline, as ``timeline-<run>.png`` in out_dir (what
     ``analyze_memory.py --plot RUN_DIR`` draws). What the drawing notes (clocks that disagree,
-    an unreadable training log, how a CPU log was aligned) joins the run's notes, except what
-    reading the memory logs already noted; a run it cannot draw gets a note."""
+    an unreadable training log) joins the run's notes, except what reading the memory logs
+    already noted; not how a CPU-only run's log was placed, which every CPU run would repeat;
+    a run it cannot draw gets a note."""
     written = []
     for row in rows:
         run_dir = Path(row["path"]) if row["path"] else None
@@ -363,7 +364,7 @@ def write_timelines(rows: list, out_dir: Path) -> list:
         try:
             path = out_dir / f"timeline-{row['run']}.png"
             notes = []
-            analyze_memory.plot_timeline(run_dir, path, notes)
+            analyze_memory.plot_timeline(run_dir, path, notes, alignment_notes=False)
             written.append(path)
             row["notes"] += [f"timeline: {n}" for n in notes if n not in row["notes"]]
         except (analyze_memory.LogError, OSError) as e:

@@ -139,14 +139,15 @@ def _check_clocks(nodes: dict, phases: list, run_dir, notes: list) -> None:
                      f"with TZ set to the cluster's (e.g. TZ=Europe/Berlin)")
 
 
-def draw(run_dir, gpu_logs: list, cpu_logs: list, out_path=None, notes: list | None = None):
+def draw(run_dir, gpu_logs: list, cpu_logs: list, out_path=None, notes: list | None = None,
+         alignment_notes: bool = True):
     """The timeline of one run directory as a matplotlib Figure (plots.timeline_figure), saved to
-    out_path unless None; gpu_logs and cpu_logs as node_timelines takes them. Notes (alignment,
-    unreadable training logs, clocks) are appended to notes. Raises OSError when out_path cannot
-    be written."""
+    out_path unless None; gpu_logs and cpu_logs as node_timelines takes them. Notes (unreadable
+    training logs, clocks, and with alignment_notes how a CPU log without a GPU log was placed)
+    are appended to notes. Raises OSError when out_path cannot be written."""
     notes = [] if notes is None else notes
     phases = read_phases(find_training_logs(run_dir, notes), notes)
-    nodes = node_timelines(gpu_logs, cpu_logs, notes)
+    nodes = node_timelines(gpu_logs, cpu_logs, notes if alignment_notes else [])
     _check_clocks(nodes, phases, run_dir, notes)
     fig = plots.timeline_figure(f"{run_dir}: memory and utilisation over time", nodes, phases)
     if out_path is not None:

@@ -219,7 +219,18 @@ def test_plot_puts_what_the_timeline_notes_into_results_md(tmp_path, tz, noted):
     md = (tmp_path / "results.md").read_text()
     assert (f"- timeline_run: timeline: {run}: the epochs of the training log lie outside the "
             f"GPU logs' time span" in md) == noted
-    assert md.count("folded 2 attempts") == 2  # the memory notes are not repeated
+    assert md.count("skipped 2 line(s)") == 1  # the memory notes are not repeated
+
+
+def test_plot_leaves_a_cpu_only_runs_alignment_out_of_results_md(tmp_path):
+    """Every CPU-only run's timeline places its psrecord log by the file's time; said once per
+    run, that note would fill results.md's Notes (analyze_memory.py --plot still says it)."""
+    run = tmp_path / "cpu_run"
+    shutil.copytree(TESTS / "fixtures" / "memory" / "timeline_run", run)
+    shutil.rmtree(run / "gpu_memory")
+    assert collect_results.main([str(run), "--out", str(tmp_path / "out"), "--plot"]) == 0
+    assert (tmp_path / "out" / "timeline-cpu_run.png").exists()
+    assert "align" not in (tmp_path / "out" / "results.md").read_text()
 
 
 def test_without_bandwidth_figures_the_model_says_how_to_get_them(study):
