@@ -402,7 +402,9 @@ class Checkpoints:
         if self.dir and every and done % every == 0 and done < steps:
             self.check_finite(epoch)  # never save weights that a NaN has reached
             self.save(epoch, done)
-        if not self.stop.should_stop():  # all ranks agree on the same step
+        # A stop at the epoch's last step waits for end_epoch, after the epoch's metrics: a
+        # checkpoint taken here would resume into an epoch with no step left to run.
+        if done == steps or not self.stop.should_stop():  # all ranks agree on the same step
             return False
         if self.dir:
             self.check_finite(epoch)
@@ -416,11 +418,17 @@ class Checkpoints:
         self.bad_steps.zero_()
         self.first_bad.fill_(-1)
 
-    def end_epoch(self, epoch: int, metrics: dict) -> None:
-        """After the epoch's check_finite() and metrics: the epoch-end checkpoint."""
+    def end_epoch(self, epoch: int, metrics: dict) -> bool:
+        """Every rank, after the epoch's check_finite() and metrics: the epoch-end checkpoint.
+        True when a stop signal came by the epoch's last step and the run must end now (saved;
+        after the last epoch the run just ends, its work done)."""
         self.metrics = metrics
         if self.dir:
             self.save(epoch + 1, 0)
+        if epoch + 1 == self.args.epochs or not self.stop.should_stop():
+            return False
+        print0(self.stop.report(epoch + 2, 0, saved=self.dir is not None))
+        return True
 
     def save(self, epoch: int, step: int) -> None:
         """Collective: every rank takes part (their RNG states are gathered into the file).

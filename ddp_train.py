@@ -228,7 +228,8 @@ def train(args, env: common.DistEnv) -> int:
         print0(contract.format_epoch_line(metrics))
         print0(contract.format_metric_line(metrics))
         datautils.report_skipped(metrics, (steps - skip) * global_batch, len(data.val))
-        ckpt.end_epoch(epoch, metrics)
+        if ckpt.end_epoch(epoch, metrics):  # a stop signal by the epoch's end: saved, stop
+            return contract.REQUEUE_EXIT
     ckpt.finish()
 
     total_time = time.perf_counter() - start

@@ -21,8 +21,8 @@ Run it (the shared flags and output lines of ddp_train.py; its own flag: --shard
              traffic on the slower inter-node network; per-GPU memory like `full` on one node.
 
 Units: one per residual block of ResNet (its BatchNorm layers inside it), plus the root for
-the stem and the classifier: per block and step, one all-gather in forward (full: another in
-backward) and one reduce-scatter. (A unit per BatchNorm layer would add about 70 small,
+the stem and the classifier: per block and step, one all-gather in forward (full and hybrid:
+another in backward) and one reduce-scatter. (A unit per BatchNorm layer would add about 70 small,
 latency-bound collectives per step.)
 
 Mixed precision: the forward runs under autocast as in ddp_train.py, and gradients are
@@ -263,12 +263,13 @@ def train(args, env: common.DistEnv) -> int:
                 break
             images = prepare(images, train=True)
             optimizer.zero_grad(set_to_none=True)
-            # forward: each unit gathers its parameters from its shard group; full frees them after
+            # forward: each unit gathers its parameters from its shard group; full/hybrid free
+            # them after
             with torch.autocast(device.type, dtype=dtype or torch.float32,
                                 enabled=dtype is not None):
                 outputs = step_model(images)
                 loss = criterion(outputs, labels)
-            # backward: re-gather (full), then reduce-scatter gradients: each rank keeps the
+            # backward: re-gather (full/hybrid), then reduce-scatter gradients: each rank keeps the
             # averaged gradient of its own shard
             scaler.scale(loss).backward()
             scaler.step(optimizer)  # updates only this rank's shard
@@ -297,7 +298,8 @@ def train(args, env: common.DistEnv) -> int:
         print0(contract.format_epoch_line(metrics))
         print0(contract.format_metric_line(metrics))
         datautils.report_skipped(metrics, (steps - skip) * global_batch, len(data.val))
-        ckpt.end_epoch(epoch, metrics)
+        if ckpt.end_epoch(epoch, metrics):  # a stop signal by the epoch's end: saved, stop
+            return contract.REQUEUE_EXIT
     ckpt.finish()
 
     total_time = time.perf_counter() - start

@@ -35,9 +35,10 @@ def epoch_metrics(totals: list, epoch_time: float, data_wait: float, peaks: list
                   train_time: float) -> dict:
     """The measured keys of an epoch's [METRIC] line. totals: the six sums reduced over all
     ranks (train loss x n, correct, n, then the same for validation), so each average is a sum
-    divided by a count, never a mean of the ranks' means; epoch_time, data_wait: the slowest
-    rank's, in s; peaks: MiB per GPU; t0, train_time: this rank's perf_counter() when training
-    started, and how long it took."""
+    divided by a count, never a mean of the ranks' means; epoch_time: the slowest rank's
+    training time, data_wait: the longest any rank's loader kept it waiting, both in s; peaks:
+    MiB per GPU; t0, train_time: this rank's perf_counter() when training started, and how
+    long it took."""
     t_loss, t_correct, t_n, v_loss, v_correct, v_n = totals
     now, clock = time.perf_counter(), time.time()
     return dict(

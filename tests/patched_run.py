@@ -89,6 +89,20 @@ def record_lr(out: Path) -> None:
     torch.optim.SGD.step = step
 
 
+def usr1_at_an_epochs_last_step(out: Path) -> None:
+    """SIGUSR1 arrives as the last step of epoch $STOP_EPOCH (0-based, default 0) ends; one
+    process, so the step sees it at once."""
+    import signal
+    real = checkpoint.Checkpoints.after_step
+    stop_epoch = int(os.environ.get("STOP_EPOCH", "0"))
+
+    def after_step(self, loss, epoch, done, steps):
+        if epoch == stop_epoch and done == steps:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return real(self, loss, epoch, done, steps)
+    checkpoint.Checkpoints.after_step = after_step
+
+
 if __name__ == "__main__":
     patch, out, script, *args = sys.argv[1:]
     globals()[patch](Path(out))

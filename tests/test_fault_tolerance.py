@@ -29,8 +29,11 @@ def _torchrun(script, args, nproc):
 
 
 def _start(cmd):
+    # SIGINT as in a terminal: a suite started in the background (`cmd &` in a script) hands
+    # its children SIGINT ignored, and Python then never raises KeyboardInterrupt
     return subprocess.Popen(cmd, env=env_for_tests(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _children(pid):
@@ -138,6 +141,35 @@ def test_ctrl_c_is_one_line_and_releases_the_checkpoint_dir(tmp_path):
         "error: interrupted (Ctrl-C); nothing was saved since the last checkpoint. To stop "
         "with a checkpoint, send SIGTERM or SIGUSR1 (scancel --signal=USR1)"]
     assert not (ck / faults.LOCK_FILE).exists()
+
+
+def _usr1_at_last_step(tmp_path, stop_epoch: int) -> tuple:
+    args = RUN + ["--checkpoint-dir", str(tmp_path / "ck")]
+    cmd = [sys.executable, str(REPO / "tests" / "patched_run.py"), "usr1_at_an_epochs_last_step",
+           str(tmp_path), "ddp_train.py", *args]
+    return args, subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                                env=env_for_tests({"STOP_EPOCH": str(stop_epoch)}))
+
+
+def test_a_stop_at_an_epochs_last_step_saves_the_finished_epoch(tmp_path):
+    """Before: a stop seen at an epoch's last step saved (epoch, last step), and the resumed
+    run trained an epoch with no step left: its line said 0 images at 0 img/s. Now the epoch
+    ends first (its line, its end checkpoint), then the run stops for the requeue."""
+    args, stopped = _usr1_at_last_step(tmp_path, stop_epoch=0)
+    assert stopped.returncode == contract.REQUEUE_EXIT, stopped.stdout + stopped.stderr
+    assert [(m["epoch"], m["train_images"]) for m in metrics(stopped.stdout)] == [("1", "320")]
+    assert "[STOP] signal=SIGUSR1 epoch=2 step=0 saved=1 exit_code=75" in stopped.stdout
+    resumed = run_script("ddp_train.py", args)
+    check_ok(resumed)
+    assert "Resumed from epoch 2, step 0" in resumed.stdout
+    assert [(m["epoch"], m["train_images"]) for m in metrics(resumed.stdout)] == \
+        [("2", "320"), ("2", "320")]  # epoch 2, then the final line
+
+
+def test_a_stop_at_the_last_epochs_last_step_just_finishes(tmp_path):
+    _args, done = _usr1_at_last_step(tmp_path, stop_epoch=1)
+    check_ok(done)
+    assert "[STOP]" not in done.stdout and metrics(done.stdout)[-1]["final"] == "1"
 
 
 def test_fsdp_checkpoint_resumes_at_another_world_size(uninterrupted, tmp_path):
