@@ -159,11 +159,13 @@ def test_a_stop_at_an_epochs_last_step_saves_the_finished_epoch(tmp_path):
     assert stopped.returncode == contract.REQUEUE_EXIT, stopped.stdout + stopped.stderr
     assert [(m["epoch"], m["train_images"]) for m in metrics(stopped.stdout)] == [("1", "320")]
     assert "[STOP] signal=SIGUSR1 epoch=2 step=0 saved=1 exit_code=75" in stopped.stdout
-    resumed = run_script("ddp_train.py", args)
+    resumed = run_script("ddp_train.py", args + ["--save-model", str(tmp_path / "r.pt")])
     check_ok(resumed)
     assert "Resumed from epoch 2, step 0" in resumed.stdout
     assert [(m["epoch"], m["train_images"]) for m in metrics(resumed.stdout)] == \
         [("2", "320"), ("2", "320")]  # epoch 2, then the final line
+    check_ok(run_script("ddp_train.py", RUN + ["--save-model", str(tmp_path / "ref.pt")]))
+    _same_weights(tmp_path / "ref.pt", tmp_path / "r.pt")  # as if never stopped
 
 
 def test_a_stop_at_the_last_epochs_last_step_just_finishes(tmp_path):
