@@ -354,7 +354,7 @@ def write_timelines(rows: list, out_dir: Path) -> list:
     ``analyze_memory.py --plot RUN_DIR`` draws). What the drawing notes (clocks that disagree,
     an unreadable training log) joins the run's notes, except what reading the memory logs
     already noted; not how a CPU-only run's log was placed, which every CPU run would repeat;
-    a run it cannot draw gets a note."""
+    a run it cannot draw gets a note (its reason unless a note above already gives it)."""
     written = []
     for row in rows:
         run_dir = Path(row["path"]) if row["path"] else None
@@ -367,8 +367,8 @@ def write_timelines(rows: list, out_dir: Path) -> list:
             analyze_memory.plot_timeline(run_dir, path, notes, alignment_notes=False)
             written.append(path)
             row["notes"] += [f"timeline: {n}" for n in notes if n not in row["notes"]]
-        except (analyze_memory.LogError, OSError) as e:
-            row["notes"].append(f"no timeline drawn: {e}")
+        except (analyze_memory.LogError, OSError) as e:  # the reason once: often a memory note
+            row["notes"].append("no timeline drawn" + ("" if str(e) in row["notes"] else f": {e}"))
     return written
 
 

@@ -286,8 +286,8 @@ def describe(data: DataBundle, global_batch: int, made_of: str) -> None:
         raise UsageError(f"global batch {global_batch} ({made_of}) is larger than the "
                          f"{len(data.train)} training samples: lower --batch-size")
     if data.name == "synthetic":
-        print0("note: no --data-dir given, so this run uses built-in synthetic data "
-               "(numbers show the pipeline, not TinyImageNet accuracy)")
+        print0("note: this run uses built-in synthetic data (--data-dir DIR for TinyImageNet): "
+               "its numbers show the pipeline, not TinyImageNet accuracy")
     print0(f"data: {data.description}")
 
 

@@ -233,6 +233,19 @@ def test_plot_leaves_a_cpu_only_runs_alignment_out_of_results_md(tmp_path):
     assert "align" not in (tmp_path / "out" / "results.md").read_text()
 
 
+def test_plot_of_a_run_without_a_usable_log_gives_the_reason_once(tmp_path):
+    """A run whose only memory log is empty: its memory note says why, and the timeline's
+    note says that none was drawn without repeating the reason."""
+    run = tmp_path / "empty_run"
+    (run / "gpu_memory").mkdir(parents=True)
+    (run / "gpu_memory" / "n1.csv").write_text("")
+    shutil.copy(TESTS / "fixtures" / "memory" / "timeline_run" / "train.log", run)
+    collect_results.main([str(run), "--out", str(tmp_path / "out"), "--plot"])
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert md.count("the file is empty") == 1
+    assert "- empty_run: no timeline drawn\n" in md
+
+
 def test_without_bandwidth_figures_the_model_says_how_to_get_them(study):
     _rows, md, _out = study
     assert "no run measured its bus bandwidth; run the study with `-- --profile`" in md

@@ -25,7 +25,7 @@ def test_torchrun_two_processes_prints_contract_lines():
     proc = run_script("ddp_train.py", FAST, nproc=2)
     check_ok(proc)
     out = proc.stdout
-    assert "synthetic" in out and "note: no --data-dir given" in out
+    assert "note: this run uses built-in synthetic data (--data-dir DIR for TinyImageNet)" in out
     assert "global batch: 32 = 16 per process x 2 processes" in out
     lines = epoch_lines(out)
     assert [(e, n) for e, n, *_ in lines] == [("1", "2"), ("2", "2")]
