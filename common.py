@@ -280,6 +280,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help ends each flag's text with its default, but not "(default: None)": such a flag's
+    text says itself what happens without it."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags every training script takes, with the same names, defaults and meaning."""
     g = parser.add_argument_group("data and model")
@@ -318,8 +326,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "rule of Goyal et al., 2017) or sqrt; none keeps --lr at every world "
                         "size (the workshop script's behaviour)")
     g.add_argument("--base-batch", type=int, default=64,
-                   help="the global batch that --lr is meant for under --lr-scaling (default: "
-                        "one GPU at the default --batch-size)")
+                   help="the global batch that --lr is meant for under --lr-scaling: one GPU "
+                        "at the default --batch-size")
     g.add_argument("--warmup-epochs", type=float, default=0,
                    help="raise the learning rate linearly, step by step, over this many epochs "
                         "(fractions allowed) to its full value; 0: no warm-up")

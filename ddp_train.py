@@ -48,7 +48,7 @@ BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Data-parallel training with DistributedDataParallel (one process per GPU).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=common.HelpFormatter)
     common.add_common_args(parser)
     g = parser.add_argument_group("DDP")
     g.add_argument("--bucket-cap-mb", type=common.positive, default=25,

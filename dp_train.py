@@ -45,7 +45,7 @@ STRATEGY = "dp"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Data-parallel training with nn.DataParallel (one process, all GPUs).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=common.HelpFormatter)
     common.add_common_args(parser)
     g = parser.add_argument_group("DataParallel")
     g.add_argument("--gpus", type=common.positive_int, default=None,

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Data-parallel training with FSDP2 (fully_shard): parameters, gradients "
                     "and optimizer state sharded across processes.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=common.HelpFormatter)
     common.add_common_args(parser)
     g = parser.add_argument_group("FSDP")
     g.add_argument("--sharding", choices=SHARDING, default="full",

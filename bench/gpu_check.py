@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import torch  # noqa: E402
 
+import common  # noqa: E402
 import contract  # noqa: E402
 from make_tinyimagenet import make_tree, make_tree_parallel  # noqa: E402
 
@@ -136,7 +137,7 @@ def equivalence_tests(gpus: int, timeout: int) -> tuple:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=common.HelpFormatter)
     p.add_argument("--data-dir", default=None,
                    help="a TinyImageNet folder (original layout); default: generate one")
     p.add_argument("--work-dir", default=None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 import os
 import re
 import socket
@@ -36,6 +37,21 @@ def test_all_scripts_share_the_flags_of_ddp_train():
                 "--no-broadcast-buffers"}
     assert dp - ddp == {"--gpus"} and ddp - dp == ddp_only
     assert fsdp - ddp == {"--sharding"} and ddp - fsdp == ddp_only
+
+
+def test_help_gives_each_default_once():
+    """--help appends each flag's default, but no "(default: None)" after a text that already
+    says what happens without the flag."""
+    texts = [" ".join(importlib.import_module(name).build_parser().format_help().split())
+             for name in ("ddp_train", "dp_train", "fsdp_train")]
+    gpu_check = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--help"],
+                               capture_output=True, text=True, timeout=120, env=env_for_tests())
+    check_ok(gpu_check)
+    for text in texts + [" ".join(gpu_check.stdout.split())]:
+        assert "(default: None)" not in text and "(default: " in text
+    for text in texts:
+        assert "one GPU at the default --batch-size (default: 64)" in text
+        assert "(default: from $SLURM_CPUS_PER_TASK" in text  # --num-workers says its own
 
 
 def test_dp_runs_on_cpu_and_prints_both_lines():
