@@ -15,7 +15,8 @@ Copy-paste usage:
     python analyze_memory.py --plot runs/myjob-123/         # also draws runs/myjob-123/timeline.png
 
 Output: GPU lines, then CPU lines, labelled by node (the file name without extension and
-.restart<N>); a node's attempts are folded together, and a note on stderr says how many:
+.restart<N>); a node's attempts are folded together, and a note on stderr says how many. Logs
+of several runs (a study directory): each run's lines under a line "== <run directory> ==".
 
     [gpu_memory_log - GPU 0] Peak = 26532 MiB, Avg = 22458.63 MiB, Mode = 26532 MiB
     [n1 - GPU 0] Peak = 26532 MiB, Avg = 20206.67 MiB, Mode = 26532 MiB, Util avg = 87.3%
@@ -491,6 +492,13 @@ def write_timelines(logs: dict, notes: list, problems: list) -> list:
 
 # ---- Command line
 
+def _run_of(record: dict) -> Path:
+    """The run directory of a record: the folder above gpu_memory/ or cpu_memory/, else the
+    folder of its first file."""
+    folder = Path(record["file"].split(";")[0]).parent
+    return folder.parent if folder.name in _LOG_DIRS else folder
+
+
 def format_gpu_line(record: dict) -> str:
     """GPU_LINE of a GPU record, with GPU_UTIL_PART when it has a utilisation average."""
     line = GPU_LINE.format(**record)
@@ -537,10 +545,13 @@ def print_results(args, gpu_stats: list, cpu_stats: list, problems: list,
                 writer.writerow({"kind": kind, **{k: "" if v is None else v
                                                   for k, v in r.items()}})
     else:
-        for r in gpu_stats:
-            print(format_gpu_line(r))
-        for r in cpu_stats:
-            print(format_cpu_line(r))
+        lines = [(_run_of(r), format_gpu_line(r)) for r in gpu_stats]
+        lines += [(_run_of(r), format_cpu_line(r)) for r in cpu_stats]
+        runs = list(dict.fromkeys(run for run, _line in lines))
+        for run in runs:
+            if len(runs) > 1:   # a study: the same node may serve several runs
+                print(f"== {run} ==")
+            print("\n".join(line for line_run, line in lines if line_run == run))
     for path in timelines:      # on stderr after --json/--csv, which own stdout
         print(f"timeline: {path}", file=sys.stderr if args.json or args.csv else sys.stdout)
     sys.stdout.flush()      # results before the notes when both go to one terminal

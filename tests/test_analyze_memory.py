@@ -181,6 +181,24 @@ def test_cli_run_directory_text_output():
     assert any("n2.csv: skipped 4 line(s)" in n for n in notes)
 
 
+def test_cli_study_prints_each_runs_lines_under_its_directory(tmp_path):
+    """Two runs on the same node (a study): each run's lines come under a line naming its run
+    directory, or the two n1 lines could not be told apart. One run gets no such line."""
+    for run, mib in (("ddp-1n1g-1", 1000), ("fsdp-1n1g-2", 2000)):
+        _gpu_log(tmp_path / run / "gpu_memory" / "n1.csv", [mib, mib])
+        _cpu_log(tmp_path / run / "cpu_memory" / "n1.txt", [(0.0, 50.0, 100.0)])
+    p = run_cli(tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == [
+        f"== {tmp_path / 'ddp-1n1g-1'} ==",
+        "[n1 - GPU 0] Peak = 1000 MiB, Avg = 1000.00 MiB, Mode = 1000 MiB",
+        "[n1 - CPU] Peak RSS = 100.00 MB, Avg RSS = 100.00 MB, Peak CPU = 50.0%, Avg CPU = 50.0%",
+        f"== {tmp_path / 'fsdp-1n1g-2'} ==",
+        "[n1 - GPU 0] Peak = 2000 MiB, Avg = 2000.00 MiB, Mode = 2000 MiB",
+        "[n1 - CPU] Peak RSS = 100.00 MB, Avg RSS = 100.00 MB, Peak CPU = 50.0%, Avg CPU = 50.0%"]
+    assert not run_cli(tmp_path / "ddp-1n1g-1").stdout.startswith("==")
+
+
 def test_cli_json():
     p = run_cli("--json", RUN)
     assert p.returncode == 0, p.stderr
