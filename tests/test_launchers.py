@@ -64,6 +64,9 @@ if os.environ.get("FAKE_SMI_PIDS"):
     with open(os.environ["FAKE_SMI_PIDS"], "a") as f:
         f.write(f"{{os.getpid()}}\\n")
 gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",") if g]
+if "-L" in sys.argv:  # the GPU list: one line per GPU
+    print("".join(f"GPU {{i}}: Fake GPU (UUID: GPU-{{i}})\\n" for i, _ in enumerate(gpus)), end="")
+    sys.exit(0)
 print("timestamp, index, name, memory.used [MiB], memory.total [MiB]", flush=True)
 n = 0
 while True:
@@ -267,6 +270,24 @@ def test_local_sh_rejects_a_bad_process_count(tmp_path):
     res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "two"],
                          cwd=tmp_path, env=base_env(tmp_path), capture_output=True, text=True)
     assert res.returncode == 2 and "positive integer" in res.stderr
+
+
+@pytest.mark.parametrize("listed, visible, expected", [
+    (3, None, "3"),   # a GPU machine without Slurm: the GPUs nvidia-smi lists
+    (3, "0,1", "2"),  # CUDA_VISIBLE_DEVICES first
+    (0, None, "1"),   # nvidia-smi lists none (or is missing): one process
+])
+def test_node_sh_counts_the_gpus_nvidia_smi_lists(tmp_path, listed, visible, expected):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/bash\n[ \"$1\" = -L ] || exit 9\n" + "".join(
+        f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(listed)))
+    smi.chmod(0o755)
+    env = base_env(tmp_path) | {"NVIDIA_SMI": str(smi)}
+    if visible:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    res = subprocess.run(["bash", str(LAUNCH / "node.sh"), "--gpus"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert (res.returncode, res.stdout) == (0, expected + "\n"), res.stderr
 
 
 def test_local_sh_usr1_checkpoints_then_run_dir_resumes(tmp_path):
