@@ -94,7 +94,8 @@ def load_checkpoint(path, state: dict) -> dict:
     # weights_only: a checkpoint holds tensors and plain values, it cannot run code
     saved = torch.load(path, map_location="cpu", weights_only=True)
     for name, obj in state.items():
-        obj.load_state_dict(saved[name])
+        if saved[name]:  # {}: a disabled GradScaler's (a run without fp16): keep the new one
+            obj.load_state_dict(saved[name])
     return saved
 
 

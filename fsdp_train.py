@@ -162,7 +162,8 @@ def load_checkpoint(path, state: dict) -> dict:
     set_state_dict(state["model"], state["optimizer"], model_state_dict=shards["model"],
                    optim_state_dict=shards["optimizer"])
     for name in ("scheduler", "scaler"):
-        state[name].load_state_dict(meta[name])
+        if meta[name]:  # {}: a disabled GradScaler's (a run without fp16): keep the new one
+            state[name].load_state_dict(meta[name])
     return meta
 
 

@@ -238,6 +238,25 @@ def test_resume_past_the_end_never_and_missing_path(tmp_path):
     assert bad.returncode == 2 and "no such checkpoint" in bad.stderr
 
 
+@pytest.mark.parametrize("script", ["ddp_train.py", "fsdp_train.py"])
+def test_resume_with_another_amp_loads_and_warns(tmp_path, script):
+    """A GPU run's default --amp depends on the GPU (bf16 on an A100, fp16 on a V100): a job
+    requeued onto another GPU type resumes with another one. Before, a checkpoint without fp16
+    (its GradScaler disabled, its state {}) was "unusable" for an fp16 run, and so were all."""
+    ck = tmp_path / "ck"
+    check_ok(run_script(script, RUN + ["--epochs", "1", "--checkpoint-dir", str(ck)]))
+    args = RUN + ["--checkpoint-dir", str(ck), "--amp", "fp16"]
+    proc = run_script(script, args)
+    check_ok(proc)
+    assert "Resumed from epoch 2, step 0" in proc.stdout and "unusable" not in proc.stdout
+    assert ("warning: the checkpoint was trained with --amp off, this run uses --amp fp16 "
+            "(another GPU type?); pass --amp off to keep it") in proc.stdout
+    assert metrics(proc.stdout)[-1]["amp"] == "fp16"
+    back = run_script(script, args[:-1] + ["off", "--epochs", "3"])  # fp16's state into off
+    check_ok(back)
+    assert "Resumed from epoch 3, step 0" in back.stdout and "--amp fp16, this run" in back.stdout
+
+
 def test_resume_never_sets_an_older_runs_checkpoints_aside(tmp_path):
     """Before: a fresh run into a folder holding a longer run's checkpoints had its own pruned
     as soon as they were written (the older run's sort newer), and --resume auto then went on
