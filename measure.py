@@ -196,14 +196,15 @@ def _total(spans: list) -> float:
     return sum(end - start for start, end in spans)
 
 
-def step_breakdown(trace: dict, steps: int, window_s: float) -> dict:
+def step_breakdown(trace: dict, steps: int, window_s: float, gpu: bool) -> dict:
     """Split the time of ``steps`` profiled steps (``window_s`` seconds of wall time) into
-    parts that do not overlap, in milliseconds per step, from a Chrome trace of torch.profiler:
+    parts that do not overlap, in milliseconds per step, from a Chrome trace of torch.profiler
+    (``gpu``: the steps ran on a GPU):
 
     compute          GPU: time any non-communication kernel or copy runs; CPU: time the
                      training thread runs an operator, outside the waits for data
-    exposed_comm     time a collective runs (NCCL kernels, gloo's threads) while no compute
-                     does: the communication that overlap with backward did not hide
+    exposed_comm     time a collective runs (GPU: NCCL kernels; CPU: gloo's threads) while no
+                     compute does: the communication that overlap with backward did not hide
     data_wait        time the host waited for the next batch (on a GPU: only while the GPU
                      had nothing to do)
     other            the rest: Python, kernel launches, optimizer bookkeeping, idle
@@ -221,12 +222,13 @@ def step_breakdown(trace: dict, steps: int, window_s: float) -> dict:
         return "nccl" in name or name.startswith("gloo:")
 
     waits = spans(lambda e: e.get("name") == WAIT_LABEL)
-    comm = spans(is_comm)
-    if any(e.get("cat") in DEVICE_WORK for e in events):  # a GPU ran the steps
+    if gpu:  # what the GPU ran; the host's nccl:* spans only launch, gloo's is the stop vote
+        comm = spans(lambda e: e.get("cat") in DEVICE_WORK and is_comm(e))
         compute = spans(lambda e: e.get("cat") in DEVICE_WORK and not is_comm(e))
         exposed = _minus(comm, compute)
         wait = _minus(_minus(waits, compute), comm)
     else:  # CPU: the training thread's operators; those inside a wait load data
+        comm = spans(is_comm)
         compute = _minus(spans(lambda e: e.get("cat") == "cpu_op"
                                and not e.get("name", "").startswith("c10d::")), waits)
         exposed = _minus(_minus(comm, compute), waits)
@@ -269,7 +271,8 @@ class _Profile:
         self.profiler.stop()
         self.profiler.export_chrome_trace(str(self.path))
         with open(self.path) as f:
-            parts = step_breakdown(json.load(f), self.steps, window_s)
+            parts = step_breakdown(json.load(f), self.steps, window_s,
+                                   gpu=self.device.type == "cuda")
         print0(format_profile_line(parts, self.path))
         hidden = 1 - parts["exposed_comm_ms"] / parts["comm_ms"] if parts["comm_ms"] else 1.0
         print0(f"profile: {parts['step_ms']:.1f} ms per step = compute {parts['compute_ms']:.1f}"

@@ -161,14 +161,17 @@ def _x(name, start, end, cat="cpu_op"):
 def test_step_breakdown_splits_the_step_into_parts_that_do_not_overlap():
     # A GPU trace (microseconds): compute kernels 0-100 and 150-300, an NCCL all-reduce
     # 80-200 (hidden behind compute but for 100-150), the host waiting for data 300-350 and
-    # 120-140 (the latter while the GPU worked: not a stall). 2 steps in 500 us.
+    # 120-140 (the latter while the GPU worked: not a stall). 2 steps in 500 us. On the host,
+    # the launch of the all-reduce (nccl:all_reduce) and the stop vote on a gloo group, which
+    # is open until every rank has voted: neither is GPU communication.
     gpu = {"traceEvents": [
+        _x("nccl:all_reduce", 70, 80), _x("gloo:all_reduce", 100, 420, "user_annotation"),
         _x("sgemm", 0, 100, "kernel"), _x("conv", 150, 300, "gpu_memcpy"),
         _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 80, 200, "kernel"),
         _x(measure.WAIT_LABEL, 300, 350, "user_annotation"),
         _x(measure.WAIT_LABEL, 120, 140, "user_annotation"),
         _x("aten::addmm", 0, 400), {"ph": "i", "name": "marker", "ts": 5}]}
-    parts = measure.step_breakdown(gpu, steps=2, window_s=500e-6)
+    parts = measure.step_breakdown(gpu, steps=2, window_s=500e-6, gpu=True)
     assert parts == pytest.approx(dict(steps=2, step_ms=0.25, compute_ms=0.125,
                                        exposed_comm_ms=0.025, data_wait_ms=0.025,
                                        other_ms=0.075, comm_ms=0.06))
@@ -179,7 +182,7 @@ def test_step_breakdown_splits_the_step_into_parts_that_do_not_overlap():
         _x("aten::convolution", 0, 100), _x("aten::convolution", 30, 60),
         _x("gloo:all_reduce", 90, 220, "user_annotation"), _x("c10d::allreduce_", 95, 96),
         _x(measure.WAIT_LABEL, 200, 250, "user_annotation"), _x("aten::stack", 210, 240)]}
-    parts = measure.step_breakdown(cpu, steps=1, window_s=300e-6)
+    parts = measure.step_breakdown(cpu, steps=1, window_s=300e-6, gpu=False)
     assert parts == pytest.approx(dict(steps=1, step_ms=0.3, compute_ms=0.1,
                                        exposed_comm_ms=0.1, data_wait_ms=0.05, other_ms=0.05,
                                        comm_ms=0.13))
