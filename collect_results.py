@@ -89,6 +89,14 @@ class UsageError(Exception):
 # Reading: a run directory -> one row
 # --------------------------------------------------------------------------------------------
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def read_log(path: Path) -> tuple:
     """The [METRIC] lines of a train.log as {key: text as logged}, in order, and the lines that
     mention [METRIC] but do not parse, as (line number, why, text): another rank's output glued
@@ -106,6 +114,9 @@ def read_log(path: Path) -> tuple:
                 why = f"text without '=' in it ({stray[0][:40]!r}: another process's output?)"
             elif not pairs:
                 why = "no key=value after the tag"
+            elif bad_values := [f"{k}={v}" for k, v in pairs.items()
+                                if k not in contract.METRIC_TEXT_KEYS and not _is_number(v)]:
+                why = f"{bad_values[0][:40]!r} is not a number (a cut or garbled line?)"
             else:
                 lines.append(pairs)
                 continue
@@ -237,8 +248,14 @@ def run_status(row: dict) -> tuple:
                           f"requeued; {done}")
     if code is None:
         return PARTIAL, f"{done}; no EXIT_CODE in job.env: killed mid-run, or still running"
-    why = (f"exit code {code}" if code else
-           "exit code 0 but no final [METRIC] line (a --check run, or the log was cut)")
+    if code:
+        why = f"exit code {code}"
+    elif row["bad_metric_lines"]:
+        why = "exit code 0 but no readable final [METRIC] line (see the notes)"
+    else:
+        why = "exit code 0 but no final [METRIC] line (a --check run, or the log was cut)"
+    if not (Path(row["path"]) / "train.log").is_file():
+        return FAILED, f"{why}; no train.log in the run directory"
     return FAILED, f"{why}; {done}; see {row['run']}/train.log"
 
 

@@ -31,6 +31,11 @@ METRIC_KEYS = (
     "data_wait_frac", "train_start_unix", "eval_start_unix", "eval_end_unix",
 )
 
+#: The [METRIC] keys whose values are text; every other value is a number ("nan" included),
+#: but peak_mem_per_gpu_mib, one number per GPU joined by "/".
+METRIC_TEXT_KEYS = ("strategy", "model", "dataset", "device", "amp", "lr_scaling",
+                    "peak_mem_per_gpu_mib")
+
 #: Extra keys of the one ``[METRIC]`` line printed after the last epoch (``final=1``).
 FINAL_KEYS = ("final", "total_time_s")
 

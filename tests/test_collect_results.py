@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -493,6 +494,37 @@ def test_killed_mid_write_and_no_newline(tmp_path):
     assert (r["status"], r["epoch"], r["bad_metric_lines"]) == ("partial", "3", "1")
     assert "no EXIT_CODE in job.env" in r["detail"]
     assert "last line without its newline" in md
+
+
+def test_a_value_that_is_not_a_number_makes_the_line_unparseable(tmp_path):
+    """Before, throughput_img_s=abc in the final line gave a row of dashes with status ok (and
+    the 2-GPU row no baseline), without a word; now the line is left out and named, and the
+    row uses the last epoch line, as for any unreadable final line."""
+    run = tmp_path / "ddp-1n1g-7002"
+    shutil.copytree(STUDY / "ddp-1n1g-5001", run)
+    log = run / "train.log"
+    text = log.read_text()
+    final = next(ln for ln in text.splitlines() if "final=1" in ln)
+    log.write_text(text.replace(final, re.sub(r"throughput_img_s=\S+", "throughput_img_s=abc",
+                                              final)))
+    code, rows, md = collect([run], tmp_path / "out")
+    r = rows["ddp-1n1g-7002"]
+    assert (code, r["status"], r["bad_metric_lines"], r["throughput_img_s"]) == \
+        (0, "ok", "1", "1000")
+    assert "final [METRIC] line unreadable" in r["detail"]
+    assert "'throughput_img_s=abc' is not a number" in md
+
+
+def test_a_failed_run_without_train_log_says_so(tmp_path):
+    """Not 'no final [METRIC] line ... see train.log' for a train.log that is not there."""
+    run = tmp_path / "ddp-1n1g-7004"
+    shutil.copytree(STUDY / "ddp-1n1g-5001", run)
+    (run / "train.log").unlink()
+    _code, rows, _md = collect([run], tmp_path / "out")
+    r = rows["ddp-1n1g-7004"]
+    assert r["status"] == "failed" and r["detail"] == (
+        "exit code 0 but no final [METRIC] line (a --check run, or the log was cut); no "
+        "train.log in the run directory")
 
 
 def test_cpu_runs_show_no_gpu_log(tmp_path):
