@@ -45,6 +45,12 @@
 # `scontrol requeue`. The requeued job resumes from $RUN_DIR/checkpoints by itself (--resume auto).
 # A job that was cancelled (scancel) is not requeued; its checkpoint stays for a later RUN_DIR=...
 set -euo pipefail
+# Stop signals before the training runs (while site.sh or the flag check below take their time):
+# without a trap, bash would die of them without a word. Slurm's time-limit warning (USR1) is
+# kept and passed on once the training runs; a TERM (scancel, preemption) ends the job here.
+early_signal=""
+trap 'early_signal=USR1' USR1
+trap 'echo "job received SIGTERM before the training started: stopping"; exit 143' TERM
 
 LAUNCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=/dev/null  # launch/lib.sh, checked on its own
@@ -85,10 +91,36 @@ case $STRATEGY in
   dp) mode=python ;;  # nn.DataParallel: one process drives every GPU of one node
   *) echo "error: STRATEGY=$STRATEGY is not one of ddp, fsdp, dp" >&2; exit 2 ;;
 esac
+own_script=${TRAIN_SCRIPT:+1}  # a TRAIN_SCRIPT of the user's own is not parse-checked below
 TRAIN_SCRIPT=${TRAIN_SCRIPT:-$REPO_DIR/${STRATEGY}_train.py}
 if [ ! -f "$TRAIN_SCRIPT" ]; then
   echo "error: $TRAIN_SCRIPT not found: STRATEGY=$STRATEGY needs ${STRATEGY}_train.py in" \
     "REPO_DIR=$REPO_DIR (pick another STRATEGY or set REPO_DIR)" >&2
+  exit 2
+fi
+
+# The training arguments, parsed by the repository script's own parser before any run directory,
+# logger or torchrun: a typo gets argparse's one sentence, not a failed run and torchrun's
+# traceback. Where this Python cannot import the script, the training itself will say why.
+parse_check='
+import os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
+name = os.path.basename(sys.argv[1])
+sys.argv[0] = name
+try:
+    parser = __import__(name[:-3]).build_parser()
+except Exception:
+    sys.exit(0)
+parser.parse_args(sys.argv[2:])
+'
+refused=""
+if [ -z "$own_script" ]; then
+  refused=$("${python_cmd[@]}" -c "$parse_check" "$TRAIN_SCRIPT" "$@" 2>&1 >/dev/null) &&
+    refused=""
+fi
+if [[ $refused == *": error: "* ]]; then  # argparse's own sentence, its last line
+  echo "error: the training arguments are refused: ${refused##*$'\n'} (python" \
+    "$(basename "$TRAIN_SCRIPT") --help lists its flags)" >&2
   exit 2
 fi
 
@@ -201,11 +233,11 @@ send_stop() {
   fi
 }
 # shellcheck disable=SC2317
-forward_stop() {
+forward_stop() {  # SIGNAL [later: the first send after 10 s, not now]
   [ -z "$stop_signal" ] || return 0
   stop_signal=$1
   echo "job received SIG$1 at $(date '+%H:%M:%S'): asking the training to checkpoint and stop"
-  send_stop "$1"
+  if [ "${2:-}" != later ]; then send_stop "$1"; fi
   # SIGTERM reaches every process of the job from Slurm itself. A USR1 that lands before the
   # training has installed its handler (start-up) or before the step exists would be lost:
   # repeat it every 10 s until the training has stopped (the handler only sets a flag).
@@ -227,6 +259,8 @@ exec {log_fd}> >(tee -a "$RUN_DIR/train.log")
 tee_pid=$!
 "${launch[@]}" >&"$log_fd" 2>&1 &
 launch_pid=$!
+# one that came before: once node.sh has its own trap (a USR1 now would end it, not the training)
+if [ -n "$early_signal" ]; then forward_stop "$early_signal" later; fi
 rc=0
 wait_for "$launch_pid" || rc=$?
 trap - USR1 TERM

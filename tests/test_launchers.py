@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 import contract  # noqa: E402  (the parser of the [METRIC] lines the training scripts write)
-from conftest import read_until  # noqa: E402
+from conftest import read_until, wait_for  # noqa: E402
 
 LAUNCH = REPO / "launch"
 LAB_SH = REPO / "tests" / "slurm_lab.sh"
@@ -325,6 +325,26 @@ def test_local_sh_usr1_checkpoints_then_run_dir_resumes(tmp_path):
     assert_loggers_gone(tmp_path, run_dir)
 
 
+def test_a_stop_signal_before_the_training_starts_is_passed_on(tmp_path):
+    """Slurm's time-limit warning can come while job.sh is still starting (site.sh, the flag
+    check): before, bash died of the USR1 without a word and an empty job log; now the signal
+    waits for the training, which checkpoints and stops for a requeue."""
+    slow = tmp_path / "slow-python"  # a flag check that takes its time, as under load
+    slow.write_text(f"#!/bin/bash\nif [ \"$1\" = -c ]; then echo checking > "
+                    f"{tmp_path}/checking; sleep 4; fi\nexec {sys.executable} \"$@\"\n")
+    slow.chmod(0o755)
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs"), "PYTHON": str(slow)}
+    proc = subprocess.Popen(["bash", str(LAUNCH / "local.sh"), "--", *REQUEUE_RUN],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert wait_for(lambda: (tmp_path / "checking").exists(), 60)
+    proc.send_signal(signal.SIGUSR1)  # to job.sh, during the flag check
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 75, out
+    assert "job received SIGUSR1" in out and "Epoch [8/8]" not in out
+    assert "training exit code: 75 (after SIGUSR1)" in out
+
+
 def test_a_stop_line_after_a_long_log_is_still_read(tmp_path):
     """job.sh reads this attempt's [STOP] line to tell a stop for requeue from a failure
     (torchrun reports its workers' exit 75 as 1). Before, `tail | grep -q` under pipefail
@@ -347,6 +367,19 @@ def test_a_stop_line_after_a_long_log_is_still_read(tmp_path):
     out = res.stdout + res.stderr
     assert "training exit code: 75" in out, out[-2000:]
     assert res.returncode == 75 and "stopped after a checkpoint: continue with RUN_DIR=" in out
+
+
+def test_a_bad_training_flag_is_one_sentence_before_anything_starts(tmp_path):
+    """Checked by the script's own parser in job.sh: no run directory, no loggers, no torchrun
+    (whose traceback used to follow argparse's line), exit 2."""
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--", "--epochs", "1", "--bogus"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr == ("error: the training arguments are refused: ddp_train.py: error: "
+                          "unrecognized arguments: --bogus (python ddp_train.py --help lists "
+                          "its flags)\n")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_local_sh_check_only_and_bad_run_dir(tmp_path):
@@ -473,11 +506,12 @@ def jobs(slurm_lab, tmp_path_factory):
     jobs["requeue"] = Job(slurm_lab, root / "requeue", "multi_gpu.slurm",
                           ["--gpus-per-node=2", "--time=1", "--signal=B:USR1@40",
                            "--job-name=requeue"], REQUEUE_RUN, after=jobs["multi_gpu"])
-    jobs["bad_flag"] = Job(slurm_lab, root / "bad_flag", "multi_node.slurm",
-                           ["--nodes=2", "--gpus-per-node=1", "--job-name=bad_flag"],
-                           ["--no-such-flag"], fake_gpus=True, after=jobs["multi_node"])
+    jobs["failing"] = Job(slurm_lab, root / "failing", "multi_node.slurm",
+                          ["--nodes=2", "--gpus-per-node=1", "--job-name=failing"],
+                          ["--data-dir", "/no-such-data"], fake_gpus=True,
+                          after=jobs["multi_node"])
     jobs["dp"] = Job(slurm_lab, root / "dp", "multi_gpu.slurm", ["--gpus-per-node=2"], TINY,
-                     extra_env={"STRATEGY": "dp"}, after=jobs["bad_flag"])
+                     extra_env={"STRATEGY": "dp"}, after=jobs["failing"])
     return jobs
 
 
@@ -544,11 +578,11 @@ def test_slurm_multi_node_logs_gpu_memory_on_every_node(jobs):
         assert rows[0].startswith("timestamp, index, name, memory.used") and len(rows) >= 2
 
 
-def test_slurm_bad_flag_fails_the_job_and_stops_the_loggers(jobs):
-    job = jobs["bad_flag"]
+def test_slurm_failing_training_fails_the_job_and_stops_the_loggers(jobs):
+    job = jobs["failing"]
     state, code, out, run_dir = job.result()
     assert state == "FAILED" and code != 0, out
-    assert "error: unrecognized arguments: --no-such-flag" in out
+    assert "error: data dir /no-such-data does not exist" in out
     info = read_env_file(run_dir / "job.env")
     assert info["EXIT_CODE"] == str(code)  # the training's code, not the analysis'
     for node in info["NODELIST"].split():
