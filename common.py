@@ -410,6 +410,7 @@ def input_shape(args) -> tuple:
 
 def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -> None:
     """Fill the defaults that depend on other flags or on the machine; reject impossible ones."""
+    implied = args.dataset is None and args.data_dir  # TinyImageNet, as the user may not know
     if args.dataset is None:
         args.dataset = "tinyimagenet" if args.data_dir else "synthetic"
     if args.model is None:
@@ -483,7 +484,13 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
                              f"writable directory")
     if args.lr <= 0:
         raise UsageError(f"--lr must be positive, got {args.lr}")
-    check_model(args.model, input_shape(args))  # before any download or data scan
+    try:
+        check_model(args.model, input_shape(args))  # before any download or data scan
+    except UsageError as e:
+        if not implied:
+            raise
+        raise UsageError(f"{e} (a --data-dir without --dataset is TinyImageNet: add --dataset "
+                         f"cifar10 or mnist for those)") from None
     if args.data_on_device and args.dataset != "synthetic" and not args.data_cache:
         raise UsageError("--data-on-device needs decoded data: add --data-cache (TinyImageNet) "
                          "or use the synthetic dataset")

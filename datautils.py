@@ -283,8 +283,9 @@ def describe(data: DataBundle, global_batch: int, made_of: str) -> None:
     """Rank 0 says what the run trains on. A global batch larger than the training set
     (made_of: how it is made, e.g. "64 per process x 4") is refused: no step could run."""
     if global_batch > len(data.train):
+        more = " or raise --synthetic-size" if data.name == "synthetic" else ""
         raise UsageError(f"global batch {global_batch} ({made_of}) is larger than the "
-                         f"{len(data.train)} training samples: lower --batch-size")
+                         f"{len(data.train)} training samples: lower --batch-size{more}")
     if data.name == "synthetic":
         print0("note: this run uses built-in synthetic data (--data-dir DIR for TinyImageNet): "
                "its numbers show the pipeline, not TinyImageNet accuracy")

@@ -153,7 +153,7 @@ def test_dp_on_one_device_matches_ddp_single_process(tmp_path):
     ("dp_train.py", ["--gpus", "0"], "argument --gpus: must be a whole number above 0, got '0'"),
     ("ddp_train.py", ["--synthetic-size", "40", "--batch-size", "64"],
      "global batch 64 (64 per process x 1) is larger than the 40 training samples: lower "
-     "--batch-size"),
+     "--batch-size or raise --synthetic-size"),
     ("dp_train.py", ["--synthetic-size", "40", "--batch-size", "64"],
      "global batch 64 (64 per GPU x 1) is larger than the 40 training samples"),
     ("ddp_train.py", ["--bucket-cap-mb", "-1"],
@@ -162,6 +162,9 @@ def test_dp_on_one_device_matches_ddp_single_process(tmp_path):
     ("fsdp_train.py", ["--data-dir", "/nonexistent"], "does not exist"),
     ("fsdp_train.py", ["--model", "cnn", "--dataset", "tinyimagenet", "--data-dir", "/tmp"],
      "--model cnn takes 3x32x32"),
+    ("ddp_train.py", ["--model", "cnn", "--data-dir", "/tmp"],
+     "not 3x64x64: choose --model resnet50 (a --data-dir without --dataset is TinyImageNet: add "
+     "--dataset cifar10 or mnist for those)"),
 ])
 def test_bad_input_exits_2(script, args, message):
     proc = run_script(script, args, timeout=120)
