@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "directory given, else the current directory); created if needed")
     parser.add_argument("--plot", action="store_true",
                         help="also write the PNG plots (matplotlib, headless)")
-    parser.add_argument("--dpi", type=int, default=100, help="resolution of the PNG plots")
+    parser.add_argument("--dpi", type=int, default=100, help="resolution of the PNG plots, 50 to 600")
     return parser
 
 
@@ -413,8 +413,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out or (args.paths[0] if len(args.paths) == 1 else "."))
     try:
-        if args.dpi < 50:
-            raise UsageError(f"--dpi {args.dpi} is too small to read; use 50 or more")
+        if not 50 <= args.dpi <= 600:  # 600: a 4200 x 2700 plot, past print quality
+            raise UsageError(f"--dpi {args.dpi} is out of range: use 50 to 600 (default 100)")
         if args.plot and (why := plots.missing_matplotlib()):
             raise UsageError(why)
         rows = read_inputs(args.paths)

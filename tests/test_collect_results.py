@@ -580,7 +580,7 @@ def _cli(*args, cwd=None):
 
 
 @pytest.mark.parametrize("case", ["missing", "empty dir", "a file", "out is a file",
-                                  "bad manifest"])
+                                  "bad manifest", "dpi 5000"])
 def test_bad_input_is_one_clear_sentence(tmp_path, case):
     out = tmp_path / "out"
     if case == "missing":
@@ -594,6 +594,8 @@ def test_bad_input_is_one_clear_sentence(tmp_path, case):
     elif case == "out is a file":
         (tmp_path / "file").write_text("")
         args, says = [STUDY / "ddp-1n1g-5001", "--out", tmp_path / "file"], "writable --out"
+    elif case == "dpi 5000":  # before: minutes per plot, and PNGs of several MB
+        args, says = [STUDY, "--plot", "--dpi", "5000"], "--dpi 5000 is out of range: use 50"
     else:
         study = tmp_path / "study"
         shutil.copytree(STUDY, study)
@@ -606,6 +608,7 @@ def test_bad_input_is_one_clear_sentence(tmp_path, case):
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
+    assert not out.exists()
 
 
 def test_one_run_directory_of_a_study(tmp_path):
