@@ -392,11 +392,11 @@ class Checkpoints:
         set_rng_state(rngs[_rank()] if _rank() < len(rngs) else rngs[0])
         self.metrics = meta["metrics"]
         print0(f"Resumed from epoch {meta['epoch'] + 1}, step {meta['step']} ({meta['path']})")
-        saved_amp = meta["args"].get("amp", self.args.amp)
-        if saved_amp != self.args.amp:  # e.g. requeued from an A100 (bf16) onto a V100 (fp16)
-            print0(f"warning: the checkpoint was trained with --amp {saved_amp}, this run uses "
-                   f"--amp {self.args.amp} (another GPU type?); pass --amp {saved_amp} to keep "
-                   f"it; with fp16 the loss scale starts afresh")
+        saved_amp, amp = meta["args"].get("amp", self.args.amp), self.args.amp
+        if saved_amp != amp:  # e.g. requeued from an A100 (default bf16) onto a V100 (fp16)
+            print0(f"warning: the checkpoint was trained with --amp {saved_amp}; this run goes on "
+                   f"with --amp {amp} (another GPU type?)" + (
+                       ", its loss scale starting afresh" if amp == "fp16" else ""))
         return meta["epoch"], meta["step"]
 
     def after_step(self, loss, epoch: int, done: int, steps: int) -> bool:

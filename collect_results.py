@@ -89,6 +89,10 @@ class UsageError(Exception):
 # Reading: a run directory -> one row
 # --------------------------------------------------------------------------------------------
 
+# The [METRIC] keys whose values must be numbers ("nan" is one); other keys are left as they are.
+NUMBER_KEYS = set(contract.METRIC_KEYS + contract.FINAL_KEYS) - set(contract.METRIC_TEXT_KEYS)
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -114,8 +118,8 @@ def read_log(path: Path) -> tuple:
                 why = f"text without '=' in it ({stray[0][:40]!r}: another process's output?)"
             elif not pairs:
                 why = "no key=value after the tag"
-            elif bad_values := [f"{k}={v}" for k, v in pairs.items()
-                                if k not in contract.METRIC_TEXT_KEYS and not _is_number(v)]:
+            elif bad_values := [f"{k}={v}" for k, v in pairs.items() if k in NUMBER_KEYS
+                                and not _is_number(v)]:
                 why = f"{bad_values[0][:40]!r} is not a number (a cut or garbled line?)"
             else:
                 lines.append(pairs)
@@ -214,8 +218,6 @@ def read_run_dir(run_dir: Path, plan: dict) -> dict:
     if (run_dir / "train.log").is_file():
         lines, row["bad"] = read_log(run_dir / "train.log")
         row.update(read_explanations(run_dir / "train.log"))
-    else:
-        row["notes"].append("no train.log in the run directory")
     finals = [m for m in lines if m.get("final") == "1"]
     row.update((finals or lines or [{}])[-1])  # the final line, else the last epoch's
     per_node = job.get("GPUS_PER_NODE" if job.get("STRATEGY") == "dp" else "NPROC_PER_NODE")
@@ -236,6 +238,14 @@ def read_run_dir(run_dir: Path, plan: dict) -> dict:
 
 def run_status(row: dict) -> tuple:
     """(status, detail) of a run directory's row; the statuses are in the module docstring."""
+    if not (Path(row["path"]) / "train.log").is_file():
+        status, detail = _run_status(row, log=False)
+        return status, f"{detail}; no train.log in the run directory"
+    return _run_status(row, log=True)
+
+
+def _run_status(row: dict, log: bool) -> tuple:
+    """run_status's verdict; log: the run directory has a train.log."""
     code = int(row["exit_code"]) if row["exit_code"].isdigit() else None
     epoch, epochs = row.get("epoch"), row.get("epochs")
     done = f"{epoch}/{epochs} epochs done" if epoch else "no epoch done"
@@ -248,14 +258,14 @@ def run_status(row: dict) -> tuple:
                           f"requeued; {done}")
     if code is None:
         return PARTIAL, f"{done}; no EXIT_CODE in job.env: killed mid-run, or still running"
+    if not log:
+        return FAILED, f"exit code {code}"
     if code:
         why = f"exit code {code}"
     elif row["bad_metric_lines"]:
         why = "exit code 0 but no readable final [METRIC] line (see the notes)"
     else:
         why = "exit code 0 but no final [METRIC] line (a --check run, or the log was cut)"
-    if not (Path(row["path"]) / "train.log").is_file():
-        return FAILED, f"{why}; no train.log in the run directory"
     return FAILED, f"{why}; {done}; see {row['run']}/train.log"
 
 
@@ -405,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "directory given, else the current directory); created if needed")
     parser.add_argument("--plot", action="store_true",
                         help="also write the PNG plots (matplotlib, headless)")
-    parser.add_argument("--dpi", type=int, default=100, help="resolution of the PNG plots, 50 to 600")
+    parser.add_argument("--dpi", type=int, default=100,
+                        help="resolution of the PNG plots, 50 to 600")
     return parser
 
 

@@ -487,10 +487,11 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
     try:
         check_model(args.model, input_shape(args))  # before any download or data scan
     except UsageError as e:
-        if not implied:
+        fits = {"cnn": "cifar10", "mnist_net": "mnist"}.get(args.model)
+        if not (implied and fits):
             raise
-        raise UsageError(f"{e} (a --data-dir without --dataset is TinyImageNet: add --dataset "
-                         f"cifar10 or mnist for those)") from None
+        raise UsageError(f"{e}, or add --dataset {fits} (a data dir, --data-dir or $DATA_DIR, "
+                         f"without --dataset is TinyImageNet)") from None
     if args.data_on_device and args.dataset != "synthetic" and not args.data_cache:
         raise UsageError("--data-on-device needs decoded data: add --data-cache (TinyImageNet) "
                          "or use the synthetic dataset")

@@ -4,7 +4,8 @@
 #
 #   bash launch/job.sh [TRAINING ARGS...]     (the .slurm files and local.sh call it for you)
 #
-# What it does: source launch/site.sh if present, resolve ${STRATEGY}_train.py, make one run
+# What it does: source launch/site.sh if present, resolve ${STRATEGY}_train.py and parse the
+# training arguments with its parser (a bad flag: one sentence, exit 2), make one run
 # directory, then start launch/node.sh once per node (srun --ntasks-per-node=1; directly without
 # Slurm), which runs the memory loggers and one torchrun (ddp, fsdp) or one python (dp) there.
 # The training output is tee'd into train.log; afterwards analyze_memory.py summarises the
@@ -44,13 +45,16 @@
 # batch shell); the training checkpoints at its next step and exits 75, and this script then runs
 # `scontrol requeue`. The requeued job resumes from $RUN_DIR/checkpoints by itself (--resume auto).
 # A job that was cancelled (scancel) is not requeued; its checkpoint stays for a later RUN_DIR=...
+# A signal before the training has started is kept: USR1 is passed on once it runs, TERM ends
+# the job before it starts.
 set -euo pipefail
 # Stop signals before the training runs (while site.sh or the flag check below take their time):
-# without a trap, bash would die of them without a word. Slurm's time-limit warning (USR1) is
-# kept and passed on once the training runs; a TERM (scancel, preemption) ends the job here.
-early_signal=""
-trap 'early_signal=USR1' USR1
-trap 'echo "job received SIGTERM before the training started: stopping"; exit 143' TERM
+# without a trap, bash would die of them without a word. They are kept: a TERM (scancel,
+# preemption) then ends the job before the training starts, Slurm's time-limit warning (USR1)
+# is passed on once it runs.
+early_signal="" early_at=""
+trap 'early_signal=${early_signal:-USR1} early_at=${early_at:-$(date +%H:%M:%S)}' USR1
+trap 'early_signal=TERM early_at=$(date +%H:%M:%S)' TERM
 
 LAUNCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=/dev/null  # launch/lib.sh, checked on its own
@@ -101,7 +105,8 @@ fi
 
 # The training arguments, parsed by the repository script's own parser before any run directory,
 # logger or torchrun: a typo gets argparse's one sentence, not a failed run and torchrun's
-# traceback. Where this Python cannot import the script, the training itself will say why.
+# traceback. Not again for a requeued or continued run (its arguments were accepted), and not
+# where this Python cannot import the script (then the training itself will say why).
 parse_check='
 import os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
@@ -114,9 +119,9 @@ except Exception:
 parser.parse_args(sys.argv[2:])
 '
 refused=""
-if [ -z "$own_script" ]; then
-  refused=$("${python_cmd[@]}" -c "$parse_check" "$TRAIN_SCRIPT" "$@" 2>&1 >/dev/null) &&
-    refused=""
+if [ -z "$own_script" ] && [ "${SLURM_RESTART_COUNT:-0}" = 0 ] && [ -z "${RUN_DIR:-}" ]; then
+  refused=$(timeout 300 "${python_cmd[@]}" -c "$parse_check" "$TRAIN_SCRIPT" "$@" 2>&1 \
+    >/dev/null) && refused=""
 fi
 if [[ $refused == *": error: "* ]]; then  # argparse's own sentence, its last line
   echo "error: the training arguments are refused: ${refused##*$'\n'} (python" \
@@ -236,7 +241,8 @@ send_stop() {
 forward_stop() {  # SIGNAL [later: the first send after 10 s, not now]
   [ -z "$stop_signal" ] || return 0
   stop_signal=$1
-  echo "job received SIG$1 at $(date '+%H:%M:%S'): asking the training to checkpoint and stop"
+  echo "job received SIG$1 at ${early_at:-$(date +%H:%M:%S)}: asking the training to checkpoint" \
+    "and stop"
   if [ "${2:-}" != later ]; then send_stop "$1"; fi
   # SIGTERM reaches every process of the job from Slurm itself. A USR1 that lands before the
   # training has installed its handler (start-up) or before the step exists would be lost:
@@ -251,16 +257,22 @@ forward_stop() {  # SIGNAL [later: the first send after 10 s, not now]
   ) &
   resend_pid=$!
 }
-trap 'forward_stop USR1' USR1
-trap 'forward_stop TERM' TERM
+if [ "$early_signal" = TERM ]; then
+  echo "job received SIGTERM at $early_at, before the training started: stopping"
+  exit 143
+fi
 
 log_size=$(stat -c %s "$RUN_DIR/train.log" 2>/dev/null || echo 0)
 exec {log_fd}> >(tee -a "$RUN_DIR/train.log")
 tee_pid=$!
 "${launch[@]}" >&"$log_fd" 2>&1 &
 launch_pid=$!
-# one that came before: once node.sh has its own trap (a USR1 now would end it, not the training)
-if [ -n "$early_signal" ]; then forward_stop "$early_signal" later; fi
+trap 'forward_stop USR1' USR1
+trap 'forward_stop TERM' TERM
+case $early_signal in  # one that came before: a USR1 once node.sh has its own trap
+  USR1) forward_stop USR1 later ;;
+  TERM) forward_stop TERM ;;
+esac
 rc=0
 wait_for "$launch_pid" || rc=$?
 trap - USR1 TERM

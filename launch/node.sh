@@ -30,18 +30,21 @@ set -euo pipefail
 # shellcheck source=/dev/null  # launch/lib.sh, checked on its own
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-# GPUs on this node: what Slurm gave the step, else the CUDA_VISIBLE_DEVICES list, else the GPUs
-# nvidia-smi lists (a machine without Slurm), else 1.
+# GPUs on this node: what Slurm gave the step, else the CUDA_VISIBLE_DEVICES list (set but empty:
+# GPUs hidden, 1), else, outside Slurm, the GPUs nvidia-smi lists, else 1. (A Slurm job that asked
+# for no GPUs gets 1, not the node's GPUs that other jobs may own.)
 gpus_on_node() {
   local devices listed
   if [[ ${SLURM_GPUS_ON_NODE:-} =~ ^[1-9][0-9]*$ ]]; then
     echo "$SLURM_GPUS_ON_NODE"
-  elif [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  elif [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
     IFS=, read -ra devices <<<"$CUDA_VISIBLE_DEVICES"
-    echo "${#devices[@]}"
-  else
+    echo "$((${#devices[@]} > 0 ? ${#devices[@]} : 1))"
+  elif [ -z "${SLURM_JOB_ID:-}" ]; then
     listed=$(timeout 30 "${NVIDIA_SMI:-nvidia-smi}" -L 2>/dev/null | grep -c '^GPU ' || true)
     if [[ $listed =~ ^[1-9][0-9]*$ ]]; then echo "$listed"; else echo 1; fi
+  else
+    echo 1
   fi
 }
 

@@ -249,12 +249,13 @@ def test_resume_with_another_amp_loads_and_warns(tmp_path, script):
     proc = run_script(script, args)
     check_ok(proc)
     assert "Resumed from epoch 2, step 0" in proc.stdout and "unusable" not in proc.stdout
-    assert ("warning: the checkpoint was trained with --amp off, this run uses --amp fp16 "
-            "(another GPU type?); pass --amp off to keep it") in proc.stdout
+    assert ("warning: the checkpoint was trained with --amp off; this run goes on with --amp "
+            "fp16 (another GPU type?), its loss scale starting afresh\n") in proc.stdout
     assert metrics(proc.stdout)[-1]["amp"] == "fp16"
     back = run_script(script, args[:-1] + ["off", "--epochs", "3"])  # fp16's state into off
     check_ok(back)
-    assert "Resumed from epoch 3, step 0" in back.stdout and "--amp fp16, this run" in back.stdout
+    assert "Resumed from epoch 3, step 0" in back.stdout
+    assert "--amp fp16; this run goes on with --amp off (another GPU type?)\n" in back.stdout
 
 
 def test_resume_never_sets_an_older_runs_checkpoints_aside(tmp_path):

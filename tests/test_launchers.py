@@ -272,19 +272,23 @@ def test_local_sh_rejects_a_bad_process_count(tmp_path):
     assert res.returncode == 2 and "positive integer" in res.stderr
 
 
-@pytest.mark.parametrize("listed, visible, expected", [
-    (3, None, "3"),   # a GPU machine without Slurm: the GPUs nvidia-smi lists
-    (3, "0,1", "2"),  # CUDA_VISIBLE_DEVICES first
-    (0, None, "1"),   # nvidia-smi lists none (or is missing): one process
+@pytest.mark.parametrize("listed, visible, slurm, expected", [
+    (3, None, None, "3"),   # a GPU machine without Slurm: the GPUs nvidia-smi lists
+    (3, "0,1", None, "2"),  # CUDA_VISIBLE_DEVICES first
+    (3, "", None, "1"),     # set but empty: the GPUs are hidden
+    (3, None, "42", "1"),   # a Slurm job that asked for no GPUs: not the node's GPUs
+    (0, None, None, "1"),   # nvidia-smi lists none (or is missing): one process
 ])
-def test_node_sh_counts_the_gpus_nvidia_smi_lists(tmp_path, listed, visible, expected):
+def test_node_sh_counts_the_gpus_nvidia_smi_lists(tmp_path, listed, visible, slurm, expected):
     smi = tmp_path / "nvidia-smi"
     smi.write_text("#!/bin/bash\n[ \"$1\" = -L ] || exit 9\n" + "".join(
         f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i})'\n" for i in range(listed)))
     smi.chmod(0o755)
     env = base_env(tmp_path) | {"NVIDIA_SMI": str(smi)}
-    if visible:
+    if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
+    if slurm:
+        env["SLURM_JOB_ID"] = slurm
     res = subprocess.run(["bash", str(LAUNCH / "node.sh"), "--gpus"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert (res.returncode, res.stdout) == (0, expected + "\n"), res.stderr

@@ -163,8 +163,10 @@ def test_dp_on_one_device_matches_ddp_single_process(tmp_path):
     ("fsdp_train.py", ["--model", "cnn", "--dataset", "tinyimagenet", "--data-dir", "/tmp"],
      "--model cnn takes 3x32x32"),
     ("ddp_train.py", ["--model", "cnn", "--data-dir", "/tmp"],
-     "not 3x64x64: choose --model resnet50 (a --data-dir without --dataset is TinyImageNet: add "
-     "--dataset cifar10 or mnist for those)"),
+     "not 3x64x64: choose --model resnet50, or add --dataset cifar10 (a data dir, --data-dir or "
+     "$DATA_DIR, without --dataset is TinyImageNet)"),
+    ("ddp_train.py", ["--model", "mnist_net", "--data-dir", "/tmp"],
+     "choose another --model, or add --dataset mnist (a data dir"),
 ])
 def test_bad_input_exits_2(script, args, message):
     proc = run_script(script, args, timeout=120)
