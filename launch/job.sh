@@ -52,7 +52,8 @@ set -euo pipefail
 # without a trap, bash would die of them without a word. They are kept: a TERM (scancel,
 # preemption) then ends the job before the training starts, Slurm's time-limit warning (USR1)
 # is passed on once it runs.
-early_signal="" early_at=""
+early_signal=${EARLY_SIGNAL:-} early_at=${EARLY_AT:-}  # one the .slurm file kept
+unset EARLY_SIGNAL EARLY_AT
 trap 'early_signal=${early_signal:-USR1} early_at=${early_at:-$(date +%H:%M:%S)}' USR1
 trap 'early_signal=TERM early_at=$(date +%H:%M:%S)' TERM
 

@@ -329,21 +329,28 @@ def test_local_sh_usr1_checkpoints_then_run_dir_resumes(tmp_path):
     assert_loggers_gone(tmp_path, run_dir)
 
 
-def test_a_stop_signal_before_the_training_starts_is_passed_on(tmp_path):
+@pytest.mark.parametrize("when", ["during the flag check", "before job.sh"])
+def test_a_stop_signal_before_the_training_starts_is_passed_on(tmp_path, when):
     """Slurm's time-limit warning can come while job.sh is still starting (site.sh, the flag
-    check): before, bash died of the USR1 without a word and an empty job log; now the signal
-    waits for the training, which checkpoints and stops for a requeue."""
+    check), or even before it, in the .slurm file (seen in the Slurm test: a job started by
+    backfill got it 80 ms in): before, bash died of the USR1 without a word and an empty job
+    log; now the signal waits for the training, which checkpoints and stops for a requeue."""
     slow = tmp_path / "slow-python"  # a flag check that takes its time, as under load
     slow.write_text(f"#!/bin/bash\nif [ \"$1\" = -c ]; then echo checking > "
                     f"{tmp_path}/checking; sleep 4; fi\nexec {sys.executable} \"$@\"\n")
     slow.chmod(0o755)
     env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs"), "PYTHON": str(slow)}
+    if when == "before job.sh":  # what the .slurm file's trap hands on
+        env |= {"EARLY_SIGNAL": "USR1", "EARLY_AT": "12:00:00"}
     proc = subprocess.Popen(["bash", str(LAUNCH / "local.sh"), "--", *REQUEUE_RUN],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     assert wait_for(lambda: (tmp_path / "checking").exists(), 60)
-    proc.send_signal(signal.SIGUSR1)  # to job.sh, during the flag check
+    if when == "during the flag check":
+        proc.send_signal(signal.SIGUSR1)  # to job.sh
     out = proc.communicate(timeout=300)[0]
+    if when == "before job.sh":
+        assert "job received SIGUSR1 at 12:00:00" in out and "EARLY_SIGNAL" not in out
     assert proc.returncode == 75, out
     assert "job received SIGUSR1" in out and "Epoch [8/8]" not in out
     assert "training exit code: 75 (after SIGUSR1)" in out
