@@ -435,31 +435,27 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
         if device.type == "cuda":  # with 0, reading and pinning a batch delays every step
             args.num_workers = max(1, args.num_workers)
     for flag in ("epochs", "batch_size", "synthetic_size", "step_size", "dist_timeout",
-                 "base_batch"):
+                 "base_batch", "keep_checkpoints"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got "
                              f"{getattr(args, flag)}")
-    if args.keep_checkpoints < 1:
-        raise UsageError("--keep-checkpoints must be at least 1")
+    for flag in ("num_workers", "max_steps_per_epoch", "checkpoint_every", "log_every", "seed",
+                 "momentum", "weight_decay"):
+        if not getattr(args, flag) >= 0:  # NaN too
+            raise UsageError(f"--{flag.replace('_', '-')} cannot be negative, got "
+                             f"{getattr(args, flag)}")
+    for flag in ("lr", "gamma"):  # the learning rate, and what multiplies it every --step-size
+        if not getattr(args, flag) > 0:
+            raise UsageError(f"--{flag} must be positive, got {getattr(args, flag)}")
     if args.resume not in ("auto", "never") and not Path(args.resume).exists():
         raise UsageError(f"--resume {args.resume}: no such checkpoint; use auto, never, or the "
                          f"path of a checkpoint file or folder")
-    for flag in ("num_workers", "max_steps_per_epoch", "checkpoint_every"):
-        if getattr(args, flag) < 0:
-            raise UsageError(f"--{flag.replace('_', '-')} cannot be negative")
     if not 0 <= args.warmup_epochs < math.inf:
         raise UsageError(f"--warmup-epochs must be 0 or a positive number of epochs, got "
                          f"{args.warmup_epochs}")
     if args.warmup_epochs > args.epochs and env.rank == 0:
         print(f"note: --warmup-epochs {args.warmup_epochs:g} is longer than --epochs "
               f"{args.epochs}: the learning rate never reaches its peak", flush=True)
-    for flag in ("seed", "momentum", "weight_decay"):
-        if not getattr(args, flag) >= 0:
-            raise UsageError(f"--{flag.replace('_', '-')} cannot be negative, got "
-                             f"{getattr(args, flag)}")
-    if not args.gamma > 0:
-        raise UsageError(f"--gamma must be positive (the learning rate is multiplied by it), "
-                         f"got {args.gamma}")
     if args.dist_timeout > MAX_DIST_TIMEOUT:
         raise UsageError(f"--dist-timeout is in seconds and at most {MAX_DIST_TIMEOUT} (a day), "
                          f"got {args.dist_timeout}")
@@ -467,9 +463,6 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
             Path(args.save_model).resolve() == Path(args.checkpoint_dir).resolve()):
         raise UsageError(f"--save-model {args.save_model} is the --checkpoint-dir: give it a "
                          f"file name, e.g. --save-model {Path(args.save_model) / 'model.pt'}")
-    if args.log_every < 0:
-        raise UsageError(f"--log-every must be 0 (no progress lines) or more, got "
-                         f"{args.log_every}")
     if args.profile is not None and args.check:
         raise UsageError("--check is a preflight that trains nothing, so there is nothing for "
                          "--profile to trace: drop one of them")
@@ -482,8 +475,6 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
         if not os.access(args.profile, os.W_OK):
             raise UsageError(f"--profile {args.profile}: that folder is not writable: give a "
                              f"writable directory")
-    if args.lr <= 0:
-        raise UsageError(f"--lr must be positive, got {args.lr}")
     try:
         check_model(args.model, input_shape(args))  # before any download or data scan
     except UsageError as e:
