@@ -22,8 +22,9 @@ and its children: RSS ("Real (MB)") and CPU (100% = one core busy). Several runs
 each run's lines under "== <run directory> ==".
 
 A file's kind comes from its header line. Lines that are not a complete sample ([N/A] values,
-a last line cut off, malformed lines) are skipped, and NUL bytes a crash left are ignored; a
-note on stderr counts them. An empty, zero-filled or unrecognised log is an error, never dropped.
+a last line cut off, malformed lines) are skipped, and bytes that are not text (the NUL bytes a
+crash leaves, or not UTF-8) are ignored; a note on stderr counts them. An empty, zero-filled or
+unrecognised log is an error, never dropped.
 
 --plot draws RUN_DIR/timeline.png: a panel per node with each GPU's memory and utilisation, the
 node's CPU RSS, and the epochs of train.log's [METRIC] lines (dashed) and evaluations (grey).
@@ -32,7 +33,11 @@ counts seconds from its start, which is the GPU log's first sample (node.sh star
 CPU run, the file's last change minus its last sample's elapsed time.
 
 Exit status: 0 every input was summarised; 1 some were, but a path or file was bad (each named
-on stderr in one line); 2 nothing could be summarised, or a bad command line.
+on stderr in one line); 2 nothing could be summarised, a bad command line, or a module of the
+repository missing beside this file.
+
+collect_results.py imports summarize_paths (records keyed by GPU_KEYS / CPU_KEYS, and problems
+of kind NO_LOGS or BAD_INPUT) and plot_timeline; importing has no side effects.
 """
 
 from __future__ import annotations
@@ -86,6 +91,10 @@ BAD_INPUT = "bad_input"    # a path or file that cannot be read or summarised
 SKIP_UNAVAILABLE = "[N/A]-like value"
 SKIP_INCOMPLETE = "incomplete last line"
 SKIP_MALFORMED = "malformed"
+# Bytes that are not text (the keys of a file's count of them, in the order a note names them).
+BAD_NUL_END = "unreadable bytes (NUL) at the end of the file"
+BAD_NUL_INSIDE = "unreadable bytes (NUL) inside the file"
+BAD_UTF8 = "undecodable bytes (not UTF-8 text)"
 
 # The five columns nvidia-smi writes first for node.sh's query (--format=csv,nounits); newer
 # logs add the columns below after them (header -> key of the per-GPU lists); others are ignored.
@@ -126,8 +135,8 @@ def read_log(path) -> tuple:
 
     Both loggers end a sample with a newline, so text without one was cut off (the logger was
     killed mid-write, or a crash left NUL bytes after it): it is counted in skips and dropped.
-    bad: a note's text per kind of unreadable bytes, and how many (NUL bytes are dropped; bytes
-    that are not UTF-8 become U+FFFD, so that a number they spoil makes its line malformed)."""
+    bad: how many bytes of each BAD_* kind (NUL bytes are dropped; bytes that are not UTF-8
+    become U+FFFD, so that a number they spoil makes its line malformed)."""
     data = Path(path).read_bytes()
     if not data.replace(b"\0", b"").strip():
         if b"\0" in data:   # what a crash leaves when no line reached the disk
@@ -137,14 +146,13 @@ def read_log(path) -> tuple:
         raise LogError("the file is empty; the logger probably failed to start or was killed "
                        "at once, check the job's stderr")
     nul_end = len(data) - len(data.rstrip(b"\0"))
-    bad = Counter({"unreadable bytes (NUL) at the end of the file": nul_end,
-                   "unreadable bytes (NUL) inside the file": data.count(b"\0") - nul_end})
+    bad = Counter({BAD_NUL_END: nul_end, BAD_NUL_INSIDE: data.count(b"\0") - nul_end})
     skips, lines = Counter(), []
     # The text between runs of NUL bytes is kept: it comes from a logger restarted after the
     # crash, or is the rest of a line whose start was lost (then malformed, or its time cut).
     for chunk in _NUL_RUN_RE.split(data):
         text, n = _UNDECODABLE_RE.subn("\ufffd", chunk.decode("utf-8", "surrogateescape"))
-        bad["undecodable bytes (not UTF-8 text)"] += n
+        bad[BAD_UTF8] += n
         chunk_lines = text.split("\n")
         if chunk_lines.pop().strip():       # "" when the chunk ends with a newline
             skips[SKIP_INCOMPLETE] += 1
@@ -210,9 +218,9 @@ def summarize_file(path, notes: list) -> tuple:
     """(kind, samples, skips) of one log file, samples as parse_gpu_lines or parse_cpu_lines
     return them; notes get its unreadable bytes and skipped lines. Raises LogError or OSError."""
     kind, lines, skips, bad = read_log(path)
-    if +bad:   # also when the file fails below: say why it looks bad
-        why = ("the node probably crashed while logging" if any("NUL" in k for k in +bad)
-               else "the file is damaged or not all text")
+    if any(bad.values()):   # also when the file fails below: say why it looks bad
+        why = ("the node probably crashed while logging" if bad[BAD_NUL_END] or
+               bad[BAD_NUL_INSIDE] else "the file is damaged or not all text")
         notes.append(f"{path}: ignored {' and '.join(f'{n} {k}' for k, n in bad.items() if n)} "
                      f"({why})")
     samples = (parse_gpu_lines if kind == KIND_GPU else parse_cpu_lines)(lines, skips)
@@ -249,14 +257,13 @@ def _log_files(paths, problems: list):
                                      "regular one); check the path (the logs are usually in "
                                      "runs/<job>/gpu_memory/ and runs/<job>/cpu_memory/)"))
             continue
-        n_problems, found = len(problems), False
+        n_problems, found = len(problems), []
         for folder, dirs, files in os.walk(p, onerror=unlistable):
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
             if Path(folder).name in LOG_DIRS:
-                for path in (Path(folder) / f for f in sorted(files) if not f.startswith(".")):
-                    if path.is_file():
-                        found = True
-                        yield path
+                found += [Path(folder) / f for f in sorted(files) if not f.startswith(".")]
+        found = [path for path in found if path.is_file()]
+        yield from found    # after the whole walk: its errors come before the files' own
         if not found and len(problems) == n_problems:
             problems.append(_problem(NO_LOGS, p, "no nvidia-smi or psrecord logs found in this "
                                      "directory (searched recursively for gpu_memory/ and "

@@ -440,7 +440,7 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got "
                              f"{getattr(args, flag)}")
     for flag in ("num_workers", "max_steps_per_epoch", "checkpoint_every", "log_every", "seed",
-                 "momentum", "weight_decay"):
+                 "momentum", "weight_decay"):  # 0 is allowed: --log-every 0, no progress lines
         if not getattr(args, flag) >= 0:  # NaN too
             raise UsageError(f"--{flag.replace('_', '-')} cannot be negative, got "
                              f"{getattr(args, flag)}")
