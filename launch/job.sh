@@ -104,30 +104,21 @@ if [ ! -f "$TRAIN_SCRIPT" ]; then
   exit 2
 fi
 
-# The training arguments, parsed by the repository script's own parser before any run directory,
-# logger or torchrun: a typo gets argparse's one sentence, not a failed run and torchrun's
-# traceback. Not again for a requeued or continued run (its arguments were accepted), and not
-# where this Python cannot import the script (then the training itself will say why).
-parse_check='
-import os, sys
-sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[1])))
-name = os.path.basename(sys.argv[1])
-sys.argv[0] = name
-try:
-    parser = __import__(name[:-3]).build_parser()
-except Exception:
-    sys.exit(0)
-parser.parse_args(sys.argv[2:])
-'
-refused=""
+# The training arguments, parsed by the repository script's own parser (launch/check_args.py,
+# as run_benchmarks.py does for a study) before any run directory, logger or torchrun: a typo
+# gets argparse's one sentence, not a failed run and torchrun's traceback. Not again for a
+# requeued or continued run (its arguments were accepted); any exit but 2 means not checked
+# (e.g. this Python cannot import the script): then the training itself will say why.
 if [ -z "$own_script" ] && [ "${SLURM_RESTART_COUNT:-0}" = 0 ] && [ -z "${RUN_DIR:-}" ]; then
-  refused=$(timeout 300 "${python_cmd[@]}" -c "$parse_check" "$TRAIN_SCRIPT" "$@" 2>&1 \
-    >/dev/null) && refused=""
-fi
-if [[ $refused == *": error: "* ]]; then  # argparse's own sentence, its last line
-  echo "error: the training arguments are refused: ${refused##*$'\n'} (python" \
-    "$(basename "$TRAIN_SCRIPT") --help lists its flags)" >&2
-  exit 2
+  check_rc=0
+  refused=$(timeout 300 "${python_cmd[@]}" "$LAUNCH_DIR/check_args.py" "$TRAIN_SCRIPT" "$@" \
+    2>&1 >/dev/null) || check_rc=$?
+  refused=${refused##*$'\n'}  # argparse's own sentence is its last line
+  if [ "$check_rc" = 2 ] && [[ $refused == *": error: "* ]]; then
+    echo "error: the training arguments are refused: $refused (python" \
+      "$(basename "$TRAIN_SCRIPT") --help lists its flags)" >&2
+    exit 2
+  fi
 fi
 
 # ---- layout: from Slurm, or this one machine --------------------------------------------------

@@ -1,6 +1,7 @@
 """Submit a scaling study: strategies x GPUs per node x nodes, one Slurm job and one run directory
 each, all under one study directory with a manifest (study.json) of the matrix and the exact
 commands. `python collect_results.py STUDY_DIR --plot` then turns it into tables and plots.
+README.md, "The scaling study", explains the matrix, weak and strong scaling, --resume, --local.
 
     python launch/run_benchmarks.py --dry-run                      # print the sbatch commands only
     python launch/run_benchmarks.py --strategies ddp fsdp --gpus 1 2 4 8 -- --epochs 3
@@ -11,44 +12,15 @@ commands. `python collect_results.py STUDY_DIR --plot` then turns it into tables
     python launch/run_benchmarks.py --local --strategies ddp fsdp --gpus 1 2 --per-gpu-batch 16 \\
         -- --model cnn --synthetic-size 256 --epochs 2 --num-workers 0   # on this machine (CPU ok)
 
-Everything after "--" goes to the training script (ddp_train.py, fsdp_train.py, dp_train.py);
-the batch size does not: the study sets --batch-size per run from the scaling mode.
+Everything after "--" goes to every run's training script, after the --batch-size that the
+scaling mode gives the run; each strategy's script parses it first (launch/check_args.py). A run
+is one job of launch/{baseline,multi_gpu,multi_node}.slurm (--local: of launch/local.sh, one
+after the other, its output also in STUDY/<name>-<time>.out), named <strategy>-<N>n<G>g, with
+--cpus-per-task = G x --cpus-per-gpu and its run directory STUDY/<name>-<job id>/; --dry-run
+prints the exact commands.
 
-The matrix: for every strategy, every nodes value, every GPUs-per-node value (with
---multi-node-gpus, runs on more than one node use only those GPUs per node); the default is
---strategies dp ddp fsdp --gpus 1 2 4 8 --nodes 1. Each run is one job of the repository's
-launchers:
-    1 node, 1 GPU      launch/baseline.slurm
-    1 node, G GPUs     launch/multi_gpu.slurm
-    N nodes x G GPUs   launch/multi_node.slurm
-submitted as `sbatch --parsable --job-name=<strategy>-<N>n<G>g --nodes=N --gpus-per-node=G
---cpus-per-task=<G x --cpus-per-gpu> --output=STUDY/%x-%j.out [--sbatch-args]
---export=ALL,STRATEGY=...,RUNS_DIR=STUDY launch/<file>.slurm --batch-size B TRAINING ARGS`, so
-the run directory is STUDY/<job name>-<job id>/ (launch/job.sh). CPUs grow with the GPUs so
-that every GPU gets the same DataLoader workers at every scale. dp (nn.DataParallel) is one
-process on one node: its runs on more than one node are skipped, and said so.
-
-Scaling modes (recorded in study.json and in every row of collect_results.py):
-    weak    (default) the per-GPU batch is fixed (--per-gpu-batch, default 64, the training
-            scripts' default); the global batch grows with the GPUs
-    strong  the global batch is fixed (--global-batch); per-GPU batch = global / GPUs, and a
-            configuration it does not divide is skipped, and said so
-
---local runs the same matrix on this machine, one run after the other, through
-launch/local.sh (single-node runs only; without GPUs each "GPU" is one CPU process, gloo):
-    STRATEGY=... RUNS_DIR=STUDY JOB_NAME=... PYTHON=<this python> bash launch/local.sh
-        --nproc-per-node G -- --batch-size B TRAINING ARGS
-Its output goes to the terminal and to STUDY/<job name>-<time>.out.
-
---resume (with --study-dir) re-reads study.json and the run directories and submits only the
-runs that are missing or failed: a run that finished (ok), or whose job is still in squeue, is
-left alone. Without matrix flags it resumes the whole study; with them, that part of it (new
-configurations are added). The training arguments, batch and scaling mode must be the study's.
-It reads study.json and the runs' statuses with collect_results.py (no torch needed).
-
-Environment: everything launch/job.sh reads passes through (DATA_DIR, PYTHON, LOG_INTERVAL,
-CHECKPOINT_DIR, OMP_NUM_THREADS, site settings) and is recorded in study.json; RUN_DIR, NPROC
-and NPROC_PER_NODE are dropped: the study sets each run's directory and processes.
+Environment: what launch/job.sh reads passes through (DATA_DIR, PYTHON, LOG_INTERVAL, ...) and is
+recorded in study.json; RUN_DIR, NPROC and NPROC_PER_NODE are dropped: the study sets them per run.
 Exit status: 0 all submitted (or, --local, all runs ok); 1 a submission or local run failed;
 2 a bad flag or study directory (one sentence naming the fix); 130 interrupted.
 """
@@ -77,9 +49,6 @@ from collect_results import MANIFEST  # noqa: E402
 from scaling import STRATEGIES  # noqa: E402
 from contract import DEFAULT_BATCH_SIZE  # noqa: E402  (the training scripts' --batch-size)
 
-SLURM_FILES = {"baseline": "baseline.slurm", "multi_gpu": "multi_gpu.slurm",
-               "multi_node": "multi_node.slurm"}
-DP_ONE_NODE = "DataParallel (dp) is one process on one node; use ddp or fsdp across nodes"
 # Variables the launchers read that change what is measured: recorded with each invocation.
 PROVENANCE_ENV = ("DATA_DIR", "PYTHON", "LOG_INTERVAL", "CHECKPOINT_DIR", "OMP_NUM_THREADS",
                   "CUDA_VISIBLE_DEVICES", "SITE_SH", "SRUN_EXTRA_ARGS", "NCCL_DEBUG",
@@ -87,141 +56,103 @@ PROVENANCE_ENV = ("DATA_DIR", "PYTHON", "LOG_INTERVAL", "CHECKPOINT_DIR", "OMP_N
                   "REQUEUE")
 # Variables the study sets itself for every run: an exported value would leak into every job.
 DROPPED_ENV = ("RUN_DIR", "NPROC", "NPROC_PER_NODE")
-
-
-class StudyError(Exception):
-    """A problem the user can fix: printed as one sentence, exit code 2."""
-
-
-@dataclass
-class Planned:
-    """One configuration of the matrix and how it is run."""
-    name: str
-    strategy: str
-    nodes: int
-    gpus_per_node: int
-    scaling: str
-    per_gpu_batch: int | None
-    global_batch: int | None
-    skipped: str = ""
-    argv: tuple = ()
-    env: tuple = ()      # (KEY, value) pairs set for the command (--local)
-    launcher: str = ""
-
-    @property
-    def gpus(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-    @property
-    def command(self) -> str:
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env)
-        return (env + " " if env else "") + shlex.join(self.argv)
-
-    def entry(self) -> dict:
-        return {"name": self.name, "strategy": self.strategy, "nodes": self.nodes,
-                "gpus_per_node": self.gpus_per_node, "gpus": self.gpus,
-                "scaling": self.scaling, "per_gpu_batch": self.per_gpu_batch,
-                "global_batch": self.global_batch, "launcher": self.launcher,
-                "command": self.command if not self.skipped else "",
-                "skipped": self.skipped, "attempts": []}
-
-
-# --------------------------------------------------------------------------------------------
-# The matrix
-# --------------------------------------------------------------------------------------------
-
-def run_name(strategy: str, nodes: int, gpus: int) -> str:
-    return f"{strategy}-{nodes}n{gpus}g"
-
-
-def local_gpus() -> int:
-    """GPUs this machine offers a local run: CUDA_VISIBLE_DEVICES, else nvidia-smi -L."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip()])
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
-
-
-def plan(settings: dict, study: Path, local: bool, gpus_here: int) -> list:
-    """Every configuration of the matrix, in order (strategy, nodes, GPUs per node)."""
-    planned = []
-    for strategy in settings["strategies"]:
-        for nodes in settings["nodes"]:
-            gpu_values = settings["gpus"]
-            if nodes > 1 and settings["multi_node_gpus"]:
-                gpu_values = settings["multi_node_gpus"]
-            for g in gpu_values:
-                planned.append(plan_one(settings, study, local, gpus_here, strategy, nodes, g))
-    return planned
-
-
-def plan_one(settings, study, local, gpus_here, strategy, nodes, g) -> Planned:
-    gpus = nodes * g
-    scaling = settings["scaling"]
-    if scaling == "weak":
-        per_gpu, global_batch = settings["per_gpu_batch"], settings["per_gpu_batch"] * gpus
-    else:
-        global_batch = settings["global_batch"]
-        per_gpu = global_batch // gpus if global_batch % gpus == 0 else None
-    p = Planned(run_name(strategy, nodes, g), strategy, nodes, g, scaling, per_gpu, global_batch)
-    if strategy == "dp" and nodes > 1:
-        p.skipped = DP_ONE_NODE
-    elif per_gpu is None:
-        p.skipped = (f"strong scaling: global batch {global_batch} does not divide by {gpus} "
-                     f"GPUs; pick a global batch that all GPU counts divide")
-    elif local and nodes > 1:
-        p.skipped = "--local runs on this one machine; multi-node runs need Slurm"
-    elif local and strategy == "dp" and g > 1 and gpus_here < g:
-        p.skipped = (f"dp with {g} GPUs needs {g} GPUs on this machine, which has {gpus_here} "
-                     f"(DataParallel is one process: on CPU it drives one device)")
-    elif local and gpus_here and g > gpus_here:
-        p.skipped = f"{g} processes need {g} GPUs; this machine has {gpus_here}"
-    if p.skipped:
-        return p
-    train = ["--batch-size", str(per_gpu), *settings["train_args"]]
-    if local:
-        p.launcher = "launch/local.sh"
-        if strategy == "dp" and gpus_here:
-            train = ["--gpus", str(g), *train]  # DataParallel would take every visible GPU
-        nproc = [] if strategy == "dp" else ["--nproc-per-node", str(g)]
-        p.env = (("STRATEGY", strategy), ("RUNS_DIR", str(study)), ("JOB_NAME", p.name),
-                 ("PYTHON", os.environ.get("PYTHON") or sys.executable))
-        p.argv = ("bash", str(LAUNCH_DIR / "local.sh"), *nproc, "--", *train)
-    else:
-        kind = "multi_node" if nodes > 1 else "multi_gpu" if g > 1 else "baseline"
-        p.launcher = f"launch/{SLURM_FILES[kind]}"
-        p.argv = ("sbatch", "--parsable", f"--job-name={p.name}", f"--nodes={nodes}",
-                  f"--gpus-per-node={g}", f"--cpus-per-task={settings['cpus_per_gpu'] * g}",
-                  f"--output={study}/%x-%j.out", *settings["sbatch_args"],
-                  f"--export=ALL,STRATEGY={strategy},RUNS_DIR={study}",
-                  str(LAUNCH_DIR / SLURM_FILES[kind]), *train)
-    return p
-
-
-# --------------------------------------------------------------------------------------------
-# Settings, and the study manifest
-# --------------------------------------------------------------------------------------------
-
-SETTING_FLAGS = {  # setting -> the flag that sets it, for messages
+SETTING_FLAGS = {  # the settings besides the matrix -> the flag that sets it, for messages
     "scaling": "--scaling", "per_gpu_batch": "--per-gpu-batch", "global_batch": "--global-batch",
     "cpus_per_gpu": "--cpus-per-gpu", "sbatch_args": "--sbatch-args",
     "train_args": "the training arguments after --",
 }
 
 
+class StudyError(Exception):
+    """A problem the user can fix: printed as one sentence, exit code 2."""
+
+
+def _now() -> str:
+    return datetime.now().isoformat(timespec="seconds")
+
+
+def _unique(values: list) -> list:
+    return list(dict.fromkeys(values))
+
+
+# --------------------------------------------------------------------------------------------
+# The command line, and the study's settings
+# --------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python launch/run_benchmarks.py", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [options] [-- TRAINING ARGS]")
+    m = parser.add_argument_group("the matrix")
+    m.add_argument("--strategies", nargs="+", choices=STRATEGIES,
+                   help="strategies to run (default: dp ddp fsdp)")
+    m.add_argument("--gpus", nargs="+", type=int, metavar="G",
+                   help="GPUs per node (default: 1 2 4 8); without GPUs (--local) processes")
+    m.add_argument("--nodes", nargs="+", type=int, metavar="N",
+                   help="numbers of nodes (default: 1)")
+    m.add_argument("--multi-node-gpus", nargs="+", type=int, metavar="G",
+                   help="GPUs per node for the runs on more than one node (default: every "
+                        "--gpus value); --multi-node-gpus 4 gives the workshop's node table")
+    b = parser.add_argument_group("batch and scaling mode")
+    b.add_argument("--scaling", choices=("weak", "strong"),
+                   help="weak: per-GPU batch fixed (default); strong: global batch fixed")
+    b.add_argument("--per-gpu-batch", type=int, metavar="B",
+                   help=f"weak scaling: batch size PER GPU, the same in every run (default "
+                        f"{DEFAULT_BATCH_SIZE}); the global batch is B x GPUs")
+    b.add_argument("--global-batch", type=int, metavar="B",
+                   help="strong scaling: the GLOBAL batch, the same in every run; per-GPU "
+                        "batch = B / GPUs")
+    b.add_argument("--lr-scaling", choices=("none", "linear", "sqrt"),
+                   help="passed to every run: scale the learning rate with the global batch "
+                        "(linear: the rule of Goyal et al.; add -- --warmup-epochs E for their "
+                        "warm-up); default: the training scripts' none")
+    r = parser.add_argument_group("where and how")
+    r.add_argument("--study-dir", metavar="DIR",
+                   help="the study directory: study.json and one run directory per job "
+                        "(default: runs/study-<date>-<time>; --resume needs it)")
+    r.add_argument("--dry-run", action="store_true",
+                   help="print the commands (a shell script) and exit; submits nothing, "
+                        "writes nothing")
+    r.add_argument("--local", action="store_true",
+                   help="run the single-node part of the matrix on this machine through "
+                        "launch/local.sh, one run after the other (CPU: gloo processes)")
+    r.add_argument("--resume", action="store_true",
+                   help="submit only the runs of --study-dir that are missing or failed")
+    r.add_argument("--cpus-per-gpu", type=int, metavar="C",
+                   help="sbatch --cpus-per-task = C x GPUs per node (default 4, as in the "
+                        ".slurm files), so DataLoader workers per GPU stay the same")
+    r.add_argument("--sbatch-args", metavar="'ARGS'",
+                   help="extra sbatch options for every job, one quoted string, e.g. "
+                        "'--partition=gpu --time=00:30:00 --account=proj'")
+    return parser
+
+
+def settings_from(args, train_args: list) -> dict:
+    """The study's settings from the command line; None where a flag was not given, so that
+    --resume can tell a setting given again from the study's own."""
+    try:
+        sbatch_args = None if args.sbatch_args is None else shlex.split(args.sbatch_args)
+    except ValueError as e:
+        raise StudyError(f"--sbatch-args {args.sbatch_args!r}: {e}; quote it as one "
+                         f"string, e.g. --sbatch-args '--partition=gpu --time=01:00:00'") from None
+    return {"strategies": args.strategies, "gpus": args.gpus, "nodes": args.nodes,
+            "multi_node_gpus": args.multi_node_gpus, "scaling": args.scaling,
+            "per_gpu_batch": args.per_gpu_batch, "global_batch": args.global_batch,
+            "cpus_per_gpu": args.cpus_per_gpu, "sbatch_args": sbatch_args,
+            "train_args": train_args + (["--lr-scaling", args.lr_scaling] if args.lr_scaling
+                                        else [])}
+
+
 def check_train_args(train_args: list) -> None:
+    """Refuse what the study sets for every run itself. By prefix: argparse also takes
+    abbreviations such as --batch."""
     if len([a for a in train_args if a.split("=")[0].startswith("--lr-s")]) > 1:
         raise StudyError("--lr-scaling is given both before and after the --: keep the one "
                          "before it")
     for arg in train_args:
         flag = arg.split("=")[0]
-        if flag.startswith("--batch"):  # argparse also takes abbreviations such as --batch
+        if flag.startswith("--batch"):
             raise StudyError(f"{arg} after --: the study sets --batch-size for every run; use "
                              f"--per-gpu-batch N (weak scaling) or --scaling strong "
                              f"--global-batch N instead")
@@ -232,46 +163,6 @@ def check_train_args(train_args: list) -> None:
         if flag == "--gpus":
             raise StudyError(f"{arg} after --: the study sets the GPUs of every run; use --gpus "
                              f"before the --")
-
-
-# Parse the training arguments with each script's own parser, as its jobs will.
-_PARSE = ("import importlib, sys\n"
-          "for script in sys.argv[1].split(','):\n"
-          "    sys.argv[0] = script + '.py'\n"
-          "    importlib.import_module(script).build_parser().parse_args(sys.argv[2:])\n")
-
-
-def check_train_args_parse(train_args: list, strategies: list) -> None:
-    """Every strategy's script accepts the training arguments: a typo after -- stops the study
-    here, once, instead of failing each of its jobs. Skipped with a note where this Python
-    cannot import the scripts (a login node without torch)."""
-    if not train_args:
-        return
-    python = shlex.split(os.environ.get("PYTHON") or "") or [sys.executable]
-    scripts = ",".join(f"{s}_train" for s in strategies)
-    try:
-        proc = subprocess.run([*python, "-c", _PARSE, scripts, *train_args], cwd=REPO_DIR,
-                              capture_output=True, text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        proc = subprocess.CompletedProcess([], 1, "", str(e))
-    last = (proc.stderr.strip().splitlines() or [""])[-1]
-    if proc.returncode == 2 and ": error: " in last:  # argparse's own sentence
-        raise StudyError(f"the training arguments after -- are refused ({last}); fix them "
-                         f"(python {last.split(':')[0]} --help lists its flags)")
-    if proc.returncode != 0:
-        print(f"note: the training arguments after -- were not checked ({last[:200]}); a "
-              f"wrong one fails every run", file=sys.stderr)
-
-
-def settings_from(args, train_args: list) -> dict:
-    """The study's settings from the command line; None where a flag was not given."""
-    return {"strategies": args.strategies, "gpus": args.gpus, "nodes": args.nodes,
-            "multi_node_gpus": args.multi_node_gpus, "scaling": args.scaling,
-            "per_gpu_batch": args.per_gpu_batch, "global_batch": args.global_batch,
-            "cpus_per_gpu": args.cpus_per_gpu,
-            "sbatch_args": shlex.split(args.sbatch_args) if args.sbatch_args is not None else None,
-            "train_args": train_args + (["--lr-scaling", args.lr_scaling] if args.lr_scaling
-                                        else [])}
 
 
 def fill_defaults(s: dict) -> dict:
@@ -308,16 +199,146 @@ def fill_defaults(s: dict) -> dict:
     return s
 
 
-def _unique(values: list) -> list:
-    return list(dict.fromkeys(values))
+def check_train_args_parse(train_args: list, strategies: list) -> None:
+    """Every strategy's script accepts the training arguments, as its jobs' launch/job.sh will
+    check: a typo stops the study here, once, instead of failing each of its jobs. Skipped with
+    a note where this Python cannot import the scripts (a login node without torch)."""
+    if not train_args:
+        return
+    python = shlex.split(os.environ.get("PYTHON") or "") or [sys.executable]
+    scripts = ",".join(f"{s}_train" for s in strategies)
+    try:
+        proc = subprocess.run([*python, str(LAUNCH_DIR / "check_args.py"), scripts, *train_args],
+                              cwd=REPO_DIR, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        proc = subprocess.CompletedProcess([], 1, "", str(e))
+    last = (proc.stderr.strip().splitlines() or [""])[-1]
+    if proc.returncode == 2 and ": error: " in last:  # argparse's own sentence
+        raise StudyError(f"the training arguments after -- are refused ({last}); fix them "
+                         f"(python {last.split(':')[0]} --help lists its flags)")
+    if proc.returncode != 0:
+        print(f"note: the training arguments after -- were not checked ({last[:200]}); a "
+              f"wrong one fails every run", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------
+# The matrix
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Planned:
+    """One configuration of the matrix and how it is run."""
+    name: str
+    strategy: str
+    nodes: int
+    gpus_per_node: int
+    scaling: str
+    per_gpu_batch: int | None
+    global_batch: int | None
+    skipped: str = ""
+    argv: tuple = ()
+    env: tuple = ()      # (KEY, value) pairs set for the command (--local)
+    launcher: str = ""
+
+    @property
+    def command(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env)
+        return (env + " " if env else "") + shlex.join(self.argv)
+
+    def entry(self) -> dict:
+        """Its entry in study.json."""
+        return {"name": self.name, "strategy": self.strategy, "nodes": self.nodes,
+                "gpus_per_node": self.gpus_per_node, "gpus": self.nodes * self.gpus_per_node,
+                "scaling": self.scaling, "per_gpu_batch": self.per_gpu_batch,
+                "global_batch": self.global_batch, "launcher": self.launcher,
+                "command": self.command if not self.skipped else "",
+                "skipped": self.skipped, "attempts": []}
+
+
+def local_gpus() -> int:
+    """GPUs this machine offers a local run: CUDA_VISIBLE_DEVICES, else nvidia-smi -L."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+
+
+def plan(settings: dict, study: Path, local: bool, gpus_here: int) -> list:
+    """Every configuration of the matrix, in order (strategy, nodes, GPUs per node), with its
+    command or the reason it is skipped."""
+    multi = settings["multi_node_gpus"]
+    matrix = [(strategy, nodes, g) for strategy in settings["strategies"]
+              for nodes in settings["nodes"]
+              for g in (multi if nodes > 1 and multi else settings["gpus"])]
+    planned = []
+    for strategy, nodes, g in matrix:
+        gpus = nodes * g
+        if settings["scaling"] == "weak":
+            per_gpu, global_batch = settings["per_gpu_batch"], settings["per_gpu_batch"] * gpus
+        else:
+            global_batch = settings["global_batch"]
+            per_gpu = global_batch // gpus if global_batch % gpus == 0 else None
+        p = Planned(f"{strategy}-{nodes}n{g}g", strategy, nodes, g, settings["scaling"], per_gpu,
+                    global_batch)
+        planned.append(p)
+        if strategy == "dp" and nodes > 1:
+            p.skipped = "DataParallel (dp) is one process on one node; use ddp or fsdp across nodes"
+        elif per_gpu is None:
+            p.skipped = (f"strong scaling: global batch {global_batch} does not divide by {gpus} "
+                         f"GPUs; pick a global batch that all GPU counts divide")
+        elif local and nodes > 1:
+            p.skipped = "--local runs on this one machine; multi-node runs need Slurm"
+        elif local and strategy == "dp" and g > 1 and gpus_here < g:
+            p.skipped = (f"dp with {g} GPUs needs {g} GPUs on this machine, which has "
+                         f"{gpus_here} (DataParallel is one process: on CPU it drives one device)")
+        elif local and gpus_here and g > gpus_here:
+            p.skipped = f"{g} processes need {g} GPUs; this machine has {gpus_here}"
+        if p.skipped:
+            continue
+        train = ["--batch-size", str(per_gpu), *settings["train_args"]]
+        if local:
+            p.launcher = "launch/local.sh"
+            if strategy == "dp" and gpus_here:
+                train = ["--gpus", str(g), *train]  # DataParallel would take every visible GPU
+            nproc = [] if strategy == "dp" else ["--nproc-per-node", str(g)]
+            p.env = (("STRATEGY", strategy), ("RUNS_DIR", str(study)), ("JOB_NAME", p.name),
+                     ("PYTHON", os.environ.get("PYTHON") or sys.executable))
+            p.argv = ("bash", str(LAUNCH_DIR / "local.sh"), *nproc, "--", *train)
+        else:
+            slurm_file = ("multi_node" if nodes > 1 else "multi_gpu" if g > 1
+                          else "baseline") + ".slurm"
+            p.launcher = f"launch/{slurm_file}"
+            p.argv = ("sbatch", "--parsable", f"--job-name={p.name}", f"--nodes={nodes}",
+                      f"--gpus-per-node={g}", f"--cpus-per-task={settings['cpus_per_gpu'] * g}",
+                      f"--output={study}/%x-%j.out", *settings["sbatch_args"],
+                      f"--export=ALL,STRATEGY={strategy},RUNS_DIR={study}",
+                      str(LAUNCH_DIR / slurm_file), *train)
+    return planned
+
+
+# --------------------------------------------------------------------------------------------
+# The study directory and its manifest
+# --------------------------------------------------------------------------------------------
+
+def _show(value) -> str:
+    if isinstance(value, list):
+        return shlex.join(str(v) for v in value) if value else "(none)"
+    return "(none)" if value is None else str(value)
 
 
 def merge_resume(given: dict, manifest: dict) -> dict:
-    """--resume: the study's settings, checked against those given again on the command line."""
+    """--resume: the study's settings, checked against those given again on the command line.
+    Matrix flags pick a part of the study (and may add configurations); the rest must match."""
     saved = manifest["settings"]
     merged = dict(saved)
     for key in ("strategies", "gpus", "nodes", "multi_node_gpus"):
-        if given[key]:  # a part of the matrix (new configurations are added)
+        if given[key]:
             merged[key] = given[key]
     for key, flag in SETTING_FLAGS.items():
         value = given[key]
@@ -330,10 +351,38 @@ def merge_resume(given: dict, manifest: dict) -> dict:
     return merged
 
 
-def _show(value) -> str:
-    if isinstance(value, list):
-        return shlex.join(str(v) for v in value) if value else "(none)"
-    return "(none)" if value is None else str(value)
+def open_study(args, given: dict, mode: str) -> tuple:
+    """(study directory, manifest, settings): a new study, or the one --resume names."""
+    if args.resume:
+        if not args.study_dir:
+            raise StudyError("--resume needs --study-dir: the study directory to resume")
+        study_dir = Path(args.study_dir).resolve()
+        try:
+            manifest = collect_results.read_manifest(study_dir)
+        except collect_results.UsageError as e:
+            raise StudyError(str(e)) from None
+        if manifest is None:
+            raise StudyError(f"--resume: no {MANIFEST} in {study_dir}; point --study-dir at a "
+                             f"study that launch/run_benchmarks.py made, or start one without "
+                             f"--resume")
+        if manifest["mode"] != mode:
+            raise StudyError(f"{study_dir} is a {manifest['mode']} study; resume it "
+                             f"{'with' if manifest['mode'] == 'local' else 'without'} --local")
+        settings = fill_defaults(merge_resume(given, manifest))
+    else:
+        settings = fill_defaults(given)
+        study_dir = Path(args.study_dir or f"runs/study-{datetime.now():%Y%m%d-%H%M%S}").resolve()
+        if (study_dir / MANIFEST).exists():
+            raise StudyError(f"{study_dir} already holds a study ({MANIFEST}); add --resume to "
+                             f"run its missing or failed runs, or pick a new --study-dir")
+        if study_dir.exists() and not study_dir.is_dir():
+            raise StudyError(f"--study-dir {study_dir} is a file; name a directory")
+        manifest = {"version": 1, "created": _now(), "mode": mode,
+                    "repo": str(REPO_DIR), "settings": settings, "invocations": [], "runs": []}
+    if "," in str(study_dir) and mode == "slurm":
+        raise StudyError(f"--study-dir {study_dir} contains a comma, which sbatch --export "
+                         f"cannot pass; pick a path without commas")
+    return study_dir, manifest, settings
 
 
 def write_manifest(study: Path, manifest: dict) -> None:
@@ -343,15 +392,27 @@ def write_manifest(study: Path, manifest: dict) -> None:
     os.replace(tmp, study / MANIFEST)
 
 
-def read_manifest(study: Path) -> dict:
-    try:
-        manifest = collect_results.read_manifest(study)
-    except collect_results.UsageError as e:
-        raise StudyError(str(e)) from None
-    if manifest is None:
-        raise StudyError(f"--resume: no {MANIFEST} in {study}; point --study-dir at a study "
-                         f"that launch/run_benchmarks.py made, or start one without --resume")
-    return manifest
+def record_plan(study_dir: Path, manifest: dict, settings: dict, planned: list, resume: bool,
+                argv: list) -> dict:
+    """Write study.json before anything runs; returns its entries by name."""
+    study_dir.mkdir(parents=True, exist_ok=True)
+    if resume:  # the matrix only grows: a resumed part keeps the rest of the study
+        for key in ("strategies", "gpus", "nodes", "multi_node_gpus"):
+            settings[key] = _unique(manifest["settings"][key] + settings[key])
+    manifest["settings"] = settings
+    manifest["invocations"].append(
+        {"time": _now(), "command": shlex.join(["python", "launch/run_benchmarks.py", *argv]),
+         "env": {k: os.environ[k] for k in PROVENANCE_ENV if k in os.environ}})
+    entries = {e["name"]: e for e in manifest["runs"]}
+    for p in planned:
+        entry = entries.get(p.name)
+        if entry is None:
+            entries[p.name] = p.entry()
+            manifest["runs"].append(entries[p.name])
+        elif not p.skipped:
+            entry["command"] = p.command
+    write_manifest(study_dir, manifest)
+    return entries
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,12 +428,12 @@ def queued_job_ids() -> set | None:
         out = subprocess.run(["squeue", "--noheader", "--format=%i",
                               f"--user={getpass.getuser()}"],
                              capture_output=True, text=True, timeout=60)
+        failed = f"exit {out.returncode}: {out.stderr.strip()[:200]}" if out.returncode else ""
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise StudyError(f"squeue did not answer ({e}); retry when the Slurm controller "
-                         f"responds, so that queued jobs are not submitted twice") from None
-    if out.returncode != 0:
-        raise StudyError(f"squeue failed ({out.stderr.strip()[:200]}); retry when the Slurm "
-                         f"controller responds, so that queued jobs are not submitted twice")
+        failed = str(e)
+    if failed:
+        raise StudyError(f"squeue failed ({failed}); retry when the Slurm controller responds, "
+                         f"so that queued jobs are not submitted twice")
     return {line.strip() for line in out.stdout.splitlines() if line.strip()}
 
 
@@ -405,8 +466,24 @@ def resume_states(study: Path, manifest: dict, names: list) -> dict:
     return states
 
 
+def select(planned: list, states: dict | None) -> tuple:
+    """(runs to start, the lines that say so): commands, and # comments for the rest."""
+    todo, lines = [], []
+    for p in planned:
+        if p.skipped:
+            lines.append(f"# skip {p.name}: {p.skipped}")
+        elif states is not None and not states[p.name][0]:
+            lines.append(f"# {p.name}: {states[p.name][1]}; not run again")
+        else:
+            if states is not None:
+                lines.append(f"# {p.name}: {states[p.name][1]}")
+            lines.append(p.command)
+            todo.append(p)
+    return todo, lines
+
+
 # --------------------------------------------------------------------------------------------
-# Running
+# Running: one attempt each, recorded in study.json
 # --------------------------------------------------------------------------------------------
 
 def child_env(p: Planned) -> dict:
@@ -418,18 +495,21 @@ def child_env(p: Planned) -> dict:
 
 
 def submit(p: Planned, study: Path) -> dict:
+    """One sbatch; a failure is the attempt's "error", which stops the study."""
+    attempt = {"job_id": "", "submitted": _now(), "command": p.command}
     try:
         out = subprocess.run(list(p.argv), capture_output=True, text=True, env=child_env(p),
                              timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise StudyError(f"sbatch for {p.name} did not run ({e})") from None
+        return attempt | {"error": f"sbatch for {p.name} did not run ({e})"}
     job_id = out.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
     if out.returncode != 0 or not job_id.isdigit():
         said = " / ".join((out.stderr or out.stdout).strip().splitlines())
-        raise StudyError(f"sbatch for {p.name} failed (exit {out.returncode}): {said[:300]}")
-    print(f"submitted {p.name}: job {job_id} -> {study / f'{p.name}-{job_id}'}", flush=True)
-    return {"job_id": job_id, "submitted": _now(), "command": p.command,
-            "run_dir": str(study / f"{p.name}-{job_id}")}
+        return attempt | {"error": f"sbatch for {p.name} failed (exit {out.returncode}): "
+                                   f"{said[:300]}"}
+    attempt.update(job_id=job_id, run_dir=str(study / f"{p.name}-{job_id}"))
+    print(f"submitted {p.name}: job {job_id} -> {attempt['run_dir']}", flush=True)
+    return attempt
 
 
 def run_local(p: Planned, study: Path) -> dict:
@@ -460,154 +540,11 @@ def run_local(p: Planned, study: Path) -> dict:
     return attempt
 
 
-def _now() -> str:
-    return datetime.now().isoformat(timespec="seconds")
-
-
 # --------------------------------------------------------------------------------------------
-# Command line
+# The study, start to end
 # --------------------------------------------------------------------------------------------
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python launch/run_benchmarks.py", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="%(prog)s [options] [-- TRAINING ARGS]")
-    m = parser.add_argument_group("the matrix")
-    m.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=None,
-                   help="strategies to run (default: dp ddp fsdp)")
-    m.add_argument("--gpus", nargs="+", type=int, default=None, metavar="G",
-                   help="GPUs per node (default: 1 2 4 8); without GPUs (--local) processes")
-    m.add_argument("--nodes", nargs="+", type=int, default=None, metavar="N",
-                   help="numbers of nodes (default: 1)")
-    m.add_argument("--multi-node-gpus", nargs="+", type=int, default=None, metavar="G",
-                   help="GPUs per node for the runs on more than one node (default: every "
-                        "--gpus value); --multi-node-gpus 4 gives the workshop's node table")
-    b = parser.add_argument_group("batch and scaling mode")
-    b.add_argument("--scaling", choices=("weak", "strong"), default=None,
-                   help="weak: per-GPU batch fixed (default); strong: global batch fixed")
-    b.add_argument("--per-gpu-batch", type=int, default=None, metavar="B",
-                   help=f"weak scaling: batch size PER GPU, the same in every run (default "
-                        f"{DEFAULT_BATCH_SIZE}); the global batch is B x GPUs")
-    b.add_argument("--global-batch", type=int, default=None, metavar="B",
-                   help="strong scaling: the GLOBAL batch, the same in every run; per-GPU "
-                        "batch = B / GPUs")
-    b.add_argument("--lr-scaling", choices=("none", "linear", "sqrt"), default=None,
-                   help="passed to every run: scale the learning rate with the global batch "
-                        "(linear: the rule of Goyal et al.; add -- --warmup-epochs E for their "
-                        "warm-up); default: the training scripts' none")
-    r = parser.add_argument_group("where and how")
-    r.add_argument("--study-dir", default=None, metavar="DIR",
-                   help="the study directory: study.json and one run directory per job "
-                        "(default: runs/study-<date>-<time>; --resume needs it)")
-    r.add_argument("--dry-run", action="store_true",
-                   help="print the commands (a shell script) and exit; submits nothing, "
-                        "writes nothing")
-    r.add_argument("--local", action="store_true",
-                   help="run the single-node part of the matrix on this machine through "
-                        "launch/local.sh, one run after the other (CPU: gloo processes)")
-    r.add_argument("--resume", action="store_true",
-                   help="submit only the runs of --study-dir that are missing or failed")
-    r.add_argument("--cpus-per-gpu", type=int, default=None, metavar="C",
-                   help="sbatch --cpus-per-task = C x GPUs per node (default 4, as in the "
-                        ".slurm files), so DataLoader workers per GPU stay the same")
-    r.add_argument("--sbatch-args", default=None, metavar="'ARGS'",
-                   help="extra sbatch options for every job, one quoted string, e.g. "
-                        "'--partition=gpu --time=00:30:00 --account=proj'")
-    return parser
-
-
-def split_argv(argv: list) -> tuple:
-    if "--" in argv:
-        at = argv.index("--")
-        return argv[:at], argv[at + 1:]
-    return argv, []
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    ours, train_args = split_argv(argv)
-    args = build_parser().parse_args(ours)
-    try:
-        return study(args, train_args, argv)
-    except StudyError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-
-def open_study(args, given: dict, mode: str) -> tuple:
-    """(study directory, manifest, settings): a new study, or the one --resume names."""
-    if args.resume:
-        if not args.study_dir:
-            raise StudyError("--resume needs --study-dir: the study directory to resume")
-        study_dir = Path(args.study_dir).resolve()
-        manifest = read_manifest(study_dir)
-        if manifest["mode"] != mode:
-            raise StudyError(f"{study_dir} is a {manifest['mode']} study; resume it "
-                             f"{'with' if manifest['mode'] == 'local' else 'without'} --local")
-        settings = fill_defaults(merge_resume(given, manifest))
-    else:
-        settings = fill_defaults(given)
-        study_dir = Path(args.study_dir or f"runs/study-{datetime.now():%Y%m%d-%H%M%S}").resolve()
-        if (study_dir / MANIFEST).exists():
-            raise StudyError(f"{study_dir} already holds a study ({MANIFEST}); add --resume to "
-                             f"run its missing or failed runs, or pick a new --study-dir")
-        if study_dir.exists() and not study_dir.is_dir():
-            raise StudyError(f"--study-dir {study_dir} is a file; name a directory")
-        manifest = {"version": 1, "created": _now(), "mode": mode,
-                    "repo": str(REPO_DIR), "settings": settings, "invocations": [], "runs": []}
-    if "," in str(study_dir) and mode == "slurm":
-        raise StudyError(f"--study-dir {study_dir} contains a comma, which sbatch --export "
-                         f"cannot pass; pick a path without commas")
-    return study_dir, manifest, settings
-
-
-def select(planned: list, states: dict | None) -> tuple:
-    """(runs to start, the lines that say so): commands, and # comments for the rest."""
-    todo, lines = [], []
-    for p in planned:
-        if p.skipped:
-            lines.append(f"# skip {p.name}: {p.skipped}")
-        elif states is not None and not states[p.name][0]:
-            lines.append(f"# {p.name}: {states[p.name][1]}; not run again")
-        else:
-            if states is not None:
-                lines.append(f"# {p.name}: {states[p.name][1]}")
-            lines.append(p.command)
-            todo.append(p)
-    return todo, lines
-
-
-def record_plan(study_dir: Path, manifest: dict, settings: dict, planned: list, resume: bool,
-                argv: list) -> dict:
-    """Write study.json before anything runs; returns its entries by name."""
-    study_dir.mkdir(parents=True, exist_ok=True)
-    if resume:  # the matrix only grows: a resumed part keeps the rest of the study
-        for key in ("strategies", "gpus", "nodes", "multi_node_gpus"):
-            settings[key] = _unique(manifest["settings"][key] + settings[key])
-    manifest["settings"] = settings
-    manifest["invocations"].append(
-        {"time": _now(), "command": shlex.join(["python", "launch/run_benchmarks.py", *argv]),
-         "env": {k: os.environ[k] for k in PROVENANCE_ENV if k in os.environ}})
-    entries = {e["name"]: e for e in manifest["runs"]}
-    for p in planned:
-        entry = entries.get(p.name)
-        if entry is None:
-            entries[p.name] = p.entry()
-            manifest["runs"].append(entries[p.name])
-        elif not p.skipped:
-            entry["command"] = p.command
-    write_manifest(study_dir, manifest)
-    return entries
-
 
 def study(args, train_args: list, argv: list) -> int:
-    if args.sbatch_args is not None:
-        try:
-            shlex.split(args.sbatch_args)
-        except ValueError as e:
-            raise StudyError(f"--sbatch-args {args.sbatch_args!r}: {e}; quote it as one "
-                             f"string, e.g. --sbatch-args '--partition=gpu --time=01:00:00'")
     mode = "local" if args.local else "slurm"
     study_dir, manifest, settings = open_study(args, settings_from(args, train_args), mode)
     check_train_args_parse(settings["train_args"], settings["strategies"])
@@ -635,21 +572,13 @@ def study(args, train_args: list, argv: list) -> int:
     failed = []
     try:
         for p in todo:
-            if args.local:
-                attempt = run_local(p, study_dir)
-            else:
-                try:
-                    attempt = submit(p, study_dir)
-                except StudyError as e:
-                    attempt = {"job_id": "", "submitted": _now(), "command": p.command,
-                               "error": str(e)}
-                    entries[p.name]["attempts"].append(attempt)
-                    write_manifest(study_dir, manifest)
-                    print(f"error: {e}; fix it and submit the rest with: {resume_cmd}",
-                          file=sys.stderr)
-                    return 1
+            attempt = run_local(p, study_dir) if args.local else submit(p, study_dir)
             entries[p.name]["attempts"].append(attempt)
             write_manifest(study_dir, manifest)
+            if "error" in attempt:
+                print(f"error: {attempt['error']}; fix it and submit the rest with: "
+                      f"{resume_cmd}", file=sys.stderr)
+                return 1
             if attempt.get("exit_code") == 130:
                 raise KeyboardInterrupt
             if attempt.get("exit_code", 0) != 0:
@@ -667,6 +596,17 @@ def study(args, train_args: list, argv: list) -> int:
     print(f"study: {study_dir}\nwhen done: python collect_results.py {study_dir} --plot"
           + (f"\nrerun what failed: {resume_cmd}" if failed else ""))
     return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    at = argv.index("--") if "--" in argv else len(argv)
+    args = build_parser().parse_args(argv[:at])  # ours; after the "--", the training's
+    try:
+        return study(args, argv[at + 1:], argv)
+    except StudyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -336,7 +336,7 @@ def test_a_stop_signal_before_the_training_starts_is_passed_on(tmp_path, when):
     backfill got it 80 ms in): before, bash died of the USR1 without a word and an empty job
     log; now the signal waits for the training, which checkpoints and stops for a requeue."""
     slow = tmp_path / "slow-python"  # a flag check that takes its time, as under load
-    slow.write_text(f"#!/bin/bash\nif [ \"$1\" = -c ]; then echo checking > "
+    slow.write_text(f"#!/bin/bash\nif [[ $1 == */check_args.py ]]; then echo checking > "
                     f"{tmp_path}/checking; sleep 4; fi\nexec {sys.executable} \"$@\"\n")
     slow.chmod(0o755)
     env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs"), "PYTHON": str(slow)}

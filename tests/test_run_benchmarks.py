@@ -441,3 +441,22 @@ def test_local_resume_reruns_only_the_failed_run(local_study, tmp_path):
     scaling.scale(list(rows.values()))
     assert rows[failed]["status"] == "failed" and not rows[failed]["used_in_tables"]
     assert rows[Path(entry["attempts"][1]["run_dir"]).name]["used_in_tables"]
+
+
+def test_check_args_is_argparse_of_every_script_named():
+    """launch/check_args.py, which job.sh (one script) and a study (each strategy's) run before
+    anything starts: 0 when every script takes the arguments, 2 with argparse's sentence naming
+    the script that refuses them, 1 with one sentence for a script that is not there."""
+    def check(*argv):
+        return subprocess.run([sys.executable, str(SLURM / "check_args.py"), *argv], cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+    ok = check("ddp_train,fsdp_train.py", "--epochs", "3", "--lr-scaling", "linear")
+    assert ok.returncode == 0 and ok.stderr == ""
+    refused = check("ddp_train.py,fsdp_train", "--sharding", "full")  # fsdp's flag, not ddp's
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines()[-1] == ("ddp_train.py: error: unrecognized arguments: "
+                                               "--sharding full")
+    missing = check(str(REPO / "no_such_train"), "--epochs", "3")
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert missing.stderr.splitlines() == [f"error: no training script {REPO}/no_such_train.py: "
+                                           f"name one, e.g. ddp_train.py"]

@@ -1,0 +1,39 @@
+"""Parse training arguments with each training script's own parser, as its jobs will, before
+anything starts: launch/job.sh runs it for one job, launch/run_benchmarks.py once for a study.
+A typo then costs argparse's one sentence, not a failed job or a study of failed jobs.
+
+    python launch/check_args.py ddp_train.py --epochs 3 --bogus
+    python launch/check_args.py ddp_train,fsdp_train --epochs 3 --lr-scaling linear
+
+Exit status: 0 every script accepts the arguments; 2 one refuses them, and argparse's sentence
+("ddp_train.py: error: ...") is the last line on stderr; anything else means not checked (a
+script this Python cannot import, e.g. without torch: the error is the last line). The callers
+go on in that case; the training itself will say why.
+"""
+
+import importlib
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        print("usage: python launch/check_args.py SCRIPT[.py][,SCRIPT...] [TRAINING ARGS]",
+              file=sys.stderr)
+        return 1
+    for script in argv[0].split(","):
+        path = Path(script if script.endswith(".py") else script + ".py").resolve()
+        if not path.is_file():
+            print(f"error: no training script {path}: name one, e.g. ddp_train.py",
+                  file=sys.stderr)
+            return 1
+        sys.path.insert(0, str(path.parent))  # the script's own imports (common.py, ...)
+        parser = importlib.import_module(path.stem).build_parser()
+        parser.prog = path.name  # argparse's sentence names the script, not this file
+        parser.parse_args(argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
