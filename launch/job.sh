@@ -45,13 +45,10 @@
 # batch shell); the training checkpoints at its next step and exits 75, and this script then runs
 # `scontrol requeue`. The requeued job resumes from $RUN_DIR/checkpoints by itself (--resume auto).
 # A job that was cancelled (scancel) is not requeued; its checkpoint stays for a later RUN_DIR=...
-# A signal before the training has started is kept: USR1 is passed on once it runs, TERM ends
-# the job before it starts.
 set -euo pipefail
-# Stop signals before the training runs (while site.sh or the flag check below take their time):
-# without a trap, bash would die of them without a word. They are kept: a TERM (scancel,
-# preemption) then ends the job before the training starts, Slurm's time-limit warning (USR1)
-# is passed on once it runs.
+# A stop signal before the training runs (while site.sh or the flag check below take their
+# time) would kill bash without a word. It is kept instead: a TERM (scancel, preemption) ends
+# the job before the training starts, Slurm's time-limit warning (USR1) is passed on once it runs.
 early_signal=${EARLY_SIGNAL:-} early_at=${EARLY_AT:-}  # one the .slurm file kept
 unset EARLY_SIGNAL EARLY_AT
 trap 'early_signal=${early_signal:-USR1} early_at=${early_at:-$(date +%H:%M:%S)}' USR1
@@ -65,7 +62,7 @@ export REPO_DIR
 
 # ---- site specifics: the one optional place (see launch/site.sh.example) ----------------------
 SITE_SH=${SITE_SH-$LAUNCH_DIR/site.sh}
-if [ -n "$SITE_SH" ] && [ -f "$SITE_SH" ]; then
+if [ -f "$SITE_SH" ]; then  # false for SITE_SH= (none)
   echo "site settings: $SITE_SH"
   set +u  # module and conda scripts read unset variables
   # shellcheck source=/dev/null
@@ -79,17 +76,14 @@ fi
 : "${LOG_INTERVAL:=5}"
 : "${NCCL_DEBUG:=WARN}"
 : "${PYTHONFAULTHANDLER:=1}"
-: "${SRUN_EXTRA_ARGS:=}"
 export STRATEGY PYTHON LOG_INTERVAL NCCL_DEBUG PYTHONFAULTHANDLER
-if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then  # e.g. ib0; unset = auto
-  : "${GLOO_SOCKET_IFNAME:=$NCCL_SOCKET_IFNAME}"  # gloo (the stop vote) on the same interface
-  export NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME
-elif [ -n "${GLOO_SOCKET_IFNAME:-}" ]; then
-  export GLOO_SOCKET_IFNAME
-fi
+# Exported only when set (site.sh may set them without export): NCCL's interface (e.g. ib0;
+# unset = NCCL chooses) is gloo's too (the stop vote runs on gloo) unless gloo's is set.
+: "${GLOO_SOCKET_IFNAME:=${NCCL_SOCKET_IFNAME:-}}"
+if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then export NCCL_SOCKET_IFNAME; fi
+if [ -n "$GLOO_SOCKET_IFNAME" ]; then export GLOO_SOCKET_IFNAME; fi
 if [ -n "${DATA_DIR:-}" ]; then export DATA_DIR; fi
 read -ra python_cmd <<<"$PYTHON"
-read -ra srun_extra <<<"$SRUN_EXTRA_ARGS"
 
 case $STRATEGY in
   ddp | fsdp) mode=torchrun ;;
@@ -109,7 +103,8 @@ fi
 # gets argparse's one sentence, not a failed run and torchrun's traceback. Not again for a
 # requeued or continued run (its arguments were accepted); any exit but 2 means not checked
 # (e.g. this Python cannot import the script): then the training itself will say why.
-if [ -z "$own_script" ] && [ "${SLURM_RESTART_COUNT:-0}" = 0 ] && [ -z "${RUN_DIR:-}" ]; then
+restarts=${SLURM_RESTART_COUNT:-0}
+if [ -z "$own_script" ] && [ "$restarts" = 0 ] && [ -z "${RUN_DIR:-}" ]; then
   check_rc=0
   refused=$(timeout 300 "${python_cmd[@]}" "$LAUNCH_DIR/check_args.py" "$TRAIN_SCRIPT" "$@" \
     2>&1 >/dev/null) || check_rc=$?
@@ -163,10 +158,8 @@ if [ -n "${RUN_DIR:-}" ]; then
 else
   RUN_DIR="${RUNS_DIR:-$submit_dir/runs}/$job_name-$job_id"
 fi
-RUN_DIR=$(mkdir -p "$RUN_DIR" && cd "$RUN_DIR" && pwd)
+RUN_DIR=$(mkdir -p "$RUN_DIR/gpu_memory" "$RUN_DIR/cpu_memory" && cd "$RUN_DIR" && pwd)
 export RUN_DIR
-mkdir -p "$RUN_DIR/gpu_memory" "$RUN_DIR/cpu_memory"
-restarts=${SLURM_RESTART_COUNT:-0}
 
 # Training arguments added here: checkpoints in the run directory (so a requeued job resumes),
 # and --check for CHECK_ONLY=1.
@@ -183,19 +176,19 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   # One task per node; 22.05+ srun no longer inherits --cpus-per-task from sbatch: pass it.
   launch=(srun --kill-on-bad-exit=1 --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1)
   if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then launch+=(--cpus-per-task="$SLURM_CPUS_PER_TASK"); fi
+  read -ra srun_extra <<<"${SRUN_EXTRA_ARGS:-}"
   launch+=("${srun_extra[@]}")
 fi
 launch+=(bash "$LAUNCH_DIR/node.sh" "$mode" "$TRAIN_SCRIPT" "$@" "${extra_args[@]}")
 
 start=$(date '+%Y-%m-%d %H:%M:%S')
-{
-  printf '%s=%q\n' JOB_ID "$job_id" JOB_NAME "$job_name" STRATEGY "$STRATEGY" \
-    NODES "$nnodes" NODELIST "${nodes[*]:0:$nnodes}" GPUS_PER_NODE "$gpus_per_node" \
-    NPROC_PER_NODE "$nproc" WORLD_SIZE "$world_size" TRAIN_SCRIPT "$TRAIN_SCRIPT" \
-    TRAIN_ARGS "$*" COMMAND "${launch[*]}" REPO_DIR "$REPO_DIR" SUBMIT_DIR "$submit_dir" \
-    RUN_DIR "$RUN_DIR" MASTER_ADDR "${MASTER_ADDR:-}" MASTER_PORT "${MASTER_PORT:-}" \
-    PYTHON "$PYTHON" CHECKPOINT_DIR "$CHECKPOINT_DIR" RESTARTS "$restarts" START_TIME "$start"
-} >"$RUN_DIR/job.env"
+printf '%s=%q\n' JOB_ID "$job_id" JOB_NAME "$job_name" STRATEGY "$STRATEGY" \
+  NODES "$nnodes" NODELIST "${nodes[*]:0:$nnodes}" GPUS_PER_NODE "$gpus_per_node" \
+  NPROC_PER_NODE "$nproc" WORLD_SIZE "$world_size" TRAIN_SCRIPT "$TRAIN_SCRIPT" \
+  TRAIN_ARGS "$*" COMMAND "${launch[*]}" REPO_DIR "$REPO_DIR" SUBMIT_DIR "$submit_dir" \
+  RUN_DIR "$RUN_DIR" MASTER_ADDR "${MASTER_ADDR:-}" MASTER_PORT "${MASTER_PORT:-}" \
+  PYTHON "$PYTHON" CHECKPOINT_DIR "$CHECKPOINT_DIR" RESTARTS "$restarts" START_TIME "$start" \
+  >"$RUN_DIR/job.env"
 
 cat <<EOF
 ============================================================
@@ -215,17 +208,21 @@ start         : $start
 ============================================================
 EOF
 
+if [ "$early_signal" = TERM ]; then  # kept by the trap at the top
+  echo "job received SIGTERM at $early_at, before the training started: stopping"
+  exit 143
+fi
+
 # ---- training: output to the job log and train.log; keep its exit code -----------------------
 # The training runs in the background and this shell waits for it, because bash runs a trap only
 # between commands: a foreground pipeline would hold back the stop signal until the very end.
-launch_pid=""
 stop_signal=""
 resend_pid=""
 # shellcheck disable=SC2317  # reached through the traps below
 send_stop() {
   if [ -n "${SLURM_JOB_ID:-}" ]; then
     scancel --signal="$1" "$SLURM_JOB_ID" 2>/dev/null || true  # every job step, not this shell
-  elif [ -n "$launch_pid" ]; then
+  else
     kill -s "$1" "$launch_pid" 2>/dev/null || true  # node.sh forwards it to the training
   fi
 }
@@ -249,10 +246,6 @@ forward_stop() {  # SIGNAL [later: the first send after 10 s, not now]
   ) &
   resend_pid=$!
 }
-if [ "$early_signal" = TERM ]; then
-  echo "job received SIGTERM at $early_at, before the training started: stopping"
-  exit 143
-fi
 
 log_size=$(stat -c %s "$RUN_DIR/train.log" 2>/dev/null || echo 0)
 exec {log_fd}> >(tee -a "$RUN_DIR/train.log")
@@ -314,15 +307,13 @@ printf '%s=%q\n' END_TIME "$end" EXIT_CODE "$rc" >>"$RUN_DIR/job.env"
 echo "end           : $end (exit code $rc)"
 
 # ---- requeue after a stop checkpoint -----------------------------------------------------------
-if [ "$requeue_ckpt" = 1 ]; then
-  state=""
-  if [ -n "${SLURM_JOB_ID:-}" ]; then
-    state=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null \
-      | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' || true)  # unknown: not requeued, but said
-  fi
-  if [ -z "${SLURM_JOB_ID:-}" ]; then
-    echo "stopped after a checkpoint: continue with RUN_DIR=$RUN_DIR bash launch/local.sh ..."
-  elif [ "${REQUEUE:-1}" != 1 ] || [ "$state" != RUNNING ]; then
+if [ "$requeue_ckpt" = 1 ] && [ -z "${SLURM_JOB_ID:-}" ]; then
+  echo "stopped after a checkpoint: continue with RUN_DIR=$RUN_DIR bash launch/local.sh ..."
+elif [ "$requeue_ckpt" = 1 ]; then
+  # Only a RUNNING job is requeued: not one being cancelled, nor one whose state is unknown.
+  state=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null \
+    | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' || true)
+  if [ "${REQUEUE:-1}" != 1 ] || [ "$state" != RUNNING ]; then
     echo "stopped after a checkpoint; not requeued (REQUEUE=${REQUEUE:-1}, job state" \
       "${state:-unknown}): continue with RUN_DIR=$RUN_DIR sbatch ..."
   elif scontrol requeue "$SLURM_JOB_ID"; then

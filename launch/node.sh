@@ -80,8 +80,9 @@ fi
 : "${OMP_NUM_THREADS:=$((cpus / nproc > 0 ? cpus / nproc : 1))}"
 export OMP_NUM_THREADS
 
+cmd=("${python_cmd[@]}")
 if [ "$launcher" = torchrun ]; then
-  cmd=("${python_cmd[@]}" -m torch.distributed.run  # = torchrun, from the chosen interpreter
+  cmd+=(-m torch.distributed.run  # = torchrun, from the chosen interpreter
     --nnodes="${NNODES:-${SLURM_NNODES:-1}}" --nproc-per-node="$nproc")
   if [ -n "${RDZV_ENDPOINT:-}" ]; then
     cmd+=(--rdzv-backend=c10d --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-local}}"
@@ -89,10 +90,8 @@ if [ "$launcher" = torchrun ]; then
   else
     cmd+=(--standalone)
   fi
-  cmd+=("$@")
-else
-  cmd=("${python_cmd[@]}" "$@")
 fi
+cmd+=("$@")  # SCRIPT [ARGS...]
 
 # A requeued or continued run (same RUN_DIR) keeps the earlier attempts' logs beside its own.
 log_name=$node
