@@ -45,6 +45,10 @@
 # batch shell); the training checkpoints at its next step and exits 75, and this script then runs
 # `scontrol requeue`. The requeued job resumes from $RUN_DIR/checkpoints by itself (--resume auto).
 # A job that was cancelled (scancel) is not requeued; its checkpoint stays for a later RUN_DIR=...
+# The script is one { } block, which bash reads whole before it runs any of it: bash reads a
+# script as it runs it, so an edit of this file while a job runs (hours) would otherwise
+# become the rest of that job.
+{
 set -euo pipefail
 # A stop signal before the training runs (while site.sh or the flag check below take their
 # time) would kill bash without a word. It is kept instead: a TERM (scancel, preemption) ends
@@ -325,3 +329,4 @@ elif [ "$requeue_ckpt" = 1 ]; then
   fi
 fi
 exit "$rc"
+}

@@ -26,6 +26,10 @@
 # with SIGUSR1 ignored, so a USR1 sent to the whole step cannot kill torchrun or a logger; the
 # training scripts install their own handler. SIGTERM ends the training (torchrun forwards it to
 # its workers, which checkpoint and exit 75) and then the loggers.
+# The script is one { } block, which bash reads whole before it runs any of it: bash reads a
+# script as it runs it, so an edit of this file while a job runs (hours) would otherwise
+# become the rest of that job.
+{
 set -euo pipefail
 # shellcheck source=/dev/null  # launch/lib.sh, checked on its own
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -194,3 +198,4 @@ rc=0
 wait_for "$train_pid" || rc=$?  # through the USR1 trap, until the training has ended
 train_pid=""
 exit "$rc"
+}

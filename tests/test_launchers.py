@@ -380,6 +380,42 @@ def test_a_stop_line_after_a_long_log_is_still_read(tmp_path):
     assert res.returncode == 75 and "stopped after a checkpoint: continue with RUN_DIR=" in out
 
 
+def test_an_edit_of_the_launchers_during_a_job_does_not_change_the_job(tmp_path):
+    """job.sh and node.sh run as long as the training (hours) and bash reads a script as it
+    runs it: an in-place edit of them on the shared checkout (an editor saving, a participant
+    trying a change) used to make a running job go on with whatever text now lay at its read
+    offset. Each is now one block that bash reads whole before it starts."""
+    launch = tmp_path / "launch"
+    shutil.copytree(LAUNCH, launch)
+    fake = tmp_path / "fake_train.py"  # waits, while the launchers are edited under it
+    fake.write_text("import pathlib, time\n"
+                    f"pathlib.Path({str(tmp_path / 'started')!r}).touch()\n"
+                    f"while not pathlib.Path({str(tmp_path / 'edited')!r}).exists():\n"
+                    "    time.sleep(0.1)\n"
+                    "print('training done')\n")
+    env = base_env(tmp_path)
+    env.update(RUNS_DIR=str(tmp_path / "runs"), STRATEGY="dp", TRAIN_SCRIPT=str(fake),
+               REPO_DIR=str(REPO))
+    proc = subprocess.Popen(["bash", str(launch / "local.sh")], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_for(lambda: (tmp_path / "started").exists(), 60), "the training never ran"
+        for script in ("job.sh", "node.sh"):  # in place, as an editor saves: same file
+            with open(launch / script, "r+") as f:
+                text = f.read()
+                f.seek(0)
+                f.write("# a comment added while the job runs\n" * 40 + text)
+        (tmp_path / "edited").touch()
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "training done" in out and "(exit code 0)" in out
+    assert "syntax error" not in out and "command not found" not in out, out[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert read_env_file(run_dir / "job.env")["EXIT_CODE"] == "0"
+
+
 def test_a_bad_training_flag_is_one_sentence_before_anything_starts(tmp_path):
     """Checked by the script's own parser in job.sh: no run directory, no loggers, no torchrun
     (whose traceback used to follow argparse's line), exit 2."""
