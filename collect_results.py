@@ -238,28 +238,23 @@ def read_run_dir(run_dir: Path, plan: dict) -> dict:
 
 def run_status(row: dict) -> tuple:
     """(status, detail) of a run directory's row; the statuses are in the module docstring."""
-    if not (Path(row["path"]) / "train.log").is_file():
-        status, detail = _run_status(row, log=False)
-        return status, f"{detail}; no train.log in the run directory"
-    return _run_status(row, log=True)
-
-
-def _run_status(row: dict, log: bool) -> tuple:
-    """run_status's verdict; log: the run directory has a train.log."""
     code = int(row["exit_code"]) if row["exit_code"].isdigit() else None
     epoch, epochs = row.get("epoch"), row.get("epochs")
     done = f"{epoch}/{epochs} epochs done" if epoch else "no epoch done"
+    has_log = (Path(row["path"]) / "train.log").is_file()
+    no_log = "" if has_log else "; no train.log in the run directory"
     if row.get("final") == "1" and code in (0, None):
         return OK, "" if code == 0 else "no EXIT_CODE in job.env, but training finished"
     if code == 0 and epoch and epoch == epochs:
         return OK, "final [METRIC] line unreadable; its last epoch line is complete"
     if code == REQUEUE_EXIT:
         return REQUEUED, (f"exit code {code}: stopped by a signal after checkpointing, to be "
-                          f"requeued; {done}")
+                          f"requeued; {done}{no_log}")
     if code is None:
-        return PARTIAL, f"{done}; no EXIT_CODE in job.env: killed mid-run, or still running"
-    if not log:
-        return FAILED, f"exit code {code}"
+        return PARTIAL, (f"{done}; no EXIT_CODE in job.env: killed mid-run, or still "
+                         f"running{no_log}")
+    if not has_log:
+        return FAILED, f"exit code {code}{no_log}"
     if code:
         why = f"exit code {code}"
     elif row["bad_metric_lines"]:
