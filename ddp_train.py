@@ -54,19 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bucket-cap-mb", type=common.positive, default=25,
                    help="gradient bucket size: larger buckets mean fewer, bigger all-reduces")
     g.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction,
-                   default=True,
-                   help="gradients are views into the all-reduce buckets: saves a copy of every "
-                        "gradient per step and the memory of one gradient set (measured on 2 "
-                        "CPU cores, ResNet-18, world size 1: ~13%% faster)")
+                   default=True, help="gradients are views into the all-reduce buckets: one "
+                                      "gradient copy per step and one gradient set less memory")
     g.add_argument("--broadcast-buffers", action=argparse.BooleanOptionalAction, default=True,
-                   help="before every forward, copy rank 0's buffers (BatchNorm running "
-                        "statistics) to all ranks: every replica evaluates with the same "
-                        "statistics (the workshop script's behaviour). --no-broadcast-buffers "
-                        "saves one small broadcast per step; each rank then keeps the statistics "
-                        "of its own shard of the data")
+                   help="copy rank 0's BatchNorm running statistics to all ranks before every "
+                        "forward; off: one broadcast less per step, each rank keeps its own")
     g.add_argument("--static-graph", action="store_true",
-                   help="tell DDP the graph is the same every step (lets it skip per-step "
-                        "bookkeeping)")
+                   help="the graph is the same every step: DDP skips per-step bookkeeping")
     return parser
 
 
