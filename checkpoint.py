@@ -388,8 +388,8 @@ class Checkpoints:
                            lambda path: dict(self._load(path, self.state), path=path))
         if not meta:
             return 0, 0
-        rngs = meta["rng"]
-        set_rng_state(rngs[_rank()] if _rank() < len(rngs) else rngs[0])
+        if _rank() < len(meta["rng"]):  # a rank the saved run did not have keeps its own seed
+            set_rng_state(meta["rng"][_rank()])
         self.metrics = meta["metrics"]
         print0(f"Resumed from epoch {meta['epoch'] + 1}, step {meta['step']} ({meta['path']})")
         saved_amp, amp = meta["args"].get("amp", self.args.amp), self.args.amp

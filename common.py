@@ -194,6 +194,7 @@ def on_rank0(fn):
 
 
 _rank = 0  # this process's rank, as run() found it
+MAX_DIST_TIMEOUT = 86400  # seconds; far beyond it, gloo's and NCCL's own timers overflow
 
 
 def print0(*values) -> None:
@@ -216,6 +217,9 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         env = dist_env()
         _rank = env.rank
         catch_stop_signals(env.rank)  # from the start: a signal is never lost
+        if not 1 <= args.dist_timeout <= MAX_DIST_TIMEOUT:  # before the watchdog uses it
+            raise UsageError(f"--dist-timeout is in seconds and at most {MAX_DIST_TIMEOUT} (a "
+                             f"day) and at least 1, got {args.dist_timeout}")
         start_watchdog(env, args.dist_timeout)  # ends this worker if orphaned or frozen
         rc = train(args, env)
         if dist.is_initialized():  # let every rank finish its last collective before any of
@@ -248,7 +252,6 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
 
 
 DATASETS = ("tinyimagenet", "cifar10", "mnist", "synthetic")
-MAX_DIST_TIMEOUT = 86400  # seconds; far beyond it, gloo's and NCCL's own timers overflow
 
 
 DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_net",
@@ -434,8 +437,8 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
         args.num_workers = _default_workers(env)
         if device.type == "cuda":  # with 0, reading and pinning a batch delays every step
             args.num_workers = max(1, args.num_workers)
-    for flag in ("epochs", "batch_size", "synthetic_size", "step_size", "dist_timeout",
-                 "base_batch", "keep_checkpoints"):
+    for flag in ("epochs", "batch_size", "synthetic_size", "step_size", "base_batch",
+                 "keep_checkpoints"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got "
                              f"{getattr(args, flag)}")
@@ -456,9 +459,6 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
     if args.warmup_epochs > args.epochs and env.rank == 0:
         print(f"note: --warmup-epochs {args.warmup_epochs:g} is longer than --epochs "
               f"{args.epochs}: the learning rate never reaches its peak", flush=True)
-    if args.dist_timeout > MAX_DIST_TIMEOUT:
-        raise UsageError(f"--dist-timeout is in seconds and at most {MAX_DIST_TIMEOUT} (a day), "
-                         f"got {args.dist_timeout}")
     if args.save_model and args.checkpoint_dir and (
             Path(args.save_model).resolve() == Path(args.checkpoint_dir).resolve()):
         raise UsageError(f"--save-model {args.save_model} is the --checkpoint-dir: give it a "

@@ -22,7 +22,6 @@ DataParallel splits into one chunk per GPU.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -67,11 +66,11 @@ class AutocastForward(nn.Module):
             return self.module(x)
 
 
-def setup_devices(args):
+def setup_devices(args, env: common.DistEnv):
     """No process group: one process, the GPUs it drives, or the CPU."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if env.world_size > 1:  # torchrun --nproc-per-node 2, or srun with several tasks
         raise UsageError("dp_train.py is a single process that drives all GPUs itself: run it "
-                         "with python, not torchrun --nproc-per-node > 1")
+                         "with python, not torchrun --nproc-per-node > 1 or srun with several tasks")
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if visible == 0:
         if args.gpus:
@@ -106,7 +105,7 @@ def load_checkpoint(path, state: dict) -> dict:
 
 
 def train(args, env: common.DistEnv) -> int:
-    device, gpu_ids = setup_devices(args)
+    device, gpu_ids = setup_devices(args, env)
     common.resolve_args(args, env, device)
     rank, world = 0, max(1, len(gpu_ids))  # no process group: one process, `world` GPUs
     is_main = True

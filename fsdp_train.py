@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def setup_distributed(args, env: common.DistEnv):
     """Pick the device and backend, join the process group, and build the device mesh."""
+    if args.sharding == "hybrid" and env.nodes * env.local_world_size != env.world_size:
+        raise UsageError("--sharding hybrid needs the same number of processes on every node: "
+                         "one torchrun --nproc-per-node, or srun --ntasks-per-node, for all")
     if torch.cuda.is_available():
         device = torch.device("cuda", common.gpu_index(torch.cuda.device_count(), env.local_rank,
                                                        env.local_world_size, env.source))
@@ -93,9 +96,6 @@ def setup_distributed(args, env: common.DistEnv):
         device, backend = torch.device("cpu"), "gloo"
     common.init_process_group(backend, env, args.dist_timeout)
     if args.sharding == "hybrid":
-        if env.world_size % env.local_world_size:
-            raise UsageError("--sharding hybrid needs the same number of processes on every "
-                             "node: start torchrun with one --nproc-per-node for all nodes")
         # rows = nodes (replicas), columns = GPUs of one node (shards)
         mesh = init_device_mesh(device.type, (env.nodes, env.local_world_size),
                                 mesh_dim_names=("replicate", "shard"))

@@ -232,6 +232,8 @@ BAD_INPUTS = [
     (["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1, got 0"),
     (["--warmup-epochs", "nan"], "--warmup-epochs must be 0 or a positive number"),
     (["--dist-timeout", "99999999999"], "--dist-timeout is in seconds and at most 86400"),
+    (["--dist-timeout", "-5"], "--dist-timeout is in seconds and at most 86400 (a day) and at "
+                               "least 1, got -5"),
     (["--save-model", "{tmp}"], "is a folder: give a file name"),
     (["--save-model", "{tmp}/afile/model.pt"], "is a file, not a folder"),
     (["--save-model", "{tmp}/ck", "--checkpoint-dir", "{tmp}/ck"], "is the --checkpoint-dir"),

@@ -370,3 +370,23 @@ def test_nan_loss_stops_naming_epoch_and_step_and_keeps_good_checkpoints(tmp_pat
     proc = run_script("dp_train.py", RUN + ["--lr", "1e9"])
     assert proc.returncode == contract.NONFINITE_EXIT
     assert "the loss became NaN or inf at epoch 1, step" in proc.stderr
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_resume_at_a_larger_world_size_keeps_the_new_ranks_own_seed(monkeypatch, rank):
+    """A 1-process checkpoint resumed by 2 ranks: rank 0 gets the saved random state back,
+    rank 1 (which the saved run did not have) keeps the seed the script gave it. Rank 0's
+    saved state on rank 1 too would give both ranks the same crops and flips."""
+    import argparse
+    import common
+    torch.manual_seed(0)
+    saved = checkpoint.rng_state()
+    meta = dict(epoch=1, step=0, metrics={}, rng=[saved], args={"amp": "off"}, path="ck")
+    monkeypatch.setattr(checkpoint, "_rank", lambda: rank)
+    monkeypatch.setattr(checkpoint, "load_newest", lambda candidates, load: meta)
+    torch.manual_seed(common.seed_for_rank(0, rank))  # as the script seeds each rank
+    own = torch.get_rng_state()
+    args = argparse.Namespace(checkpoint_dir=None, resume="auto", amp="off")
+    ckpt = checkpoint.Checkpoints(args, {}, None, None, torch.device("cpu"))
+    assert ckpt.resume() == (1, 0)
+    assert torch.equal(torch.get_rng_state(), saved["torch"] if rank == 0 else own)

@@ -180,6 +180,31 @@ def test_dp_refuses_torchrun_with_several_processes():
     assert "run it with python, not torchrun" in proc.stderr
 
 
+def test_dp_refuses_srun_with_several_tasks():
+    """srun -n 2 python dp_train.py: two DataParallel runs on the same GPUs, unless refused."""
+    proc = run_script("dp_train.py", FAST, timeout=120, env={
+        "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0", "SLURM_NODEID": "0",
+        "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1", "MASTER_ADDR": "127.0.0.1"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "not torchrun --nproc-per-node > 1 or srun with several tasks" in proc.stderr
+
+
+def test_fsdp_hybrid_refuses_an_uneven_slurm_layout():
+    """srun placed 2, 1 and 1 tasks on three nodes: no nodes x GPUs mesh fits, and the
+    refusal comes before the process group (which would wait for --dist-timeout)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = run_script("fsdp_train.py", FAST + ["--sharding", "hybrid", "--dist-timeout", "20"],
+                      timeout=120, env={
+        "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0", "SLURM_NODEID": "0",
+        "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "3",
+        "SLURM_STEP_TASKS_PER_NODE": "2,1,1", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port)})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--sharding hybrid needs the same number of processes on every node" in proc.stderr
+
+
 # ---- the diff between the three scripts is the strategy -------------------------------------
 
 def _code(script: str, start: str, end: str) -> list:
