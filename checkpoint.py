@@ -1,6 +1,6 @@
 """Checkpoints, resume and a clean stop, behind one object the training loop calls in a few
 places (``Checkpoints``): resume() once, after_step() after every step, check_finite() and
-end_epoch() once per epoch.
+end_epoch() once per epoch, finish() at the end.
 
 How each strategy saves and loads stays in its script (``save_checkpoint(path, state, meta)``,
 ``load_checkpoint(path, state)``): DDP and DataParallel write one file from rank 0, FSDP a
@@ -182,7 +182,9 @@ def check_checkpoint_dir(directory, model) -> None:
                          f"writable folder") from None
     if not os.access(path, os.W_OK):
         raise UsageError(f"--checkpoint-dir {path} is not writable: choose another folder")
-    per_ckpt = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # +momentum
+    # weights and momentum (2x the parameters) with a margin; room for 3: the default 2 kept
+    # (--keep-checkpoints) and the one being written
+    per_ckpt = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
     need = per_ckpt * 3
     free = shutil.disk_usage(path).free
     if free < need:
@@ -367,7 +369,8 @@ class Checkpoints:
     newest usable checkpoint, checkpoint every --checkpoint-every steps and at each epoch end
     (pruned to --keep-checkpoints), watch for NaN/inf losses without a host sync per step,
     and stop at the same step on every rank after a stop signal. The loop calls resume() once,
-    after_step() after every step, check_finite() and end_epoch() once per epoch.
+    after_step() after every step, check_finite() and end_epoch() once per epoch, finish() at
+    the end.
 
     ``save(path, state, meta)`` and ``load(path, state) -> meta`` are the strategy's own:
     ``state`` holds the model, optimizer, scheduler and scaler (each has a state_dict),

@@ -5,11 +5,12 @@ dp_train.py, ddp_train.py and fsdp_train.py each keep inline what a strategy *is
 group, model wrapper, sampler, training step, metric reduction, saving). This module holds,
 in reading order:
 
-- the distributed environment as torchrun or Slurm describe it;
+- the distributed environment as torchrun or Slurm describe it, and each rank's GPU;
 - ``run(train, parser)``, which every script's main() calls, and ``print0``;
-- the command-line flags (``add_common_args``) and their resolved defaults (``resolve_args``);
-- the evaluation pass (``evaluate``, every validation sample counted exactly once), memory
-  statistics, the epoch's clock times and provenance.
+- the command-line flags (``add_common_args``), their resolved defaults (``resolve_args``),
+  the learning-rate schedule and each rank's seed;
+- the evaluation pass (``evaluate``, every validation sample counted exactly once), the
+  metric reduction, memory statistics and provenance.
 
 The output lines (epoch, ``[METRIC]``, ``[STOP]``) and the exit codes are in contract.py, the
 models in models.py, the data in datautils.py, checkpoints in checkpoint.py, what happens when
@@ -208,8 +209,9 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
     only the lesson: parse the flags; find the rank layout (torchrun, srun or one process);
     catch the stop signals from the start; start the watchdog; map what went wrong to an exit
     code (2: a problem the user can fix, contract.NONFINITE_EXIT: NaN loss, 1: a collective
-    failed, anything else: its traceback); and, once every rank has finished, the last barrier
-    and the process group's teardown. Returns the exit code for end_process."""
+    failed, 130: Ctrl-C; anything else is raised on, with its traceback); and, once every
+    rank has finished, the last barrier and the process group's teardown. Returns the exit
+    code for end_process."""
     global _rank
     args = parser.parse_args(argv)
     env = None
@@ -260,8 +262,8 @@ DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_n
 
 def positive(text: str) -> float:
     """An argparse type: a finite number above 0 (argparse names the flag in its error). A
-    strategy's own flag is checked this way, while parsing, so that launch/run_benchmarks.py's
-    check of the training arguments refuses it before a study is submitted; the shared flags
+    strategy's own flag is checked this way, while parsing, so that launch/check_args.py
+    refuses it before a job or a study is submitted; the shared flags
     are checked in resolve_args, whose sentences also name the fix."""
     try:
         value = float(text)
@@ -328,7 +330,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="scale --lr with the global batch: linear (x global / base batch, the "
                         "rule of Goyal et al., 2017) or sqrt; none keeps --lr at every world "
                         "size (the workshop script's behaviour)")
-    g.add_argument("--base-batch", type=int, default=64,
+    g.add_argument("--base-batch", type=int, default=contract.DEFAULT_BATCH_SIZE,
                    help="the global batch that --lr is meant for under --lr-scaling: one GPU "
                         "at the default --batch-size")
     g.add_argument("--warmup-epochs", type=float, default=0,
@@ -337,7 +339,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     g.add_argument("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
     g.add_argument("--step-size", type=int, default=2,
-                   help="StepLR: multiply the learning rate by --gamma every this many epochs")
+                   help="step decay: multiply the learning rate by --gamma every this many epochs")
     g.add_argument("--gamma", type=float, default=0.1,
                    help="multiply the learning rate by this every --step-size epochs")
     g.add_argument("--amp", choices=("fp16", "bf16", "off"), default=None,
@@ -348,9 +350,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="torch.compile the model (first steps are slower while it compiles)")
     g = parser.add_argument_group("run")
     g.add_argument("--num-workers", type=int, default=None,
-                   help="DataLoader workers per process (default: from $SLURM_CPUS_PER_TASK or "
-                        "the CPUs this process may use, shared by the processes of the node, "
-                        "at most 8)")
+                   help="DataLoader workers per process (default: from $SLURM_CPUS_PER_TASK "
+                        "or the CPUs this process may use, under torchrun shared by the "
+                        "node's processes, minus one for the main process, at most 8)")
     g.add_argument("--seed", type=int, default=0,
                    help="seed for model init, shuffling and synthetic data")
     g.add_argument("--max-steps-per-epoch", type=int, default=0,
@@ -527,13 +529,13 @@ def seed_for_rank(seed: int, rank: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# Evaluation, memory, timing, provenance, the collective check
+# Evaluation, reduction, memory, provenance
 # --------------------------------------------------------------------------------------------
 
 
 @torch.no_grad()
 def evaluate(model, loader, device, dtype, n_real: int, prepare=None) -> torch.Tensor:
-    """Local validation sums [loss_sum, correct, count] on ``device`` (no host sync here).
+    """Local validation sums [loss x n, correct, n] on ``device`` (no host sync here).
 
     Only samples at the first ``n_real`` positions of this rank's stream are counted, so
     padding added by the DistributedSampler is never counted twice. The folder path's batches

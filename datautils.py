@@ -2,8 +2,9 @@
 uint8 cache of prepare_tinyimagenet.py), CIFAR-10, MNIST and built-in synthetic data; the
 loaders that feed the training loop; and the copy of each batch to the device.
 
-``build_data(args)`` returns the two datasets, ``make_loader`` the loader over a sampler that
-the strategy chose, ``to_device`` and ``input_pipeline`` finish each batch on the device.
+``build_data(args, is_main)`` returns the datasets (a DataBundle), ``make_loader`` the loader
+over a sampler that the strategy chose, ``to_device`` and ``input_pipeline`` finish each batch
+on the device.
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bucket-cap-mb", type=common.positive, default=25,
                    help="gradient bucket size: larger buckets mean fewer, bigger all-reduces")
     g.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction,
-                   default=True, help="gradients are views into the all-reduce buckets: one "
-                                      "gradient copy per step and one gradient set less memory")
+                   default=True, help="gradients are views into the all-reduce buckets: saves one "
+                                      "gradient copy per step and one gradient set of memory")
     g.add_argument("--broadcast-buffers", action=argparse.BooleanOptionalAction, default=True,
                    help="copy rank 0's BatchNorm running statistics to all ranks before every "
                         "forward; off: one broadcast less per step, each rank keeps its own")
@@ -79,7 +79,8 @@ def setup_distributed(args, env: common.DistEnv):
 
 
 def save_checkpoint(path, state: dict, meta: dict) -> None:
-    """DDP: every replica is identical, so rank 0 alone writes one file."""
+    """DDP: every replica has the same weights, so rank 0 alone writes one file (with
+    --no-broadcast-buffers, its BatchNorm statistics are rank 0's)."""
     if dist.get_rank() == 0:
         checkpoint.atomic_save({name: obj.state_dict() for name, obj in state.items()} | meta, path)
 
@@ -176,7 +177,7 @@ def train(args, env: common.DistEnv) -> int:
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
         skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
         train_batches.skip = skip * batch
-        epoch_lr = optimizer.param_groups[0]["lr"]  # at the epoch's first step
+        epoch_lr = optimizer.param_groups[0]["lr"]  # at the first step this run takes in the epoch
         step_model.train()
         # [loss x n, correct, n] of this rank, kept on the device: no host sync per step
         sums = torch.zeros(3, device=device, dtype=torch.float64)
@@ -207,17 +208,17 @@ def train(args, env: common.DistEnv) -> int:
                 return contract.REQUEUE_EXIT
         common.synchronize(*devices)
         train_time = time.perf_counter() - t0
-        ckpt.check_finite(epoch)  # host sync, once per epoch
+        ckpt.check_finite(epoch)  # a host sync and a vote of all ranks, once per epoch
 
         val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
 
-        # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. One host
-        # sync per epoch (the .tolist() below), not one per step.
+        # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. The host
+        # syncs here (each .tolist()) happen once per epoch, never per step.
         totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
         # the slowest rank sets the pace; data wait: the rank its loader kept waiting longest
         times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
         epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
-        peaks = common.peak_memory_per_gpu(devices)
+        peaks = common.peak_memory_per_gpu(devices)  # collective: every rank's GPU
         metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
             totals, epoch_time, data_wait, peaks, t0, train_time)
         print0(contract.format_epoch_line(metrics))

@@ -70,7 +70,8 @@ def setup_devices(args, env: common.DistEnv):
     """No process group: one process, the GPUs it drives, or the CPU."""
     if env.world_size > 1:  # torchrun --nproc-per-node 2, or srun with several tasks
         raise UsageError("dp_train.py is a single process that drives all GPUs itself: run it "
-                         "with python, not torchrun --nproc-per-node > 1 or srun with several tasks")
+                         "with python, not torchrun --nproc-per-node > 1 or srun with several "
+                         "tasks")
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if visible == 0:
         if args.gpus:
@@ -182,7 +183,7 @@ def train(args, env: common.DistEnv) -> int:
         train_sampler.set_epoch(epoch)  # reshuffle: a new permutation every epoch
         skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
         train_batches.skip = skip * batch
-        epoch_lr = optimizer.param_groups[0]["lr"]  # at the epoch's first step
+        epoch_lr = optimizer.param_groups[0]["lr"]  # at the first step this run takes in the epoch
         step_model.train()
         # [loss x n, correct, n] of the epoch, kept on the device: no host sync per step
         sums = torch.zeros(3, device=device, dtype=torch.float64)
@@ -214,17 +215,17 @@ def train(args, env: common.DistEnv) -> int:
                 return contract.REQUEUE_EXIT
         common.synchronize(*devices)
         train_time = time.perf_counter() - t0
-        ckpt.check_finite(epoch)  # host sync, once per epoch
+        ckpt.check_finite(epoch)  # a host sync and a vote of all ranks, once per epoch
 
         val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
 
         # Metrics: sums of (loss x n, correct, n), then divide; one process, so all_reduce has
-        # nothing to reduce. One host sync per epoch (the .tolist() below), not one per step.
+        # nothing to reduce. The host syncs here (each .tolist()) happen once per epoch.
         totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
         # one process: its own training time and the time its loader kept it waiting
         times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
         epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
-        peaks = common.peak_memory_per_gpu(devices)
+        peaks = common.peak_memory_per_gpu(devices)  # each GPU this process drives
         metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
             totals, epoch_time, data_wait, peaks, t0, train_time)
         print0(contract.format_epoch_line(metrics))

@@ -22,8 +22,8 @@ Run it (the shared flags and output lines of ddp_train.py; its own flag: --shard
 
 Units: one per residual block of ResNet (its BatchNorm layers inside it), plus the root for
 the stem and the classifier: per block and step, one all-gather in forward (full and hybrid:
-another in backward) and one reduce-scatter. (A unit per BatchNorm layer would add about 70 small,
-latency-bound collectives per step.)
+another in backward) and one reduce-scatter. (A unit per BatchNorm layer, 53 in ResNet-50, would
+add about 160 small, latency-bound collectives per step.)
 
 Mixed precision: the forward runs under autocast as in ddp_train.py, and gradients are
 reduced in fp32. A model without BatchNorm also gathers its parameters in the --amp dtype
@@ -121,7 +121,7 @@ def apply_fsdp(model: nn.Module, mesh, args) -> nn.Module:
     dtype = common.amp_dtype(args)
     reshard = args.sharding != "grad-op"  # grad-op keeps parameters gathered after forward
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    # BatchNorm inside a unit: its weights stay fp32 (autocast still computes in --amp dtype)
+    # any BatchNorm: the whole model gathers in fp32 (autocast still computes in --amp dtype)
     mp = MixedPrecisionPolicy(param_dtype=None if has_bn else dtype, reduce_dtype=torch.float32)
     # FSDP2 shards contiguous parameters only (a channels_last conv weight raises
     # NotImplementedError), so the weights go back to the default layout; the inputs stay
@@ -135,9 +135,9 @@ def apply_fsdp(model: nn.Module, mesh, args) -> nn.Module:
 
 def save_checkpoint(path, state: dict, meta: dict) -> None:
     """FSDP: every rank writes its own shards with torch.distributed.checkpoint (DCP) into one
-    folder, rank 0 adds the small non-tensor state, then renames the folder into place (it
-    appears complete or not at all). Collective: every rank takes part. DCP can load it back
-    at another world size."""
+    folder, rank 0 adds the small rest (scheduler, scaler, every rank's RNG state, epoch and
+    step), then renames the folder into place (it appears complete or not at all).
+    Collective: every rank takes part. DCP can load it back at another world size."""
     tmp = path.with_name(f".tmp-{path.name}")
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
@@ -219,10 +219,10 @@ def train(args, env: common.DistEnv) -> int:
     val_real = datautils.real_samples(val_sampler)
 
     criterion = nn.CrossEntropyLoss()
-    # The optimizer sees the sharded parameters: its momentum buffers are sharded too. (No
-    # fused=True here: DTensor has no fused SGD kernel; the foreach one is the default.)
     steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
     lr = common.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
+    # The optimizer sees the sharded parameters: its momentum buffers are sharded too. (No
+    # fused=True here: DTensor has no fused SGD kernel; the foreach one is the default.)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
     # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
@@ -230,6 +230,7 @@ def train(args, env: common.DistEnv) -> int:
     dtype = common.amp_dtype(args)
     # Each rank checks only its gradient shard for inf/NaN; with FSDP2's DTensor gradients the
     # plain GradScaler all-reduces that verdict, so every rank skips (or takes) the same steps.
+    # Without a fused optimizer, fp16 also costs a host sync per step (the scaler reads it).
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
@@ -249,7 +250,7 @@ def train(args, env: common.DistEnv) -> int:
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
         skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
         train_batches.skip = skip * batch
-        epoch_lr = optimizer.param_groups[0]["lr"]  # at the epoch's first step
+        epoch_lr = optimizer.param_groups[0]["lr"]  # at the first step this run takes in the epoch
         step_model.train()
         # [loss x n, correct, n] of this rank, kept on the device: no host sync per step
         sums = torch.zeros(3, device=device, dtype=torch.float64)
@@ -270,8 +271,8 @@ def train(args, env: common.DistEnv) -> int:
                                 enabled=dtype is not None):
                 outputs = step_model(images)
                 loss = criterion(outputs, labels)
-            # backward: re-gather (full/hybrid), then reduce-scatter gradients: each rank keeps the
-            # averaged gradient of its own shard
+            # backward: re-gather (full/hybrid), then reduce-scatter gradients: each rank keeps
+            # the averaged gradient of its own shard (hybrid: then all-reduced across nodes)
             scaler.scale(loss).backward()
             scaler.step(optimizer)  # updates only this rank's shard
             scaler.update()
@@ -283,17 +284,17 @@ def train(args, env: common.DistEnv) -> int:
                 return contract.REQUEUE_EXIT
         common.synchronize(*devices)
         train_time = time.perf_counter() - t0
-        ckpt.check_finite(epoch)  # host sync, once per epoch
+        ckpt.check_finite(epoch)  # a host sync and a vote of all ranks, once per epoch
 
         val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
 
-        # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. One host
-        # sync per epoch (the .tolist() below), not one per step.
+        # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. The host
+        # syncs here (each .tolist()) happen once per epoch, never per step.
         totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
         # the slowest rank sets the pace; data wait: the rank its loader kept waiting longest
         times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
         epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
-        peaks = common.peak_memory_per_gpu(devices)
+        peaks = common.peak_memory_per_gpu(devices)  # collective: every rank's GPU
         metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
             totals, epoch_time, data_wait, peaks, t0, train_time)
         print0(contract.format_epoch_line(metrics))

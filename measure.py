@@ -8,8 +8,9 @@ the collectives (--check). Each answers a question a user asks of a running job:
 - "where does a step's time go?": ``--profile`` traces a few steps with torch.profiler and
   splits the step into compute, communication not hidden behind compute, data wait and the
   rest (``step_breakdown``);
-- "is the network as fast as it should be?": ``collective_check`` times the strategy's
-  collectives the way nccl-tests do.
+- "is the network as fast as it should be?": ``collective_check`` (--check) and
+  ``bandwidth`` (--profile, world size > 1) time the strategy's collectives the way nccl-tests
+  do and print ``[BANDWIDTH]`` lines.
 """
 
 from __future__ import annotations
