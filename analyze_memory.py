@@ -1,7 +1,7 @@
 """Summarise the memory logs of a training job: one line per node and GPU, one per node's CPU.
 
-launch/node.sh starts two loggers on every node; a requeued job's later attempts write
-<node>.restart1.csv, ... beside the first, and their samples count as the node's:
+launch/node.sh starts two loggers on every node (a requeued job's later attempts write
+<node>.restart1.csv, ... beside the first; their samples count as the node's):
 
     nvidia-smi --query-gpu=timestamp,index,name,memory.used,memory.total,utilization.gpu,... \\
         --format=csv,nounits -l 5 > RUN_DIR/gpu_memory/<node>.csv
@@ -15,22 +15,17 @@ launch/node.sh starts two loggers on every node; a requeued job's later attempts
     [n1 - GPU 0] Peak = 26532 MiB, Avg = 20206.67 MiB, Mode = 26532 MiB, Util avg = 87.3%
     [n1 - CPU] Peak RSS = 2411.00 MB, Avg RSS = 1344.64 MB, Peak CPU = 398.2%, Avg CPU = 183.6%
 
-Per GPU, over its memory.used samples (MiB) in every attempt: Peak = the largest, Avg = the mean,
-Mode = the most frequent, on a tie, the larger value; Util avg = the mean utilization.gpu (older
-logs without the column end at Mode). Per node, over psrecord's samples of the training process
-and its children: RSS ("Real (MB)") and CPU (100% = one core busy). Several runs (a study):
-each run's lines under "== <run directory> ==".
+Per GPU, over its memory.used samples (MiB): Peak = the largest, Avg = the mean, Mode = the
+most frequent, on a tie, the larger value; Util avg = the mean utilization.gpu when the log
+has it. Per node, psrecord's RSS
+("Real (MB)") and CPU (100% = one core) of the training process and its children. A study
+gets each run's lines under "== <run directory> ==". The README's "Reading the memory
+summary" says more, --plot's timeline included.
 
-A file's kind comes from its header line. Lines that are not a complete sample ([N/A] values,
-a last line cut off, malformed lines) are skipped, and bytes that are not text (the NUL bytes a
-crash leaves, or not UTF-8) are ignored; a note on stderr counts them. An empty, zero-filled or
-unrecognised log is an error, never dropped.
-
---plot draws RUN_DIR/timeline.png: a panel per node with each GPU's memory and utilisation, the
-node's CPU RSS, and the epochs of train.log's [METRIC] lines (dashed) and evaluations (grey).
-nvidia-smi writes the node's local time: set TZ=... if this machine's zone differs. psrecord
-counts seconds from its start, which is the GPU log's first sample (node.sh starts both); on a
-CPU run, the file's last change minus its last sample's elapsed time.
+Lines that are not a complete sample ([N/A] values, a cut-off last line, malformed lines) are
+skipped and bytes that are not text (a crash's NUL bytes, not UTF-8) ignored, each counted in
+a note on stderr. An empty,
+zero-filled or unrecognised log is an error, never dropped.
 
 Exit status: 0 every input was summarised; 1 some were, but a path or file was bad (each named
 on stderr in one line); 2 nothing could be summarised, a bad command line, or a module of the
@@ -451,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", action="store_true",
                         help=f"also draw {TIMELINE_NAME} in each run directory (needs "
                              f"matplotlib): memory and utilisation over time, per node, with "
-                             f"the epochs of train.log; prints the path of each file written")
+                             f"the epochs of train.log (nvidia-smi logs the node's local time: "
+                             f"set TZ=... if this machine's differs); prints each file written")
     return parser
 
 
