@@ -219,9 +219,7 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         env = dist_env()
         _rank = env.rank
         catch_stop_signals(env.rank)  # from the start: a signal is never lost
-        if not 1 <= args.dist_timeout <= MAX_DIST_TIMEOUT:  # before the watchdog uses it
-            raise UsageError(f"--dist-timeout is in seconds and at most {MAX_DIST_TIMEOUT} (a "
-                             f"day) and at least 1, got {args.dist_timeout}")
+        check_flags(args)  # before the watchdog and the process group use them
         start_watchdog(env, args.dist_timeout)  # ends this worker if orphaned or frozen
         rc = train(args, env)
         if dist.is_initialized():  # let every rank finish its last collective before any of
@@ -262,9 +260,8 @@ DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_n
 
 def positive(text: str) -> float:
     """An argparse type: a finite number above 0 (argparse names the flag in its error). A
-    strategy's own flag is checked this way, while parsing, so that launch/check_args.py
-    refuses it before a job or a study is submitted; the shared flags
-    are checked in resolve_args, whose sentences also name the fix."""
+    strategy's own flag is checked this way, while parsing; the shared flags are checked in
+    check_flags, whose sentences also name the fix. launch/check_args.py runs both."""
     try:
         value = float(text)
     except ValueError:
@@ -413,13 +410,59 @@ def input_shape(args) -> tuple:
     return fixed.get(args.dataset) or synthetic_shape(args.model)[0]
 
 
-def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -> None:
-    """Fill the defaults that depend on other flags or on the machine; reject impossible ones."""
+def check_flags(args: argparse.Namespace) -> None:
+    """Reject impossible flag values, without the machine: run() checks them first thing,
+    launch/check_args.py before a job or a study starts. Fills --dataset and --model."""
     implied = args.dataset is None and args.data_dir  # TinyImageNet, as the user may not know
     if args.dataset is None:
         args.dataset = "tinyimagenet" if args.data_dir else "synthetic"
     if args.model is None:
         args.model = DEFAULT_MODEL[args.dataset]
+    for flag in ("epochs", "batch_size", "synthetic_size", "step_size", "base_batch",
+                 "keep_checkpoints"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got "
+                             f"{getattr(args, flag)}")
+    for flag in ("num_workers", "max_steps_per_epoch", "checkpoint_every", "log_every", "seed",
+                 "momentum", "weight_decay"):  # 0 is allowed: --log-every 0, no progress lines
+        if not (getattr(args, flag) or 0) >= 0:  # NaN too; None: resolve_args' default
+            raise UsageError(f"--{flag.replace('_', '-')} cannot be negative, got "
+                             f"{getattr(args, flag)}")
+    for flag in ("lr", "gamma"):  # the learning rate, and what multiplies it every --step-size
+        if not getattr(args, flag) > 0:
+            raise UsageError(f"--{flag} must be positive, got {getattr(args, flag)}")
+    if not 0 <= args.warmup_epochs < math.inf:
+        raise UsageError(f"--warmup-epochs must be 0 or a positive number of epochs, got "
+                         f"{args.warmup_epochs}")
+    if not 1 <= args.dist_timeout <= MAX_DIST_TIMEOUT:
+        raise UsageError(f"--dist-timeout is in seconds and at most {MAX_DIST_TIMEOUT} (a day) "
+                         f"and at least 1, got {args.dist_timeout}")
+    if args.save_model and args.checkpoint_dir and (
+            Path(args.save_model).resolve() == Path(args.checkpoint_dir).resolve()):
+        raise UsageError(f"--save-model {args.save_model} is the --checkpoint-dir: give it a "
+                         f"file name, e.g. --save-model {Path(args.save_model) / 'model.pt'}")
+    if args.profile is not None and args.check:
+        raise UsageError("--check is a preflight that trains nothing, so there is nothing for "
+                         "--profile to trace: drop one of them")
+    try:
+        check_model(args.model, input_shape(args))  # before any download or data scan
+    except UsageError as e:
+        fits = {"cnn": "cifar10", "mnist_net": "mnist"}.get(args.model)
+        if not (implied and fits):
+            raise
+        raise UsageError(f"{e}, or add --dataset {fits} (a data dir, --data-dir or $DATA_DIR, "
+                         f"without --dataset is TinyImageNet)") from None
+    if args.data_on_device and args.dataset != "synthetic" and not args.data_cache:
+        raise UsageError("--data-on-device needs decoded data: add --data-cache (TinyImageNet) "
+                         "or use the synthetic dataset")
+    if args.data_cache and args.dataset != "tinyimagenet":
+        raise UsageError(f"--data-cache works with TinyImageNet only, not --dataset "
+                         f"{args.dataset}: drop --data-cache")
+
+
+def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -> None:
+    """Fill the defaults that depend on the machine, and check the paths (run() has checked
+    the flags' values with check_flags)."""
     if device.type == "cuda":
         cc = torch.cuda.get_device_capability(device)
         bf16_ok = cc >= (8, 0)  # Ampere and newer: bf16 tensor cores
@@ -439,35 +482,12 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
         args.num_workers = _default_workers(env)
         if device.type == "cuda":  # with 0, reading and pinning a batch delays every step
             args.num_workers = max(1, args.num_workers)
-    for flag in ("epochs", "batch_size", "synthetic_size", "step_size", "base_batch",
-                 "keep_checkpoints"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be at least 1, got "
-                             f"{getattr(args, flag)}")
-    for flag in ("num_workers", "max_steps_per_epoch", "checkpoint_every", "log_every", "seed",
-                 "momentum", "weight_decay"):  # 0 is allowed: --log-every 0, no progress lines
-        if not getattr(args, flag) >= 0:  # NaN too
-            raise UsageError(f"--{flag.replace('_', '-')} cannot be negative, got "
-                             f"{getattr(args, flag)}")
-    for flag in ("lr", "gamma"):  # the learning rate, and what multiplies it every --step-size
-        if not getattr(args, flag) > 0:
-            raise UsageError(f"--{flag} must be positive, got {getattr(args, flag)}")
     if args.resume not in ("auto", "never") and not Path(args.resume).exists():
         raise UsageError(f"--resume {args.resume}: no such checkpoint; use auto, never, or the "
                          f"path of a checkpoint file or folder")
-    if not 0 <= args.warmup_epochs < math.inf:
-        raise UsageError(f"--warmup-epochs must be 0 or a positive number of epochs, got "
-                         f"{args.warmup_epochs}")
     if args.warmup_epochs > args.epochs and env.rank == 0:
         print(f"note: --warmup-epochs {args.warmup_epochs:g} is longer than --epochs "
               f"{args.epochs}: the learning rate never reaches its peak", flush=True)
-    if args.save_model and args.checkpoint_dir and (
-            Path(args.save_model).resolve() == Path(args.checkpoint_dir).resolve()):
-        raise UsageError(f"--save-model {args.save_model} is the --checkpoint-dir: give it a "
-                         f"file name, e.g. --save-model {Path(args.save_model) / 'model.pt'}")
-    if args.profile is not None and args.check:
-        raise UsageError("--check is a preflight that trains nothing, so there is nothing for "
-                         "--profile to trace: drop one of them")
     if args.profile is not None:
         try:
             Path(args.profile).mkdir(parents=True, exist_ok=True)
@@ -477,20 +497,6 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
         if not os.access(args.profile, os.W_OK):
             raise UsageError(f"--profile {args.profile}: that folder is not writable: give a "
                              f"writable directory")
-    try:
-        check_model(args.model, input_shape(args))  # before any download or data scan
-    except UsageError as e:
-        fits = {"cnn": "cifar10", "mnist_net": "mnist"}.get(args.model)
-        if not (implied and fits):
-            raise
-        raise UsageError(f"{e}, or add --dataset {fits} (a data dir, --data-dir or $DATA_DIR, "
-                         f"without --dataset is TinyImageNet)") from None
-    if args.data_on_device and args.dataset != "synthetic" and not args.data_cache:
-        raise UsageError("--data-on-device needs decoded data: add --data-cache (TinyImageNet) "
-                         "or use the synthetic dataset")
-    if args.data_cache and args.dataset != "tinyimagenet":
-        raise UsageError(f"--data-cache works with TinyImageNet only, not --dataset "
-                         f"{args.dataset}: drop --data-cache")
 
 
 def amp_dtype(args) -> torch.dtype | None:

@@ -1,11 +1,12 @@
-"""Parse training arguments with each training script's own parser, as its jobs will, before
-anything starts: launch/job.sh runs it for one job, launch/run_benchmarks.py once for a study.
-A typo then costs argparse's one sentence, not a failed job or a study of failed jobs.
+"""Check training arguments with each training script's own parser and common.check_flags, as
+its jobs will, before anything starts: launch/job.sh runs it for one job,
+launch/run_benchmarks.py once for a study. A typo or an impossible value (--epochs 0, an
+unknown --model) then costs one sentence, not a failed job or a study of failed jobs.
 
     python launch/check_args.py ddp_train.py --epochs 3 --bogus
     python launch/check_args.py ddp_train,fsdp_train --epochs 3 --lr-scaling linear
 
-Exit status: 0 every script accepts the arguments; 2 one refuses them, and argparse's sentence
+Exit status: 0 every script accepts the arguments; 2 one refuses them, and its sentence
 ("ddp_train.py: error: ...") is the last line on stderr; anything else means not checked (a
 script this Python cannot import, e.g. without torch: the error is the last line). The callers
 go on in that case; the training itself will say why.
@@ -31,7 +32,13 @@ def main(argv=None) -> int:
         sys.path.insert(0, str(path.parent))  # the script's own imports (common.py, ...)
         parser = importlib.import_module(path.stem).build_parser()
         parser.prog = path.name  # argparse's sentence names the script, not this file
-        parser.parse_args(argv[1:])
+        args = parser.parse_args(argv[1:])
+        common = importlib.import_module("common")
+        try:
+            common.check_flags(args)
+        except common.UsageError as e:
+            print(f"{path.name}: error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

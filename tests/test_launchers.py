@@ -429,6 +429,19 @@ def test_a_bad_training_flag_is_one_sentence_before_anything_starts(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_an_impossible_training_value_is_one_sentence_before_anything_starts(tmp_path):
+    """--epochs 0 parses, but check_flags refuses it before the job starts (it used to fail in
+    torchrun, with its traceback and exit code 1)."""
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--", "--epochs", "0"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr == ("error: the training arguments are refused: ddp_train.py: error: "
+                          "--epochs must be at least 1, got 0 (python ddp_train.py --help lists "
+                          "its flags)\n")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_local_sh_check_only_and_bad_run_dir(tmp_path):
     env = base_env(tmp_path)
     env.update(RUNS_DIR=str(tmp_path / "runs"), CHECK_ONLY="1", NCCL_SOCKET_IFNAME="lo")

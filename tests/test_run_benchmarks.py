@@ -210,6 +210,7 @@ def test_training_arguments_unchecked_where_the_scripts_cannot_be_imported(tmp_p
                            "--nonsense); fix them (python dp_train.py --help lists its flags)"),
     (["--strategies", "ddp", "fsdp", "--", "--sharding", "hybrid"],
      "(ddp_train.py: error: unrecognized arguments: --sharding hybrid)"),
+    (["--", "--model", "nosuch"], "are refused (dp_train.py: error: unknown --model 'nosuch'"),
 ])
 def test_bad_flags_are_one_clear_sentence(tmp_path, args, says):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
@@ -456,6 +457,10 @@ def test_check_args_is_argparse_of_every_script_named():
     assert refused.returncode == 2
     assert refused.stderr.splitlines()[-1] == ("ddp_train.py: error: unrecognized arguments: "
                                                "--sharding full")
+    impossible = check("ddp_train.py,fsdp_train", "--epochs", "0")  # a value, not a typo
+    assert impossible.returncode == 2
+    assert impossible.stderr.splitlines()[-1] == ("ddp_train.py: error: --epochs must be at "
+                                                  "least 1, got 0")
     missing = check(str(REPO / "no_such_train"), "--epochs", "3")
     assert missing.returncode == 1 and "Traceback" not in missing.stderr
     assert missing.stderr.splitlines() == [f"error: no training script {REPO}/no_such_train.py: "
