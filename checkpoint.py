@@ -203,6 +203,10 @@ def resume_candidates(args) -> list:
     if args.resume == "never":
         return []
     if args.resume != "auto":
+        if list_checkpoints(args.resume):  # a folder of checkpoints, not one checkpoint
+            raise UsageError(f"--resume {args.resume} is a folder of checkpoints: pass it as "
+                             f"--checkpoint-dir {args.resume} (the newest is resumed), or "
+                             f"--resume with one checkpoint in it")
         return [Path(args.resume)]
     return list_checkpoints(args.checkpoint_dir)
 
@@ -210,7 +214,7 @@ def resume_candidates(args) -> list:
 def load_newest(candidates: list, load_one):
     """Return ``load_one(path)`` for the newest candidate that loads, warning about each one
     that does not. Checkpoints exist but none loads: a UsageError, never a silent fresh start."""
-    for path in candidates:
+    for i, path in enumerate(candidates):
         try:
             return load_one(path)
         except (UsageError, KeyboardInterrupt, SystemExit):
@@ -219,11 +223,14 @@ def load_newest(candidates: list, load_one):
         except BaseException as exc:  # truncated zip, bad pickle, missing DCP shard, ...
             first = (str(exc).strip().splitlines() or [""])[0][:160]
             print0(f"warning: checkpoint {path} is unusable ({exc.__class__.__name__}: "
-                   f"{first}); trying the previous one")
+                   f"{first})" + ("; trying the previous one" if i + 1 < len(candidates) else ""))
     if candidates:
-        raise UsageError(f"none of the {len(candidates)} checkpoint(s) in "
-                         f"{candidates[0].parent} could be loaded: move them away and pass "
-                         f"--resume never to start fresh, or point --resume at a good one")
+        which = (f"checkpoint {candidates[0]} could not" if len(candidates) == 1 else
+                 f"none of the {len(candidates)} checkpoints in {candidates[0].parent} could")
+        raise UsageError(f"{which} be loaded (why is above): a checkpoint of another script "
+                         f"(fsdp_train.py writes folders, ddp_train.py and dp_train.py files) "
+                         f"or of another --model loads only with those; to start fresh, give "
+                         f"another --checkpoint-dir, or pass --resume never (it sets them aside)")
     return None
 
 

@@ -236,6 +236,17 @@ def test_resume_past_the_end_never_and_missing_path(tmp_path):
     assert "Resumed" not in fresh.stdout
     bad = run_script("ddp_train.py", RUN + ["--resume", str(tmp_path / "nope.pt")])
     assert bad.returncode == 2 and "no such checkpoint" in bad.stderr
+    # the folder of checkpoints given as --resume: named, not "unusable" and set aside
+    folder = run_script("ddp_train.py", RUN + ["--resume", str(ck)])
+    assert folder.returncode == 2 and "Traceback" not in folder.stderr
+    assert (f"--resume {ck} is a folder of checkpoints: pass it as --checkpoint-dir {ck}"
+            in folder.stderr)
+    # a good checkpoint of another --model: why, and what to do, not "move them away"
+    other = run_script("ddp_train.py", RUN + ["--checkpoint-dir", str(ck), "--model", "resnet18"])
+    (only,) = checkpoint.list_checkpoints(ck)
+    assert other.returncode == 2 and f"checkpoint {only} could not be loaded" in other.stderr
+    assert "or of another --model loads only with those" in other.stderr
+    assert "trying the previous one" not in other.stdout  # there is none
 
 
 @pytest.mark.parametrize("script", ["ddp_train.py", "fsdp_train.py"])
