@@ -88,6 +88,11 @@ if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then export NCCL_SOCKET_IFNAME; fi
 if [ -n "$GLOO_SOCKET_IFNAME" ]; then export GLOO_SOCKET_IFNAME; fi
 if [ -n "${DATA_DIR:-}" ]; then export DATA_DIR; fi
 read -ra python_cmd <<<"$PYTHON"
+if ! command -v "${python_cmd[0]:-}" >/dev/null; then
+  echo "error: PYTHON=$PYTHON is not a command here: set PYTHON to your environment's" \
+    "Python (e.g. PYTHON=\$VIRTUAL_ENV/bin/python), or unset it for python on PATH" >&2
+  exit 2
+fi
 
 case $STRATEGY in
   ddp | fsdp) mode=torchrun ;;
@@ -162,7 +167,12 @@ if [ -n "${RUN_DIR:-}" ]; then
 else
   RUN_DIR="${RUNS_DIR:-$submit_dir/runs}/$job_name-$job_id"
 fi
-RUN_DIR=$(mkdir -p "$RUN_DIR/gpu_memory" "$RUN_DIR/cpu_memory" && cd "$RUN_DIR" && pwd)
+if ! mkdir -p "$RUN_DIR/gpu_memory" "$RUN_DIR/cpu_memory" 2>/dev/null; then
+  echo "error: cannot create the run directory $RUN_DIR (and its gpu_memory/, cpu_memory/):" \
+    "set RUNS_DIR to a writable folder (default: runs/ where you start or submit the job)" >&2
+  exit 2
+fi
+RUN_DIR=$(cd "$RUN_DIR" && pwd)
 export RUN_DIR
 
 # Training arguments added here: checkpoints in the run directory (so a requeued job resumes),

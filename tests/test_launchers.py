@@ -442,6 +442,24 @@ def test_an_impossible_training_value_is_one_sentence_before_anything_starts(tmp
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("bad", ["RUNS_DIR", "PYTHON"])
+def test_an_unusable_runs_dir_or_python_is_one_sentence(tmp_path, bad):
+    """A RUNS_DIR that cannot be created (here: under a file) and a PYTHON that is not a
+    command: one sentence naming the variable and exit 2, no run directory. Before: mkdir's
+    own error twice and exit 1, or bash's 'No such file or directory' and exit 127."""
+    (tmp_path / "afile").write_text("")
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
+    env[bad] = str(tmp_path / "afile" / "runs") if bad == "RUNS_DIR" else "/nonexistent/python"
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--", *TINY], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    (line,) = res.stderr.splitlines()
+    assert line.startswith("error: ") and ("set RUNS_DIR to a writable folder" in line
+                                           if bad == "RUNS_DIR" else
+                                           "PYTHON=/nonexistent/python is not a command" in line)
+    assert not (tmp_path / "runs").exists()
+
+
 def test_local_sh_check_only_and_bad_run_dir(tmp_path):
     env = base_env(tmp_path)
     env.update(RUNS_DIR=str(tmp_path / "runs"), CHECK_ONLY="1", NCCL_SOCKET_IFNAME="lo")
