@@ -65,7 +65,8 @@ def scan_tinyimagenet(root) -> tuple:
     Returns (classes, train_samples, val_samples) with samples as (path, class index).
     """
     root = Path(root)
-    hint = "point --data-dir at the tiny-imagenet-200 folder (it holds wnids.txt, train/, val/)"
+    hint = ("give the tiny-imagenet-200 folder, which holds wnids.txt, train/ and val/ "
+            "(--data-dir, or prepare_tinyimagenet.py's first argument)")
     if not root.is_dir():
         what = "is a file, not a folder" if root.exists() else "does not exist"
         raise UsageError(f"data dir {root} {what}: {hint}")
@@ -262,8 +263,9 @@ def prepare(root, directory, strict: bool = False, workers: int = 1, log=print,
                     f"changed)")
                 build_split(directory, split, samples, checksum, strict, workers, log)
     except OSError as exc:
-        raise UsageError(f"cannot write the data cache in {directory} ({exc.strerror}): pass "
-                         f"--data-cache DIR with a writable DIR") from None
+        raise UsageError(f"cannot write the data cache in {directory} ({exc.strerror}): give "
+                         f"a writable folder (--data-cache DIR, or prepare_tinyimagenet.py's "
+                         f"CACHE_DIR)") from None
     return directory
 
 

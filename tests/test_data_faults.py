@@ -200,7 +200,10 @@ def test_prepare_tinyimagenet_builds_the_cache_the_training_reuses(tiny_imagenet
     assert bad.returncode == 2 and bad.stderr.startswith("error: data dir ")
     assert "Traceback" not in bad.stderr
     (tmp_path / "afile").write_text("")
+    # its sentences name its own arguments, not only the training's flags
     for args, says in (([tmp_path / "afile"], "afile is a file, not a folder"),
+                       ([tmp_path / "nope"], "prepare_tinyimagenet.py's first argument"),
+                       ([root, tmp_path / "afile"], "prepare_tinyimagenet.py's CACHE_DIR"),
                        ([root, "--workers", "0"], "--workers must be at least 1")):
         bad = subprocess.run([sys.executable, str(REPO / "prepare_tinyimagenet.py"),
                               *map(str, args)], capture_output=True, text=True,
