@@ -139,7 +139,12 @@ class StepMeter:
         if not self.profile_dir or n < 1:
             return -1, -1
         start = first_step + min(self.PROFILE_AFTER, n // 3)
-        return start, min(start + self.PROFILE_STEPS, self.steps)
+        end = min(start + self.PROFILE_STEPS, self.steps)
+        if (start - first_step, end - start) != (self.PROFILE_AFTER, self.PROFILE_STEPS):
+            print0(f"note: --profile: this epoch runs {n} step(s), so it traces {end - start} "
+                   f"after {start - first_step} warm-up step(s), not {self.PROFILE_STEPS} after "
+                   f"{self.PROFILE_AFTER}: a longer epoch gives steadier figures")
+        return start, end
 
     def _line(self, epoch: int, done: int, first_step: int, now: float) -> None:
         self.next_line = now + self.every

@@ -216,6 +216,16 @@ def test_profile_writes_a_trace_and_a_step_breakdown_that_adds_up(tmp_path):
         assert "ms per step = compute" in proc.stdout
 
 
+def test_profile_of_a_short_epoch_says_it_traced_fewer_steps(tmp_path):
+    proc = run_script("ddp_train.py", ["--model", "cnn", "--synthetic-size", "256",
+                                       "--batch-size", "16", "--epochs", "1", "--amp", "off",
+                                       "--max-steps-per-epoch", "3", "--profile", str(tmp_path)])
+    check_ok(proc)
+    assert ("note: --profile: this epoch runs 3 step(s), so it traces 2 after 1 warm-up "
+            "step(s), not 5 after 3" in proc.stdout)
+    assert f"{contract.PROFILE_PREFIX} steps=2 " in proc.stdout
+
+
 def test_profile_needs_a_writable_folder(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
