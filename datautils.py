@@ -138,6 +138,9 @@ def rank0_first(fn):
 def _torchvision_data(args, is_main: bool) -> DataBundle:
     from torchvision import datasets, transforms as T
     root = Path(args.data_dir or "data")
+    if root.is_file():
+        raise UsageError(f"data dir {root} is a file, not a folder: pass the folder that holds "
+                         f"(or should receive) the {args.dataset} files")
     mean, std = NORMALIZE[args.dataset]
     if args.dataset == "cifar10":
         cls, shape, archive = datasets.CIFAR10, (3, 32, 32), "cifar-10-python.tar.gz"

@@ -217,6 +217,7 @@ def test_dist_env_ignores_batch_step(monkeypatch):
 BAD_INPUTS = [
     (["--data-dir", "/nonexistent/tiny"], "does not exist"),
     (["--dataset", "tinyimagenet"], "needs --data-dir"),
+    (["--dataset", "cifar10", "--data-dir", "{tmp}/afile"], "is a file, not a folder"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--model", "cnn", "--synthetic-size", "64", "--batch-size", "100"], "lower --batch-size"),
     (["--model", "no_such_net"], "unknown --model"),
