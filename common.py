@@ -195,7 +195,6 @@ def on_rank0(fn):
 
 
 _rank = 0  # this process's rank, as run() found it
-MAX_DIST_TIMEOUT = 86400  # seconds; far beyond it, gloo's and NCCL's own timers overflow
 
 
 def print0(*values) -> None:
@@ -252,8 +251,7 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
 
 
 DATASETS = ("tinyimagenet", "cifar10", "mnist", "synthetic")
-
-
+MAX_DIST_TIMEOUT = 86400  # seconds; far beyond it, gloo's and NCCL's own timers overflow
 DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_net",
                  "synthetic": "resnet50"}
 
@@ -404,12 +402,6 @@ def _default_workers(env: DistEnv) -> int:
     return max(0, min(8, share - 1))
 
 
-def input_shape(args) -> tuple:
-    """Image shape (C, H, W) the dataset delivers; synthetic data takes the model's."""
-    fixed = {"tinyimagenet": (3, 64, 64), "cifar10": (3, 32, 32), "mnist": (1, 28, 28)}
-    return fixed.get(args.dataset) or synthetic_shape(args.model)[0]
-
-
 def check_flags(args: argparse.Namespace) -> None:
     """Reject impossible flag values, without the machine: run() checks them first thing,
     launch/check_args.py before a job or a study starts. Fills --dataset and --model."""
@@ -444,8 +436,10 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.profile is not None and args.check:
         raise UsageError("--check is a preflight that trains nothing, so there is nothing for "
                          "--profile to trace: drop one of them")
+    shape = {"tinyimagenet": (3, 64, 64), "cifar10": (3, 32, 32), "mnist": (1, 28, 28)}.get(
+        args.dataset) or synthetic_shape(args.model)[0]  # synthetic data takes the model's
     try:
-        check_model(args.model, input_shape(args))  # before any download or data scan
+        check_model(args.model, shape)  # before any download or data scan
     except UsageError as e:
         fits = {"cnn": "cifar10", "mnist_net": "mnist"}.get(args.model)
         if not (implied and fits):
