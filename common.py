@@ -225,11 +225,11 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
             dist.barrier()  # them tears gloo/NCCL down (else: an abort at exit)
         return rc
     except UsageError as err:
-        return fail_cleanly(err, env)
+        return _exit_line(fail_cleanly(err, env), env)
     except NonFiniteLoss as err:  # every rank raises it at the same check (a vote)
         if env is None or env.rank == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
-        return contract.NONFINITE_EXIT
+        return _exit_line(contract.NONFINITE_EXIT, env)
     except RuntimeError as err:  # a peer died or a collective timed out: never hang
         if not is_collective_failure(err):
             raise
@@ -243,6 +243,13 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exit_line(code: int, env) -> int:
+    """Under torchrun, which reports a failed worker as 1, say the real code for job.sh."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun for its workers
+        print(contract.EXIT_LINE.format(code=code, rank=env.rank if env else "?"), flush=True)
+    return code
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-METRIC_PREFIX, STOP_PREFIX = "[METRIC]", "[STOP]"
+METRIC_PREFIX, STOP_PREFIX, EXIT_PREFIX = "[METRIC]", "[STOP]", "[EXIT]"
 PROFILE_PREFIX, BANDWIDTH_PREFIX = "[PROFILE]", "[BANDWIDTH]"
 
 #: Keys of every ``[METRIC]`` line, in order. The final line adds ``FINAL_KEYS``.
@@ -56,6 +56,10 @@ NONFINITE_EXIT = 3
 #: when it reads one with saved=1 (torchrun reports its workers' exit 75 as 1).
 STOP_LINE = (STOP_PREFIX + " signal={signal} epoch={epoch} step={step} saved={saved} "
              "exit_code={code}")
+
+#: The line a torchrun worker prints when it ends with a code of its own (2: a problem to fix,
+#: NONFINITE_EXIT): launch/job.sh makes it the job's exit code (torchrun reports any as 1).
+EXIT_LINE = EXIT_PREFIX + " code={code} rank={rank}"
 
 #: The per-epoch line people read (the workshop's), values global across ranks.
 EPOCH_LINE = ("Epoch [{epoch}/{epochs}] LR: {lr:.6f} | Loss (train, val): {train_loss:.3f}, "

@@ -289,6 +289,11 @@ if grep -q '\[STOP\] .* saved=1 ' < <(tail -c +"$((log_size + 1))" "$RUN_DIR/tra
 then
   requeue_ckpt=1
   rc=75
+# torchrun reports a worker's own exit code (2: a problem to fix, 3: NaN loss) as 1 too; the
+# worker says it in "[EXIT] code=2 rank=0" (contract.EXIT_LINE)
+elif [ "$rc" = 1 ] && exit_line=$(grep -o -m1 '\[EXIT\] code=[0-9]*' \
+  < <(tail -c +"$((log_size + 1))" "$RUN_DIR/train.log")); then
+  rc=${exit_line##*=}
 fi
 echo "training exit code: $rc${stop_signal:+ (after SIG$stop_signal)}"
 

@@ -75,7 +75,8 @@ def test_every_line_tag_and_exit_code_is_defined_once_in_contract():
     """Writer and readers share contract.py (which imports no torch): no other module spells
     a line tag or the requeue exit code itself, so they cannot drift apart."""
     assert "import torch" not in (REPO / "contract.py").read_text()
-    tags = [q + t + q for t in ("[METRIC]", "[STOP]", "[PROFILE]", "[BANDWIDTH]") for q in "\"'"]
+    tags = [q + t + q for t in ("[METRIC]", "[STOP]", "[EXIT]", "[PROFILE]", "[BANDWIDTH]")
+            for q in "\"'"]
     tags.append("= 75")
     for path in sorted(REPO.glob("*.py")) + sorted(REPO.glob("launch/*.py")) + sorted(
             REPO.glob("bench/*.py")):

@@ -442,6 +442,21 @@ def test_an_impossible_training_value_is_one_sentence_before_anything_starts(tmp
     assert not (tmp_path / "runs").exists()
 
 
+def test_the_job_exit_code_is_the_trainings_under_torchrun(tmp_path):
+    """A data dir that the job's node lacks (checked there, not before the job): the worker
+    exits 2, torchrun reports 1, and the job reads the worker's [EXIT] line, so the job and
+    job.env say 2 (a problem to fix), not 1 (a collective failed)."""
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
+    args = [*TINY, "--model", "resnet18", "--data-dir", str(tmp_path / "nowhere")]
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "1", "--", *args],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "does not exist" in res.stdout + res.stderr
+    assert "training exit code: 2" in res.stdout
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert read_env_file(run_dir / "job.env")["EXIT_CODE"] == "2"
+
+
 @pytest.mark.parametrize("bad", ["RUNS_DIR", "PYTHON"])
 def test_an_unusable_runs_dir_or_python_is_one_sentence(tmp_path, bad):
     """A RUNS_DIR that cannot be created (here: under a file) and a PYTHON that is not a
