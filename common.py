@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 import contract
 from faults import (NonFiniteLoss, UsageError, catch_stop_signals, collective_failed,
-                    fail_cleanly, is_collective_failure, start_watchdog)
+                    exit_line, fail_cleanly, is_collective_failure, start_watchdog)
 from models import check_model, synthetic_shape
 
 # --------------------------------------------------------------------------------------------
@@ -54,7 +54,7 @@ class DistEnv:
     world_size: int
     local_world_size: int
     source: str  # "torchrun", "slurm" or "single"
-    num_nodes: int = 0  # 0: world_size / local_world_size (torchrun's even layout)
+    num_nodes: int = 0  # 0: world_size / local_world_size (an even layout)
 
     @property
     def nodes(self) -> int:
@@ -116,7 +116,8 @@ def dist_env() -> DistEnv:
         local_world = (_int_env("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ
                        else world)
         return DistEnv(_int_env("RANK"), _int_env("LOCAL_RANK") if "LOCAL_RANK" in os.environ
-                       else 0, world, local_world, "torchrun")
+                       else 0, world, local_world, "torchrun",  # its nodes: GROUP_WORLD_SIZE
+                       _int_env("GROUP_WORLD_SIZE") if "GROUP_WORLD_SIZE" in os.environ else 0)
     # SLURM_STEP_ID is set inside an srun step, not in the batch script itself, where
     # SLURM_NTASKS describes the whole job and one plain `python` would wait for its peers.
     if "SLURM_PROCID" in os.environ and "SLURM_STEP_ID" in os.environ:
@@ -176,13 +177,12 @@ def on_rank0(fn):
     (DataParallel) it simply runs ``fn``."""
     if not (dist.is_available() and dist.is_initialized()):
         return fn()
-    result, error = None, None
+    result, box = None, [None]  # box: rank 0's error, if any
     if dist.get_rank() == 0:
         try:
             result = fn()
         except UsageError as exc:
-            error = str(exc)
-    box = [error]
+            box = [str(exc)]
     dist.broadcast_object_list(box, src=0)  # collective: every rank waits here for rank 0
     if box[0] is not None:
         raise UsageError(box[0])
@@ -212,7 +212,10 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
     rank has finished, the last barrier and the process group's teardown. Returns the exit
     code for end_process."""
     global _rank
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # argparse's error (2), or --help (0)
+        return exit_line(done.code or 0)
     env = None
     try:
         env = dist_env()
@@ -225,11 +228,11 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
             dist.barrier()  # them tears gloo/NCCL down (else: an abort at exit)
         return rc
     except UsageError as err:
-        return _exit_line(fail_cleanly(err, env), env)
+        return exit_line(fail_cleanly(err, env), env)
     except NonFiniteLoss as err:  # every rank raises it at the same check (a vote)
         if env is None or env.rank == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
-        return _exit_line(contract.NONFINITE_EXIT, env)
+        return exit_line(contract.NONFINITE_EXIT, env)
     except RuntimeError as err:  # a peer died or a collective timed out: never hang
         if not is_collective_failure(err):
             raise
@@ -245,13 +248,6 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
             dist.destroy_process_group()
 
 
-def _exit_line(code: int, env) -> int:
-    """Under torchrun, which reports a failed worker as 1, say the real code for job.sh."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun for its workers
-        print(contract.EXIT_LINE.format(code=code, rank=env.rank if env else "?"), flush=True)
-    return code
-
-
 # --------------------------------------------------------------------------------------------
 # Flags
 # --------------------------------------------------------------------------------------------
@@ -264,9 +260,8 @@ DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_n
 
 
 def positive(text: str) -> float:
-    """An argparse type: a finite number above 0 (argparse names the flag in its error). A
-    strategy's own flag is checked this way, while parsing; the shared flags are checked in
-    check_flags, whose sentences also name the fix. launch/check_args.py runs both."""
+    """An argparse type: a finite number above 0, for a strategy's own flags (the shared ones
+    are checked in check_flags, whose sentences also name the fix)."""
     try:
         value = float(text)
     except ValueError:
@@ -288,8 +283,7 @@ def positive_int(text: str) -> int:
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help ends each flag's text with its default, but not "(default: None)": such a flag's
-    text says itself what happens without it."""
+    """--help ends each flag's text with its default, but not "(default: None)": its text says."""
 
     def _get_help_string(self, action):
         return action.help if action.default is None else super()._get_help_string(action)
@@ -409,9 +403,10 @@ def _default_workers(env: DistEnv) -> int:
     return max(0, min(8, share - 1))
 
 
-def check_flags(args: argparse.Namespace) -> None:
-    """Reject impossible flag values, without the machine: run() checks them first thing,
-    launch/check_args.py before a job or a study starts. Fills --dataset and --model."""
+def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
+    """Reject impossible flag values, without the machine: run() first thing, check_args.py
+    before a job or a study. data_known=False: no --dataset or data dir yet (the job's site.sh
+    may set $DATA_DIR), so what depends on the dataset waits for the job."""
     implied = args.dataset is None and args.data_dir  # TinyImageNet, as the user may not know
     if args.dataset is None:
         args.dataset = "tinyimagenet" if args.data_dir else "synthetic"
@@ -443,8 +438,8 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.profile is not None and args.check:
         raise UsageError("--check is a preflight that trains nothing, so there is nothing for "
                          "--profile to trace: drop one of them")
-    shape = {"tinyimagenet": (3, 64, 64), "cifar10": (3, 32, 32), "mnist": (1, 28, 28)}.get(
-        args.dataset) or synthetic_shape(args.model)[0]  # synthetic data takes the model's
+    fixed = {"tinyimagenet": (3, 64, 64), "cifar10": (3, 32, 32), "mnist": (1, 28, 28)}
+    shape = (data_known and fixed.get(args.dataset)) or synthetic_shape(args.model)[0]
     try:
         check_model(args.model, shape)  # before any download or data scan
     except UsageError as e:
@@ -453,6 +448,8 @@ def check_flags(args: argparse.Namespace) -> None:
             raise
         raise UsageError(f"{e}, or add --dataset {fits} (a data dir, --data-dir or $DATA_DIR, "
                          f"without --dataset is TinyImageNet)") from None
+    if not data_known:
+        return
     if args.data_on_device and args.dataset != "synthetic" and not args.data_cache:
         raise UsageError("--data-on-device needs decoded data: add --data-cache (TinyImageNet) "
                          "or use the synthetic dataset")
@@ -462,8 +459,7 @@ def check_flags(args: argparse.Namespace) -> None:
 
 
 def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -> None:
-    """Fill the defaults that depend on the machine, and check the paths (run() has checked
-    the flags' values with check_flags)."""
+    """Fill the defaults that depend on the machine; check the paths (check_flags did values)."""
     if device.type == "cuda":
         cc = torch.cuda.get_device_capability(device)
         bf16_ok = cc >= (8, 0)  # Ampere and newer: bf16 tensor cores
@@ -576,9 +572,8 @@ def evaluate(model, loader, device, dtype, n_real: int, prepare=None) -> torch.T
 
 
 def reset_peak_memory(*devices: torch.device) -> None:
-    """Start a new peak on each device (at each epoch's start, so each epoch reports its own):
-    the CUDA allocator's peak on a GPU, the process's peak resident set size on a CPU (Linux:
-    writing 5 to /proc/self/clear_refs resets VmHWM; elsewhere the peak stays the whole run's)."""
+    """Start a new peak on each device, so each epoch reports its own: the CUDA allocator's on a
+    GPU, the peak RSS on a CPU (Linux: 5 into /proc/self/clear_refs; elsewhere the run's)."""
     for device in devices:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -591,9 +586,8 @@ def reset_peak_memory(*devices: torch.device) -> None:
 
 
 def peak_memory_mib(device: torch.device) -> float:
-    """Peak memory of this process since the last ``reset_peak_memory``: CUDA
-    ``max_memory_allocated`` on a GPU, else the peak resident set size (what the OS had to give
-    the process: VmHWM, or getrusage's whole-run figure where /proc is missing)."""
+    """Peak memory since ``reset_peak_memory``: CUDA ``max_memory_allocated`` on a GPU, else the
+    peak RSS (VmHWM, or getrusage's whole-run figure where /proc is missing)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     try:
@@ -607,9 +601,8 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """``dist.all_reduce`` in place over every rank (a collective: all ranks call it), and the
-    tensor back. Without a process group it does nothing: DataParallel's one process already
-    holds the numbers of every GPU."""
+    """``dist.all_reduce`` in place over every rank (a collective: all ranks call it). Without
+    a process group it does nothing: DataParallel's one process holds every GPU's numbers."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=op)
     return tensor

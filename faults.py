@@ -7,9 +7,10 @@ fix: one sentence, exit code 2) and ``end_process`` (the exit). common.run() sta
 - the watchdog beside every worker: it ends a worker whose launcher is gone or that has shown
   no sign of life for --dist-timeout;
 - a failed collective (a peer died, a timeout) becomes one sentence and exit code 1;
+- under torchrun, which reports any failed worker as 1, a worker's own code is an [EXIT] line;
 - the lock of a checkpoint dir, so two runs never write and resume from the same checkpoints.
 
-Importing this module has no side effects; it imports nothing of this project.
+Importing this module has no side effects; of this project it imports contract.py only.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+import contract
 
 # --------------------------------------------------------------------------------------------
 # Errors a user can fix, and a loss that is not a number
@@ -87,6 +90,14 @@ def is_collective_failure(err: BaseException) -> bool:
         tb = tb.tb_next
     # raised by a collective call itself (the innermost frame is torch's c10d module)?
     return tb is not None and tb.tb_frame.f_code.co_filename.endswith("distributed_c10d.py")
+
+
+def exit_line(code: int, rank_env=None) -> int:
+    """Under torchrun, which reports a failed worker as 1, say the real code for job.sh."""
+    if code and "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun for its workers
+        rank = rank_env.rank if rank_env else os.environ.get("RANK", "?")
+        print(contract.EXIT_LINE.format(code=code, rank=rank), flush=True)
+    return code
 
 
 def collective_failed(err: Exception, rank_env) -> int:

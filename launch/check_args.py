@@ -35,7 +35,7 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv[1:])
         common = importlib.import_module("common")
         try:
-            common.check_flags(args)
+            common.check_flags(args, data_known=bool(args.dataset or args.data_dir))
         except common.UsageError as e:
             print(f"{path.name}: error: {e}", file=sys.stderr)
             return 2

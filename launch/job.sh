@@ -88,7 +88,8 @@ if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then export NCCL_SOCKET_IFNAME; fi
 if [ -n "$GLOO_SOCKET_IFNAME" ]; then export GLOO_SOCKET_IFNAME; fi
 if [ -n "${DATA_DIR:-}" ]; then export DATA_DIR; fi
 read -ra python_cmd <<<"$PYTHON"
-if ! command -v "${python_cmd[0]:-}" >/dev/null; then
+# (Not with SRUN_EXTRA_ARGS, e.g. a container image: PYTHON may exist only inside the step.)
+if [ -z "${SRUN_EXTRA_ARGS:-}" ] && ! command -v "${python_cmd[0]:-}" >/dev/null; then
   echo "error: PYTHON=$PYTHON is not a command here: set PYTHON to your environment's" \
     "Python (e.g. PYTHON=\$VIRTUAL_ENV/bin/python), or unset it for python on PATH" >&2
   exit 2
@@ -157,6 +158,7 @@ else
   world_size=$((nnodes * nproc)) per_node="$nproc per node"
 fi
 
+continued=""
 if [ -n "${RUN_DIR:-}" ]; then
   if [ ! -d "$RUN_DIR" ]; then
     echo "error: RUN_DIR=$RUN_DIR does not exist: unset RUN_DIR for a new run directory, or" \
@@ -164,12 +166,15 @@ if [ -n "${RUN_DIR:-}" ]; then
     exit 2
   fi
   echo "continuing in RUN_DIR=$RUN_DIR"
+  continued=1
 else
   RUN_DIR="${RUNS_DIR:-$submit_dir/runs}/$job_name-$job_id"
 fi
 if ! mkdir -p "$RUN_DIR/gpu_memory" "$RUN_DIR/cpu_memory" 2>/dev/null; then
+  fix="set RUNS_DIR to a writable folder (default: runs/ where you start or submit the job)"
+  if [ -n "$continued" ]; then fix="make RUN_DIR writable, or unset it for a new run directory"; fi
   echo "error: cannot create the run directory $RUN_DIR (and its gpu_memory/, cpu_memory/):" \
-    "set RUNS_DIR to a writable folder (default: runs/ where you start or submit the job)" >&2
+    "$fix" >&2
   exit 2
 fi
 RUN_DIR=$(cd "$RUN_DIR" && pwd)
@@ -289,9 +294,10 @@ if grep -q '\[STOP\] .* saved=1 ' < <(tail -c +"$((log_size + 1))" "$RUN_DIR/tra
 then
   requeue_ckpt=1
   rc=75
-# torchrun reports a worker's own exit code (2: a problem to fix, 3: NaN loss) as 1 too; the
-# worker says it in "[EXIT] code=2 rank=0" (contract.EXIT_LINE)
-elif [ "$rc" = 1 ] && exit_line=$(grep -o -m1 '\[EXIT\] code=[0-9]*' \
+# torchrun reports a worker's own exit code (2: a problem to fix, 3: NaN loss) as 1 too (and
+# srun the 143 of another node's task it ended); the worker says it in "[EXIT] code=2 rank=0"
+# (contract.EXIT_LINE)
+elif [ "$rc" != 0 ] && exit_line=$(grep -o -m1 '\[EXIT\] code=[0-9]*' \
   < <(tail -c +"$((log_size + 1))" "$RUN_DIR/train.log")); then
   rc=${exit_line##*=}
 fi

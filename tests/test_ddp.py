@@ -305,6 +305,10 @@ def test_more_processes_than_gpus_is_a_usage_error(monkeypatch, capsys):
 def test_bad_flag_is_rejected_by_argparse():
     proc = run_script("ddp_train.py", ["--no-such-flag"], timeout=60)
     assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr
+    # under torchrun, which exits 1 for any failed worker, the worker says its code for job.sh
+    proc = run_script("ddp_train.py", ["--no-such-flag"], nproc=1, timeout=120)
+    assert proc.returncode == 1 and "unrecognized arguments" in proc.stderr
+    assert contract.EXIT_LINE.format(code=2, rank=0) in proc.stdout
 
 
 def test_cache_and_folder_paths_give_the_same_pixels_and_labels(tiny_imagenet, tmp_path):

@@ -148,7 +148,7 @@ def test_dp_turns_on_cudnn_benchmark(monkeypatch):
     fake_gpus(monkeypatch, 1)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     args = dp_train.build_parser().parse_args(FAST + ["--compile"])  # one GPU: compile is fine
-    device, gpus = dp_train.setup_devices(args)
+    device, gpus = dp_train.setup_devices(args, common.DistEnv(0, 0, 1, 1, "single"))
     assert (device.type, gpus) == ("cuda", [0])
     assert torch.backends.cudnn.benchmark is True
 

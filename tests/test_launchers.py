@@ -457,21 +457,26 @@ def test_the_job_exit_code_is_the_trainings_under_torchrun(tmp_path):
     assert read_env_file(run_dir / "job.env")["EXIT_CODE"] == "2"
 
 
-@pytest.mark.parametrize("bad", ["RUNS_DIR", "PYTHON"])
+@pytest.mark.parametrize("bad", ["RUNS_DIR", "PYTHON", "RUN_DIR"])
 def test_an_unusable_runs_dir_or_python_is_one_sentence(tmp_path, bad):
-    """A RUNS_DIR that cannot be created (here: under a file) and a PYTHON that is not a
-    command: one sentence naming the variable and exit 2, no run directory. Before: mkdir's
-    own error twice and exit 1, or bash's 'No such file or directory' and exit 127."""
+    """A RUNS_DIR that cannot be created (here: under a file), a PYTHON that is not a command,
+    a RUN_DIR to continue that cannot take the loggers' folders: one sentence naming the
+    variable and exit 2, no run directory. Before: mkdir's own error twice and exit 1, or
+    bash's 'No such file or directory' and exit 127."""
     (tmp_path / "afile").write_text("")
     env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
-    env[bad] = str(tmp_path / "afile" / "runs") if bad == "RUNS_DIR" else "/nonexistent/python"
+    env[bad] = {"RUNS_DIR": str(tmp_path / "afile" / "runs"), "PYTHON": "/nonexistent/python",
+                "RUN_DIR": str(tmp_path / "old")}[bad]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "gpu_memory").write_text("")  # a file where the folder goes
     res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--", *TINY], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stdout + res.stderr
     (line,) = res.stderr.splitlines()
-    assert line.startswith("error: ") and ("set RUNS_DIR to a writable folder" in line
-                                           if bad == "RUNS_DIR" else
-                                           "PYTHON=/nonexistent/python is not a command" in line)
+    assert line.startswith("error: ") and {
+        "RUNS_DIR": "set RUNS_DIR to a writable folder",
+        "PYTHON": "PYTHON=/nonexistent/python is not a command",
+        "RUN_DIR": "make RUN_DIR writable, or unset it for a new run directory"}[bad] in line
     assert not (tmp_path / "runs").exists()
 
 

@@ -461,6 +461,11 @@ def test_check_args_is_argparse_of_every_script_named():
     assert impossible.returncode == 2
     assert impossible.stderr.splitlines()[-1] == ("ddp_train.py: error: --epochs must be at "
                                                   "least 1, got 0")
+    # what depends on the dataset waits for the job when nothing names it here ($DATA_DIR may
+    # come from the job's site.sh), and is checked when something does
+    assert check("ddp_train.py", "--data-cache").returncode == 0
+    named = check("ddp_train.py", "--dataset", "cifar10", "--data-cache")
+    assert named.returncode == 2 and "--data-cache works with TinyImageNet only" in named.stderr
     missing = check(str(REPO / "no_such_train"), "--epochs", "3")
     assert missing.returncode == 1 and "Traceback" not in missing.stderr
     assert missing.stderr.splitlines() == [f"error: no training script {REPO}/no_such_train.py: "

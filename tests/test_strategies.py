@@ -189,18 +189,22 @@ def test_dp_refuses_srun_with_several_tasks():
     assert "not torchrun --nproc-per-node > 1 or srun with several tasks" in proc.stderr
 
 
-def test_fsdp_hybrid_refuses_an_uneven_slurm_layout():
-    """srun placed 2, 1 and 1 tasks on three nodes: no nodes x GPUs mesh fits, and the
-    refusal comes before the process group (which would wait for --dist-timeout)."""
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+def test_fsdp_hybrid_refuses_an_uneven_layout(launcher):
+    """srun placed 2, 1 and 1 tasks on three nodes, or three torchruns started 3, 2 and 1
+    workers (GPUs per node differ): no nodes x GPUs mesh fits, and the refusal comes before
+    the process group (which would wait for --dist-timeout)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    env = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0", "SLURM_NODEID": "0",
+           "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "3",
+           "SLURM_STEP_TASKS_PER_NODE": "2,1,1"} if launcher == "srun" else {
+        "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3",
+        "GROUP_WORLD_SIZE": "3"}  # torchrun's: the number of nodes (agents)
     proc = run_script("fsdp_train.py", FAST + ["--sharding", "hybrid", "--dist-timeout", "20"],
-                      timeout=120, env={
-        "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0", "SLURM_NODEID": "0",
-        "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "3",
-        "SLURM_STEP_TASKS_PER_NODE": "2,1,1", "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port)})
+                      timeout=120, env=env | {"MASTER_ADDR": "127.0.0.1",
+                                              "MASTER_PORT": str(port)})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "--sharding hybrid needs the same number of processes on every node" in proc.stderr
 
