@@ -416,29 +416,20 @@ def test_an_edit_of_the_launchers_during_a_job_does_not_change_the_job(tmp_path)
     assert read_env_file(run_dir / "job.env")["EXIT_CODE"] == "0"
 
 
-def test_a_bad_training_flag_is_one_sentence_before_anything_starts(tmp_path):
-    """Checked by the script's own parser in job.sh: no run directory, no loggers, no torchrun
-    (whose traceback used to follow argparse's line), exit 2."""
+@pytest.mark.parametrize("args,refusal", [
+    (["--epochs", "1", "--bogus"], "unrecognized arguments: --bogus"),
+    # parses, but check_flags refuses it (it used to fail in torchrun: traceback, exit 1)
+    (["--epochs", "0"], "--epochs must be at least 1, got 0"),
+])
+def test_a_bad_training_flag_is_one_sentence_before_anything_starts(tmp_path, args, refusal):
+    """Checked by the script's own parser and check_flags in job.sh: no run directory, no
+    loggers, no torchrun (whose traceback used to follow argparse's line), exit 2."""
     env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
-    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--", "--epochs", "1", "--bogus"],
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--", *args],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert (res.returncode, res.stdout) == (2, "")
-    assert res.stderr == ("error: the training arguments are refused: ddp_train.py: error: "
-                          "unrecognized arguments: --bogus (python ddp_train.py --help lists "
-                          "its flags)\n")
-    assert not (tmp_path / "runs").exists()
-
-
-def test_an_impossible_training_value_is_one_sentence_before_anything_starts(tmp_path):
-    """--epochs 0 parses, but check_flags refuses it before the job starts (it used to fail in
-    torchrun, with its traceback and exit code 1)."""
-    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
-    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--", "--epochs", "0"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert (res.returncode, res.stdout) == (2, "")
-    assert res.stderr == ("error: the training arguments are refused: ddp_train.py: error: "
-                          "--epochs must be at least 1, got 0 (python ddp_train.py --help lists "
-                          "its flags)\n")
+    assert res.stderr == (f"error: the training arguments are refused: ddp_train.py: error: "
+                          f"{refusal} (python ddp_train.py --help lists its flags)\n")
     assert not (tmp_path / "runs").exists()
 
 
