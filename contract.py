@@ -5,13 +5,14 @@ Every line a launcher or a parser reacts to is ``[TAG] key=value ...``:
 - ``[METRIC]``: one per epoch, with exactly ``METRIC_KEYS`` (the final one adds ``FINAL_KEYS``);
   collect_results.py makes results.csv from it, analyze_memory.py --plot marks the epochs;
 - ``[STOP]``: a stop signal ended the run; launch/job.sh requeues the job when ``saved=1``;
+- ``[EXIT]``: a torchrun worker's own exit code (torchrun reports any as 1), read by job.sh;
 - ``[PROFILE]``: --profile's step breakdown (``PROFILE_KEYS``), read by collect_results.py;
 - ``[BANDWIDTH]``: one collective's bandwidth (--check, --profile), read by collect_results.py.
 
 The training scripts write the epoch and ``[METRIC]`` lines, checkpoint.py the ``[STOP]`` line,
-measure.py the ``[PROFILE]`` and ``[BANDWIDTH]`` lines; the parsers read them with ``fields``
-(a value with ``number``). This module imports no torch, so the parsers run on a login node
-without it.
+faults.py the ``[EXIT]`` line, measure.py the ``[PROFILE]`` and ``[BANDWIDTH]`` lines; the
+parsers read them with ``fields`` (a value with ``number``). This module imports no torch, so
+the parsers run on a login node without it.
 """
 
 from __future__ import annotations

@@ -108,9 +108,10 @@ if [ ! -f "$TRAIN_SCRIPT" ]; then
   exit 2
 fi
 
-# The training arguments, parsed by the repository script's own parser (launch/check_args.py,
-# as run_benchmarks.py does for a study) before any run directory, logger or torchrun: a typo
-# gets argparse's one sentence, not a failed run and torchrun's traceback. Not again for a
+# The training arguments, checked by the repository script's own parser and value checks
+# (launch/check_args.py, as run_benchmarks.py does for a study) before any run directory, logger
+# or torchrun: a typo or an impossible value gets one sentence, not a failed run and torchrun's
+# traceback. Not again for a
 # requeued or continued run (its arguments were accepted); any exit but 2 means not checked
 # (e.g. this Python cannot import the script): then the training itself will say why.
 restarts=${SLURM_RESTART_COUNT:-0}
@@ -118,7 +119,7 @@ if [ -z "$own_script" ] && [ "$restarts" = 0 ] && [ -z "${RUN_DIR:-}" ]; then
   check_rc=0
   refused=$(timeout 300 "${python_cmd[@]}" "$LAUNCH_DIR/check_args.py" "$TRAIN_SCRIPT" "$@" \
     2>&1 >/dev/null) || check_rc=$?
-  refused=${refused##*$'\n'}  # argparse's own sentence is its last line
+  refused=${refused##*$'\n'}  # the refusal (argparse's or check_flags') is its last line
   if [ "$check_rc" = 2 ] && [[ $refused == *": error: "* ]]; then
     echo "error: the training arguments are refused: $refused (python" \
       "$(basename "$TRAIN_SCRIPT") --help lists its flags)" >&2

@@ -201,8 +201,9 @@ def fill_defaults(s: dict) -> dict:
 
 def check_train_args_parse(train_args: list, strategies: list) -> None:
     """Every strategy's script accepts the training arguments, as its jobs' launch/job.sh will
-    check: a typo stops the study here, once, instead of failing each of its jobs. Skipped with
-    a note where this Python cannot import the scripts (a login node without torch)."""
+    check: a typo or an impossible value stops the study here, once, not in each of its jobs.
+    Skipped with a note where this Python cannot import the scripts (a login node without
+    torch)."""
     if not train_args:
         return
     python = shlex.split(os.environ.get("PYTHON") or "") or [sys.executable]
@@ -213,7 +214,7 @@ def check_train_args_parse(train_args: list, strategies: list) -> None:
     except (OSError, subprocess.TimeoutExpired) as e:
         proc = subprocess.CompletedProcess([], 1, "", str(e))
     last = (proc.stderr.strip().splitlines() or [""])[-1]
-    if proc.returncode == 2 and ": error: " in last:  # argparse's own sentence
+    if proc.returncode == 2 and ": error: " in last:  # the refusal: argparse's or check_flags'
         raise StudyError(f"the training arguments after -- are refused ({last}); fix them "
                          f"(python {last.split(':')[0]} --help lists its flags)")
     if proc.returncode != 0:
