@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import contract
 from faults import (NonFiniteLoss, UsageError, catch_stop_signals, collective_failed,
                     exit_line, fail_cleanly, is_collective_failure, start_watchdog)
-from models import check_model, synthetic_shape
+from models import check_model, grey_channels, synthetic_shape
 
 # --------------------------------------------------------------------------------------------
 # Distributed environment (torchrun, or srun without torchrun)
@@ -253,10 +253,10 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-DATASETS = ("tinyimagenet", "cifar10", "mnist", "synthetic")
+DATASETS = ("tinyimagenet", "cifar10", "mnist", "fashion-mnist", "synthetic")
 MAX_DIST_TIMEOUT = 86400  # seconds; far beyond it, gloo's and NCCL's own timers overflow
 DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_net",
-                 "synthetic": "resnet50"}
+                 "fashion-mnist": "mnist_net", "synthetic": "resnet50"}
 
 
 def positive(text: str) -> float:
@@ -294,14 +294,18 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("data and model")
     g.add_argument("--data-dir", default=os.environ.get("DATA_DIR") or None,
                    help="dataset root (default: $DATA_DIR). For TinyImageNet the folder holding "
-                        "wnids.txt, train/ and val/ in the original layout")
+                        "wnids.txt, train/ and val/ in the original layout; for Fashion-MNIST "
+                        "the folder of its four IDX files (default: the dataset-fashion-mnist "
+                        "package's /usr/share/datasets/fashion-mnist)")
     g.add_argument("--dataset", choices=DATASETS, default=None,
                    help="default: tinyimagenet when a data dir is given, else synthetic "
                         "(built-in, learnable, no download)")
     g.add_argument("--model", default=None,
                    help="resnet50, cnn (CIFAR-10 CNN), mnist_net, or any torchvision "
                         "classification model name; default follows the dataset "
-                        "(tinyimagenet/synthetic: resnet50, cifar10: cnn, mnist: mnist_net)")
+                        "(tinyimagenet/synthetic: resnet50, cifar10: cnn, mnist and "
+                        "fashion-mnist: mnist_net). On Fashion-MNIST a 3-channel model gets "
+                        "the grey channel repeated three times")
     g.add_argument("--data-cache", nargs="?", const="auto", default=None, metavar="DIR",
                    help="TinyImageNet only: decode each split once into a memory-mapped uint8 "
                         "array in DIR (no DIR: a folder beside the data dir, or ~/.cache when "
@@ -438,7 +442,8 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
     if args.profile is not None and args.check:
         raise UsageError("--check is a preflight that trains nothing, so there is nothing for "
                          "--profile to trace: drop one of them")
-    fixed = {"tinyimagenet": (3, 64, 64), "cifar10": (3, 32, 32), "mnist": (1, 28, 28)}
+    fixed = {"tinyimagenet": (3, 64, 64), "cifar10": (3, 32, 32), "mnist": (1, 28, 28),
+             "fashion-mnist": (grey_channels(args.model), 28, 28)}
     shape = (data_known and fixed.get(args.dataset)) or synthetic_shape(args.model)[0]
     try:
         check_model(args.model, shape)  # before any download or data scan

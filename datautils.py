@@ -1,5 +1,6 @@
 """The data, the same for every strategy: TinyImageNet (its folder layout, or the decoded
-uint8 cache of prepare_tinyimagenet.py), CIFAR-10, MNIST and built-in synthetic data; the
+uint8 cache of prepare_tinyimagenet.py), CIFAR-10, MNIST, Fashion-MNIST (from its four IDX
+files, e.g. Debian's dataset-fashion-mnist package) and built-in synthetic data; the
 loaders that feed the training loop; and the copy of each batch to the device.
 
 ``build_data(args, is_main)`` returns the datasets (a DataBundle), ``make_loader`` the loader
@@ -9,6 +10,7 @@ on the device.
 
 from __future__ import annotations
 
+import gzip
 import math
 import sys
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from torch.utils.data import Dataset
 import prepare_tinyimagenet
 from common import dist_env, on_rank0, print0
 from faults import DataError, UsageError, ignore_stop_signals
-from models import synthetic_shape
+from models import grey_channels, synthetic_shape
 
 # --------------------------------------------------------------------------------------------
 # Datasets
@@ -35,6 +37,7 @@ NORMALIZE = {  # channel mean and std of each dataset's training split
     "tinyimagenet": ((0.4802, 0.4481, 0.3975), (0.2770, 0.2691, 0.2821)),
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "mnist": ((0.1307,), (0.3081,)),
+    "fashion-mnist": ((0.2860,), (0.3530,)),
 }
 
 
@@ -167,6 +170,92 @@ def _torchvision_data(args, is_main: bool) -> DataBundle:
                       f"{args.dataset} at {root}: {len(train)} train / {len(val)} val, 10 classes")
 
 
+# Debian's and Ubuntu's dataset-fashion-mnist package puts the four files here
+FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+                       "val": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+
+
+def read_idx(path: Path, ndim: int) -> torch.Tensor:
+    """One IDX file (the MNIST format, gzipped or not) as a uint8 tensor: images N x 28 x 28
+    (ndim 3) or labels N (ndim 1). The header is two zero bytes, the type (8: unsigned byte),
+    the number of dimensions, then each dimension as a big-endian 32-bit integer."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+        header = np.frombuffer(raw[:4], dtype=np.uint8)
+        if len(raw) < 4 or header[0] or header[1] or header[2] != 8 or header[3] != ndim:
+            raise ValueError("not an IDX file of unsigned bytes")
+        shape = tuple(int(d) for d in np.frombuffer(raw[4:4 + 4 * ndim], dtype=">u4"))
+        data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+        if len(shape) != ndim or data.size != math.prod(shape):
+            raise ValueError(f"{data.size} bytes of data for the header's shape {shape}")
+    except (OSError, EOFError, ValueError) as exc:  # gzip's BadGzipFile is an OSError
+        raise UsageError(f"{path} is damaged ({exc.__class__.__name__}: {str(exc)[:100]}): "
+                        f"reinstall it (sudo apt-get install --reinstall dataset-fashion-mnist) "
+                        f"or replace it with the original file") from None
+    return torch.from_numpy(data.reshape(shape).copy())
+
+
+def find_fashion_mnist(root: Path) -> Path:
+    """The folder that holds Fashion-MNIST's four IDX files (each gzipped or not): ``root``
+    itself, or torchvision's layout below it (``root/FashionMNIST/raw``)."""
+    names = [n for pair in FASHION_MNIST_FILES.values() for n in pair]
+    for folder in (root, root / "FashionMNIST" / "raw"):
+        if all((folder / n).is_file() or (folder / f"{n}.gz").is_file() for n in names):
+            return folder
+    how = ("install them with 'sudo apt-get install dataset-fashion-mnist' (they land in "
+           f"{FASHION_MNIST_DIR}, read without --data-dir)" if root == FASHION_MNIST_DIR else
+           f"put them in {root} (or drop --data-dir to read {FASHION_MNIST_DIR}, where 'sudo "
+           f"apt-get install dataset-fashion-mnist' puts them)")
+    raise UsageError(f"Fashion-MNIST's four files ({', '.join(n + '.gz' for n in names)}) are "
+                     f"not in {root} nor in {root / 'FashionMNIST' / 'raw'}: {how}")
+
+
+class GreyImages(Dataset):
+    """A split of grey images held in memory as uint8 (Fashion-MNIST: 60,000 x 28 x 28 is
+    47 MB), normalised per sample. ``channels`` 3 repeats the grey channel for models made
+    for colour images. No augmentation: the published Fashion-MNIST results we compare with
+    mostly use none."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean: float, std: float,
+                 channels: int):
+        self.images, self.labels = images, labels.long()
+        self.targets = self.labels.tolist()
+        self.mean, self.std, self.channels = mean, std, channels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        x = (self.images[index].float().div_(255) - self.mean) / self.std
+        return x.unsqueeze(0).expand(self.channels, -1, -1), self.labels[index]
+
+
+def _fashion_mnist(args) -> DataBundle:
+    """Fashion-MNIST from its four IDX files, read where they are: nothing is downloaded or
+    written, so the package's read-only folder works as it is."""
+    folder = find_fashion_mnist(Path(args.data_dir) if args.data_dir else FASHION_MNIST_DIR)
+    (mean,), (std,) = NORMALIZE["fashion-mnist"]
+    channels = grey_channels(args.model)
+    splits = {}
+    for split, (images_name, labels_name) in FASHION_MNIST_FILES.items():
+        paths = [folder / n if (folder / n).is_file() else folder / f"{n}.gz"
+                 for n in (images_name, labels_name)]
+        images, labels = read_idx(paths[0], ndim=3), read_idx(paths[1], ndim=1)
+        if len(images) != len(labels):
+            raise UsageError(f"{paths[0]} holds {len(images)} images and {paths[1]} "
+                            f"{len(labels)} labels: one of them is from another release; "
+                            f"reinstall the four files")
+        splits[split] = GreyImages(images, labels, mean, std, channels)
+    train, val = splits["train"], splits["val"]
+    grey = "" if channels == 1 else ", the grey channel repeated 3 times for the model"
+    return DataBundle(train, val, 10, (channels, 28, 28), "fashion-mnist",
+                      f"Fashion-MNIST at {folder}: {len(train)} train / {len(val)} test, 10 "
+                      f"classes{grey}")
+
+
 class CachedSplit(Dataset):
     """A split decoded once into a memory-mapped uint8 array (N x 64 x 64 x 3) plus labels.
 
@@ -280,6 +369,8 @@ def build_data(args, is_main: bool) -> DataBundle:
                           (3, 64, 64), "tinyimagenet",
                           f"TinyImageNet at {args.data_dir}: {len(train)} train / {len(val)} "
                           f"val, {len(classes)} classes")
+    if args.dataset == "fashion-mnist":
+        return _fashion_mnist(args)
     return _torchvision_data(args, is_main)
 
 

@@ -63,16 +63,23 @@ def synthetic_shape(model_name: str) -> tuple:
     return (3, 64, 64), 200
 
 
+def grey_channels(model_name: str) -> int:
+    """How many channels a grey dataset (Fashion-MNIST) hands this model: one for mnist_net,
+    which was made for grey images; three for every other model, the grey channel repeated, so
+    a torchvision classifier such as resnet18 trains on it unchanged."""
+    return 1 if model_name == "mnist_net" else 3
+
+
 def check_model(name: str, shape: tuple) -> None:
     """Reject a model that cannot take the dataset's images, naming a model that can."""
     shown = "x".join(map(str, shape))
     if name == "cnn" and tuple(shape) != (3, 32, 32):
         raise UsageError(f"--model cnn takes 3x32x32 images (cifar10 or synthetic), not "
                          f"{shown}: choose --model "
-                         f"{'mnist_net' if tuple(shape) == (1, 28, 28) else 'resnet50'}")
+                         f"{'mnist_net' if tuple(shape[1:]) == (28, 28) else 'resnet50'}")
     if name == "mnist_net" and tuple(shape) != (1, 28, 28):
-        raise UsageError(f"--model mnist_net takes 1x28x28 images (mnist or synthetic), not "
-                         f"{shown}: choose another --model")
+        raise UsageError(f"--model mnist_net takes 1x28x28 images (mnist, fashion-mnist or "
+                         f"synthetic), not {shown}: choose another --model")
     if name in ("cnn", "mnist_net"):
         return
     from torchvision import models
