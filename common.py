@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import contract
-from faults import (NonFiniteLoss, UsageError, catch_stop_signals, collective_failed,
+from faults import (NonFiniteLoss, UsageError, catch_stop_signals, collective_failed, crashed,
                     exit_line, fail_cleanly, is_collective_failure, start_watchdog)
 from models import check_model, grey_channels, synthetic_shape
 
@@ -208,7 +208,7 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
     only the lesson: parse the flags; find the rank layout (torchrun, srun or one process);
     catch the stop signals from the start; start the watchdog; map what went wrong to an exit
     code (2: a problem the user can fix, contract.NONFINITE_EXIT: NaN loss, 1: a collective
-    failed, 130: Ctrl-C; anything else is raised on, with its traceback); and, once every
+    failed or any other error, after its traceback, 130: Ctrl-C); and, once every
     rank has finished, the last barrier and the process group's teardown. Returns the exit
     code for end_process."""
     global _rank
@@ -233,10 +233,10 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         if env is None or env.rank == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
         return exit_line(contract.NONFINITE_EXIT, env)
-    except RuntimeError as err:  # a peer died or a collective timed out: never hang
-        if not is_collective_failure(err):
-            raise
-        return collective_failed(err, env)
+    except Exception as err:  # noqa: BLE001 (a bug too must end the process, never hang)
+        if is_collective_failure(err):  # a peer died or a collective timed out
+            return collective_failed(err, env)
+        return exit_line(crashed(err, env), env)
     except KeyboardInterrupt:  # Ctrl-C: one line, and end_process releases the checkpoint lock
         if env is None or env.rank == 0:
             print("error: interrupted (Ctrl-C); nothing was saved since the last checkpoint. "

@@ -58,7 +58,8 @@ class ImageList(Dataset):
     An unreadable image (corrupt, truncated, zero bytes) becomes None, which
     ``collate_skip_unreadable`` drops from its batch, with a warning naming the file; with
     ``strict`` it raises a UsageError naming the file instead. Either way the DataLoader
-    worker does not crash.
+    worker does not crash. An image that is not 64x64 is resized, with a warning naming it
+    (``strict``: an error), as the cache of prepare_tinyimagenet.py does.
     """
 
     def __init__(self, samples, transform, strict: bool = False):
@@ -66,16 +67,15 @@ class ImageList(Dataset):
         self.targets = [label for _, label in samples]
         self.transform = transform
         self.strict = strict
+        self.warned = set()  # images of the wrong size already named (per loader worker)
 
     def __len__(self):
         return len(self.samples)
 
     def __getitem__(self, index):
-        from PIL import Image
         path, label = self.samples[index]
         try:
-            with Image.open(path) as img:  # some TinyImageNet images are greyscale
-                img = img.convert("RGB")
+            img, resized_from = prepare_tinyimagenet.load_rgb(path)
         except (OSError, ValueError, SyntaxError) as exc:  # PIL's errors for broken files
             reason = f"{exc.__class__.__name__}: {str(exc)[:100]}"
             if self.strict:
@@ -84,6 +84,16 @@ class ImageList(Dataset):
             print(f"warning: skipping unreadable image {path} ({reason})", file=sys.stderr,
                   flush=True)
             return None
+        if resized_from:  # as the cache does: resized with a warning, or --strict stops
+            size = prepare_tinyimagenet.SIZE
+            text = prepare_tinyimagenet.wrong_size(path, resized_from)
+            if self.strict:
+                raise DataError(f"{text}: resize or delete it, or drop --strict to have it "
+                                f"resized to {size}x{size}")
+            if path not in self.warned:  # once per file, not every epoch
+                self.warned.add(path)
+                print(f"warning: {text}: resized to {size}x{size} (--strict stops at such "
+                      f"files)", file=sys.stderr, flush=True)
         return self.transform(img), label
 
 

@@ -112,6 +112,29 @@ def collective_failed(err: Exception, rank_env) -> int:
     return 1
 
 
+def crashed(err: Exception, rank_env) -> int:
+    """Any other error: say so in one sentence and return 1, so that the caller's end_process
+    stops this rank's DataLoader workers and exits. Raised on instead, the error would reach
+    the interpreter's exit, where multiprocessing sends the workers a SIGTERM they ignore
+    (they must outlive a stop signal) and then waits for them forever. A dead loader worker is
+    named as such; for anything else the traceback comes first, because it is a bug."""
+    rank = rank_env.rank if rank_env else 0
+    text = str(err).strip()
+    first = text.splitlines()[0][:300] if text else ""
+    if "DataLoader worker" in text and ("killed by signal" in text or "exited unexpectedly"
+                                        in text):
+        print(f"error: rank {rank}: a DataLoader worker of this rank died ({first}); a "
+              f"worker killed by signal 9 (Killed) is most often the kernel's out-of-memory "
+              f"killer: lower --num-workers or --batch-size, or ask for more memory",
+              file=sys.stderr, flush=True)
+        return 1
+    import traceback
+    traceback.print_exception(err)
+    print(f"error: rank {rank}: the run stopped on an unexpected {err.__class__.__name__} "
+          f"({first}): the traceback above shows where", file=sys.stderr, flush=True)
+    return 1
+
+
 # --------------------------------------------------------------------------------------------
 # The checkpoint dir belongs to one run
 # --------------------------------------------------------------------------------------------
@@ -246,10 +269,31 @@ class StopSignals:
 def ignore_stop_signals(worker_id=None) -> None:
     """Slurm and torchrun send SIGTERM (and job.sh SIGUSR1) to every process of the job, the
     DataLoader workers too: those must live on while their rank saves its stop checkpoint.
-    Also a DataLoader worker_init_fn, because torch installs its own SIGTERM handler there."""
+    Also a DataLoader worker_init_fn, because torch installs its own SIGTERM handler there.
+    As a worker ignores SIGTERM, it asks the kernel for a SIGKILL when its parent dies, so it
+    never outlives a rank that was killed or crashed."""
     import signal
     for sig in (signal.SIGUSR1, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    if worker_id is not None:
+        die_with_parent()
+
+
+def die_with_parent() -> None:
+    """Linux's PR_SET_PDEATHSIG: this process gets SIGKILL when the thread that forked it
+    ends (the rank's main thread, which starts the DataLoader workers). Elsewhere a no-op:
+    the loader's own check of its parent ends the worker within seconds."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+    import signal
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request: nobody would send it
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _child_signals() -> None:

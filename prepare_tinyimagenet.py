@@ -12,7 +12,8 @@ the first training run with --data-cache build it on each node's local rank 0:
 It writes, per split, {split}_u8.npy (N x 64 x 64 x 3), {split}_labels.npy and
 {split}_meta.json; datautils.CachedSplit reads them. The meta file holds a checksum of the file
 list (names, labels, sizes): when the dataset changes the cache is rebuilt, otherwise reused.
-Unreadable images are left out and counted (--strict: stop and name the first).
+Unreadable images are left out and counted, an image of another size than 64x64 is resized
+with a warning naming it (--strict: stop and name the first of either).
 """
 
 from __future__ import annotations
@@ -186,12 +187,32 @@ def cache_is_valid(directory: Path, split: str, checksum: str, count: int) -> bo
             and labels.shape == (meta.get("count"),))
 
 
-def _decode_rgb(path):
+SIZE = 64  # every TinyImageNet image is 64x64 pixels
+
+
+def load_rgb(path):
+    """An image as RGB at TinyImageNet's 64x64, and its own (width, height) when it had
+    another size and was resized (None when it had the right one). The folder path
+    (datautils.ImageList) and the cache share it, so both treat an odd image the same way.
+    Raises PIL's errors for a file that cannot be read."""
     from PIL import Image
+    with Image.open(path) as img:  # some TinyImageNet images are greyscale
+        rgb = img.convert("RGB")
+    if rgb.size == (SIZE, SIZE):
+        return rgb, None
+    return rgb.resize((SIZE, SIZE)), rgb.size
+
+
+def wrong_size(path, size) -> str:
+    """The start of the sentence about an image that is not 64x64."""
+    return f"{path} is {size[0]}x{size[1]} pixels, not TinyImageNet's {SIZE}x{SIZE}"
+
+
+def _decode_rgb(path):
+    """(pixels, original size or None), or the reason the file cannot be read."""
     try:
-        with Image.open(path) as img:
-            return np.asarray(img.convert("RGB").resize((64, 64)) if img.size != (64, 64)
-                              else img.convert("RGB"), dtype=np.uint8)
+        rgb, resized_from = load_rgb(path)
+        return np.asarray(rgb, dtype=np.uint8), resized_from
     except (OSError, ValueError, SyntaxError) as exc:
         return f"{exc.__class__.__name__}: {str(exc)[:100]}"
 
@@ -223,7 +244,14 @@ def build_split(directory: Path, split: str, samples, checksum: str, strict: boo
                                      f"or drop --strict to skip such files")
                 bad.append(path)
             else:
-                images[len(labels)] = img
+                pixels, resized_from = img
+                if resized_from and strict:
+                    raise UsageError(f"{wrong_size(path, resized_from)}: resize or delete it, "
+                                     f"or drop --strict to have it resized to {SIZE}x{SIZE}")
+                if resized_from:
+                    log(f"warning: {wrong_size(path, resized_from)}: resized to {SIZE}x{SIZE} "
+                        f"(--strict stops at such files)")
+                images[len(labels)] = pixels
                 labels.append(label)
             if time.perf_counter() - last >= 10:
                 last = time.perf_counter()

@@ -103,6 +103,18 @@ def usr1_at_an_epochs_last_step(out: Path) -> None:
     checkpoint.Checkpoints.after_step = after_step
 
 
+def bug_at_step_3(out: Path) -> None:
+    """A bug: the main process raises a plain ValueError at the fourth training step, while
+    its DataLoader workers are alive."""
+    real = checkpoint.track_finite
+
+    def track_finite(loss, step, bad_steps, first_bad):
+        if step == 3:
+            raise ValueError("a bug planted by the test")
+        real(loss, step, bad_steps, first_bad)
+    checkpoint.track_finite = track_finite
+
+
 if __name__ == "__main__":
     patch, out, script, *args = sys.argv[1:]
     globals()[patch](Path(out))

@@ -209,3 +209,38 @@ def test_prepare_tinyimagenet_builds_the_cache_the_training_reuses(tiny_imagenet
                               *map(str, args)], capture_output=True, text=True,
                              env=env_for_tests(), timeout=120)
         assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _odd_sized_copy(src, dst):
+    """The TinyImageNet tree with its first validation image replaced by a 100x80 one."""
+    from PIL import Image
+    shutil.copytree(src, dst)
+    name = (dst / "val" / "val_annotations.txt").read_text().split()[0]
+    odd = dst / "val" / "images" / name
+    Image.new("RGB", (100, 80), (200, 30, 30)).save(odd, format="JPEG")
+    return odd
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_an_image_of_the_wrong_size_is_resized_and_named_on_both_paths(tiny_imagenet,
+                                                                      tmp_path, cache):
+    """Without the cache such an image broke the batch ('stack expects each tensor to be equal
+    size') and the run hung with live loader workers; the cache resized it silently."""
+    root, _ = tiny_imagenet
+    odd = _odd_sized_copy(root, tmp_path / "tin")
+    args = ["--data-dir", str(tmp_path / "tin"), "--model", "squeezenet1_1", "--epochs", "1",
+            "--batch-size", "8", "--num-workers", "2", "--max-steps-per-epoch", "2",
+            "--amp", "off"]
+    if cache:
+        args += ["--data-cache", str(tmp_path / "cache")]
+    proc = run_script("ddp_train.py", args, timeout=300)
+    check_ok(proc)
+    warning = f"warning: {odd} is 100x80 pixels, not TinyImageNet's 64x64: resized to 64x64"
+    assert warning in proc.stdout + proc.stderr
+    assert int(metrics(proc.stdout)[-1]["val_images"]) == 40  # counted, not dropped
+    if cache:  # a fresh cache: the one above was built, and is reused, as it is
+        args[-1] = str(tmp_path / "strict-cache")
+    strict = run_script("ddp_train.py", [*args, "--strict"], timeout=300)
+    assert strict.returncode == 2 and "Traceback" not in strict.stderr, strict.stderr
+    assert f"{odd} is 100x80 pixels, not TinyImageNet's 64x64: resize or delete it" \
+        in strict.stderr

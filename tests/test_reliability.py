@@ -375,3 +375,63 @@ def test_collective_failures_are_told_from_other_errors():
     assert not faults.is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be "
                                                          "multiplied (4x3 and 5x6)"))
     assert not faults.is_collective_failure(ValueError("gloo"))
+
+
+# ---- An error with live DataLoader workers ends the process, never hangs --------------------
+
+
+def _session_processes(session: int) -> list:
+    """The processes still alive in the session a test started (start_new_session)."""
+    alive = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getsid(p.pid) == session and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+            pass
+    return alive
+
+
+def test_a_bug_with_live_loader_workers_ends_the_process_and_its_workers(tmp_path):
+    """Raised on from run(), the error reached the interpreter's exit, where multiprocessing
+    sent the loader workers a SIGTERM they ignore and waited for them forever."""
+    args = [*RUN[:RUN.index("--num-workers")], "--num-workers", "2",
+            *RUN[RUN.index("--num-workers") + 2:]]
+    proc = _start([sys.executable, str(REPO / "tests" / "patched_run.py"), "bug_at_step_3",
+                   str(tmp_path), "ddp_train.py", *args])
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        _cleanup(proc.pid)
+        pytest.fail("the process hung after the error")
+    assert proc.returncode == 1, out
+    assert "Traceback" in out and "ValueError: a bug planted by the test" in out
+    assert ("error: rank 0: the run stopped on an unexpected ValueError (a bug planted by "
+            "the test): the traceback above shows where") in out
+    assert wait_for(lambda: not _session_processes(proc.pid), 10), "loader workers outlived it"
+
+
+def test_a_killed_loader_worker_ends_the_job_in_seconds(tmp_path):
+    """kill -9 of one DataLoader worker (the out-of-memory killer's way): its rank says so
+    and exits, the other rank's collective fails, torchrun ends; before, the rank hung."""
+    args = [*LONG[:LONG.index("--num-workers")], "--num-workers", "1",
+            *LONG[LONG.index("--num-workers") + 2:], "--dist-timeout", "60"]
+    proc = _start(_torchrun("ddp_train.py", args))
+    try:
+        read_until(proc, "Epoch [1/")
+        rank1 = next(w for w in _workers(proc) if w.environ().get("RANK") == "1")
+        def loaders():  # the forked loader workers, not the watchdog (python -c)
+            return [c for c in rank1.children() if "-c" not in c.cmdline()]
+        assert wait_for(loaders, 30), "rank 1 has no loader worker"
+        loaders = loaders()
+        t0 = time.monotonic()
+        loaders[0].kill()
+        out, _ = proc.communicate(timeout=90)
+        elapsed = time.monotonic() - t0
+    except subprocess.TimeoutExpired:
+        pytest.fail("the job hung after a loader worker was killed")
+    finally:
+        _cleanup(proc.pid)
+    assert proc.returncode != 0 and elapsed < 60, (elapsed, out[-3000:])
+    assert "error: rank 1: a DataLoader worker of this rank died" in out, out[-3000:]
+    assert "Traceback" not in out.split("a DataLoader worker of this rank died")[0][-2000:]
