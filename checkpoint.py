@@ -367,6 +367,17 @@ def track_finite(loss, step: int, bad_steps, first_bad) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def place_schedule(optimizer, scheduler, peak: list, position: int) -> None:
+    """Set the per-step LambdaLR schedule to optimizer step ``position`` (0-based, counted
+    in this run's steps per epoch), with this run's peak learning rate: the learning rate an
+    uninterrupted run with this layout would use there."""
+    scheduler.base_lrs = list(peak)
+    scheduler.last_epoch = position
+    for group, base, factor in zip(optimizer.param_groups, peak, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(position)
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -387,13 +398,24 @@ class Checkpoints:
         self.args, self.state, self._save, self._load = args, state, save, load
         self.dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
         self.metrics = {}  # the last finished epoch's (from the checkpoint, after a resume)
+        self.steps = 0  # this run's steps per epoch, set by resume()
         self.stop = StopRequest()  # collective: every rank builds it
         self.bad_steps = torch.zeros((), device=device, dtype=torch.int64)  # NaN/inf losses,
         self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)  # on the device
 
-    def resume(self) -> tuple:
-        """(epoch, step) to start from, on every rank: (0, 0) for a fresh start."""
+    def resume(self, steps: int) -> tuple:
+        """(epoch, step) to start from, on every rank: (0, 0) for a fresh start. ``steps``:
+        this run's steps per epoch, which may differ from the saved run's (another world
+        size, dp_train.py resuming a DDP checkpoint): the step and the learning rate are
+        placed at the same point of training, the same epoch and fraction of it."""
+        self.steps = steps
+        optimizer, scheduler = self.state["optimizer"], self.state["scheduler"]
         claim_checkpoint_dir(self.dir, fresh=self.args.resume == "never")  # lock it, tidy it
+        # This run's hyperparameters (its flags, its peak learning rate): loading the
+        # optimizer's and the scheduler's state would bring back the saved run's.
+        fresh = [{k: v for k, v in group.items() if k != "params"}
+                 for group in optimizer.param_groups]
+        peak = list(scheduler.base_lrs)
         meta = load_newest(resume_candidates(self.args),
                            lambda path: dict(self._load(path, self.state), path=path))
         if not meta:
@@ -401,13 +423,20 @@ class Checkpoints:
         if _rank() < len(meta["rng"]):  # a rank the saved run did not have keeps its own seed
             set_rng_state(meta["rng"][_rank()])
         self.metrics = meta["metrics"]
-        print0(f"Resumed from epoch {meta['epoch'] + 1}, step {meta['step']} ({meta['path']})")
+        saved_steps = meta.get("steps", steps)  # (checkpoints before it was saved: the same)
+        step = round(meta["step"] * steps / saved_steps)
+        for group, values in zip(optimizer.param_groups, fresh):
+            group.update(values)
+        place_schedule(optimizer, scheduler, peak, meta["epoch"] * steps + step)
+        print0(f"Resumed from epoch {meta['epoch'] + 1}, step {meta['step']} ({meta['path']})"
+               + (f"; at this run's {steps} steps per epoch (the checkpoint's: {saved_steps}), "
+                  f"step {step}" if saved_steps != steps else ""))
         saved_amp, amp = meta["args"].get("amp", self.args.amp), self.args.amp
         if saved_amp != amp:  # e.g. requeued from an A100 (default bf16) onto a V100 (fp16)
             print0(f"warning: the checkpoint was trained with --amp {saved_amp}; this run goes on "
                    f"with --amp {amp} (another GPU type?)" + (
                        ", its loss scale starting afresh" if amp == "fp16" else ""))
-        return meta["epoch"], meta["step"]
+        return meta["epoch"], step
 
     def after_step(self, loss, epoch: int, done: int, steps: int) -> bool:
         """Every rank, after step ``done`` (1-based) of ``steps``: True when the run must end
@@ -452,7 +481,7 @@ class Checkpoints:
         if dist.is_available() and dist.is_initialized():
             rngs = [None] * dist.get_world_size()
             dist.all_gather_object(rngs, rng_state())
-        meta = dict(epoch=epoch, step=step, metrics=self.metrics, rng=rngs,
+        meta = dict(epoch=epoch, step=step, steps=self.steps, metrics=self.metrics, rng=rngs,
                     args=vars(self.args), world_size=len(rngs))
         self._save(self.dir / checkpoint_name(epoch, step), self.state, meta)
         if _rank() == 0:

@@ -168,7 +168,7 @@ def train(args, env: common.DistEnv) -> int:
 
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint, device)
-    start_epoch, start_step = ckpt.resume()
+    start_epoch, start_step = ckpt.resume(steps)
 
     devices = [torch.device("cuda", i) for i in gpu_ids] or [device]  # GPU 0 holds the most
     meter = measure.StepMeter(args, steps, global_batch, device)  # progress, --profile

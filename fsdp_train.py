@@ -235,7 +235,7 @@ def train(args, env: common.DistEnv) -> int:
 
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint, device)
-    start_epoch, start_step = ckpt.resume()
+    start_epoch, start_step = ckpt.resume(steps)
 
     devices = [device]  # the device(s) this process drives: for the clock and peak memory
     meter = measure.StepMeter(args, steps, global_batch, device)  # progress, --profile

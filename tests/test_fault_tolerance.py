@@ -16,7 +16,8 @@ import torch
 import checkpoint
 import contract
 import faults
-from conftest import REPO, check_ok, env_for_tests, metrics, read_until, run_script, wait_for
+from conftest import (REPO, check_ok, env_for_tests, epoch_lines, metrics, read_until, run_script,
+                      wait_for)
 
 # 20 steps per epoch at 1 x 16 (10 per rank at 2 x 16... per rank 160 samples / 16 = 10)
 RUN = ["--model", "cnn", "--synthetic-size", "320", "--batch-size", "16", "--epochs", "2",
@@ -401,3 +402,41 @@ def test_resume_at_a_larger_world_size_keeps_the_new_ranks_own_seed(monkeypatch,
     ckpt = checkpoint.Checkpoints(args, {}, None, None, torch.device("cpu"))
     assert ckpt.resume() == (1, 0)
     assert torch.equal(torch.get_rng_state(), saved["torch"] if rank == 0 else own)
+
+
+def _epoch_lrs(stdout: str) -> dict:
+    """{epoch number: the LR its epoch line printed}."""
+    return {int(e): float(lr) for e, _, lr, *_ in epoch_lines(stdout)}
+
+
+def test_resume_at_another_world_size_keeps_the_learning_rate_schedule(tmp_path):
+    """The schedule counts steps; a checkpoint's step count used to be read against the new
+    run's steps per epoch: 2 ranks x 3 epochs (10 steps each), then 1 process (20 steps)
+    printed epoch 5 at 0.002 where an uninterrupted run decays to 0.0002 (--step-size 2)."""
+    ck = tmp_path / "ck"
+    check_ok(run_script("ddp_train.py", RUN + ["--epochs", "3", "--checkpoint-dir", str(ck)],
+                        nproc=2))
+    resumed = run_script("ddp_train.py", RUN + ["--epochs", "5", "--checkpoint-dir", str(ck)])
+    check_ok(resumed)
+    assert _epoch_lrs(resumed.stdout) == {4: 0.002, 5: 0.0002}
+    # dp_train.py resuming the same DDP checkpoint, 20 steps per epoch too
+    more = run_script("dp_train.py", RUN + ["--epochs", "6", "--checkpoint-dir", str(ck)])
+    check_ok(more)
+    assert _epoch_lrs(more.stdout) == {6: 0.0002}
+
+
+def test_a_mid_epoch_resume_at_another_world_size_lands_at_the_same_fraction(tmp_path):
+    """Saved at step 5 of 10 (2 ranks), resumed by 1 process at step 10 of its 20, during a
+    one-epoch warm-up: the learning rate there is 0.02 x 11/20, as in an uninterrupted
+    1-process run, and the other half of the epoch's samples is what remains."""
+    ck = tmp_path / "ck"
+    warm = RUN + ["--warmup-epochs", "1"]
+    check_ok(run_script("ddp_train.py", warm + ["--epochs", "1", "--checkpoint-dir", str(ck),
+                                                "--checkpoint-every", "5"], nproc=2))
+    mid = ck / checkpoint.checkpoint_name(0, 5)
+    assert mid.exists()
+    resumed = run_script("ddp_train.py", warm + ["--epochs", "1", "--resume", str(mid)])
+    check_ok(resumed)
+    assert "at this run's 20 steps per epoch (the checkpoint's: 10), step 10" in resumed.stdout
+    assert _epoch_lrs(resumed.stdout) == {1: pytest.approx(0.02 * 11 / 20, abs=1e-6)}
+    assert int(metrics(resumed.stdout)[-1]["train_images"]) == 160  # the 10 steps left x 16
