@@ -131,7 +131,7 @@ def _train(script, nproc=None, batch=64):
     proc = run_script(script, [*TRAIN, "--batch-size", str(batch)], nproc=nproc, timeout=600)
     check_ok(proc)
     final = metrics(proc.stdout)[-1]
-    assert final["dataset"] == "fashion-mnist" and final["global_batch"] == 128
+    assert final["dataset"] == "fashion-mnist" and int(final["global_batch"]) == 128
     return final, time.monotonic() - started
 
 
@@ -143,9 +143,9 @@ def ddp_two_processes():
 def test_ddp_two_processes_reach_the_published_accuracy(ddp_two_processes):
     """The published table: two convolutions and pooling reach 87.6-91.6% test accuracy."""
     final, seconds = ddp_two_processes
-    print(f"ddp, 2 processes, 2 epochs: {final['val_acc']:.2f}% in {seconds:.0f} s")
-    assert final["val_acc"] >= 87.0
-    assert final["train_images"] == 468 * 128  # a whole epoch: 60,000 in steps of 128
+    print(f"ddp, 2 processes, 2 epochs: {final['val_acc']}% in {seconds:.0f} s")
+    assert float(final["val_acc"]) >= 87.0
+    assert int(final["train_images"]) == 468 * 128  # a whole epoch: 60,000 in steps of 128
 
 
 @pytest.mark.parametrize("script, nproc, batch", [("ddp_train.py", 1, 128),
@@ -157,7 +157,7 @@ def test_every_strategy_and_world_size_reaches_the_same_accuracy(ddp_two_process
     batch size". The same global batch of 128 and the same 936 steps, within 1 point."""
     reference, _ = ddp_two_processes
     final, seconds = _train(script, nproc=nproc, batch=batch)
-    print(f"{script} nproc={nproc}: {final['val_acc']:.2f}% in {seconds:.0f} s "
-          f"(ddp at 2: {reference['val_acc']:.2f}%)")
+    print(f"{script} nproc={nproc}: {final['val_acc']}% in {seconds:.0f} s "
+          f"(ddp at 2: {reference['val_acc']}%)")
     assert final["train_images"] == reference["train_images"]
-    assert abs(final["val_acc"] - reference["val_acc"]) <= 1.0
+    assert abs(float(final["val_acc"]) - float(reference["val_acc"])) <= 1.0
