@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 import prepare_tinyimagenet
-from common import dist_env, on_rank0, print0
+from common import dist_env, on_rank0, print0, seed_for_rank
 from faults import DataError, UsageError, ignore_stop_signals
 from models import grey_channels, synthetic_shape
 
@@ -51,6 +51,12 @@ class DataBundle:
     description: str
     device_augment: "DeviceAugment | None" = None  # cache path: uint8 batches finished on device
 
+    def set_epoch(self, epoch: int) -> None:
+        """Every epoch, beside the sampler's: the folder path's crops and flips are drawn
+        from (seed, epoch, sample), so they change every epoch."""
+        if isinstance(self.train, ImageList):
+            self.train.set_epoch(epoch)
+
 
 class ImageList(Dataset):
     """(path, label) pairs read with PIL. Used for TinyImageNet train and val alike.
@@ -62,12 +68,22 @@ class ImageList(Dataset):
     (``strict``: an error), as the cache of prepare_tinyimagenet.py does.
     """
 
-    def __init__(self, samples, transform, strict: bool = False):
+    def __init__(self, samples, strict: bool = False, augment_seed=None):
+        from torchvision import transforms as T
         self.samples = samples
         self.targets = [label for _, label in samples]
-        self.transform = transform
+        self.to_tensor, self.normalize = T.ToTensor(), T.Normalize(*NORMALIZE["tinyimagenet"])
         self.strict = strict
         self.warned = set()  # images of the wrong size already named (per loader worker)
+        # Training: random crop (zero padding of 4) and flip, drawn from (seed, epoch, index),
+        # not from the loader worker's random state, which a checkpoint cannot hold: a run
+        # resumed mid-epoch then augments every sample as the uninterrupted run did. The
+        # epoch lives in shared memory, so the loader's forked workers see set_epoch.
+        self.augment_seed = augment_seed
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch.fill_(epoch)
 
     def __len__(self):
         return len(self.samples)
@@ -94,7 +110,35 @@ class ImageList(Dataset):
                 self.warned.add(path)
                 print(f"warning: {text}: resized to {size}x{size} (--strict stops at such "
                       f"files)", file=sys.stderr, flush=True)
-        return self.transform(img), label
+        x = self.to_tensor(img)
+        if self.augment_seed is not None:
+            dy, dx, flip = crop_and_flip(self.augment_seed, int(self.epoch), index)
+            pad = CROP_PADDING
+            x = F.pad(x.unsqueeze(0), (pad, pad, pad, pad)).squeeze(0)  # zeros, i.e. black:
+            # padded before normalising, as RandomCrop(padding=4) pads the PIL image
+            x = x[:, dy:dy + x.shape[1] - 2 * pad, dx:dx + x.shape[2] - 2 * pad]
+            if flip:
+                x = x.flip(-1)
+        return self.normalize(x), label
+
+
+CROP_PADDING = 4  # pixels of zeros around the image before a random 64x64 crop (both paths)
+
+
+def _mix32(x: int) -> int:
+    """A 32-bit integer hash: nearby inputs give unrelated outputs."""
+    x &= 0xFFFFFFFF
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & 0xFFFFFFFF
+    x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def crop_and_flip(seed: int, epoch: int, index: int) -> tuple:
+    """The folder path's augmentation of sample ``index`` in ``epoch``: (row offset, column
+    offset, flip), offsets in 0..2 x CROP_PADDING. A function of its arguments only."""
+    key = _mix32(_mix32(_mix32(seed) ^ epoch) ^ index)
+    span = 2 * CROP_PADDING + 1
+    return key % span, (key >> 8) % span, bool((key >> 16) & 1)
 
 
 def collate_skip_unreadable(batch):
@@ -353,7 +397,6 @@ def _cached_tinyimagenet(args, classes, train, val) -> DataBundle:
 def build_data(args, is_main: bool) -> DataBundle:
     """Train and val datasets for ``args.dataset``. Downloads (CIFAR-10, MNIST) run on rank 0
     first; call after the process group exists."""
-    from torchvision import transforms as T
     if args.dataset == "synthetic":
         shape, classes = synthetic_shape(args.model)
         n_val = max(1, args.synthetic_size // 4)
@@ -370,12 +413,8 @@ def build_data(args, is_main: bool) -> DataBundle:
         classes, train, val = prepare_tinyimagenet.scan_tinyimagenet(args.data_dir)
         if args.data_cache:
             return _cached_tinyimagenet(args, classes, train, val)
-        norm = T.Normalize(*NORMALIZE["tinyimagenet"])
-        train_tf = T.Compose([T.RandomCrop(64, padding=4), T.RandomHorizontalFlip(),
-                              T.ToTensor(), norm])
-        val_tf = T.Compose([T.ToTensor(), norm])
-        return DataBundle(ImageList(train, train_tf, args.strict),
-                          ImageList(val, val_tf, args.strict), len(classes),
+        return DataBundle(ImageList(train, args.strict, augment_seed=args.seed),
+                          ImageList(val, args.strict), len(classes),
                           (3, 64, 64), "tinyimagenet",
                           f"TinyImageNet at {args.data_dir}: {len(train)} train / {len(val)} "
                           f"val, {len(classes)} classes")
@@ -459,8 +498,12 @@ def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool
     from torch.utils.data import BatchSampler, DataLoader
     if args.data_on_device:
         return DeviceResident(dataset, sampler, batch_size, drop_last, device)
+    # The loader's own generator, for the seeds it draws for its workers at each epoch's
+    # start: from the global random state, those draws would shift it, and a run resumed
+    # mid-epoch (which starts its loader at once) would drop out and augment differently.
+    generator = torch.Generator().manual_seed(seed_for_rank(args.seed, dist_env().rank))
     kw = dict(num_workers=args.num_workers, pin_memory=device.type == "cuda",
-              worker_init_fn=ignore_stop_signals,
+              worker_init_fn=ignore_stop_signals, generator=generator,
               persistent_workers=args.num_workers > 0)
     if args.num_workers > 0:
         kw["prefetch_factor"] = 4

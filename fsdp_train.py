@@ -248,6 +248,7 @@ def train(args, env: common.DistEnv) -> int:
     start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
+        data.set_epoch(epoch)  # and new crops and flips (TinyImageNet's folder path)
         skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
         train_batches.skip = skip * batch
         epoch_lr = optimizer.param_groups[0]["lr"]  # at the first step this run takes in the epoch

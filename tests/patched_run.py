@@ -59,7 +59,7 @@ def record_worker_seed(out: Path) -> None:
 
     def getitem(self, index):
         mark = out / f"worker-rank{RANK}-pid{os.getpid()}.txt"
-        if self.transform is not None and not mark.exists():
+        if self.augment_seed is not None and not mark.exists():  # training images
             mark.write_text(str(torch.initial_seed()))
         return real(self, index)
     datautils.ImageList.__getitem__ = getitem

@@ -87,7 +87,7 @@ def test_unreadable_val_images_leave_count_and_sums_exact(damaged, world):
     data_dir, model = damaged
     val = datautils.build_data(_args(data_dir), True).val
     for n in (37, 40):  # 37 is padded at every world size above 1, 40 at 3
-        subset = datautils.ImageList(val.samples[:n], val.transform)
+        subset = datautils.ImageList(val.samples[:n])
         want = _truth(model, subset)
         assert want[2] == n - 5
         for batch in (5, 8):  # no batch made of unreadable images only
