@@ -138,15 +138,57 @@ def set_aside_checkpoints(directory) -> None:
 
 def atomic_save(obj, path) -> None:
     """torch.save to a temporary file, fsync, rename: a crash leaves the old file or the new
-    one, never half a file under the final name."""
+    one, never half a file under the final name. A full disk is a UsageError, with the
+    temporary file removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if disk_full(exc):
+            raise disk_full_error(path) from None
+        raise
     replace_checkpoint(tmp, path)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Did a write fail for want of space (a full file system, a quota)? torch.save reports
+    it as a RuntimeError ("file write failed"), DCP wraps it in its CheckpointException."""
+    import errno
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(words in str(exc) for words in ("No space left on device", "Disk quota exceeded",
+                                               "file write failed")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _size(path: Path) -> int:
+    """Bytes of a checkpoint file or DCP folder."""
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size
+
+
+def disk_full_error(path: Path) -> UsageError:
+    """The sentence for a save to ``path`` that found no space: how much is free, and how
+    much the save needs (the size of the newest complete checkpoint beside it, when there is
+    one)."""
+    folder = path.parent
+    free = shutil.disk_usage(folder).free / 2**20
+    newest = list_checkpoints(folder)
+    need = f", a checkpoint needs about {_size(newest[0]) / 2**20:.0f} MiB" if newest else ""
+    kept = f"; the last complete one, {newest[0].name}, is intact" if newest else ""
+    return UsageError(f"no space left on the file system of {folder} to write {path.name} "
+                      f"({free:.0f} MiB free{need}): free space there or choose another "
+                      f"folder, then resume{kept}")
 
 
 def check_writable(path) -> None:
@@ -483,7 +525,18 @@ class Checkpoints:
             dist.all_gather_object(rngs, rng_state())
         meta = dict(epoch=epoch, step=step, steps=self.steps, metrics=self.metrics, rng=rngs,
                     args=vars(self.args), world_size=len(rngs))
-        self._save(self.dir / checkpoint_name(epoch, step), self.state, meta)
+        error = None
+        try:
+            self._save(self.dir / checkpoint_name(epoch, step), self.state, meta)
+        except UsageError as exc:  # a full disk, which only the ranks that write see
+            error = str(exc)
+        if dist.is_available() and dist.is_initialized():
+            # every rank waits here until the checkpoint is complete, and learns whether it is
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = next((e for e in errors if e), None)
+        if error:
+            raise UsageError(error)
         if _rank() == 0:
             prune_checkpoints(self.dir, self.args.keep_checkpoints)
 

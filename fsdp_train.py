@@ -143,12 +143,22 @@ def save_checkpoint(path, state: dict, meta: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
     dist.barrier()
     model_sd, optim_sd = get_state_dict(state["model"], state["optimizer"])  # this rank's shards
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
-    if dist.get_rank() == 0:
-        small = {name: state[name].state_dict() for name in ("scheduler", "scaler")}
-        checkpoint.atomic_save(small | meta, tmp / "meta.pt")
-        checkpoint.replace_checkpoint(tmp, path)
-    dist.barrier()  # nobody moves on before the checkpoint is complete
+    try:
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
+        if dist.get_rank() == 0:
+            small = {name: state[name].state_dict() for name in ("scheduler", "scaler")}
+            checkpoint.atomic_save(small | meta, tmp / "meta.pt")
+            checkpoint.replace_checkpoint(tmp, path)
+    # BaseException: DCP's CheckpointException derives from it
+    except BaseException as exc:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # half a checkpoint
+        # a full disk, for DCP's shards (every rank sees it: DCP gathers the writers'
+        # errors) or for rank 0's meta.pt (atomic_save's UsageError)
+        if isinstance(exc, UsageError) or checkpoint.disk_full(exc):
+            raise checkpoint.disk_full_error(path) from None
+        raise
+    # Checkpoints.save then waits for every rank (and rank 0's rename) in its vote
 
 
 def load_checkpoint(path, state: dict) -> dict:

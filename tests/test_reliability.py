@@ -435,3 +435,60 @@ def test_a_killed_loader_worker_ends_the_job_in_seconds(tmp_path):
     assert proc.returncode != 0 and elapsed < 60, (elapsed, out[-3000:])
     assert "error: rank 1: a DataLoader worker of this rank died" in out, out[-3000:]
     assert "Traceback" not in out.split("a DataLoader worker of this rank died")[0][-2000:]
+
+
+# ---- A full disk mid-run -------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 48 MiB tmpfs: room for the preflight's estimate and a few checkpoints of the CNN."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {made.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.mark.parametrize("script", ["ddp_train.py", "fsdp_train.py"])
+def test_a_full_disk_mid_run_is_one_sentence_and_keeps_the_last_checkpoint(small_disk,
+                                                                           script):
+    """The disk fills up after the first checkpoint: every rank stops with one sentence
+    naming the folder, what is free and what a checkpoint needs (was: OSError and
+    inline_container tracebacks on rank 0, a collective failure on rank 1), no temporary file
+    or lock is left behind, and the last checkpoint still resumes."""
+    ck = small_disk / "ck"
+    args = LONG + ["--checkpoint-dir", str(ck), "--checkpoint-every", "4"]
+    proc = _start(_torchrun(script, args))
+    try:
+        assert wait_for(lambda: checkpoint.list_checkpoints(ck) or proc.poll() is not None,
+                        120)
+        first = checkpoint.list_checkpoints(ck)
+        assert first, "no checkpoint before the disk filled"
+        with open(small_disk / "filler", "wb") as f:  # fill the file system to the last byte
+            try:
+                while True:
+                    f.write(b"\0" * 2**20)
+                    f.flush()
+            except OSError:
+                pass
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        _cleanup(proc.pid)
+    assert proc.returncode == 1, out[-3000:]  # torchrun's 1 (and its own report) ...
+    assert f'{script}", line' not in out and "inline_container" not in out, out[-3000:]
+    assert contract.EXIT_LINE.format(code=2, rank=0) in out  # ... for the workers' 2
+    errors = [l for l in out.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1, errors
+    assert f"no space left on the file system of {ck} to write ckpt-" in errors[0]
+    assert "MiB free, a checkpoint needs about" in errors[0] and "is intact" in errors[0]
+    left = sorted(p.name for p in ck.iterdir())
+    assert not [n for n in left if n.startswith((".tmp", ".old", faults.LOCK_FILE))], left
+    (small_disk / "filler").unlink()
+    resumed = run_script(script, RUN + ["--epochs", "1", "--checkpoint-dir", str(ck)],
+                         timeout=300)
+    check_ok(resumed)
+    assert "Resumed from epoch 1, step " in resumed.stdout
