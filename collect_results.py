@@ -22,6 +22,7 @@ tables use the first status in this order, the newest run on a tie):
   partial   no final line and no EXIT_CODE in job.env: killed mid-run, or still running;
             the tables show the last completed epoch
   failed    a non-zero exit code, or the job ended without the final [METRIC] line
+  unreadable  its run directory or a file in it cannot be read (another user's, say)
   missing   planned in study.json, but no run directory (not submitted yet, or still queued)
   skipped   planned in study.json but not run (e.g. dp on more than one node)
 
@@ -62,7 +63,8 @@ except ModuleNotFoundError as missing:
           f"the repository too, or run the repository's copy", file=sys.stderr)
     sys.exit(2)
 from contract import BANDWIDTH_PREFIX, METRIC_PREFIX, PROFILE_PREFIX, REQUEUE_EXIT  # noqa: E402
-from scaling import FAILED, MISSING, OK, PARTIAL, REQUEUED, SKIPPED, STATUSES  # noqa: E402
+from scaling import (FAILED, MISSING, OK, PARTIAL, REQUEUED, SKIPPED, STATUSES,  # noqa: E402
+                     UNREADABLE)
 
 MANIFEST = "study.json"     # the study's plan, written by launch/run_benchmarks.py
 NO_GPU_LOG = "n/a (no GPU log)"
@@ -311,7 +313,26 @@ def read_manifest(study: Path) -> dict | None:
 
 
 def is_run_dir(path: Path) -> bool:
-    return (path / "job.env").is_file() or (path / "train.log").is_file()
+    """A folder with job.env or train.log; one that cannot be looked into counts too, so that
+    it is listed as unreadable rather than left out without a word."""
+    try:
+        return (path / "job.env").is_file() or (path / "train.log").is_file()
+    except PermissionError:
+        return True
+
+
+def unreadable_row(run_dir: Path, err: OSError, plan: dict) -> dict:
+    """The row of a run directory that cannot be read: listed, with why, and no numbers."""
+    name = next((n for n in plan if run_dir.name.startswith(n + "-")), "")
+    row = new_row(run_dir.name, plan.get(name), str(run_dir))
+    if name:
+        row.update(planned_config(plan[name]))
+    row["job_name"] = name
+    where = err.filename or run_dir
+    row["status"] = UNREADABLE
+    row["detail"] = (f"cannot read {where} ({err.strerror or err}): run as a user who may "
+                     f"read it, or make it readable (chmod -R a+rX {run_dir})")
+    return row
 
 
 def read_study(top: Path) -> list:
@@ -327,8 +348,11 @@ def read_study(top: Path) -> list:
     plan = {e["name"]: e for e in (manifest or {}).get("runs", [])}
     rows = []
     for d in dirs:
-        row = read_run_dir(d, plan)
-        row["status"], row["detail"] = run_status(row)
+        try:
+            row = read_run_dir(d, plan)
+            row["status"], row["detail"] = run_status(row)
+        except PermissionError as err:
+            row = unreadable_row(d, err, plan)
         rows.append(row)
     started = {row["job_name"] for row in rows}
     return rows + [planned_row(top, entry) for name, entry in plan.items()

@@ -12,9 +12,9 @@ from __future__ import annotations
 STRATEGIES = ("dp", "ddp", "fsdp")  # in table order; launch/run_benchmarks.py's --strategies
 
 # The status of a run (collect_results.py's docstring says what each means).
-OK, REQUEUED, PARTIAL, FAILED, MISSING, SKIPPED = (
-    "ok", "requeued", "partial", "failed", "missing", "skipped")
-STATUSES = (OK, REQUEUED, PARTIAL, FAILED, MISSING, SKIPPED)  # best first
+OK, REQUEUED, PARTIAL, FAILED, UNREADABLE, MISSING, SKIPPED = (
+    "ok", "requeued", "partial", "failed", "unreadable", "missing", "skipped")
+STATUSES = (OK, REQUEUED, PARTIAL, FAILED, UNREADABLE, MISSING, SKIPPED)  # best first
 HAS_METRICS = (OK, REQUEUED, PARTIAL)  # statuses whose numbers go into the tables
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -638,3 +639,50 @@ def test_strong_scaling_heading_and_a_workload_mismatch(tmp_path):
             "64/128/256/512/1024 (per GPU: 64)") in md
     assert ("**Warning:** the runs differ in global_batch (64, 128, 256, 512, 1024): their "
             "scaling factors compare different workloads.") in md
+
+
+_AS_NOBODY = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import collect_results
+collect_results.main([sys.argv[2], "--out", sys.argv[3]])  # as root first: every import done
+os.setgroups([]); os.setgid(65534); os.setuid(65534)   # then as 'nobody', as a user would be
+sys.exit(collect_results.main([sys.argv[4], "--out", sys.argv[5]]))
+"""
+
+
+def test_an_unreadable_run_is_listed_and_the_others_collected():
+    """A run directory another user made unreadable: PermissionError traceback and no results
+    before; now that run is 'unreadable', naming the path, and every other run is collected."""
+    import stat
+    import tempfile
+    top = Path(tempfile.mkdtemp(prefix="unreadable-"))  # not under pytest's root-only tmp dir
+    try:
+        for name in ("plain", "study"):
+            shutil.copytree(STUDY, top / name)
+        os.chmod(top / "study" / "ddp-1n2g-5002", 0)  # nobody may list or enter it
+        (top / "out").mkdir()
+        for p in [top, *top.rglob("*")]:
+            if p != top / "study" / "ddp-1n2g-5002" and not p.is_symlink():
+                p.chmod(p.stat().st_mode | stat.S_IROTH | stat.S_IWOTH
+                        | (stat.S_IXOTH if p.is_dir() else 0))
+        if os.geteuid() == 0:
+            cmd = [sys.executable, "-c", _AS_NOBODY, str(REPO), str(top / "plain"),
+                   str(top / "plain-out"), str(top / "study"), str(top / "out")]
+        else:
+            cmd = [sys.executable, str(REPO / "collect_results.py"), str(top / "study"),
+                   "--out", str(top / "out")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        with open(top / "out" / "results.csv", newline="") as f:
+            rows = {r["run"]: r for r in csv.DictReader(f)}
+        full = {r["run"]: r["status"] for r in collect_results.read_inputs([STUDY])}
+        bad = rows["ddp-1n2g-5002"]
+        assert bad["status"] == "unreadable" and "chmod -R a+rX" in bad["detail"], bad
+        assert str(top / "study" / "ddp-1n2g-5002") in bad["detail"]
+        assert {r: row["status"] for r, row in rows.items() if r != "ddp-1n2g-5002"} == \
+            {r: status for r, status in full.items() if r != "ddp-1n2g-5002"}
+        assert "unreadable" in (top / "out" / "results.md").read_text()
+    finally:
+        os.chmod(top / "study" / "ddp-1n2g-5002", 0o755)
+        shutil.rmtree(top, ignore_errors=True)
