@@ -86,6 +86,7 @@ BAD_INPUT = "bad_input"    # a path or file that cannot be read or summarised
 SKIP_UNAVAILABLE = "[N/A]-like value"
 SKIP_INCOMPLETE = "incomplete last line"
 SKIP_MALFORMED = "malformed"
+SKIP_IMPOSSIBLE = "impossible value"  # more memory used than the GPU has, utilization > 100%
 # Bytes that are not text (the keys of a file's count of them, in the order a note names them).
 BAD_NUL_END = "unreadable bytes (NUL) at the end of the file"
 BAD_NUL_INSIDE = "unreadable bytes (NUL) inside the file"
@@ -183,12 +184,17 @@ def parse_gpu_lines(lines, skips: Counter) -> dict:
         if not (index.isdecimal() and used.isdecimal()):
             skips[SKIP_MALFORMED] += 1
             continue
+        extra = {key: contract.number(row.get(column))
+                 for column, key in GPU_EXTRA_COLUMNS.items()}
+        if (total.isdecimal() and int(used) > int(total)) or not 0 <= (extra["util"] or 0) <= 100:
+            skips[SKIP_IMPOSSIBLE] += 1  # a damaged line that still parses: not a sample
+            continue
         gpu = gpus.setdefault(int(index), {"used": [], "name": name, "total": None, "stamp": [],
                                            **{key: [] for key in GPU_EXTRA_COLUMNS.values()}})
         gpu["used"].append(int(used))
         gpu["stamp"].append(time)
-        for column, key in GPU_EXTRA_COLUMNS.items():
-            gpu[key].append(contract.number(row.get(column)))
+        for key, value in extra.items():
+            gpu[key].append(value)
         if total.isdecimal():     # an unavailable total does not spoil the memory.used sample
             gpu["total"] = max(gpu["total"] or 0, int(total))
     return gpus

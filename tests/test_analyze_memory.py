@@ -793,3 +793,22 @@ def test_summary_without_plot_does_not_import_matplotlib():
     p = subprocess.run([sys.executable, "-c", code, str(TIMELINE_RUN)], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
+
+
+def test_impossible_samples_are_skipped_and_named(tmp_path):
+    """Util 500% and 999,999,999 MiB used of a 40,960 MiB GPU were averaged in without a note;
+    they are damaged lines that still parse, and count as skipped."""
+    log = tmp_path / "n1.csv"
+    log.write_text(
+        "timestamp, index, name, memory.used [MiB], memory.total [MiB], utilization.gpu [%]\n"
+        "2026/11/24 06:30:00.101, 0, NVIDIA A100-PCIE-40GB, 1000, 40960, 50\n"
+        "2026/11/24 06:30:01.101, 0, NVIDIA A100-PCIE-40GB, 2000, 40960, 500\n"
+        "2026/11/24 06:30:02.101, 0, NVIDIA A100-PCIE-40GB, 999999999, 40960, 60\n"
+        "2026/11/24 06:30:03.101, 0, NVIDIA A100-PCIE-40GB, 3000, 40960, 70\n")
+    (g0,), skips = records_and_skips(log)
+    assert skips == {am.SKIP_IMPOSSIBLE: 2}
+    assert (g0["samples"], g0["peak_mib"], g0["avg_util_pct"]) == (2, 3000, 60.0)
+    notes = []
+    am.summarize_file(log, notes)
+    assert notes == [f"{log}: skipped 2 line(s) (impossible value: 2); the statistics use the "
+                     f"remaining samples"]
