@@ -53,6 +53,13 @@ def missing_matplotlib() -> str | None:
 # A study: four plots against the number of GPUs, and where the step time goes
 # --------------------------------------------------------------------------------------------
 
+def throughput_title(ideal: list) -> str:
+    """throughput.png's title: the ideal line is there only where a strategy has a 1-GPU
+    baseline and a larger run."""
+    return ("Throughput against ideal linear scaling" if ideal else
+            "Throughput (no ideal line: it needs a 1-GPU run and a larger one)")
+
+
 def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) -> list:
     """Write PLOTS into out_dir; return the names written (step_breakdown.png needs bars).
 
@@ -141,11 +148,11 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     draw(ax, "throughput_img_s", "throughput (training images/s)", logy=True, with_ideal=True)
     ax.legend(fontsize=8)
-    save(fig, "throughput.png", "Throughput against ideal linear scaling")
+    save(fig, "throughput.png", throughput_title(ideal))
 
     if not bars:  # no run with a step time (its [METRIC] line lacks the figures for one)
         return [name for name in PLOTS if name != "step_breakdown.png"]
-    fig, ax = plt.subplots(figsize=(9, 1.6 + 0.42 * len(bars)))
+    fig, ax = plt.subplots(figsize=(9, 1.5 + 0.4 * len(bars)))
     for y, (_label, widths) in enumerate(bars):
         left = 0.0
         for key, (name, color, hatch) in BAR_PARTS.items():
@@ -156,8 +163,9 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
         ax.text(left, y, f" {left:.0f} ms", va="center", fontsize=8)
     handles = dict(zip(*reversed(ax.get_legend_handles_labels())))
     names = [name for name, *_ in BAR_PARTS.values() if name in handles]
-    ax.legend([handles[n] for n in names], names, fontsize=8, ncol=3,
-              loc="upper center", bbox_to_anchor=(0.5, -0.5 / len(bars) - 0.12))
+    # above the bars, under the title: below them it covered the axis label
+    ax.legend([handles[n] for n in names], names, fontsize=8, ncol=len(names), frameon=False,
+              loc="lower center", bbox_to_anchor=(0.5, 1.0))
     ax.set_xlim(0, ax.get_xlim()[1] * 1.1)  # room for the labels
     ax.set_yticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
     ax.invert_yaxis()  # first configuration on top

@@ -30,7 +30,7 @@ def _fmt(row: dict, key: str, spec: str, unit: str = "") -> str:
 
 
 def _count(n: int, what: str) -> str:
-    return f"{n} {what}" + ("s" if n != 1 else "")
+    return f"{n} {what}" + (("es" if what.endswith("s") else "s") if n != 1 else "")
 
 
 def table_row(label: str, row: dict | None, epochs: str) -> list:
@@ -271,7 +271,8 @@ def plot_data(chosen: dict) -> tuple:
             else:  # the epoch's data wait, and the rest unexplained
                 wait = num(r, "data_wait_ms") or 0.0
                 parts = dict(data_wait=wait, unprofiled=max(0.0, num(r, "step_ms") - wait))
-            bars.append((f"{key[1]}, {_count(n, 'node')} x {_count(g, 'GPU')}", parts))
+            unit = "process" if r.get("device") == "cpu" else "GPU"  # a CPU run has no GPUs
+            bars.append((f"{key[1]}, {_count(n, 'node')} x {_count(g, unit)}", parts))
     return series, ideal, bars
 
 

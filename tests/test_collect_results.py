@@ -686,3 +686,23 @@ def test_an_unreadable_run_is_listed_and_the_others_collected():
     finally:
         os.chmod(top / "study" / "ddp-1n2g-5002", 0o755)
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_a_cpu_study_is_labelled_in_processes_and_a_lone_point_has_no_ideal(tmp_path):
+    """A CPU run's bar said '1 node x 2 GPUs'; throughput.png promised 'ideal linear scaling'
+    for a study with one point and no ideal line."""
+    run = tmp_path / "ddp-1n2g-1"
+    run.mkdir()
+    (run / "train.log").write_text(
+        "[METRIC] strategy=ddp model=cnn dataset=synthetic device=cpu world_size=2 nodes=1 "
+        "gpus_per_node=2 per_gpu_batch=32 global_batch=64 epoch=1 epochs=1 val_loss=1.5 "
+        "val_acc=40 train_images=640 epoch_time_s=3 throughput_img_s=50 peak_mem_mib=10 "
+        "data_wait_frac=0.1 final=1 total_time_s=4\n")
+    (run / "job.env").write_text("EXIT_CODE=0\n")
+    rows = collect_results.read_inputs([run])
+    chosen = scaling.scale(rows)
+    scaling.step_times(rows)
+    _series, ideal, bars = report.plot_data(chosen)
+    assert [label for label, _ in bars] == ["ddp, 1 node x 2 processes"]
+    assert ideal == [] and "ideal" not in plots.throughput_title(ideal).split("(")[0]
+    assert plots.throughput_title([("ddp", "x", [1, 2], [1, 2])]).endswith("linear scaling")
