@@ -399,8 +399,11 @@ def test_resume_at_a_larger_world_size_keeps_the_new_ranks_own_seed(monkeypatch,
     torch.manual_seed(common.seed_for_rank(0, rank))  # as the script seeds each rank
     own = torch.get_rng_state()
     args = argparse.Namespace(checkpoint_dir=None, resume="auto", amp="off")
-    ckpt = checkpoint.Checkpoints(args, {}, None, None, torch.device("cpu"))
-    assert ckpt.resume() == (1, 0)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    ckpt = checkpoint.Checkpoints(args, dict(optimizer=optimizer, scheduler=scheduler), None,
+                                  None, torch.device("cpu"))
+    assert ckpt.resume(10) == (1, 0)
     assert torch.equal(torch.get_rng_state(), saved["torch"] if rank == 0 else own)
 
 
