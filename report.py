@@ -164,7 +164,8 @@ def explain_markdown(key: tuple, configs: dict) -> list:
                  if profiled else ["not profiled"] * 3 + ["—"])
         bw = ", ".join(f"{op} {r[f'busbw_{op}_gbs']}" for op in
                        ("all_reduce", "all_gather", "reduce_scatter") if r[f"busbw_{op}_gbs"])
-        lines.append(f"| {_count(nodes, 'node')} x {_count(g, 'GPU')} | {_ms(r, 'step_ms')} | "
+        unit = "process" if r.get("device") == "cpu" else "GPU"  # a CPU run has no GPUs
+        lines.append(f"| {_count(nodes, 'node')} x {_count(g, unit)} | {_ms(r, 'step_ms')} | "
                      f"{_ms(r, 'data_wait_ms')} | " + " | ".join(parts) + f" | {bw or '—'} |")
     inputs, why = model_inputs(key, configs)
     if key[1] not in OVERLAP:  # DataParallel: one process, nothing to model

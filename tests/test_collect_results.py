@@ -704,5 +704,7 @@ def test_a_cpu_study_is_labelled_in_processes_and_a_lone_point_has_no_ideal(tmp_
     scaling.step_times(rows)
     _series, ideal, bars = report.plot_data(chosen)
     assert [label for label, _ in bars] == ["ddp, 1 node x 2 processes"]
+    assert collect_results.main([str(run), "--out", str(tmp_path / "out")]) == 0
+    assert "| 1 node x 2 processes | " in (tmp_path / "out" / "results.md").read_text()
     assert ideal == [] and "ideal" not in plots.throughput_title(ideal).split("(")[0]
     assert plots.throughput_title([("ddp", "x", [1, 2], [1, 2])]).endswith("linear scaling")
