@@ -364,6 +364,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-every", type=float, default=30, metavar="SECONDS",
                    help="rank 0 prints a progress line (step, images/s, elapsed, ETA) this "
                         "often, and once after the first steps (within 10 s); 0: never")
+    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: the GPUs torch sees, else the CPU, but a job given GPUs that "
+                        "torch cannot use stops with the reason; cuda: GPUs or stop; cpu: train "
+                        "on the CPU on purpose, even on a GPU node")
     g.add_argument("--dist-timeout", type=int, default=600,
                    help="seconds a collective or the process-group start may wait for other "
                         "ranks before the run fails instead of hanging")

@@ -32,6 +32,7 @@ import checkpoint
 import common
 import contract
 import datautils
+import devices
 import measure
 import models
 from common import print0
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def setup_distributed(args, env: common.DistEnv):
     """Pick the device and backend, then join the process group (every rank takes part)."""
-    if torch.cuda.is_available():
+    if devices.use_gpu(args):  # --device, and whether this torch can run on the GPU
         device = torch.device("cuda", common.gpu_index(torch.cuda.device_count(), env.local_rank,
                                                        env.local_world_size, env.source))
         torch.cuda.set_device(device)  # before any CUDA work, so NCCL binds the right GPU
@@ -102,7 +103,8 @@ def train(args, env: common.DistEnv) -> int:
     for line in common.provenance(args, env, device, backend):
         print0(line)
     if device.type == "cpu":
-        print0("note: no GPU visible: training on CPU with the gloo backend")
+        why = "--device cpu" if args.device == "cpu" else "no GPU visible"
+        print0(f"note: {why}: training on CPU with the gloo backend")
 
     data = datautils.build_data(args, is_main)
     checkpoint.check_writable(args.save_model)

@@ -33,6 +33,7 @@ import checkpoint
 import common
 import contract
 import datautils
+import devices
 import measure
 import models
 from common import print0
@@ -72,7 +73,11 @@ def setup_devices(args, env: common.DistEnv):
         raise UsageError("dp_train.py is a single process that drives all GPUs itself: run it "
                          "with python, not torchrun --nproc-per-node > 1 or srun with several "
                          "tasks")
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.gpus and args.device == "cpu":
+        raise UsageError(f"--gpus {args.gpus} asks for GPUs and --device cpu for none: drop "
+                         f"one of them")
+    # --device, and whether this torch can run on the GPUs it sees
+    visible = torch.cuda.device_count() if devices.use_gpu(args) else 0
     if visible == 0:
         if args.gpus:
             raise UsageError(f"--gpus {args.gpus} was asked for but no GPU is visible: drop "
@@ -113,7 +118,8 @@ def train(args, env: common.DistEnv) -> int:
     for line in common.provenance(args, env, device, "none (single process)"):
         print0(line)
     if device.type == "cpu":
-        print0("note: no GPU visible: DataParallel runs on the CPU as a single device")
+        why = "--device cpu" if args.device == "cpu" else "no GPU visible"
+        print0(f"note: {why}: DataParallel runs on the CPU as a single device")
     else:
         print0(f"DataParallel over GPUs {gpu_ids} (scatter from and gather on GPU 0)")
 

@@ -55,6 +55,7 @@ import checkpoint
 import common
 import contract
 import datautils
+import devices
 import measure
 import models
 from common import print0
@@ -86,7 +87,7 @@ def setup_distributed(args, env: common.DistEnv):
     if args.sharding == "hybrid" and env.nodes * env.local_world_size != env.world_size:
         raise UsageError("--sharding hybrid needs the same number of processes on every node: "
                          "one torchrun --nproc-per-node, or srun --ntasks-per-node, for all")
-    if torch.cuda.is_available():
+    if devices.use_gpu(args):  # --device, and whether this torch can run on the GPU
         device = torch.device("cuda", common.gpu_index(torch.cuda.device_count(), env.local_rank,
                                                        env.local_world_size, env.source))
         torch.cuda.set_device(device)  # before any CUDA work, so NCCL binds the right GPU
@@ -185,7 +186,8 @@ def train(args, env: common.DistEnv) -> int:
     for line in common.provenance(args, env, device, backend):
         print0(line)
     if device.type == "cpu":
-        print0("note: no GPU visible: training on CPU with the gloo backend")
+        why = "--device cpu" if args.device == "cpu" else "no GPU visible"
+        print0(f"note: {why}: training on CPU with the gloo backend")
     print0(f"sharding: {args.sharding} over mesh {tuple(mesh.shape)} "
            f"{mesh.mesh_dim_names}")
 

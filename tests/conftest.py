@@ -12,6 +12,16 @@ from pathlib import Path
 
 import pytest
 
+# The suite runs on the CPU (gloo), on a GPU node too: there its runs would otherwise pick the
+# GPU, and tests written for a CPU fail (two one-process "nodes" both take cuda:0, which NCCL
+# refuses; two processes share one GPU). Hiding the GPUs from this process and every run it
+# starts keeps them CPU runs (an empty CUDA_VISIBLE_DEVICES hides the GPUs on purpose, so the
+# scripts do not stop for a job given GPUs it cannot use). DPT_TEST_DEVICE=cuda keeps the GPUs:
+# bench/gpu_check.py runs the strategy-equivalence tests on CUDA so.
+ON_CUDA = os.environ.get("DPT_TEST_DEVICE") == "cuda"
+if not ON_CUDA:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
@@ -56,6 +66,23 @@ def run_script(script: str, args=(), nproc: int | None = None, timeout: int = 60
                f"--nproc-per-node={nproc}", str(REPO / script), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=env_for_tests(env), cwd=cwd or REPO)
+
+
+#: The architectures of pip's torch 2.14, built for CUDA 13.0 (torch.cuda.get_arch_list()).
+CU130_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+
+
+def fake_gpus(monkeypatch, n: int, capability=(9, 0), name="NVIDIA H100 80GB HBM3",
+              arch_list=CU130_ARCHS, cuda="13.0") -> None:
+    """Make torch in this process report ``n`` GPUs of one kind, built for ``arch_list`` with
+    CUDA ``cuda``; nothing here reaches a driver."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(arch_list))
+    monkeypatch.setattr(torch.version, "cuda", cuda)
 
 
 def metrics(stdout: str) -> list:

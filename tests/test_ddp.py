@@ -18,7 +18,8 @@ import contract
 import models
 import prepare_tinyimagenet
 import datautils
-from conftest import FAST, REPO, check_ok, env_for_tests, epoch_lines, metrics, run_script
+from conftest import (FAST, REPO, check_ok, env_for_tests, epoch_lines, fake_gpus, metrics,
+                      run_script)
 
 
 def test_torchrun_two_processes_prints_contract_lines():
@@ -291,8 +292,7 @@ def test_cifar10_without_network_says_where_to_put_files(tmp_path):
 
 def test_more_processes_than_gpus_is_a_usage_error(monkeypatch, capsys):
     import ddp_train
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    fake_gpus(monkeypatch, 2)
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4",
                  "LOCAL_WORLD_SIZE": "4"}.items():
         monkeypatch.setenv(k, v)

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import FAST, REPO, check_ok, env_for_tests, metrics, run_script
+from conftest import FAST, REPO, check_ok, env_for_tests, fake_gpus, metrics, run_script
 
 import common
 import faults
@@ -129,11 +129,6 @@ def test_srun_ntasks_per_node_without_step_list(monkeypatch):
 
 
 # ---- 4, 5. DataParallel: --compile over several GPUs is refused; cudnn.benchmark is on
-def fake_gpus(monkeypatch, n):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
-
-
 def test_dp_compile_with_several_gpus_is_refused(monkeypatch, capsys):
     import dp_train
     fake_gpus(monkeypatch, 2)

@@ -41,19 +41,23 @@ LAUNCH = REPO / "launch"
 LAB_SH = REPO / "tests" / "slurm_lab.sh"
 SHELL_SCRIPTS = sorted([*LAUNCH.glob("*.sh"), *LAUNCH.glob("*.slurm"),
                         LAUNCH / "site.sh.example", LAB_SH])
-# A tiny run: two epochs of a small CNN on built-in synthetic data, a few seconds of CPU.
+# A tiny run: two epochs of a small CNN on built-in synthetic data, a few seconds of CPU. Every
+# training here runs on the CPU on purpose (--device cpu): the lab's nodes, and the fake
+# nvidia-smi, give the jobs GPUs that torch cannot see, which the scripts otherwise refuse.
+CPU = ["--device", "cpu"]
 TINY = ["--model", "cnn", "--synthetic-size", "128", "--batch-size", "16", "--epochs", "2",
-        "--num-workers", "0"]
+        "--num-workers", "0", *CPU]
 JOB_TIMEOUT_S = 600  # from submission; a chained job also waits for its predecessors
 # Long enough to meet the time-limit warning: 8 epochs of 4000 images, ~45 s on 2 idle cores.
 REQUEUE_RUN = ["--model", "cnn", "--synthetic-size", "4000", "--batch-size", "16", "--epochs",
-               "8", "--num-workers", "0", "--amp", "off"]
+               "8", "--num-workers", "0", "--amp", "off", *CPU]
 # A rank frozen by SIGSTOP: a run still training when it is frozen (200 epochs of 800 images,
 # ~2 s each on 2 idle cores), a short --dist-timeout, and how long the job may take to end after.
 STOP_DIST_TIMEOUT_S = 20
 STOP_MARGIN_S = 70
 STOP_RUN = ["--model", "cnn", "--synthetic-size", "800", "--batch-size", "16", "--epochs", "200",
-            "--num-workers", "0", "--amp", "off", "--dist-timeout", str(STOP_DIST_TIMEOUT_S)]
+            "--num-workers", "0", "--amp", "off", "--dist-timeout", str(STOP_DIST_TIMEOUT_S),
+            *CPU]
 EPOCH_RE = re.compile(r"Epoch \[(\d+)/(\d+)\] LR: .* \| Throughput: [\d.]+ img/s")
 FAKE_SMI = """#!{python}
 # Fake nvidia-smi for the launcher tests: the --query-gpu CSV of real nvidia-smi, one row per
@@ -227,6 +231,22 @@ def test_local_sh_two_processes(tmp_path):
     assert_loggers_gone(tmp_path, run_dir)  # no Slurm here to clean up: the trap did it
 
 
+def test_a_job_given_gpus_that_torch_cannot_use_stops_with_the_reason(tmp_path):
+    """The node lists a GPU (nvidia-smi -L) that this torch cannot use (here: there is none):
+    the job stops at once with the reason and exit 2, where it used to train on the CPU, many
+    times slower, after a one-line note. --device cpu is the way to do that on purpose."""
+    env = base_env(tmp_path, fake_gpus=True) | {"RUNS_DIR": str(tmp_path / "runs")}
+    args = [a for a in TINY if a not in CPU]
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--", *args],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out[-3000:]
+    assert out.count("error: this job was given GPUs (nvidia-smi -L lists 1 GPU(s)) but torch "
+                     "cannot use them") == 1, out[-3000:]
+    assert "or add --device cpu to train on the CPU on purpose" in out
+    assert "training exit code: 2" in out and "Epoch [" not in out
+
+
 def test_local_sh_prepares_the_data_cache_before_the_training(tmp_path, tiny_imagenet):
     """--data-cache: node.sh decodes the data once (prepare_tinyimagenet.py) before torchrun,
     so the training only memory-maps it and nothing is decoded inside the process group."""
@@ -237,7 +257,7 @@ def test_local_sh_prepares_the_data_cache_before_the_training(tmp_path, tiny_ima
     res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--",
                           "--data-dir", str(root), "--data-cache", str(cache), "--model",
                           "resnet18", "--epochs", "1", "--batch-size", "16", "--num-workers",
-                          "0", "--amp", "off"],
+                          "0", "--amp", "off", *CPU],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
@@ -597,7 +617,7 @@ def jobs(slurm_lab, tmp_path_factory):
                            "--job-name=requeue"], REQUEUE_RUN, after=jobs["multi_gpu"])
     jobs["failing"] = Job(slurm_lab, root / "failing", "multi_node.slurm",
                           ["--nodes=2", "--gpus-per-node=1", "--job-name=failing"],
-                          ["--data-dir", "/no-such-data"], fake_gpus=True,
+                          ["--data-dir", "/no-such-data", *CPU], fake_gpus=True,
                           after=jobs["multi_node"])
     jobs["dp"] = Job(slurm_lab, root / "dp", "multi_gpu.slurm", ["--gpus-per-node=2"], TINY,
                      extra_env={"STRATEGY": "dp"}, after=jobs["failing"])
