@@ -191,6 +191,14 @@ def disk_full_error(path: Path) -> UsageError:
                       f"folder, then resume{kept}")
 
 
+def save_model(state_dict: dict, path) -> None:
+    """--save-model: the model's weights as CPU tensors, written atomically. A state_dict of a
+    model on the GPU holds CUDA tensors, and torch.load(path, weights_only=True) of those fails
+    on a machine without a GPU; every strategy's file loads anywhere so."""
+    atomic_save({name: value.detach().cpu() if isinstance(value, torch.Tensor) else value
+                 for name, value in state_dict.items()}, path)
+
+
 def check_writable(path) -> None:
     """Fail before training, not after it, when --save-model cannot be written."""
     if path is None:

@@ -359,8 +359,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="stop each training epoch after this many steps (0 = whole epoch); "
                         "for smoke runs and benchmarks")
     g.add_argument("--save-model", default=None, metavar="PATH",
-                   help="at the end rank 0 saves the unwrapped model's state_dict here "
-                        "(load with torch.load(PATH, weights_only=True))")
+                   help="at the end rank 0 saves the unwrapped model's state_dict here, as CPU "
+                        "tensors (load with torch.load(PATH, weights_only=True), on any machine)")
     g.add_argument("--log-every", type=float, default=30, metavar="SECONDS",
                    help="rank 0 prints a progress line (step, images/s, elapsed, ETA) this "
                         "often, and once after the first steps (within 10 s); 0: never")

@@ -244,7 +244,7 @@ def train(args, env: common.DistEnv) -> int:
 
     total_time = time.perf_counter() - start
     if args.save_model and is_main:
-        checkpoint.atomic_save(model.state_dict(), args.save_model)  # unwrapped weights
+        checkpoint.save_model(model.state_dict(), args.save_model)  # unwrapped, on the CPU
         print0(f"saved model state_dict to {args.save_model}")
     measure.print_final(ckpt.metrics, total_time, trained=start_epoch < args.epochs)
     return 0

@@ -323,7 +323,7 @@ def train(args, env: common.DistEnv) -> int:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                     cpu_offload=True))
         if is_main:
-            checkpoint.atomic_save(full, args.save_model)
+            checkpoint.save_model(full, args.save_model)
             print0(f"saved full (unsharded) model state_dict to {args.save_model}")
     measure.print_final(ckpt.metrics, total_time, trained=start_epoch < args.epochs)
     return 0

@@ -248,3 +248,29 @@ def test_ddp_buffer_broadcast_flag_runs_without_deprecation_warnings(flag):
     check_ok(proc)
     assert f"broadcast_buffers={flag == '--broadcast-buffers'}" in proc.stdout
     assert "deprecated" not in proc.stderr, proc.stderr[-2000:]
+
+
+# ---- --save-model writes CPU tensors, whatever device trained the model
+def test_save_model_writes_cpu_tensors_of_a_model_on_the_gpu(monkeypatch, tmp_path):
+    """A model on the GPU has CUDA tensors in its state_dict; saved as they were (ddp_train.py
+    and dp_train.py did), torch.load(path, weights_only=True) fails on a machine without a GPU
+    and the FSDP-against-DDP comparison fails on devices. FakeTensorMode makes CUDA tensors
+    without a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import checkpoint
+    saved = {}
+    monkeypatch.setattr(checkpoint, "atomic_save", lambda obj, path: saved.update(obj))
+    with FakeTensorMode():
+        weights = {"conv.weight": torch.empty(8, 3, 3, 3, device="cuda"),
+                   "bn.num_batches_tracked": torch.tensor(5, device="cuda")}
+        assert {w.device.type for w in weights.values()} == {"cuda"}
+        checkpoint.save_model(weights, tmp_path / "model.pt")
+    assert {k: v.device.type for k, v in saved.items()} == {"conv.weight": "cpu",
+                                                           "bn.num_batches_tracked": "cpu"}
+
+
+@pytest.mark.parametrize("script", ["ddp_train.py", "dp_train.py", "fsdp_train.py"])
+def test_every_strategy_saves_its_model_through_save_model(script):
+    text = (REPO / script).read_text()
+    saving = text[text.index("    if args.save_model"):text.index("    measure.print_final(")]
+    assert "checkpoint.save_model(" in saving and "atomic_save" not in saving, saving
