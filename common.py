@@ -535,6 +535,16 @@ def amp_dtype(args) -> torch.dtype | None:
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[args.amp]
 
 
+def fused_sgd(device: torch.device, amp: str) -> bool:
+    """Whether SGD takes its fused step: on CUDA, one kernel for all parameters, but only
+    without a GradScaler (--amp bf16 or off). With fp16, when a step's gradients overflow (common
+    at GradScaler's first scale, 65536), fused SGD has already made its momentum buffers with
+    torch.empty_like and its kernel returns early on the inf flag, so from the next step on the
+    momentum is uninitialised memory. The default (foreach) step is skipped whole instead, at
+    the cost of one host sync per step, when the scaler reads its inf flag."""
+    return device.type == "cuda" and amp != "fp16"
+
+
 AMP_TEXT = {"fp16": "fp16 autocast with GradScaler", "bf16": "bf16 autocast, no GradScaler",
             "off": "off (fp32)"}
 

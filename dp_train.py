@@ -164,9 +164,8 @@ def train(args, env: common.DistEnv) -> int:
     lr = common.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay,
-                                # CUDA: one kernel for all parameters, and GradScaler's inf
-                                # check stays on the GPU (no host sync per step with fp16)
-                                fused=device.type == "cuda")
+                                # CUDA without a GradScaler: one kernel for all parameters
+                                fused=common.fused_sgd(device, args.amp))
     # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, common.lr_factor(args, steps))
     dtype = common.amp_dtype(args)
