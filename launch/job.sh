@@ -28,9 +28,9 @@
 #   CHECK_ONLY    1 = run only the training script's --check (preflight + all-reduce test)
 #   REQUEUE       1 (default) = requeue the job after the training checkpointed on a stop signal
 #   RUN_DIR       continue in this existing run directory (default: a new one, see below)
-#   NCCL_DEBUG (WARN), NCCL_SOCKET_IFNAME (unset: NCCL chooses; also exported as
-#   GLOO_SOCKET_IFNAME unless that is set: the stop vote runs on a gloo group),
-#   OMP_NUM_THREADS (CPUs / processes per node: node.sh). TORCH_NCCL_ASYNC_ERROR_HANDLING is
+#   NCCL_DEBUG (WARN), NCCL_SOCKET_IFNAME (unset: NCCL chooses; unless GLOO_SOCKET_IFNAME is
+#   set, node.sh gives gloo the interface of its node that NCCL's setting names: the stop vote
+#   runs on a gloo group), OMP_NUM_THREADS (CPUs / processes per node: node.sh). TORCH_NCCL_ASYNC_ERROR_HANDLING is
 #   left to PyTorch (its default, 3, tears the process down without mode 1's hanging abort).
 #
 # Run directory: ${RUNS_DIR}/<job-name>-<job-id>/ with train.log, job.env, gpu_memory/<node>.csv,
@@ -82,10 +82,10 @@ fi
 : "${PYTHONFAULTHANDLER:=1}"
 export STRATEGY PYTHON LOG_INTERVAL NCCL_DEBUG PYTHONFAULTHANDLER
 # Exported only when set (site.sh may set them without export): NCCL's interface (e.g. ib0;
-# unset = NCCL chooses) is gloo's too (the stop vote runs on gloo) unless gloo's is set.
-: "${GLOO_SOCKET_IFNAME:=${NCCL_SOCKET_IFNAME:-}}"
+# unset = NCCL chooses), and gloo's. Without gloo's, node.sh resolves NCCL's setting (which may
+# be a prefix or an exclusion, gloo's must be a name) to an interface of each node.
 if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then export NCCL_SOCKET_IFNAME; fi
-if [ -n "$GLOO_SOCKET_IFNAME" ]; then export GLOO_SOCKET_IFNAME; fi
+if [ -n "${GLOO_SOCKET_IFNAME:-}" ]; then export GLOO_SOCKET_IFNAME; fi
 if [ -n "${DATA_DIR:-}" ]; then export DATA_DIR; fi
 read -ra python_cmd <<<"$PYTHON"
 # (Not with SRUN_EXTRA_ARGS, e.g. a container image: PYTHON may exist only inside the step.)
@@ -220,7 +220,7 @@ processes     : $world_size ($per_node)
 rendezvous    : ${RDZV_ENDPOINT:-standalone}
 data          : ${DATA_DIR:-built-in synthetic data (DATA_DIR unset)}
 NCCL          : NCCL_DEBUG=$NCCL_DEBUG NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-<auto>} \
-GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-<auto>}
+GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-<${NCCL_SOCKET_IFNAME:+per node, from NCCL_SOCKET_IFNAME}${NCCL_SOCKET_IFNAME:-auto}>}
 run dir       : $RUN_DIR
 checkpoints   : ${CHECKPOINT_DIR:-none}
 restarts      : $restarts

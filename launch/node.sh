@@ -84,6 +84,18 @@ fi
 : "${OMP_NUM_THREADS:=$((cpus / nproc > 0 ? cpus / nproc : 1))}"
 export OMP_NUM_THREADS
 
+# gloo's interface on this node (the stop vote runs on a gloo group, and CPU runs train on
+# gloo): the site's GLOO_SOCKET_IFNAME, else the interface NCCL_SOCKET_IFNAME names here (NCCL's
+# prefixes and exclusions are not names gloo knows: "Unable to find address for: ^docker0").
+if [ -n "${GLOO_SOCKET_IFNAME:-}" ]; then
+  echo "[$node] gloo's interface: $GLOO_SOCKET_IFNAME (GLOO_SOCKET_IFNAME)"
+elif [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then
+  gloo_if=$(gloo_ifname "$NCCL_SOCKET_IFNAME")
+  if [ -n "$gloo_if" ]; then export GLOO_SOCKET_IFNAME=$gloo_if; fi
+  echo "[$node] gloo's interface: ${gloo_if:-gloo chooses (the address of the host name)}" \
+    "(from NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME)"
+fi
+
 cmd=("${python_cmd[@]}")
 if [ "$launcher" = torchrun ]; then
   cmd+=(-m torch.distributed.run  # = torchrun, from the chosen interpreter

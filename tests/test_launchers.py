@@ -501,7 +501,7 @@ def test_local_sh_check_only_and_bad_run_dir(tmp_path):
                          timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     # the site's interface reaches gloo too (the stop vote); NCCL's error handling is PyTorch's
-    assert "NCCL_SOCKET_IFNAME=lo GLOO_SOCKET_IFNAME=lo" in res.stdout
+    assert "gloo's interface: lo (from NCCL_SOCKET_IFNAME=lo)" in res.stdout
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in res.stdout
     assert "check: all-reduce OK across 2 rank(s)" in res.stdout
     assert "preflight OK" in res.stdout and "Epoch [" not in res.stdout
@@ -515,6 +515,35 @@ def test_local_sh_check_only_and_bad_run_dir(tmp_path):
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.count("\n") == 1 and "RUN_DIR=" in res.stderr
     assert "does not exist" in res.stderr
+
+
+@pytest.mark.parametrize("nccl, gloo", [
+    ("lo", "lo"), ("=lo", "lo"), ("l", "lo"),     # a name, an exact name, a prefix
+    ("nosuch,l", "lo"),                           # a list: the first that names an interface
+    ("=l", ""), ("nosuch", ""),                   # no interface of this node: gloo chooses
+    ("^docker0", ""), ("^lo,docker0", ""),        # exclusions: gloo chooses
+])
+def test_nccl_interface_forms_become_a_name_gloo_knows(nccl, gloo):
+    """NCCL_SOCKET_IFNAME takes prefixes and exclusions, GLOO_SOCKET_IFNAME one exact name."""
+    res = subprocess.run(["bash", "-c", f'source "{LAUNCH}/lib.sh"; gloo_ifname "$1"', "-",
+                          nccl], capture_output=True, text=True, timeout=60)
+    assert (res.returncode, res.stdout, res.stderr) == (0, gloo + "\n" if gloo else "", "")
+
+
+def test_an_nccl_exclusion_does_not_reach_gloo(tmp_path):
+    """NCCL_SOCKET_IFNAME='^docker0' (every interface but docker0) was exported to gloo as it
+    was, and every rank failed at start: "Unable to find address for: ^docker0"."""
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs"),
+                                "NCCL_SOCKET_IFNAME": "^docker0"}
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--", *TINY,
+                          "--epochs", "1", "--max-steps-per-epoch", "2"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert "gloo's interface: gloo chooses (the address of the host name) (from " \
+           "NCCL_SOCKET_IFNAME=^docker0)" in out
+    assert "Unable to find address" not in out and "Epoch [1/1]" in out
 
 
 # ---------------------------------------------------------------------------- a real Slurm
