@@ -336,14 +336,17 @@ class StopRequest:
     the same signal, and no GPU sync is added to the step.
     """
 
-    def __init__(self):
+    def __init__(self, timeout_s: int | None = None):
         self.signum = 0  # agreed by the vote
         self._buf = torch.zeros(1, dtype=torch.int32)
         self._work = None
         self._group = None
         if dist.is_initialized() and dist.get_world_size() > 1:  # a gloo group for the vote,
-            # whatever the training backend
-            self._group = dist.new_group(backend="gloo")
+            # whatever the training backend; it waits as long as the run's collectives
+            # (--dist-timeout), not gloo's default of 30 minutes
+            from datetime import timedelta
+            self._group = dist.new_group(backend="gloo", timeout=None if timeout_s is None
+                                         else timedelta(seconds=timeout_s))
         StopSignals.training = True
 
     @property
@@ -449,7 +452,7 @@ class Checkpoints:
         self.dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
         self.metrics = {}  # the last finished epoch's (from the checkpoint, after a resume)
         self.steps = 0  # this run's steps per epoch, set by resume()
-        self.stop = StopRequest()  # collective: every rank builds it
+        self.stop = StopRequest(args.dist_timeout)  # collective: every rank builds it
         self.bad_steps = torch.zeros((), device=device, dtype=torch.int64)  # NaN/inf losses,
         self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)  # on the device
 

@@ -30,8 +30,9 @@
 #   RUN_DIR       continue in this existing run directory (default: a new one, see below)
 #   NCCL_DEBUG (WARN), NCCL_SOCKET_IFNAME (unset: NCCL chooses; unless GLOO_SOCKET_IFNAME is
 #   set, node.sh gives gloo the interface of its node that NCCL's setting names: the stop vote
-#   runs on a gloo group), OMP_NUM_THREADS (CPUs / processes per node: node.sh). TORCH_NCCL_ASYNC_ERROR_HANDLING is
-#   left to PyTorch (its default, 3, tears the process down without mode 1's hanging abort).
+#   runs on a gloo group), OMP_NUM_THREADS (CPUs / processes per node: node.sh).
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING is left to PyTorch (its default, 3, tears the process down
+#   without mode 1's hanging abort; this script then says that a collective failed).
 #
 # Run directory: ${RUNS_DIR}/<job-name>-<job-id>/ with train.log, job.env, gpu_memory/<node>.csv,
 # cpu_memory/<node>.txt, checkpoints/, memory_summary.txt and memory_summary.json. A requeued job
@@ -290,6 +291,12 @@ wait "$tee_pid" 2>/dev/null || true
 # train.log: "[STOP] signal=SIGUSR1 epoch=2 step=15 saved=1 exit_code=75" (contract.STOP_LINE).
 # Not `tail | grep -q` under pipefail: grep leaves at the match, tail may still be writing the
 # lines after it (torchrun's failure report) and die of SIGPIPE, and the pipeline then fails.
+# What NCCL's watchdog and torchrun print when a rank is aborted (torch's ProcessGroupNCCL), and
+# the start of the sentence the training prints itself for a failed collective (faults.py).
+NCCL_ABORT_RE='Watchdog caught collective operation timeout|[Ww]atchdog thread terminated with'
+NCCL_ABORT_RE+=' exception|NCCL communicator was aborted|taking the entire process down'
+NCCL_ABORT_RE+='|Signal 6 \(SIGABRT\)|exitcode *: *-6'
+COLLECTIVE_SENTENCE="a collective with the other ranks failed or timed out"
 requeue_ckpt=0
 if grep -q '\[STOP\] .* saved=1 ' < <(tail -c +"$((log_size + 1))" "$RUN_DIR/train.log")
 then
@@ -301,6 +308,20 @@ then
 elif [ "$rc" != 0 ] && exit_line=$(grep -o -m1 '\[EXIT\] code=[0-9]*' \
   < <(tail -c +"$((log_size + 1))" "$RUN_DIR/train.log")); then
   rc=${exit_line##*=}
+# On GPUs a collective that fails or times out (after --dist-timeout, the process group's
+# timeout) is caught by NCCL's watchdog, which aborts the process (SIGABRT): the training's own
+# sentence for it (faults.collective_failed) never comes, torchrun reports "exitcode: -6" and 1,
+# srun a python's 134. Say it here, once, from NCCL's lines and the abort in this attempt's log.
+elif [ "$rc" != 0 ] && abort_line=$(grep -E -m1 "$NCCL_ABORT_RE" \
+  < <(tail -c +"$((log_size + 1))" "$RUN_DIR/train.log")); then
+  if ! grep -q "$COLLECTIVE_SENTENCE" < <(tail -c +"$((log_size + 1))" "$RUN_DIR/train.log")
+  then
+    abort_line=${abort_line#"${abort_line%%[![:space:]]*}"}  # without its indentation
+    echo "error: $COLLECTIVE_SENTENCE: NCCL's watchdog aborted a rank (${abort_line:0:200});" \
+      "another rank probably died first: look for its error above, or raise --dist-timeout if" \
+      "the job is merely slow" >&2
+  fi
+  rc=1
 fi
 echo "training exit code: $rc${stop_signal:+ (after SIG$stop_signal)}"
 

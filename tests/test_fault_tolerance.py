@@ -398,7 +398,7 @@ def test_resume_at_a_larger_world_size_keeps_the_new_ranks_own_seed(monkeypatch,
     monkeypatch.setattr(checkpoint, "load_newest", lambda candidates, load: meta)
     torch.manual_seed(common.seed_for_rank(0, rank))  # as the script seeds each rank
     own = torch.get_rng_state()
-    args = argparse.Namespace(checkpoint_dir=None, resume="auto", amp="off")
+    args = argparse.Namespace(checkpoint_dir=None, resume="auto", amp="off", dist_timeout=600)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     ckpt = checkpoint.Checkpoints(args, dict(optimizer=optimizer, scheduler=scheduler), None,

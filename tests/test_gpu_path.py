@@ -307,3 +307,22 @@ def test_an_overflowing_fp16_step_leaves_no_momentum_behind():
         scaler.step(optimizer)
         scaler.update()
     assert torch.equal(optimizer.state[weights]["momentum_buffer"], torch.ones(1000))
+
+
+# ---- every collective of a run gives up after --dist-timeout: NCCL's watchdog (the process
+# group's timeout) and the gloo group of the stop vote alike
+def test_every_process_group_waits_for_dist_timeout_at_most(monkeypatch):
+    from datetime import timedelta
+    import torch.distributed as dist
+    import checkpoint
+    groups = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: groups.append(kw))
+    monkeypatch.setattr(dist, "new_group", lambda *a, **kw: groups.append(kw))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(faults.StopSignals, "training", faults.StopSignals.training)
+    monkeypatch.setenv("MASTER_PORT", "29999")
+    common.init_process_group("nccl", common.DistEnv(0, 0, 2, 2, "torchrun"), 45)
+    checkpoint.StopRequest(45)  # the stop vote's gloo group
+    assert [g["timeout"] for g in groups] == [timedelta(seconds=45)] * 2
+    assert groups[1]["backend"] == "gloo"

@@ -400,6 +400,43 @@ def test_a_stop_line_after_a_long_log_is_still_read(tmp_path):
     assert res.returncode == 75 and "stopped after a checkpoint: continue with RUN_DIR=" in out
 
 
+WATCHDOG_LINE = ("[PG ID 0 PG GUID 0(default_pg) Rank 1] Watchdog caught collective operation "
+                 "timeout: WorkNCCL(SeqNum=812, OpType=ALLREDUCE, NumelIn=25557032, "
+                 "NumelOut=25557032, Timeout(ms)=600000) ran for 600012 milliseconds before "
+                 "timing out.")
+
+
+@pytest.mark.parametrize("strategy, own_sentence", [
+    ("ddp", False),  # torchrun: "exitcode: -6", reported as 1
+    ("dp", False),   # one python: bash's 134
+    ("ddp", True),   # the training said it itself (gloo's path): not twice
+])
+def test_an_nccl_watchdog_abort_ends_in_one_sentence(tmp_path, strategy, own_sentence):
+    """On GPUs NCCL's watchdog catches a failed or timed-out collective and aborts the process
+    (SIGABRT), so the training's own sentence never came: the job ended with torchrun's report
+    or a bare 134. The job now says it once, with the README's exit code for it, 1."""
+    fake = tmp_path / "fake_train.py"
+    own = "error: rank 1: a collective with the other ranks failed or timed out (DistError: x)"
+    fake.write_text("import os, sys\n"
+                    + (f"print({own!r}, file=sys.stderr, flush=True)\n" if own_sentence else "")
+                    + f"print({WATCHDOG_LINE!r}, file=sys.stderr, flush=True)\n"
+                    "os.abort()\n")
+    env = base_env(tmp_path)
+    env.update(RUNS_DIR=str(tmp_path / "runs"), STRATEGY=strategy, TRAIN_SCRIPT=str(fake))
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    out = res.stdout + res.stderr
+    assert res.returncode == 1 and "training exit code: 1" in out, out[-3000:]
+    assert out.count("a collective with the other ranks failed or timed out") == 1, out[-3000:]
+    if not own_sentence:
+        assert ("error: a collective with the other ranks failed or timed out: NCCL's watchdog "
+                "aborted a rank ([PG ID 0 PG GUID 0(default_pg) Rank 1] Watchdog caught "
+                "collective operation timeout") in res.stderr, out[-3000:]
+        assert "or raise --dist-timeout if the job is merely slow\n" in res.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert read_env_file(run_dir / "job.env")["EXIT_CODE"] == "1"
+
+
 def test_an_edit_of_the_launchers_during_a_job_does_not_change_the_job(tmp_path):
     """job.sh and node.sh run as long as the training (hours) and bash reads a script as it
     runs it: an in-place edit of them on the shared checkout (an editor saving, a participant
