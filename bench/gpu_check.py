@@ -14,13 +14,16 @@ What it does, in order:
    on the JPEG folder path; fp16 and bf16; --compile; fsdp_train.py (full, grad-op) and
    dp_train.py on one GPU;
 3. the test suite's DDP / FSDP / DP equivalence tests on CUDA (NCCL; one process per run, two
-   when two GPUs are visible);
-4. one markdown table: configuration, img/s, peak memory (MiB), ratio to the device-synthetic
+   when two GPUs are visible; the tests marked cuda_ok, with DPT_TEST_DEVICE=cuda);
+4. the whole test suite on this node, as a workshop would run it (its runs on the CPU, with the
+   GPUs hidden; the Slurm lab tests are left out: LAUNCHER_TESTS_SLURM=0), unless --skip-suite;
+5. one markdown table: configuration, img/s, peak memory (MiB), ratio to the device-synthetic
    ceiling at the same batch; with the GPU, driver, torch / CUDA / cuDNN / NCCL versions.
 
 Without a GPU it still runs (CI smoke-tests it): a small tree, ResNet-18, a few steps, and the
-CUDA-only rows (fp16, bf16, --compile) and the CUDA equivalence tests are skipped with a notice.
-Exit code 0 when every row and test passed, 1 otherwise (the table says which failed).
+CUDA-only rows (fp16, bf16, --compile), the CUDA equivalence tests and the suite are skipped
+with a notice. Exit code 0 when every row and test passed, 1 otherwise (the table says which
+failed).
 """
 
 from __future__ import annotations
@@ -125,9 +128,9 @@ def equivalence_tests(gpus: int, timeout: int) -> tuple:
         return None, "skipped: pytest is not installed (pip install -r requirements-test.txt)"
     nproc = 2 if gpus >= 2 else 1
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           str(REPO / "tests" / "test_strategies.py"), "-k",
-           "same_weights_as_ddp or matches_ddp_single_process"]
-    env = dict(os.environ, DPT_TEST_NPROC=str(nproc))
+           str(REPO / "tests" / "test_strategies.py"), "-m", "cuda_ok"]
+    # without DPT_TEST_DEVICE=cuda the tests hide the GPUs from their runs (tests/conftest.py)
+    env = dict(os.environ, DPT_TEST_NPROC=str(nproc), DPT_TEST_DEVICE="cuda")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                               cwd=REPO)
@@ -135,6 +138,26 @@ def equivalence_tests(gpus: int, timeout: int) -> tuple:
         return False, f"no result within {timeout} s"
     summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
     return proc.returncode == 0, f"{summary} ({nproc} process(es) per run, NCCL)"
+
+
+def whole_suite(timeout: int) -> tuple:
+    """The whole test suite, as a workshop runs it on a GPU node: it must pass or skip with a
+    reason there (its runs stay on the CPU: tests/conftest.py hides the GPUs from them). The
+    Slurm lab tests are left out: they start a Slurm cluster, as root, and test no GPU."""
+    if importlib.util.find_spec("pytest") is None:
+        return None, "skipped: pytest is not installed (pip install -r requirements-test.txt)"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider",
+           str(REPO / "tests")]
+    env = {k: v for k, v in os.environ.items() if k not in ("DPT_TEST_DEVICE", "DPT_TEST_NPROC")}
+    env["LAUNCHER_TESTS_SLURM"] = "0"
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                              cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return False, f"no result within {timeout} s"
+    lines = proc.stdout.strip().splitlines() or ["no output"]
+    failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    return proc.returncode == 0, "; ".join([lines[-1]] + failed[:10])
 
 
 def main(argv=None) -> int:
@@ -149,6 +172,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="also write the report (markdown) to this file")
     p.add_argument("--row-timeout", type=int, default=300,
                    help="seconds one run may take (the --compile row: 3x)")
+    p.add_argument("--skip-suite", action="store_true",
+                   help="leave out the whole test suite (step 4: about 22 minutes on 2 CPU "
+                        "cores, less with more)")
+    p.add_argument("--suite-timeout", type=int, default=3600,
+                   help="seconds the whole test suite may take")
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available()
     if args.data_dir and not Path(args.data_dir).is_dir():
@@ -198,6 +226,13 @@ def main(argv=None) -> int:
         passed, tests = equivalence_tests(torch.cuda.device_count(), 600)
     else:
         passed, tests = None, "skipped: no GPU (the CPU suite runs them with gloo)"
+    if not gpu:
+        suite_passed, suite = None, "skipped: no GPU (run it directly: python -m pytest)"
+    elif args.skip_suite:
+        suite_passed, suite = None, "skipped (--skip-suite)"
+    else:
+        print("the test suite on this node (its runs on the CPU) ...", flush=True)
+        suite_passed, suite = whole_suite(args.suite_timeout)
 
     ceiling = {b: r["img_s"] for label, b, r in results if label.endswith(CEILING)
                and "img_s" in r}
@@ -222,8 +257,9 @@ def main(argv=None) -> int:
             failed = True
             lines.append(f"| {label} | {batch} | | FAILED: {r['error']} | | |")
     lines += ["", f"equivalence tests on this device: {tests}",
+              f"test suite on this node: {suite}",
               f"total: {time.monotonic() - t_start:.0f} s"]
-    failed = failed or passed is False
+    failed = failed or passed is False or suite_passed is False
     report = "\n".join(lines) + "\n"
     print()
     print(report, end="")

@@ -40,6 +40,28 @@ FAST = ["--model", "cnn", "--synthetic-size", "256", "--batch-size", "16", "--ep
         "--num-workers", "0", "--amp", "off"]
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda_ok: also runs on the GPU with DPT_TEST_DEVICE=cuda "
+                                       "(bench/gpu_check.py); every other test is CPU-only")
+
+
+def pytest_report_header(config):
+    return ("devices: the GPUs are used (DPT_TEST_DEVICE=cuda): only tests marked cuda_ok run"
+            if ON_CUDA else "devices: CPU only (GPUs hidden: CUDA_VISIBLE_DEVICES is empty)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """With DPT_TEST_DEVICE=cuda, the tests that hold on a GPU run, the rest is skipped with the
+    reason: they were written for the CPU (gloo, two processes on one machine)."""
+    if not ON_CUDA:
+        return
+    skip = pytest.mark.skip(reason="a CPU test: runs without DPT_TEST_DEVICE=cuda (the GPUs are "
+                                   "then hidden from it)")
+    for item in items:
+        if "cuda_ok" not in item.keywords:
+            item.add_marker(skip)
+
+
 def env_for_tests(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     for k in list(env):  # a test run inside a Slurm job or torchrun must not inherit its ranks
@@ -58,7 +80,11 @@ def env_for_tests(extra: dict | None = None) -> dict:
 
 def run_script(script: str, args=(), nproc: int | None = None, timeout: int = 600,
                env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
-    """`python script args` or, with nproc, `torchrun --standalone --nproc-per-node N ...`."""
+    """`python script args` or, with nproc, `torchrun --standalone --nproc-per-node N ...`.
+    On the GPU (DPT_TEST_DEVICE=cuda) a run of more processes than GPUs is skipped: NCCL gives
+    each process a GPU of its own."""
+    if ON_CUDA and (nproc or 1) > _gpus():
+        pytest.skip(f"{nproc or 1} process(es) need as many GPUs; this machine has {_gpus()}")
     if nproc is None:
         cmd = [sys.executable, str(REPO / script), *args]
     else:
@@ -83,6 +109,11 @@ def fake_gpus(monkeypatch, n: int, capability=(9, 0), name="NVIDIA H100 80GB HBM
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(arch_list))
     monkeypatch.setattr(torch.version, "cuda", cuda)
+
+
+def _gpus() -> int:
+    import torch
+    return torch.cuda.device_count()
 
 
 def metrics(stdout: str) -> list:

@@ -52,5 +52,6 @@ def test_gpu_check_runs_on_cpu_with_a_notice(tmp_path):
                            r"dp, cache) \| \d+ \| off \| ([\d,]+) \|", report, re.M))
     assert len(rows) == 4 and all(int(v.replace(",", "")) > 0 for v in rows.values()), report
     assert report.count("skipped (CUDA only)") == 3
+    assert "test suite on this node: skipped: no GPU" in report  # never the suite inside itself
     assert "| 1.00x |" in report  # the ceiling row, against itself
     assert "torch " in report and "date: " in report

@@ -1,17 +1,21 @@
 """A torch build that cannot use the node's GPUs stops the job with one sentence (exit 2) instead
 of failing at its first kernel or training on the CPU; --device cpu trains on the CPU on
-purpose. The GPU facts (capability, arch list, is_available, the driver) are simulated."""
+purpose. The GPU facts (capability, arch list, is_available, the driver) are simulated. And
+the suite itself on a GPU node: its runs stay on the CPU, or skip with the reason."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import devices
 import faults
-from conftest import CU130_ARCHS, FAST, fake_gpus, run_script
+from conftest import CU130_ARCHS, FAST, REPO, env_for_tests, fake_gpus, run_script
 
 CU126_ARCHS = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
 NVIDIA_SMI = """#!/bin/bash
@@ -153,14 +157,15 @@ def test_no_gpus_given_trains_on_the_cpu(env, monkeypatch, tmp_path):
 
 
 def test_a_job_given_gpus_that_torch_cannot_see_for_real():
-    """This machine's torch sees no GPU for real; a job given one stops, --device cpu trains."""
+    """Given GPU 99, which no machine has, torch sees no GPU for real: the run stops with the
+    reason; --device cpu trains on the CPU."""
     args = FAST + ["--epochs", "1", "--max-steps-per-epoch", "2"]
-    proc = run_script("ddp_train.py", args, env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=120)
+    proc = run_script("ddp_train.py", args, env={"CUDA_VISIBLE_DEVICES": "99"}, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "this job was given GPUs (CUDA_VISIBLE_DEVICES=0)" in proc.stderr
+    assert "this job was given GPUs (CUDA_VISIBLE_DEVICES=99)" in proc.stderr
     assert "Traceback" not in proc.stderr
     proc = run_script("ddp_train.py", args + ["--device", "cpu"],
-                      env={"CUDA_VISIBLE_DEVICES": "0"}, timeout=120)
+                      env={"CUDA_VISIBLE_DEVICES": "99"}, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "note: --device cpu: training on CPU with the gloo backend" in proc.stdout
 
@@ -169,3 +174,34 @@ def test_dp_gpus_and_device_cpu_contradict(capsys):
     import dp_train
     assert dp_train.main(FAST + ["--gpus", "2", "--device", "cpu"]) == 2
     assert "--gpus 2 asks for GPUs and --device cpu for none" in one_line_error(capsys)
+
+
+# ---- the suite on a GPU node: its runs stay on the CPU, or skip with the reason
+def test_the_suites_runs_stay_on_the_cpu_on_a_gpu_node(tmp_path):
+    """On a node whose nvidia-smi lists GPUs (and a Slurm job given them), the suite's runs are
+    the CPU runs it was written for: conftest hides the GPUs (an empty CUDA_VISIBLE_DEVICES),
+    so two processes never share one GPU, and no run is refused as a job given GPUs it cannot
+    use."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(NVIDIA_SMI.format(driver="13.0", gpus=1))
+    smi.chmod(0o755)
+    proc = run_script("dp_train.py", FAST + ["--epochs", "1", "--max-steps-per-epoch", "2"],
+                      env={"PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_GPUS_ON_NODE": "1"},
+                      timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "note: no GPU visible: DataParallel runs on the CPU as a single device" in proc.stdout
+
+
+def test_on_the_gpu_only_the_tests_that_hold_there_run(tmp_path):
+    """DPT_TEST_DEVICE=cuda (bench/gpu_check.py) keeps the GPUs: a CPU test is skipped with the
+    reason, and a run of more processes than the machine has GPUs (here: none) too."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+         str(REPO / "tests" / "test_strategies.py"), "-k",
+         "test_dp_runs_on_cpu or matches_ddp_single_process"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env=env_for_tests({"DPT_TEST_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": ""}))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "2 skipped" in proc.stdout, proc.stdout[-3000:]
+    assert "a CPU test: runs without DPT_TEST_DEVICE=cuda" in proc.stdout
+    assert "1 process(es) need as many GPUs; this machine has 0" in proc.stdout

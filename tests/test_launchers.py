@@ -232,17 +232,18 @@ def test_local_sh_two_processes(tmp_path):
 
 
 def test_a_job_given_gpus_that_torch_cannot_use_stops_with_the_reason(tmp_path):
-    """The node lists a GPU (nvidia-smi -L) that this torch cannot use (here: there is none):
+    """The job was given a GPU that this torch cannot see (here: GPU 99, which no machine has):
     the job stops at once with the reason and exit 2, where it used to train on the CPU, many
     times slower, after a one-line note. --device cpu is the way to do that on purpose."""
-    env = base_env(tmp_path, fake_gpus=True) | {"RUNS_DIR": str(tmp_path / "runs")}
+    env = base_env(tmp_path, fake_gpus=True) | {"RUNS_DIR": str(tmp_path / "runs"),
+                                                "CUDA_VISIBLE_DEVICES": "99"}
     args = [a for a in TINY if a not in CPU]
     res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--", *args],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr
     assert res.returncode == 2, out[-3000:]
-    assert out.count("error: this job was given GPUs (nvidia-smi -L lists 1 GPU(s)) but torch "
-                     "cannot use them") == 1, out[-3000:]
+    assert out.count("error: this job was given GPUs (CUDA_VISIBLE_DEVICES=99) but torch cannot "
+                     "use them") == 1, out[-3000:]
     assert "or add --device cpu to train on the CPU on purpose" in out
     assert "training exit code: 2" in out and "Epoch [" not in out
 

@@ -104,6 +104,7 @@ def _assert_same_weights(ref, other):
         torch.testing.assert_close(other[k], ref[k], rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.cuda_ok
 @pytest.mark.parametrize("sharding", ["full", "grad-op"])
 def test_fsdp_ends_with_the_same_weights_as_ddp(ddp_weights, sharding, tmp_path):
     ref, ref_m = ddp_weights
@@ -141,6 +142,7 @@ def test_fsdp_hybrid_across_two_nodes_matches_ddp(ddp_weights, tmp_path):
     _assert_same_weights(ref, torch.load(path, weights_only=True))
 
 
+@pytest.mark.cuda_ok
 def test_dp_on_one_device_matches_ddp_single_process(tmp_path):
     args = EQUIV[:-2] + ["--batch-size", "32"]
     one_gpu = ["--gpus", "1"] if torch.cuda.is_available() else []  # else dp takes every GPU
