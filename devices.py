@@ -153,7 +153,7 @@ def why_no_gpu(init_warning: str) -> str:
     built, driver = _version(torch.version.cuda), driver_cuda(init_warning)
     if built and driver and driver < built:
         said = (f"this torch {torch.__version__} is built for CUDA {built[0]}.{built[1]}, but "
-                f"the NVIDIA driver supports CUDA {driver[0]}.{driver[1]} at most (nvidia-smi)")
+                f"the NVIDIA driver supports CUDA {driver[0]}.{driver[1]} at most")
         if driver[0] < 12:
             return f"{said}; ask for a newer driver (CUDA 12.6 or later)"
         build = BLACKWELL_ON_CUDA12 if driver >= (12, 8) else OLD_GPUS
