@@ -154,6 +154,10 @@ fi
 export NNODES=$nnodes
 gpus_per_node=$(bash "$LAUNCH_DIR/node.sh" --gpus)  # same rule node.sh applies on each node
 nproc=${NPROC_PER_NODE:-$gpus_per_node}
+gpus_shown=$gpus_per_node
+if ! bash "$LAUNCH_DIR/node.sh" --gpus-seen; then
+  gpus_shown="none seen (a CPU run: each process stands in for a GPU)"
+fi
 if [ "$mode" = python ]; then
   world_size=1 per_node="one process for all GPUs"
 else
@@ -216,7 +220,7 @@ cat <<EOF
 job id        : $job_id ($job_name)
 strategy      : $STRATEGY -> $TRAIN_SCRIPT $*
 nodes         : $nnodes (${nodes[*]:0:$nnodes})
-GPUs per node : $gpus_per_node
+GPUs per node : $gpus_shown
 processes     : $world_size ($per_node)
 rendezvous    : ${RDZV_ENDPOINT:-standalone}
 data          : ${DATA_DIR:-built-in synthetic data (DATA_DIR unset)}

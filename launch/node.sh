@@ -7,6 +7,7 @@
 #   node.sh torchrun SCRIPT [ARGS...]   one torchrun on this node, NPROC_PER_NODE workers
 #   node.sh python SCRIPT [ARGS...]     one plain python process (dp: one process, all GPUs)
 #   node.sh --gpus                      print the number of GPUs on this node and exit
+#   node.sh --gpus-seen                 exit 0 when this node has GPUs at all, else 1
 #
 # Environment (set by job.sh; defaults work for a single node):
 #   RUN_DIR          run directory (required): logs go to gpu_memory/<node>.csv and
@@ -52,12 +53,29 @@ gpus_on_node() {
   fi
 }
 
+# Whether this node has GPUs at all, by the same signs: without any, gpus_on_node's 1 is the
+# process count of a CPU run, not a GPU.
+gpus_seen() {
+  local listed
+  if [[ ${SLURM_GPUS_ON_NODE:-} =~ ^[1-9][0-9]*$ ]]; then return 0; fi
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
+    [ -n "$CUDA_VISIBLE_DEVICES" ] && [ "$CUDA_VISIBLE_DEVICES" != -1 ]
+    return
+  fi
+  listed=$(timeout 30 "${NVIDIA_SMI:-nvidia-smi}" -L 2>/dev/null | grep -c '^GPU ' || true)
+  [[ $listed =~ ^[1-9][0-9]*$ ]]
+}
+
 if [ "${1:-}" = --gpus ]; then
   gpus_on_node
   exit 0
 fi
+if [ "${1:-}" = --gpus-seen ]; then
+  gpus_seen
+  exit
+fi
 if [ $# -lt 2 ] || { [ "$1" != torchrun ] && [ "$1" != python ]; }; then
-  echo "usage: $0 torchrun|python SCRIPT [ARGS...]  |  $0 --gpus" >&2
+  echo "usage: $0 torchrun|python SCRIPT [ARGS...]  |  $0 --gpus  |  $0 --gpus-seen" >&2
   exit 2
 fi
 launcher=$1

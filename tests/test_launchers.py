@@ -231,6 +231,17 @@ def test_local_sh_two_processes(tmp_path):
     assert_loggers_gone(tmp_path, run_dir)  # no Slurm here to clean up: the trap did it
 
 
+def test_local_sh_on_a_machine_without_gpus_says_so(tmp_path):
+    """It printed 'GPUs per node : 1' beside 'processes : 2 (2 per node)'."""
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--",
+                          *TINY, "--check"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert "GPUs per node : none seen (a CPU run: each process stands in for a GPU)" in out, out
+    assert "processes     : 2 (2 per node)" in out
+
+
 def test_a_job_given_gpus_that_torch_cannot_use_stops_with_the_reason(tmp_path):
     """The job was given a GPU that this torch cannot see (here: GPU 99, which no machine has):
     the job stops at once with the reason and exit 2, where it used to train on the CPU, many
