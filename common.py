@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import contract
+import devices
 from faults import (NonFiniteLoss, UsageError, catch_stop_signals, collective_failed, crashed,
                     exit_line, fail_cleanly, is_collective_failure, start_watchdog)
 from models import check_model, grey_channels, synthetic_shape
@@ -221,6 +222,8 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         env = dist_env()
         _rank = env.rank
         catch_stop_signals(env.rank)  # from the start: a signal is never lost
+        import torchvision
+        devices.check_versions(torch.__version__, torchvision.__version__)  # the floor
         check_flags(args)  # before the watchdog and the process group use them
         start_watchdog(env, args.dist_timeout)  # ends this worker if orphaned or frozen
         rc = train(args, env)

@@ -35,6 +35,28 @@ INDEX = "https://download.pytorch.org/whl/{}"
 OLD_GPUS, BLACKWELL_ON_CUDA12, NEWEST = "cu126", "cu128", "cu130"
 
 
+#: The oldest torch and torchvision this project runs on, as requirements.txt says: on torch
+#: 2.8 FSDP2 no longer ends with DDP's weights (the equivalence tests fail), on 2.6 every FSDP
+#: run fails at its first forward ('Stream' object has no attribute 'record_event'), on 2.5
+#: fsdp_train.py cannot even import MixedPrecisionPolicy. .ci/run tests this pair.
+MIN_TORCH, MIN_TORCHVISION = (2, 9), (0, 24)
+
+
+def check_versions(torch_version: str, torchvision_version: str) -> None:
+    """Stop with one sentence when torch or torchvision is older than the floor."""
+    have = (_version(torch_version), _version(torchvision_version))
+    if have[0] and have[1] and have[0] >= MIN_TORCH and have[1] >= MIN_TORCHVISION:
+        return
+    want = (f"torch {MIN_TORCH[0]}.{MIN_TORCH[1]} and torchvision "
+            f"{MIN_TORCHVISION[0]}.{MIN_TORCHVISION[1]}")
+    raise UsageError(f"this torch {torch_version} with torchvision {torchvision_version} is "
+                     f"older than the {want} this project needs (FSDP2 fails on older ones): "
+                     f"pip install -r requirements.txt, or pip install 'torch>={MIN_TORCH[0]}."
+                     f"{MIN_TORCH[1]}' 'torchvision>={MIN_TORCHVISION[0]}."
+                     f"{MIN_TORCHVISION[1]}' (with --index-url for a CUDA build, see the "
+                     f"README); a cluster's 'module load pytorch' may be too old")
+
+
 def install_command(build: str) -> str:
     """The pip command that installs torch and torchvision of one CUDA build (e.g. cu126)."""
     return f"pip install torch torchvision --index-url {INDEX.format(build)}"

@@ -47,7 +47,10 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+try:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+except ImportError:  # torch before 2.6: common.run() stops it with one sentence (the floor)
+    MixedPrecisionPolicy = fully_shard = None
 from torch.utils.data import DistributedSampler
 from torchvision.models.resnet import ResNet
 

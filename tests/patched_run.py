@@ -115,6 +115,11 @@ def bug_at_step_3(out: Path) -> None:
     checkpoint.track_finite = track_finite
 
 
+def old_torch(out: Path) -> None:
+    """torch says it is 2.5.1, older than the floor in requirements.txt."""
+    torch.__version__ = "2.5.1"
+
+
 if __name__ == "__main__":
     patch, out, script, *args = sys.argv[1:]
     globals()[patch](Path(out))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 
@@ -205,3 +206,43 @@ def test_on_the_gpu_only_the_tests_that_hold_there_run(tmp_path):
     assert "2 skipped" in proc.stdout, proc.stdout[-3000:]
     assert "a CPU test: runs without DPT_TEST_DEVICE=cuda" in proc.stdout
     assert "1 process(es) need as many GPUs; this machine has 0" in proc.stdout
+
+
+# ---- The oldest torch we claim, and an older one told so --------------------------------------
+
+
+@pytest.mark.parametrize("torch_version, vision_version, ok", [
+    ("2.14.1+cu130", "0.29.1+cu130", True),
+    ("2.9.0", "0.24.0", True),
+    ("2.10.0a0+git1234", "0.25.0a0", True),
+    ("2.8.0+cu128", "0.23.0", False),   # FSDP2 no longer matches DDP's weights
+    ("2.6.0", "0.21.0", False),         # every FSDP run fails at its first forward
+    ("2.9.1", "0.21.0", False),         # an old torchvision beside a new torch
+])
+def test_the_version_floor(torch_version, vision_version, ok):
+    if ok:
+        devices.check_versions(torch_version, vision_version)
+        return
+    with pytest.raises(faults.UsageError, match=rf"this torch {re.escape(torch_version)} with "
+                       rf"torchvision {re.escape(vision_version)} is older than the torch 2\.9 "
+                       rf"and torchvision 0\.24 this project needs"):
+        devices.check_versions(torch_version, vision_version)
+
+
+def test_requirements_txt_states_the_same_floor():
+    text = (REPO / "requirements.txt").read_text()
+    assert f"torch>={devices.MIN_TORCH[0]}.{devices.MIN_TORCH[1]}\n" in text
+    assert f"torchvision>={devices.MIN_TORCHVISION[0]}.{devices.MIN_TORCHVISION[1]}\n" in text
+
+
+@pytest.mark.parametrize("script", ["ddp_train.py", "fsdp_train.py", "dp_train.py"])
+def test_a_torch_below_the_floor_stops_every_script_with_one_sentence(tmp_path, script):
+    """On torch 2.5.1 fsdp_train.py died with an ImportError traceback and ddp_train.py ran
+    with no check at all."""
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "patched_run.py"), "old_torch",
+                           str(tmp_path), script, "--epochs", "1"], capture_output=True,
+                          text=True, timeout=120, env=env_for_tests())
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "this torch 2.5.1 with torchvision" in errors[0], errors
+    assert "pip install -r requirements.txt" in errors[0]
