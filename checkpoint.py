@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import on_rank0, print0
+from common import on_rank0, print0, raise_if_any_rank
 from contract import REQUEUE_EXIT, STOP_LINE
 from faults import NonFiniteLoss, StopSignals, UsageError, lock_checkpoint_dir
 
@@ -541,13 +541,8 @@ class Checkpoints:
             self._save(self.dir / checkpoint_name(epoch, step), self.state, meta)
         except UsageError as exc:  # a full disk, which only the ranks that write see
             error = str(exc)
-        if dist.is_available() and dist.is_initialized():
-            # every rank waits here until the checkpoint is complete, and learns whether it is
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-            error = next((e for e in errors if e), None)
-        if error:
-            raise UsageError(error)
+        # every rank waits here until the checkpoint is complete, and learns whether it is
+        raise_if_any_rank(error)
         if _rank() == 0:
             prune_checkpoints(self.dir, self.args.keep_checkpoints)
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 import prepare_tinyimagenet
-from common import dist_env, on_rank0, print0, seed_for_rank
+from common import dist_env, on_rank0, print0, raise_if_any_rank, seed_for_rank
 from faults import DataError, UsageError, ignore_stop_signals
 from models import grey_channels, synthetic_shape
 
@@ -378,13 +378,7 @@ def _cached_tinyimagenet(args, classes, train, val) -> DataBundle:
                                          scanned=(classes, train, val))
         except UsageError as exc:
             error = str(exc)
-    if dist.is_available() and dist.is_initialized():
-        # every rank: wait until each node's builder is done, and learn about its failure
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, error)
-        error = next((e for e in everyone if e), None)
-    if error:
-        raise UsageError(error)
+    raise_if_any_rank(error)  # every rank: wait for each node's builder, learn of its failure
     directory = prepare_tinyimagenet.cache_dir(args.data_dir, args.data_cache)
     train_set = CachedSplit(directory / "train_u8.npy", directory / "train_labels.npy")
     val_set = CachedSplit(directory / "val_u8.npy", directory / "val_labels.npy")
