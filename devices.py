@@ -35,10 +35,12 @@ INDEX = "https://download.pytorch.org/whl/{}"
 OLD_GPUS, BLACKWELL_ON_CUDA12, NEWEST = "cu126", "cu128", "cu130"
 
 
-#: The oldest torch and torchvision this project runs on, as requirements.txt says: on torch
-#: 2.8 FSDP2 no longer ends with DDP's weights (the equivalence tests fail), on 2.6 every FSDP
-#: run fails at its first forward ('Stream' object has no attribute 'record_event'), on 2.5
-#: fsdp_train.py cannot even import MixedPrecisionPolicy. .ci/run tests this pair.
+#: The oldest torch and torchvision this project runs on, as requirements.txt says. Before
+#: 2.9, gloo's reduce-scatter returns the sum where FSDP2 asks for the average, so FSDP on the
+#: CPU trains with gradients world-size times too large, silently (the equivalence tests fail
+#: on 2.7 and 2.8); on 2.6 every FSDP run fails at its first forward ('Stream' object has no
+#: attribute 'record_event'); on 2.5 fsdp_train.py cannot import MixedPrecisionPolicy. .ci/run
+#: tests this pair.
 MIN_TORCH, MIN_TORCHVISION = (2, 9), (0, 24)
 
 
