@@ -477,7 +477,8 @@ class Checkpoints:
             set_rng_state(meta["rng"][_rank()])
         self.metrics = meta["metrics"]
         saved_steps = meta.get("steps", steps)  # (checkpoints before it was saved: the same)
-        step = round(meta["step"] * steps / saved_steps)
+        # a mid-epoch checkpoint has steps left, and so must the resumed epoch
+        step = min(round(meta["step"] * steps / saved_steps), steps - 1) if meta["step"] else 0
         for group, values in zip(optimizer.param_groups, fresh):
             group.update(values)
         place_schedule(optimizer, scheduler, peak, meta["epoch"] * steps + step)
