@@ -101,21 +101,18 @@ class ImageList(Dataset):
                   flush=True)
             return None
         if resized_from:  # as the cache does: resized with a warning, or --strict stops
-            size = prepare_tinyimagenet.SIZE
-            text = prepare_tinyimagenet.wrong_size(path, resized_from)
             if self.strict:
-                raise DataError(f"{text}: resize or delete it, or drop --strict to have it "
-                                f"resized to {size}x{size}")
+                raise DataError(prepare_tinyimagenet.wrong_size(path, resized_from, strict=True))
             if path not in self.warned:  # once per file, not every epoch
                 self.warned.add(path)
-                print(f"warning: {text}: resized to {size}x{size} (--strict stops at such "
-                      f"files)", file=sys.stderr, flush=True)
+                print(prepare_tinyimagenet.wrong_size(path, resized_from, strict=False),
+                      file=sys.stderr, flush=True)
         x = self.to_tensor(img)
         if self.augment_seed is not None:
             dy, dx, flip = crop_and_flip(self.augment_seed, int(self.epoch), index)
             pad = CROP_PADDING
-            x = F.pad(x.unsqueeze(0), (pad, pad, pad, pad)).squeeze(0)  # zeros, i.e. black:
-            # padded before normalising, as RandomCrop(padding=4) pads the PIL image
+            # zeros (black), padded before normalising, as the cache path pads its uint8 pixels
+            x = F.pad(x, (pad, pad, pad, pad))
             x = x[:, dy:dy + x.shape[1] - 2 * pad, dx:dx + x.shape[2] - 2 * pad]
             if flip:
                 x = x.flip(-1)
@@ -252,12 +249,17 @@ def read_idx(path: Path, ndim: int) -> torch.Tensor:
     return torch.from_numpy(data.reshape(shape).copy())
 
 
+def idx_file(folder: Path, name: str) -> Path | None:
+    """The IDX file ``name`` in ``folder``, unzipped or gzipped; None when neither is there."""
+    return next((p for p in (folder / name, folder / f"{name}.gz") if p.is_file()), None)
+
+
 def find_fashion_mnist(root: Path) -> Path:
     """The folder that holds Fashion-MNIST's four IDX files (each gzipped or not): ``root``
     itself, or torchvision's layout below it (``root/FashionMNIST/raw``)."""
     names = [n for pair in FASHION_MNIST_FILES.values() for n in pair]
     for folder in (root, root / "FashionMNIST" / "raw"):
-        if all((folder / n).is_file() or (folder / f"{n}.gz").is_file() for n in names):
+        if all(idx_file(folder, n) for n in names):
             return folder
     how = ("install them with 'sudo apt-get install dataset-fashion-mnist' (they land in "
            f"{FASHION_MNIST_DIR}, read without --data-dir)" if root == FASHION_MNIST_DIR else
@@ -295,8 +297,7 @@ def _fashion_mnist(args) -> DataBundle:
     channels = grey_channels(args.model)
     splits = {}
     for split, (images_name, labels_name) in FASHION_MNIST_FILES.items():
-        paths = [folder / n if (folder / n).is_file() else folder / f"{n}.gz"
-                 for n in (images_name, labels_name)]
+        paths = [idx_file(folder, n) for n in (images_name, labels_name)]
         images, labels = read_idx(paths[0], ndim=3), read_idx(paths[1], ndim=1)
         if len(images) != len(labels):
             raise UsageError(f"{paths[0]} holds {len(images)} images and {paths[1]} "
@@ -351,8 +352,8 @@ class DeviceAugment:
         x = images.permute(0, 3, 1, 2)  # uint8 NCHW view: crop and flip 1-byte pixels
         if train:
             b, c, h, w = x.shape
-            pad = 4
-            x = F.pad(x, (pad, pad, pad, pad))  # zeros, like RandomCrop(padding=4) on the PIL image
+            pad = CROP_PADDING
+            x = F.pad(x, (pad, pad, pad, pad))  # zeros, as the folder path pads its images
             dy = torch.randint(0, 2 * pad + 1, (b, 1, 1, 1), device=x.device)
             dx = torch.randint(0, 2 * pad + 1, (b, 1, 1, 1), device=x.device)
             flip = torch.rand(b, 1, 1, 1, device=x.device) < 0.5

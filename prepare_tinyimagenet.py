@@ -203,9 +203,12 @@ def load_rgb(path):
     return rgb.resize((SIZE, SIZE)), rgb.size
 
 
-def wrong_size(path, size) -> str:
-    """The start of the sentence about an image that is not 64x64."""
-    return f"{path} is {size[0]}x{size[1]} pixels, not TinyImageNet's {SIZE}x{SIZE}"
+def wrong_size(path, size, strict: bool) -> str:
+    """The sentence about an image that is not 64x64: --strict's error, else the warning."""
+    text = f"{path} is {size[0]}x{size[1]} pixels, not TinyImageNet's {SIZE}x{SIZE}"
+    if strict:
+        return f"{text}: resize or delete it, or drop --strict to have it resized to {SIZE}x{SIZE}"
+    return f"warning: {text}: resized to {SIZE}x{SIZE} (--strict stops at such files)"
 
 
 def _decode_rgb(path):
@@ -246,11 +249,9 @@ def build_split(directory: Path, split: str, samples, checksum: str, strict: boo
             else:
                 pixels, resized_from = img
                 if resized_from and strict:
-                    raise UsageError(f"{wrong_size(path, resized_from)}: resize or delete it, "
-                                     f"or drop --strict to have it resized to {SIZE}x{SIZE}")
+                    raise UsageError(wrong_size(path, resized_from, strict=True))
                 if resized_from:
-                    log(f"warning: {wrong_size(path, resized_from)}: resized to {SIZE}x{SIZE} "
-                        f"(--strict stops at such files)")
+                    log(wrong_size(path, resized_from, strict=False))
                 images[len(labels)] = pixels
                 labels.append(label)
             if time.perf_counter() - last >= 10:
