@@ -140,20 +140,24 @@ mkdir -p "$RUN_DIR/gpu_memory" "$RUN_DIR/cpu_memory"
 gpu_pid="" cpu_pid="" train_pid=""
 
 # Runs on every exit path (normal end, failure, set -e, scancel/kill-on-bad-exit via TERM).
+# The loggers stop first: when another node fails, Slurm ends this node's task with SIGTERM and,
+# KillWait seconds later (30 s by default, 5 s in the test cluster), SIGKILL. A training that
+# takes longer to stop must not keep this node from saying that its loggers are gone.
 # shellcheck disable=SC2317  # reached through the EXIT trap
 stop_all() {
   local rc=$? p stopped=()
   trap - EXIT INT TERM HUP
-  if [ -n "$train_pid" ] && kill -0 "$train_pid" 2>/dev/null; then
-    kill -TERM "$train_pid" 2>/dev/null || true  # torchrun forwards it to its workers
-    wait "$train_pid" 2>/dev/null || true
-  fi
   for p in $gpu_pid $cpu_pid; do
     kill -TERM "$p" 2>/dev/null || true
     wait "$p" 2>/dev/null || true
     stopped+=("$p")
   done
   echo "[$node] loggers stopped (pids: ${stopped[*]:-none}); exit code $rc"
+  if [ -n "$train_pid" ] && kill -0 "$train_pid" 2>/dev/null; then
+    echo "[$node] waiting for the training to stop"
+    kill -TERM "$train_pid" 2>/dev/null || true  # torchrun forwards it to its workers
+    wait "$train_pid" 2>/dev/null || true
+  fi
   exit "$rc"
 }
 # shellcheck disable=SC2317  # reached through the USR1 trap

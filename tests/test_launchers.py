@@ -412,6 +412,36 @@ def test_a_stop_line_after_a_long_log_is_still_read(tmp_path):
     assert res.returncode == 75 and "stopped after a checkpoint: continue with RUN_DIR=" in out
 
 
+def test_a_slow_to_stop_training_does_not_hold_back_the_loggers_line(tmp_path):
+    """When another node fails, Slurm ends this node's task with SIGTERM and KillWait seconds
+    later (5 s in the test cluster) with SIGKILL. node.sh used to wait for the training first
+    and only then stop its loggers and say so: a training slower to stop than KillWait left the
+    node without its "loggers stopped" line (seen in CI: the failing two-node job's n2)."""
+    fake = tmp_path / "fake_train.py"
+    fake.write_text("import signal, sys, time\n"
+                    "termed = []\n"
+                    "signal.signal(signal.SIGTERM, lambda *a: termed.append(time.time()))\n"
+                    "print('fake: started', flush=True)\n"
+                    "while not termed:\n"
+                    "    time.sleep(0.1)\n"
+                    "time.sleep(3)  # a checkpoint being written\n"
+                    "print('fake: stopped', flush=True)\n"
+                    "sys.exit(143)\n")
+    env = base_env(tmp_path, fake_gpus=True)
+    env.update(RUNS_DIR=str(tmp_path / "runs"), STRATEGY="dp", TRAIN_SCRIPT=str(fake))
+    proc = subprocess.Popen(["bash", str(LAUNCH / "local.sh")], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    head = read_until(proc, "fake: started")
+    proc.send_signal(signal.SIGTERM)  # to job.sh, which hands it to node.sh
+    out = head + proc.communicate(timeout=120)[0]
+    assert "loggers stopped (pids: " in out and "fake: stopped" in out, out[-3000:]
+    assert out.index("loggers stopped (pids: ") < out.index("fake: stopped"), out[-3000:]
+    assert "waiting for the training to stop" in out
+    assert proc.returncode != 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert_loggers_gone(tmp_path, run_dir)
+
+
 WATCHDOG_LINE = ("[PG ID 0 PG GUID 0(default_pg) Rank 1] Watchdog caught collective operation "
                  "timeout: WorkNCCL(SeqNum=812, OpType=ALLREDUCE, NumelIn=25557032, "
                  "NumelOut=25557032, Timeout(ms)=600000) ran for 600012 milliseconds before "

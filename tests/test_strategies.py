@@ -17,10 +17,18 @@ import contract
 from conftest import FAST, REPO, check_ok, env_for_tests, epoch_lines, metrics, run_script
 
 EQUIV = ["--model", "cnn", "--synthetic-size", "320", "--epochs", "2", "--num-workers", "0",
-         "--amp", "off", "--seed", "5", "--lr", "0.02", "--batch-size", "16"]
+         "--amp", "off", "--seed", "5", "--lr", "0.02"]
 # Processes per run of the DDP/FSDP equivalence tests: bench/gpu_check.py sets 1 on a machine
 # with one GPU, to run them on CUDA with NCCL.
 NPROC = int(os.environ.get("DPT_TEST_NPROC", "2"))
+if os.environ.get("DPT_TEST_DEVICE") == "cuda":
+    # On a GPU two runs of the same script with the same seed already differ: cuDNN's
+    # autotuner (cudnn.benchmark) picks its algorithms per process, each rounds differently,
+    # and 40 steps of training grow that to 1e-2 (measured on an H200: DDP against DDP 0.0103,
+    # FSDP against DDP 0.0003). A few steps keep the runs comparable to the 1e-4 asked here.
+    EQUIV += ["--epochs", "1", "--max-steps-per-epoch", "3"]
+EQUIV_DP = EQUIV + ["--batch-size", "32"]  # DataParallel against DDP, one process each
+EQUIV += ["--batch-size", "16"]
 
 
 def _flags(script: str) -> set:
@@ -144,7 +152,7 @@ def test_fsdp_hybrid_across_two_nodes_matches_ddp(ddp_weights, tmp_path):
 
 @pytest.mark.cuda_ok
 def test_dp_on_one_device_matches_ddp_single_process(tmp_path):
-    args = EQUIV[:-2] + ["--batch-size", "32"]
+    args = EQUIV_DP
     one_gpu = ["--gpus", "1"] if torch.cuda.is_available() else []  # else dp takes every GPU
     check_ok(run_script("dp_train.py", args + one_gpu + ["--save-model", str(tmp_path / "dp.pt")]))
     check_ok(run_script("ddp_train.py", args + ["--save-model", str(tmp_path / "ddp.pt")]))
