@@ -33,7 +33,8 @@ Avg (GPU 0 = index 0 on the job's first node); Parallel Efficiency = Throughput 
 Why not N x: each run's step time (epoch time x global batch / images), its data wait and,
 from the [PROFILE] and [BANDWIDTH] lines of a run with --profile, the step's parts and the bus
 bandwidth of its collectives; from those a weak-scaling model predicts 2 to 64 nodes
-(scaling.predict_step_ms; the formula is in the README, "A scaling model").
+(scaling.predict_step_ms; the formula is in the README, "A scaling model"). Where no multi-node
+run measured the bandwidth between nodes, the model assumes --inter-node-busbw.
 
 Exit status: 0 results written (failed runs are results too); 2 a bad path or flag, nothing to
 collect, the output cannot be written, or a module of the repository missing beside this file
@@ -77,7 +78,8 @@ TAIL = ("gpu0", "gpu0_peak_mib", "gpu0_avg_mib", "gpu0_mode_mib",
         "step_ms", "data_wait_ms", "profile_steps", "profile_step_ms", "profile_compute_ms",
         "profile_exposed_comm_ms", "profile_data_wait_ms", "profile_other_ms", "profile_comm_ms",
         "grad_bytes", "busbw_all_reduce_gbs", "busbw_all_gather_gbs",
-        "busbw_reduce_scatter_gbs", "predicted_step_ms", "prediction_error",
+        "busbw_reduce_scatter_gbs", "messages_all_reduce", "messages_all_gather",
+        "messages_reduce_scatter", "predicted_step_ms", "prediction_error",
         "exit_code", "job_id", "job_name", "restarts", "start_time", "end_time",
         "metric_lines", "bad_metric_lines", "path")
 NOT_COLUMNS = ("final", "notes", "bad")  # in a row, but not in results.csv
@@ -133,7 +135,8 @@ def read_log(path: Path) -> tuple:
 def read_explanations(path: Path) -> dict:
     """What --profile adds to a train.log, as row columns: the last [PROFILE] line's parts
     (profile_<key>) and, per collective, the bus bandwidth at the largest message size
-    measured ([BANDWIDTH] lines: busbw_<op>_gbs, and that size as grad_bytes)."""
+    measured ([BANDWIDTH] lines: busbw_<op>_gbs, and that size as grad_bytes), with the
+    collectives of that kind per training step where the run counted them (messages_<op>)."""
     found = {}
     with open(path, encoding="utf-8", errors="replace") as f:
         for text in f:
@@ -148,6 +151,7 @@ def read_explanations(path: Path) -> dict:
                         pairs["bytes"]) >= int(found.get("grad_bytes", 0)):
                     found["grad_bytes"] = pairs["bytes"]
                     found[f"busbw_{pairs['op']}_gbs"] = pairs.get("busbw_gbs", "")
+                    found[f"messages_{pairs['op']}"] = pairs.get("messages", "")
     return found
 
 
@@ -436,6 +440,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also write the PNG plots (matplotlib, headless)")
     parser.add_argument("--dpi", type=int, default=100,
                         help="resolution of the PNG plots, 50 to 600")
+    parser.add_argument("--inter-node-busbw", type=float, default=scaling.INTER_NODE_BUSBW_GBS,
+                        metavar="GBS",
+                        help="the scaling model's bus bandwidth between nodes, GB/s, where no "
+                             "multi-node run measured it (--profile); default: one 100 Gb/s "
+                             "link per node")
+    parser.add_argument("--ring-latency-us", type=float,
+                        default=scaling.RING_STEP_LATENCY_US, metavar="US",
+                        help="the scaling model's latency of one ring step, microseconds")
     return parser
 
 
@@ -445,18 +457,22 @@ def main(argv=None) -> int:
     try:
         if not 50 <= args.dpi <= 600:  # 600: a 4200 x 2700 plot, past print quality
             raise UsageError(f"--dpi {args.dpi} is out of range: use 50 to 600 (default 100)")
+        if not (args.inter_node_busbw > 0 and args.ring_latency_us >= 0):
+            raise UsageError(f"--inter-node-busbw {args.inter_node_busbw:g} and "
+                             f"--ring-latency-us {args.ring_latency_us:g}: the bandwidth must "
+                             f"be above 0 GB/s and the latency at least 0 us")
         if args.plot and (why := plots.missing_matplotlib()):
             raise UsageError(why)
         rows = read_inputs(args.paths)
         chosen = scaling.scale(rows)
         scaling.step_times(rows)
-        scaling.predict(rows, chosen)
+        models = scaling.predict(rows, chosen, args.inter_node_busbw, args.ring_latency_us)
         try:
             out.mkdir(parents=True, exist_ok=True)
             pngs = report.write_plots(chosen, out, args.dpi) if args.plot else []
             timelines = write_timelines(rows, out) if args.plot else []
             write_csv(rows, out / "results.csv")
-            report.write_markdown(rows, chosen, args.paths, out / "results.md", pngs)
+            report.write_markdown(rows, chosen, models, args.paths, out / "results.md", pngs)
         except OSError as e:
             raise UsageError(f"cannot write to {out} ({e.strerror or e}); pass a writable "
                              f"--out DIR") from None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import time
 
 import torch
@@ -122,7 +123,8 @@ def train(args, env: common.DistEnv) -> int:
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
     if args.profile and world > 1:  # the bandwidth the step's collectives get
-        measure.bandwidth(device, world, [grad_bytes], COLLECTIVES)
+        buckets = math.ceil(grad_bytes / (args.bucket_cap_mb * 2**20))  # an all-reduce each
+        measure.bandwidth(device, world, [grad_bytes], COLLECTIVES, {"all_reduce": buckets})
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
     # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
     # the same crop as rank 0's i-th sample at every step).

@@ -211,7 +211,10 @@ def train(args, env: common.DistEnv) -> int:
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
     if args.profile and world > 1:  # the bandwidth the step's collectives get
-        measure.bandwidth(device, world, [grad_bytes], COLLECTIVES)
+        units = len(shard_units(model)) + 1  # the blocks and the root: a collective each
+        gathers = 1 if args.sharding == "grad-op" else 2  # again for backward after a reshard
+        measure.bandwidth(device, world, [grad_bytes], COLLECTIVES,
+                          {"all_gather": gathers * units, "reduce_scatter": units})
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
     # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
     # the same crop as rank 0's i-th sample at every step).

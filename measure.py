@@ -320,10 +320,13 @@ def _time_collective(op: str, nbytes: int, device: torch.device, world: int) -> 
     return (time.perf_counter() - t0) / iters
 
 
-def bandwidth(device: torch.device, world: int, sizes: list, ops=("all_reduce",)) -> list:
+def bandwidth(device: torch.device, world: int, sizes: list, ops=("all_reduce",),
+              messages: dict | None = None) -> list:
     """One ``[BANDWIDTH]`` line per collective in ``ops`` and message size in ``sizes``
     (bytes, rounded to whole float32 shards), every rank taking part; returns the sizes used.
-    Bus bandwidth as nccl-tests report it: the figure to compare with the links' nominal one."""
+    Bus bandwidth as nccl-tests report it: the figure to compare with the links' nominal one.
+    ``messages``: how many collectives of each kind a training step makes (the scaling model's
+    latency term), added to the lines as messages=N."""
     unit = 4 * world  # whole float32 elements, and a shard per rank
     sizes = sorted({max(unit, nbytes // unit * unit) for nbytes in sizes})
     for op in ops:
@@ -332,7 +335,8 @@ def bandwidth(device: torch.device, world: int, sizes: list, ops=("all_reduce",)
             algbw = nbytes / seconds / 1e9
             print0(f"{BANDWIDTH_PREFIX} op={op} bytes={nbytes} world_size={world} "
                    f"time_ms={seconds * 1e3:.3f} algbw_gbs={algbw:.3f} "
-                   f"busbw_gbs={algbw * BUS_FACTOR[op](world):.3f}")
+                   f"busbw_gbs={algbw * BUS_FACTOR[op](world):.3f}"
+                   + (f" messages={messages[op]}" if messages and op in messages else ""))
     return sizes
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import plots
 from scaling import (FAILED, HAS_METRICS, OK, OVERLAP, SKIPPED, STATUSES, beyond_study, gpus,
-                     group_of, model_inputs, num)
+                     group_of, num, predict_step_ms)
 
 STRATEGY_TITLE = {"dp": "DataParallel (dp)", "ddp": "DistributedDataParallel (ddp)",
                   "fsdp": "FSDP (fsdp)"}
@@ -145,9 +145,10 @@ def _ms(row: dict | None, key: str) -> str:
     return "—" if row is None or num(row, key) is None else f"{num(row, key):.1f}"
 
 
-def explain_markdown(key: tuple, configs: dict) -> list:
+def explain_markdown(key: tuple, configs: dict, model: tuple) -> list:
     """Why a group does not scale perfectly: each run's step split into its parts, then the
-    scaling model's prediction beyond the study."""
+    scaling model's prediction beyond the study (``model``: scaling.predict's (inputs, why not)
+    for this group)."""
     shown = [(c, r) for c, r in sorted(configs.items()) if num(r, "step_ms") is not None]
     if not shown:
         return []
@@ -167,33 +168,78 @@ def explain_markdown(key: tuple, configs: dict) -> list:
         unit = "process" if r.get("device") == "cpu" else "GPU"  # a CPU run has no GPUs
         lines.append(f"| {_count(nodes, 'node')} x {_count(g, unit)} | {_ms(r, 'step_ms')} | "
                      f"{_ms(r, 'data_wait_ms')} | " + " | ".join(parts) + f" | {bw or '—'} |")
-    inputs, why = model_inputs(key, configs)
+    inputs, why = model
     if key[1] not in OVERLAP:  # DataParallel: one process, nothing to model
         return lines + [""]
     lines += ["", "### Scaling model: beyond this study", ""]
     if not inputs:
         return lines + [why + ".", ""]
-    strategy, t1, source = inputs["strategy"], inputs["t1"], inputs["source"]
-    bw = ", ".join(f"{op} {v:g} GB/s" for op, v in inputs["busbw"].items())
-    comm = ("2(N-1)/N x G / busbw(all_reduce)" if strategy == "ddp" else
-            "2(N-1)/N x G / busbw(all_gather) + (N-1)/N x G / busbw(reduce_scatter)")
-    lines += [f"step(N) = t1 + max(0, comm(N) - h x t1), comm(N) = {comm}; efficiency = t1 / "
-              f"step(N). Here t1 = {t1:.1f} ms (the 1-GPU run), G = "
-              f"{inputs['grad_bytes'] / 1e6:.1f} MB (fp32 gradients), bus bandwidth {bw} "
-              f"(measured by {source['run']} on {_count(int(num(source, 'nodes')), 'node')}"
-              f"{'' if num(source, 'nodes') > 1 else ': within a node, so optimistic beyond'}), "
-              f"h = {OVERLAP[strategy]:.2f} (the share of a step communication can hide "
-              f"behind). See the README, \"A scaling model\".", "",
-              "| Config | GPUs | Predicted step (ms) | Predicted efficiency | Measured step (ms) "
-              "| Error |", "|---|---|---|---|---|---|"]
+    return lines + model_markdown(inputs, configs)
+
+
+def _bandwidth(busbw: dict, source: dict | None, where: str) -> str:
+    figures = ", ".join(f"{op} {v:g} GB/s" for op, v in busbw.items())
+    if source is None:
+        return f"{figures} (assumed: no run measured it {where}; --inter-node-busbw sets it)"
+    return (f"{figures} (measured by {source['run']}, "
+            f"{_count(int(num(source, 'nodes')), 'node')} x {int(num(source, 'gpus_per_node'))})")
+
+
+def model_markdown(inputs: dict, configs: dict) -> list:
+    """The model's inputs, each with where it came from, and its table to 64 nodes."""
+    strategy, t1, anchor = inputs["strategy"], inputs["t1"], inputs["anchor"]
+    node = (_bandwidth(inputs["busbw_node"], inputs["node_source"], "within a node")
+            if inputs["node_source"] else "as between nodes (no one-node run measured it)")
+    messages = ", ".join(f"{op} {v:g}" for op, v in inputs["messages"].items())
+    messages += (" (counted by the run)" if inputs["messages_counted"] else
+                 " (assumed: the run did not count them; " + (
+                     "DDP's default 25 MiB buckets)" if strategy == "ddp" else
+                     "one unit per 25 MiB of gradients)"))
+    comm = ("2(N-1)/N x G / busbw(all_reduce) + buckets x 2(N-1) x a" if strategy == "ddp" else
+            "gathers x (N-1)/N x G / busbw(all_gather) + (N-1)/N x G / busbw(reduce_scatter) "
+            "+ messages x (N-1) x a")
+    h, usual = inputs["hidden"], OVERLAP[strategy]
+    hidden = f"{h:.2f} (the share of a step communication can hide behind)"
+    if anchor is None:
+        carried = "none: no multi-GPU run measured"
+    elif h != usual:
+        step = predict_step_ms(dict(inputs, hidden=usual, carried=0.0),
+                               int(num(anchor, "nodes")), int(num(anchor, "gpus_per_node")))
+        hidden = (f"{h:.2f}, fitted: the study's largest run, {anchor['run']}, took "
+                  f"{num(anchor, 'step_ms'):.1f} ms a step, less than the {step:.1f} ms that "
+                  f"h = {usual:.2f} gives, so compute hid more of its communication")
+        carried = f"{inputs['carried']:.1f} ms" + (
+            "" if inputs["carried"] == 0 else " (that run was faster than t1 itself)")
+    else:
+        explained = num(anchor, "step_ms") - inputs["carried"]
+        carried = (f"{inputs['carried']:.1f} ms: the study's largest run, {anchor['run']}, "
+                   f"took {num(anchor, 'step_ms'):.1f} ms a step and the model explains "
+                   f"{explained:.1f} ms of it")
+    lines = [f"step(N) = t1 + max(0, comm(N) - h x t1) + carried, comm(N) = {comm}; efficiency "
+             f"= t1 / step(N). See the README, \"A scaling model\".", "",
+             f"- t1 = {t1:.1f} ms (the 1-GPU run); G = {inputs['grad_bytes'] / 1e6:.1f} MB "
+             f"(fp32 gradients); h = {hidden}",
+             f"- bus bandwidth within a node: {node}",
+             "- between nodes: " + _bandwidth(inputs["busbw_inter"], inputs["inter_source"],
+                                              "between nodes")
+             + "; a ring across nodes runs at the slower of the two figures",
+             f"- collectives per step: {messages}; a = {inputs['latency_us']:g} us per ring "
+             f"step (--ring-latency-us)",
+             f"- carried overhead: {carried}", "",
+             "| Config | GPUs | Predicted step (ms) | Predicted efficiency | Measured step (ms) "
+             "| Error |", "|---|---|---|---|---|---|"]
+    unit = "process" if configs[(1, 1)].get("device") == "cpu" else "GPU"
     for nodes, g, step, r in beyond_study(inputs, configs):
-        error = f"{num(r, 'prediction_error'):+.0%}" if r else "—"
-        lines.append(f"| {_count(nodes, 'node')} x {_count(g, 'GPU')} | {nodes * g} | "
+        error = "—" if r is None else f"{num(r, 'prediction_error'):+.0%}"
+        if r is not None and r is anchor:
+            error += " (the model is fitted here)"
+        lines.append(f"| {_count(nodes, 'node')} x {_count(g, unit)} | {nodes * g} | "
                      f"{step:.1f} | {t1 / step:.0%} | {_ms(r, 'step_ms')} | {error} |")
     return lines + [""]
 
 
-def write_markdown(rows: list, chosen: dict, studies: list, path: Path, pngs: list) -> None:
+def write_markdown(rows: list, chosen: dict, models: dict, studies: list, path: Path,
+                   pngs: list) -> None:
     counts = ", ".join(f"{n} {s}" for s in STATUSES if (n := [r["status"] for r in rows].count(s)))
     bad = sum(len(r["bad"]) for r in rows)
     lines = ["# Scaling study results", "",
@@ -210,7 +256,7 @@ def write_markdown(rows: list, chosen: dict, studies: list, path: Path, pngs: li
                   f"listed under Notes.", ""]
     for key in sorted(chosen):
         lines += strategy_markdown(key, chosen[key], rows)
-        lines += explain_markdown(key, chosen[key])
+        lines += explain_markdown(key, chosen[key], models[key])
     if pngs:
         lines += ["## Plots", ""]
         for name in pngs:

@@ -101,6 +101,17 @@ OVERLAP = {"ddp": 2 / 3, "fsdp": 1.0}
 COLLECTIVES = {"ddp": ("all_reduce",), "fsdp": ("all_gather", "reduce_scatter")}
 MODEL_NODES = (2, 4, 8, 16, 32, 64)
 
+#: What the model assumes where a study did not measure it (collect_results.py's flags set both):
+#: the bus bandwidth between nodes when no multi-node run measured one, in GB/s (12 GB/s: one
+#: 100 Gb/s InfiniBand EDR or Ethernet link per node, as nccl-tests' busbw reaches it), and the
+#: latency of one step of a ring, in microseconds (a message between two nodes through NCCL's
+#: network proxy; an all-reduce of N ranks takes 2(N-1) such steps, an all-gather N-1).
+INTER_NODE_BUSBW_GBS = 12.0
+RING_STEP_LATENCY_US = 10.0
+#: Messages per step where a run did not say (a [BANDWIDTH] line without messages=): DDP's
+#: gradients in buckets of its default 25 MiB.
+DDP_BUCKET_BYTES = 25 * 2**20
+
 
 def step_times(rows: list) -> None:
     """step_ms (training time of one step in the row's epoch) and data_wait_ms, its share
@@ -114,33 +125,63 @@ def step_times(rows: list) -> None:
                 row["data_wait_ms"] = _4(num(row, "data_wait_frac") * step)
 
 
-def comm_ms(strategy: str, n: int, grad_bytes: float, busbw: dict) -> float:
-    """Milliseconds of communication per step at ``n`` ranks with ring collectives, from the
-    bus bandwidth per collective (GB/s, as nccl-tests define it: time = bytes x factor / busbw,
-    factor 2(n-1)/n for an all-reduce, (n-1)/n for an all-gather or a reduce-scatter)."""
+def comm_ms(strategy: str, n: int, grad_bytes: float, busbw: dict, messages: dict,
+            latency_us: float) -> float:
+    """Milliseconds of communication per step at ``n`` ranks with ring collectives: the bytes
+    over the bus bandwidth (GB/s, as nccl-tests define it: time = bytes x factor / busbw,
+    factor 2(n-1)/n for an all-reduce, (n-1)/n for an all-gather or a reduce-scatter) plus each
+    message's ring steps x ``latency_us`` (2(n-1) for an all-reduce, n-1 for the others).
+    ``messages``: collectives per step, per kind."""
     if n <= 1:
         return 0.0
     ring = (n - 1) / n
-    if strategy == "ddp":  # one all-reduce of the gradients
-        return 2 * ring * grad_bytes / busbw["all_reduce"] / 1e6
-    # fsdp: the parameters all-gathered for forward and again for backward, the gradients
-    # reduce-scattered
-    return (2 * ring * grad_bytes / busbw["all_gather"]
-            + ring * grad_bytes / busbw["reduce_scatter"]) / 1e6
+    latency = latency_us / 1e3
+    if strategy == "ddp":  # the gradients all-reduced, bucket by bucket
+        return (2 * ring * grad_bytes / busbw["all_reduce"] / 1e6
+                + messages["all_reduce"] * 2 * (n - 1) * latency)
+    # fsdp: the parameters all-gathered for forward and, resharded after it (full), again for
+    # backward; the gradients reduce-scattered. One gather per scatter: grad-op keeps them.
+    gathers = messages["all_gather"] / messages["reduce_scatter"]
+    return (gathers * ring * grad_bytes / busbw["all_gather"] / 1e6
+            + ring * grad_bytes / busbw["reduce_scatter"] / 1e6
+            + (messages["all_gather"] + messages["reduce_scatter"]) * (n - 1) * latency)
 
 
-def predict_step_ms(strategy: str, t1_ms: float, n: int, grad_bytes: float,
-                    busbw: dict) -> float:
-    """Weak scaling: every GPU does the 1-GPU run's work (t1_ms a step) and waits for the
-    communication that compute does not hide: step(n) = t1 + max(0, comm(n) - h x t1), h =
-    OVERLAP[strategy]. Parallel efficiency = t1 / step(n)."""
-    return t1_ms + max(0.0, comm_ms(strategy, n, grad_bytes, busbw) - OVERLAP[strategy] * t1_ms)
+def exposed_ms(inputs: dict, nodes: int, per_node: int) -> float:
+    """The communication of a step on ``nodes`` x ``per_node`` ranks that compute does not
+    hide: max(0, comm - h x t1), h = inputs["hidden"]. Between nodes the ring runs at the
+    slower of the two bandwidths: the one within a node and the one between nodes."""
+    bw = inputs["busbw_node"] if nodes == 1 else {
+        op: min(v, inputs["busbw_inter"][op]) for op, v in inputs["busbw_node"].items()}
+    comm = comm_ms(inputs["strategy"], nodes * per_node, inputs["grad_bytes"], bw,
+                   inputs["messages"], inputs["latency_us"])
+    return max(0.0, comm - inputs["hidden"] * inputs["t1"])
 
 
-def model_inputs(key: tuple, configs: dict) -> tuple:
+def predict_step_ms(inputs: dict, nodes: int, per_node: int) -> float:
+    """Weak scaling: every GPU does the 1-GPU run's work (t1 ms a step), waits for the
+    communication compute does not hide, and pays the overhead the model does not explain,
+    as measured at the largest run of the study (stragglers, synchronisation, the loader):
+    step = t1 + exposed + carried. Parallel efficiency = t1 / step. (model_inputs fits
+    ``carried`` and ``hidden`` so that the largest run is predicted as measured.)"""
+    return inputs["t1"] + exposed_ms(inputs, nodes, per_node) + inputs["carried"]
+
+
+def _measured(configs: dict, ops: tuple, multi_node: bool) -> dict | None:
+    """The run with the most ranks, within a node or across nodes, that measured the bus
+    bandwidth of every collective in ``ops`` (--profile or --check)."""
+    runs = [r for r in configs.values() if num(r, "grad_bytes") and (num(r, "nodes") > 1) ==
+            multi_node and all(num(r, f"busbw_{op}_gbs") for op in ops)]
+    return max(runs, key=lambda r: (gpus(r), num(r, "nodes"))) if runs else None
+
+
+def model_inputs(key: tuple, configs: dict, inter_busbw: float = INTER_NODE_BUSBW_GBS,
+                 latency_us: float = RING_STEP_LATENCY_US) -> tuple:
     """(inputs of the scaling model for a table group, or None, and why not). t1: the 1-GPU
-    run's step; gradient bytes and bus bandwidth: the run with the most nodes that measured
-    them (--profile or --check)."""
+    run's step; bus bandwidth within a node and between nodes: the largest run of each kind
+    that measured it (--profile or --check), else the other kind's figure within a node and
+    ``inter_busbw`` between nodes; the overhead to carry: the largest measured run's step
+    minus what the model explains of it."""
     _order, strategy, scaling = key
     if strategy not in OVERLAP:
         return None, f"no scaling model for {strategy or 'this strategy'} (one process)"
@@ -150,31 +191,69 @@ def model_inputs(key: tuple, configs: dict) -> tuple:
     if not base or num(base, "step_ms") is None:
         return None, "no scaling model: it needs the 1-GPU run's step time"
     ops = COLLECTIVES[strategy]
-    measured = [r for r in configs.values() if num(r, "grad_bytes")
-                and all(num(r, f"busbw_{op}_gbs") for op in ops)]
-    if not measured:
+    node, inter = _measured(configs, ops, False), _measured(configs, ops, True)
+    if not node and not inter:
         return None, ("no scaling model: no run measured its bus bandwidth; run the study with "
                       "`-- --profile` (each multi-GPU run then measures it)")
-    source = max(measured, key=lambda r: (num(r, "nodes"), gpus(r)))
-    nodes = int(num(source, "nodes"))
-    per_node = int(num(source, "gpus_per_node")) if nodes > 1 else max(
-        g for n, g in configs if n == 1)
-    return dict(strategy=strategy, t1=num(base, "step_ms"), grad_bytes=num(source, "grad_bytes"),
-                busbw={op: num(source, f"busbw_{op}_gbs") for op in ops}, source=source,
-                per_node=per_node), ""
+    source = inter or node
+    grad_bytes = num(source, "grad_bytes")
+    if all(num(source, f"messages_{op}") for op in ops):
+        messages = {op: num(source, f"messages_{op}") for op in ops}
+        counted = True
+    else:  # an older log: DDP's default buckets, one FSDP unit per bucket's worth
+        buckets = -(-grad_bytes // DDP_BUCKET_BYTES)
+        messages = {"all_reduce": buckets} if strategy == "ddp" else {
+            "all_gather": 2 * buckets, "reduce_scatter": buckets}
+        counted = False
+    busbw_node = {op: num(node or inter, f"busbw_{op}_gbs") for op in ops}
+    busbw_inter = ({op: num(inter, f"busbw_{op}_gbs") for op in ops} if inter
+                   else {op: inter_busbw for op in ops})
+    per_node = int(num(inter, "gpus_per_node")) if inter else max(g for n, g in configs
+                                                                  if n == 1)
+    inputs = dict(strategy=strategy, t1=num(base, "step_ms"), grad_bytes=grad_bytes,
+                  busbw_node=busbw_node, busbw_inter=busbw_inter, node_source=node,
+                  inter_source=inter, messages=messages, messages_counted=counted,
+                  latency_us=latency_us, per_node=per_node, hidden=OVERLAP[strategy],
+                  carried=0.0, anchor=None)
+    runs = [r for r in configs.values() if gpus(r) and gpus(r) > 1 and num(r, "step_ms")]
+    if runs:
+        fit_to_largest_run(inputs, max(runs, key=lambda r: (gpus(r), num(r, "nodes"))))
+    return inputs, ""
 
 
-def predict(rows: list, chosen: dict) -> None:
+def fit_to_largest_run(inputs: dict, anchor: dict) -> None:
+    """Make the model agree with the study's largest run. Slower than the model says: the
+    difference (stragglers, synchronisation, the loader) is carried to every other size as a
+    constant per step. Faster: compute hid more of the communication than h says, so h
+    becomes what that run hid (and, were it faster than t1 itself, the rest is carried)."""
+    inputs["anchor"] = anchor
+    nodes, per_node = int(num(anchor, "nodes")), int(num(anchor, "gpus_per_node"))
+    measured, t1 = num(anchor, "step_ms"), inputs["t1"]
+    excess = measured - predict_step_ms(inputs, nodes, per_node)
+    if excess >= 0:
+        inputs["carried"] = excess
+        return
+    comm = exposed_ms(dict(inputs, hidden=0.0), nodes, per_node)
+    inputs["hidden"] = (comm - max(0.0, measured - t1)) / t1
+    inputs["carried"] = min(0.0, measured - t1)
+
+
+def predict(rows: list, chosen: dict, inter_busbw: float = INTER_NODE_BUSBW_GBS,
+            latency_us: float = RING_STEP_LATENCY_US) -> dict:
     """Each measured multi-GPU row of a group with a scaling model: its predicted step and
-    the relative error of the prediction. Call step_times first: the model starts from them."""
+    the relative error of the prediction (zero at the largest run, whose overhead the model
+    carries). Call step_times first: the model starts from them. Returns {group: (model
+    inputs or None, why not)}."""
+    models = {}
     for key, configs in chosen.items():
-        inputs, _why = model_inputs(key, configs)
+        inputs, why = models[key] = model_inputs(key, configs, inter_busbw, latency_us)
         for row in configs.values() if inputs else ():
             if gpus(row) > 1 and num(row, "step_ms"):
-                predicted = predict_step_ms(inputs["strategy"], inputs["t1"], gpus(row),
-                                            inputs["grad_bytes"], inputs["busbw"])
+                predicted = predict_step_ms(inputs, int(num(row, "nodes")),
+                                            int(num(row, "gpus_per_node")))
                 row["predicted_step_ms"] = _4(predicted)
                 row["prediction_error"] = _4(predicted / num(row, "step_ms") - 1)
+    return models
 
 
 def beyond_study(inputs: dict, configs: dict) -> list:
@@ -185,7 +264,6 @@ def beyond_study(inputs: dict, configs: dict) -> list:
     planned = {(n, inputs["per_node"]): None for n in MODEL_NODES}
     table = []
     for (nodes, g), row in sorted({**planned, **measured}.items()):
-        step = num(row, "predicted_step_ms") if row else predict_step_ms(
-            inputs["strategy"], inputs["t1"], nodes * g, inputs["grad_bytes"], inputs["busbw"])
+        step = num(row, "predicted_step_ms") if row else predict_step_ms(inputs, nodes, g)
         table.append((nodes, g, step, row))
     return table

@@ -213,6 +213,15 @@ def test_profile_writes_a_trace_and_a_step_breakdown_that_adds_up(tmp_path):
         assert (float(fields["comm_ms"]) > 0) == (nproc == 2)  # dp: no process group
         # the bandwidth the collectives get, at the gradient size: collect_results' model
         assert (f"{contract.BANDWIDTH_PREFIX} op=all_reduce " in proc.stdout) == (nproc == 2)
+        # with the collectives per step, for the model's latency term: the CNN's gradients fit
+        # one DDP bucket; FSDP gathers each unit twice (full) and reduce-scatters it once
+        counts = dict(re.findall(r"op=(\w+) .* messages=(\d+)$", proc.stdout, re.M))
+        if script == "ddp_train.py":
+            assert counts == {"all_reduce": "1"}, proc.stdout
+        elif script == "fsdp_train.py":
+            units = int(counts["reduce_scatter"])
+            assert units > 1 and counts == {"all_gather": str(2 * units),
+                                            "reduce_scatter": str(units)}, proc.stdout
         assert "ms per step = compute" in proc.stdout
 
 
