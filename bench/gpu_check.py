@@ -136,8 +136,11 @@ def equivalence_tests(gpus: int, timeout: int) -> tuple:
                               cwd=REPO)
     except subprocess.TimeoutExpired:
         return False, f"no result within {timeout} s"
-    summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
-    return proc.returncode == 0, f"{summary} ({nproc} process(es) per run, NCCL)"
+    lines = proc.stdout.strip().splitlines() or ["no output"]
+    # which test failed, not only how many: pytest's short summary lines
+    failed = [line[:300] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    return proc.returncode == 0, "; ".join(
+        [f"{lines[-1]} ({nproc} process(es) per run, NCCL)"] + failed[:10])
 
 
 def whole_suite(timeout: int) -> tuple:

@@ -55,3 +55,19 @@ def test_gpu_check_runs_on_cpu_with_a_notice(tmp_path):
     assert "test suite on this node: skipped: no GPU" in report  # never the suite inside itself
     assert "| 1.00x |" in report  # the ceiling row, against itself
     assert "torch " in report and "date: " in report
+
+
+def test_gpu_check_names_the_equivalence_test_that_failed(monkeypatch):
+    """The first GPU run said "1 failed, 2 passed" and nothing more: which test failed took a
+    second run of the lease. The report now carries pytest's FAILED lines."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check
+    out = ("..F\nFAILED tests/test_strategies.py::test_fsdp_ends_with_the_same_weights_as_ddp"
+           "[full] - AssertionError: Tensor-likes are not close!\n1 failed, 2 passed in 55s\n")
+    monkeypatch.setattr(gpu_check.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 1, stdout=out, stderr=""))
+    passed, text = gpu_check.equivalence_tests(1, 60)
+    assert passed is False
+    assert text.startswith("1 failed, 2 passed in 55s (1 process(es) per run, NCCL); FAILED "
+                           "tests/test_strategies.py::test_fsdp_ends_with_the_same_weights_as_"
+                           "ddp[full] - AssertionError")
