@@ -96,6 +96,13 @@ def load_checkpoint(path, state: dict) -> dict:
     return saved
 
 
+def collectives_per_step(model: nn.Module, args) -> dict:
+    """What one training step sends, for the scaling model's latency term (collect_results.py):
+    one all-reduce per gradient bucket of --bucket-cap-mb."""
+    grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # fp32 gradients
+    return {"all_reduce": math.ceil(grad_bytes / (args.bucket_cap_mb * 2**20))}
+
+
 def train(args, env: common.DistEnv) -> int:
     device, backend = setup_distributed(args, env)
     common.resolve_args(args, env, device)
@@ -123,8 +130,8 @@ def train(args, env: common.DistEnv) -> int:
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
     if args.profile and world > 1:  # the bandwidth the step's collectives get
-        buckets = math.ceil(grad_bytes / (args.bucket_cap_mb * 2**20))  # an all-reduce each
-        measure.bandwidth(device, world, [grad_bytes], COLLECTIVES, {"all_reduce": buckets})
+        measure.bandwidth(device, world, [grad_bytes], COLLECTIVES,
+                          collectives_per_step(model, args))
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
     # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
     # the same crop as rank 0's i-th sample at every step).

@@ -137,6 +137,15 @@ def apply_fsdp(model: nn.Module, mesh, args) -> nn.Module:
     return model
 
 
+def collectives_per_step(model: nn.Module, args) -> dict:
+    """What one training step sends, for the scaling model's latency term (collect_results.py):
+    per unit (the blocks and the root) an all-gather for forward and, after a reshard (full,
+    hybrid), another for backward, and one reduce-scatter of its gradients."""
+    units = len(shard_units(model)) + 1
+    gathers = 1 if args.sharding == "grad-op" else 2
+    return {"all_gather": gathers * units, "reduce_scatter": units}
+
+
 def save_checkpoint(path, state: dict, meta: dict) -> None:
     """FSDP: every rank writes its own shards with torch.distributed.checkpoint (DCP) into one
     folder, rank 0 adds the small rest (scheduler, scaler, every rank's RNG state, epoch and
@@ -211,10 +220,8 @@ def train(args, env: common.DistEnv) -> int:
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
     if args.profile and world > 1:  # the bandwidth the step's collectives get
-        units = len(shard_units(model)) + 1  # the blocks and the root: a collective each
-        gathers = 1 if args.sharding == "grad-op" else 2  # again for backward after a reshard
         measure.bandwidth(device, world, [grad_bytes], COLLECTIVES,
-                          {"all_gather": gathers * units, "reduce_scatter": units})
+                          collectives_per_step(model, args))
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
     # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
     # the same crop as rank 0's i-th sample at every step).
