@@ -48,14 +48,15 @@ from collections import Counter
 from pathlib import Path
 
 try:  # the repository's modules beside this file: a copy of this file alone says what to add
-    import contract
-    import plots
-    import timeline
-except ModuleNotFoundError as missing:
-    if __name__ != "__main__":
+    from reporting import plots, timeline
+    from training import contract
+except ImportError:
+    needed = ("reporting/plots.py", "reporting/timeline.py", "training/contract.py")
+    what = next((n for n in needed if not (Path(__file__).parent / n).is_file()), None)
+    if __name__ != "__main__" or what is None:
         raise
-    print(f"error: {Path(__file__).name} needs {missing.name}.py beside it: copy contract.py, "
-          f"plots.py and timeline.py from the repository too, or run the repository's copy",
+    print(f"error: {Path(__file__).name} needs {what} beside it: copy the folders reporting/ "
+          f"and training/ from the repository too, or run the repository's copy",
           file=sys.stderr)
     sys.exit(2)
 

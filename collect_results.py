@@ -52,20 +52,22 @@ from pathlib import Path
 
 try:  # the repository's modules beside this file: a copy of this file alone says what to add
     import analyze_memory
-    import contract
-    import plots
-    import report
-    import scaling
-except ModuleNotFoundError as missing:
-    if __name__ != "__main__":
+    from reporting import plots, report, scaling
+    from training import contract
+except ImportError:
+    needed = ("analyze_memory.py", "reporting/plots.py", "reporting/report.py",
+             "reporting/scaling.py", "reporting/timeline.py", "training/contract.py")
+    what = next((n for n in needed if not (Path(__file__).parent / n).is_file()), None)
+    if __name__ != "__main__" or what is None:
         raise
-    print(f"error: {Path(__file__).name} needs {missing.name}.py beside it: copy "
-          f"analyze_memory.py, contract.py, plots.py, report.py, scaling.py and timeline.py from "
-          f"the repository too, or run the repository's copy", file=sys.stderr)
+    print(f"error: {Path(__file__).name} needs {what} beside it: copy analyze_memory.py and "
+          f"the folders reporting/ and training/ from the repository too, or run the "
+          f"repository's copy", file=sys.stderr)
     sys.exit(2)
-from contract import BANDWIDTH_PREFIX, METRIC_PREFIX, PROFILE_PREFIX, REQUEUE_EXIT  # noqa: E402
-from scaling import (FAILED, MISSING, OK, PARTIAL, REQUEUED, SKIPPED, STATUSES,  # noqa: E402
-                     UNREADABLE)
+from reporting.scaling import (FAILED, MISSING, OK, PARTIAL,  # noqa: E402
+                               REQUEUED, SKIPPED, STATUSES, UNREADABLE)
+from training.contract import (BANDWIDTH_PREFIX, METRIC_PREFIX,  # noqa: E402
+                               PROFILE_PREFIX, REQUEUE_EXIT)
 
 MANIFEST = "study.json"     # the study's plan, written by launch/run_benchmarks.py
 NO_GPU_LOG = "n/a (no GPU log)"

@@ -29,15 +29,10 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-import checkpoint
-import common
-import contract
-import datautils
-import devices
-import measure
-import models
-from common import print0
-from faults import end_process
+from training import (checkpoint, common, contract, datautils, devices, distributed, flags,
+                      measure, models)
+from training.common import print0
+from training.faults import end_process
 
 STRATEGY = "ddp"
 COLLECTIVES = ("all_reduce",)  # of the gradients, bucket by bucket during backward
@@ -50,10 +45,10 @@ BUFFER_SYNC = ("forward_sync_buffers" if "forward_sync_buffers" in
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Data-parallel training with DistributedDataParallel (one process per GPU).",
-        formatter_class=common.HelpFormatter)
-    common.add_common_args(parser)
+        formatter_class=flags.HelpFormatter)
+    flags.add_common_args(parser)
     g = parser.add_argument_group("DDP")
-    g.add_argument("--bucket-cap-mb", type=common.positive, default=25,
+    g.add_argument("--bucket-cap-mb", type=flags.positive, default=25,
                    help="gradient bucket size: larger buckets mean fewer, bigger all-reduces")
     g.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction,
                    default=True, help="gradients are views into the all-reduce buckets: saves one "
@@ -66,17 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def setup_distributed(args, env: common.DistEnv):
+def setup_distributed(args, env: distributed.DistEnv):
     """Pick the device and backend, then join the process group (every rank takes part)."""
     if devices.use_gpu(args):  # --device, and whether this torch can run on the GPU
-        device = torch.device("cuda", common.gpu_index(torch.cuda.device_count(), env.local_rank,
-                                                       env.local_world_size, env.source))
+        gpu = distributed.gpu_index(torch.cuda.device_count(), env.local_rank,
+                                    env.local_world_size, env.source)
+        device = torch.device("cuda", gpu)
         torch.cuda.set_device(device)  # before any CUDA work, so NCCL binds the right GPU
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    common.init_process_group(backend, env, args.dist_timeout)
+    distributed.init_process_group(backend, env, args.dist_timeout)
     return device, backend
 
 
@@ -88,10 +84,12 @@ def save_checkpoint(path, state: dict, meta: dict) -> None:
 
 
 def load_checkpoint(path, state: dict) -> dict:
-    # weights_only: a checkpoint holds tensors and plain values, it cannot run code
+    # weights_only: a checkpoint holds only tensors and plain values, so loading it cannot
+    # run code.
     saved = torch.load(path, map_location="cpu", weights_only=True)
     for name, obj in state.items():
-        if saved[name]:  # {}: a disabled GradScaler's (a run without fp16): keep the new one
+        # A run without fp16 saved its disabled GradScaler as an empty dict: keep the new one.
+        if saved[name]:
             obj.load_state_dict(saved[name])
     return saved
 
@@ -103,9 +101,9 @@ def collectives_per_step(model: nn.Module, args) -> dict:
     return {"all_reduce": math.ceil(grad_bytes / (args.bucket_cap_mb * 2**20))}
 
 
-def train(args, env: common.DistEnv) -> int:
+def train(args, env: distributed.DistEnv) -> int:
     device, backend = setup_distributed(args, env)
-    common.resolve_args(args, env, device)
+    flags.resolve_args(args, env, device)
     rank, world = env.rank, env.world_size
     is_main = rank == 0
     for line in common.provenance(args, env, device, backend):
@@ -135,8 +133,10 @@ def train(args, env: common.DistEnv) -> int:
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
     # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
     # the same crop as rank 0's i-th sample at every step).
-    torch.manual_seed(common.seed_for_rank(args.seed, rank))
-    model, prepare = datautils.input_pipeline(data, model, device)
+    torch.manual_seed(flags.seed_for_rank(args.seed, rank))
+    layout = models.memory_format(model, device)  # channels_last on CUDA: faster convolutions
+    model = model.to(memory_format=layout)
+    prepare = datautils.batch_finisher(data, layout)  # augmentation on the device, the layout
     # DDP: a full replica per process; backward all-reduces gradient buckets across ranks.
     replica = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                   bucket_cap_mb=args.bucket_cap_mb,
@@ -160,22 +160,25 @@ def train(args, env: common.DistEnv) -> int:
 
     criterion = nn.CrossEntropyLoss()
     steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
-    lr = common.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
+    lr = flags.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay,
                                 # CUDA without a GradScaler: one kernel for all parameters
-                                fused=common.fused_sgd(device, args.amp))
+                                fused=flags.fused_sgd(device, args.amp))
     # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, common.lr_factor(args, steps))
-    dtype = common.amp_dtype(args)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, flags.lr_factor(args, steps))
+    dtype = flags.amp_dtype(args)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-    ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint, device)
+    stop = checkpoint.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks
+    ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint)
     start_epoch, start_step = ckpt.resume(steps)
+    losses = checkpoint.LossWatch(device, scaler)  # NaN/inf losses, without a sync per step
 
     devices = [device]  # the device(s) this process drives: for the clock and peak memory
-    meter = measure.StepMeter(args, steps, global_batch, device)  # progress, --profile
+    meter = measure.StepMeter(args, steps, global_batch, device)  # progress, data wait
+    profiler = measure.StepProfiler(args, steps, device)  # --profile: a window of steps
     # what every [METRIC] line of this run says about the run; each epoch adds its figures
     run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
                     world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
@@ -198,6 +201,7 @@ def train(args, env: common.DistEnv) -> int:
         # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
         # adds up the time spent waiting for the loader
         batches = meter.epoch(datautils.to_device(train_loader, device), epoch, skip)
+        batches = profiler.epoch(batches, skip)
         for step, (images, labels) in enumerate(batches, start=skip):
             if step >= steps:
                 break
@@ -215,11 +219,17 @@ def train(args, env: common.DistEnv) -> int:
             sums[0] += loss.detach().double() * labels.size(0)
             sums[1] += (outputs.argmax(1) == labels).sum()
             sums[2] += labels.size(0)
-            if ckpt.after_step(loss, epoch, step + 1, steps):  # a stop signal: saved, stop
+            losses.track(loss, step)  # counted on the device: no host sync here
+            stopping = stop.at_step(epoch, step + 1, steps)  # the same step on every rank
+            if ckpt.due(step + 1, steps) or (stopping and ckpt.enabled):
+                losses.check(epoch)  # a host sync and a vote: no NaN reaches a checkpoint
+                ckpt.save(epoch, step + 1)
+            if stopping:  # saved (with a --checkpoint-dir): exit, to be requeued
+                print0(stop.report(saved=ckpt.enabled))
                 return contract.REQUEUE_EXIT
         common.synchronize(*devices)
         train_time = time.perf_counter() - t0
-        ckpt.check_finite(epoch)  # a host sync and a vote of all ranks, once per epoch
+        losses.check(epoch)  # a host sync and a vote of all ranks, once per epoch
 
         val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
 
@@ -235,9 +245,11 @@ def train(args, env: common.DistEnv) -> int:
         print0(contract.format_epoch_line(metrics))
         print0(contract.format_metric_line(metrics))
         datautils.report_skipped(metrics, (steps - skip) * global_batch, len(data.val))
-        if ckpt.end_epoch(epoch, metrics):  # a stop signal by the epoch's end: saved, stop
+        ckpt.end_epoch(epoch, metrics)  # the epoch's checkpoint, with its metrics
+        if stop.at_epoch_end(epoch, args.epochs):  # a stop signal by the epoch's end
+            print0(stop.report(saved=ckpt.enabled))
             return contract.REQUEUE_EXIT
-    ckpt.finish()
+    stop.finish()
 
     total_time = time.perf_counter() - start
     if args.save_model and is_main:

@@ -29,15 +29,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DistributedSampler
 
-import checkpoint
-import common
-import contract
-import datautils
-import devices
-import measure
-import models
-from common import print0
-from faults import UsageError, end_process
+from training import (checkpoint, common, contract, datautils, devices, distributed, flags,
+                      measure, models)
+from training.common import print0
+from training.faults import UsageError, end_process
 
 STRATEGY = "dp"
 
@@ -45,10 +40,10 @@ STRATEGY = "dp"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Data-parallel training with nn.DataParallel (one process, all GPUs).",
-        formatter_class=common.HelpFormatter)
-    common.add_common_args(parser)
+        formatter_class=flags.HelpFormatter)
+    flags.add_common_args(parser)
     g = parser.add_argument_group("DataParallel")
-    g.add_argument("--gpus", type=common.positive_int, default=None,
+    g.add_argument("--gpus", type=flags.positive_int, default=None,
                    help="number of GPUs to use (default: all visible)")
     return parser
 
@@ -67,7 +62,7 @@ class AutocastForward(nn.Module):
             return self.module(x)
 
 
-def setup_devices(args, env: common.DistEnv):
+def setup_devices(args, env: distributed.DistEnv):
     """No process group: one process, the GPUs it drives, or the CPU."""
     if env.world_size > 1:  # torchrun --nproc-per-node 2, or srun with several tasks
         raise UsageError("dp_train.py is a single process that drives all GPUs itself: run it "
@@ -102,17 +97,19 @@ def save_checkpoint(path, state: dict, meta: dict) -> None:
 
 
 def load_checkpoint(path, state: dict) -> dict:
-    # weights_only: a checkpoint holds tensors and plain values, it cannot run code
+    # weights_only: a checkpoint holds only tensors and plain values, so loading it cannot
+    # run code.
     saved = torch.load(path, map_location="cpu", weights_only=True)
     for name, obj in state.items():
-        if saved[name]:  # {}: a disabled GradScaler's (a run without fp16): keep the new one
+        # A run without fp16 saved its disabled GradScaler as an empty dict: keep the new one.
+        if saved[name]:
             obj.load_state_dict(saved[name])
     return saved
 
 
-def train(args, env: common.DistEnv) -> int:
+def train(args, env: distributed.DistEnv) -> int:
     device, gpu_ids = setup_devices(args, env)
-    common.resolve_args(args, env, device)
+    flags.resolve_args(args, env, device)
     rank, world = 0, max(1, len(gpu_ids))  # no process group: one process, `world` GPUs
     is_main = True
     for line in common.provenance(args, env, device, "none (single process)"):
@@ -139,12 +136,14 @@ def train(args, env: common.DistEnv) -> int:
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
     # From here on, randomness is this process's own (crops, flips, dropout, loader workers).
-    torch.manual_seed(common.seed_for_rank(args.seed, rank))
-    model, prepare = datautils.input_pipeline(data, model, device)
+    torch.manual_seed(flags.seed_for_rank(args.seed, rank))
+    layout = models.memory_format(model, device)  # channels_last on CUDA: faster convolutions
+    model = model.to(memory_format=layout)
+    prepare = datautils.batch_finisher(data, layout)  # augmentation on the device, the layout
     # DataParallel: the master copy lives on GPU 0 and is replicated to every GPU each step;
     # each replica runs in its own thread, so autocast is entered inside it.
     inner = torch.compile(model) if args.compile else model
-    step_model = nn.DataParallel(AutocastForward(inner, device.type, common.amp_dtype(args)),
+    step_model = nn.DataParallel(AutocastForward(inner, device.type, flags.amp_dtype(args)),
                                  device_ids=gpu_ids or None)
 
     batch = global_batch  # one DataLoader batch: the global batch, which DataParallel splits
@@ -161,22 +160,25 @@ def train(args, env: common.DistEnv) -> int:
 
     criterion = nn.CrossEntropyLoss()
     steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
-    lr = common.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
+    lr = flags.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay,
                                 # CUDA without a GradScaler: one kernel for all parameters
-                                fused=common.fused_sgd(device, args.amp))
+                                fused=flags.fused_sgd(device, args.amp))
     # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, common.lr_factor(args, steps))
-    dtype = common.amp_dtype(args)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, flags.lr_factor(args, steps))
+    dtype = flags.amp_dtype(args)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-    ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint, device)
+    stop = checkpoint.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks
+    ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint)
     start_epoch, start_step = ckpt.resume(steps)
+    losses = checkpoint.LossWatch(device, scaler)  # NaN/inf losses, without a sync per step
 
     devices = [torch.device("cuda", i) for i in gpu_ids] or [device]  # GPU 0 holds the most
-    meter = measure.StepMeter(args, steps, global_batch, device)  # progress, --profile
+    meter = measure.StepMeter(args, steps, global_batch, device)  # progress, data wait
+    profiler = measure.StepProfiler(args, steps, device)  # --profile: a window of steps
     # what every [METRIC] line of this run says about the run; each epoch adds its figures
     run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
                     world_size=world, nodes=1, gpus_per_node=world,
@@ -199,6 +201,7 @@ def train(args, env: common.DistEnv) -> int:
         # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
         # adds up the time spent waiting for the loader
         batches = meter.epoch(datautils.to_device(train_loader, device), epoch, skip)
+        batches = profiler.epoch(batches, skip)
         for step, (images, labels) in enumerate(batches, start=skip):
             if step >= steps:
                 break
@@ -217,11 +220,17 @@ def train(args, env: common.DistEnv) -> int:
             sums[0] += loss.detach().double() * labels.size(0)
             sums[1] += (outputs.argmax(1) == labels).sum()
             sums[2] += labels.size(0)
-            if ckpt.after_step(loss, epoch, step + 1, steps):  # a stop signal: saved, stop
+            losses.track(loss, step)  # counted on the device: no host sync here
+            stopping = stop.at_step(epoch, step + 1, steps)  # the same step on every rank
+            if ckpt.due(step + 1, steps) or (stopping and ckpt.enabled):
+                losses.check(epoch)  # a host sync and a vote: no NaN reaches a checkpoint
+                ckpt.save(epoch, step + 1)
+            if stopping:  # saved (with a --checkpoint-dir): exit, to be requeued
+                print0(stop.report(saved=ckpt.enabled))
                 return contract.REQUEUE_EXIT
         common.synchronize(*devices)
         train_time = time.perf_counter() - t0
-        ckpt.check_finite(epoch)  # a host sync and a vote of all ranks, once per epoch
+        losses.check(epoch)  # a host sync and a vote of all ranks, once per epoch
 
         val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
 
@@ -237,9 +246,11 @@ def train(args, env: common.DistEnv) -> int:
         print0(contract.format_epoch_line(metrics))
         print0(contract.format_metric_line(metrics))
         datautils.report_skipped(metrics, (steps - skip) * global_batch, len(data.val))
-        if ckpt.end_epoch(epoch, metrics):  # a stop signal by the epoch's end: saved, stop
+        ckpt.end_epoch(epoch, metrics)  # the epoch's checkpoint, with its metrics
+        if stop.at_epoch_end(epoch, args.epochs):  # a stop signal by the epoch's end
+            print0(stop.report(saved=ckpt.enabled))
             return contract.REQUEUE_EXIT
-    ckpt.finish()
+    stop.finish()
 
     total_time = time.perf_counter() - start
     if args.save_model and is_main:

@@ -54,15 +54,10 @@ except ImportError:  # torch before 2.6: common.run() stops it with one sentence
 from torch.utils.data import DistributedSampler
 from torchvision.models.resnet import ResNet
 
-import checkpoint
-import common
-import contract
-import datautils
-import devices
-import measure
-import models
-from common import print0
-from faults import UsageError, end_process
+from training import (checkpoint, common, contract, datautils, devices, distributed, flags,
+                      measure, models)
+from training.common import print0
+from training.faults import UsageError, end_process
 
 STRATEGY = "fsdp"
 # all-gather (parameters), reduce-scatter (gradients), all-reduce (between the replicas of
@@ -75,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Data-parallel training with FSDP2 (fully_shard): parameters, gradients "
                     "and optimizer state sharded across processes.",
-        formatter_class=common.HelpFormatter)
-    common.add_common_args(parser)
+        formatter_class=flags.HelpFormatter)
+    flags.add_common_args(parser)
     g = parser.add_argument_group("FSDP")
     g.add_argument("--sharding", choices=SHARDING, default="full",
                    help="full: reshard parameters after forward (least memory); grad-op: keep "
@@ -85,20 +80,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def setup_distributed(args, env: common.DistEnv):
+def setup_distributed(args, env: distributed.DistEnv):
     """Pick the device and backend, join the process group, and build the device mesh."""
     if args.sharding == "hybrid" and env.nodes * env.local_world_size != env.world_size:
         raise UsageError("--sharding hybrid needs the same number of processes on every node: "
                          "one torchrun --nproc-per-node, or srun --ntasks-per-node, for all")
     if devices.use_gpu(args):  # --device, and whether this torch can run on the GPU
-        device = torch.device("cuda", common.gpu_index(torch.cuda.device_count(), env.local_rank,
-                                                       env.local_world_size, env.source))
+        gpu = distributed.gpu_index(torch.cuda.device_count(), env.local_rank,
+                                    env.local_world_size, env.source)
+        device = torch.device("cuda", gpu)
         torch.cuda.set_device(device)  # before any CUDA work, so NCCL binds the right GPU
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    common.init_process_group(backend, env, args.dist_timeout)
+    distributed.init_process_group(backend, env, args.dist_timeout)
     if args.sharding == "hybrid":
         # rows = nodes (replicas), columns = GPUs of one node (shards)
         mesh = init_device_mesh(device.type, (env.nodes, env.local_world_size),
@@ -122,15 +118,11 @@ def shard_units(model: nn.Module) -> list:
 
 
 def apply_fsdp(model: nn.Module, mesh, args) -> nn.Module:
-    dtype = common.amp_dtype(args)
+    dtype = flags.amp_dtype(args)
     reshard = args.sharding != "grad-op"  # grad-op keeps parameters gathered after forward
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     # any BatchNorm: the whole model gathers in fp32 (autocast still computes in --amp dtype)
     mp = MixedPrecisionPolicy(param_dtype=None if has_bn else dtype, reduce_dtype=torch.float32)
-    # FSDP2 shards contiguous parameters only (a channels_last conv weight raises
-    # NotImplementedError), so the weights go back to the default layout; the inputs stay
-    # channels_last and cuDNN still picks its channels_last kernels from them.
-    model = model.to(memory_format=torch.contiguous_format)
     for unit in shard_units(model):  # bottom-up: the blocks first, then the root
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)  # the rest
@@ -162,22 +154,22 @@ def save_checkpoint(path, state: dict, meta: dict) -> None:
             small = {name: state[name].state_dict() for name in ("scheduler", "scaler")}
             checkpoint.atomic_save(small | meta, tmp / "meta.pt")
             checkpoint.replace_checkpoint(tmp, path)
-    # BaseException: DCP's CheckpointException derives from it
-    except BaseException as exc:
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # half a checkpoint
-        # a full disk, for DCP's shards (every rank sees it: DCP gathers the writers'
-        # errors) or for rank 0's meta.pt (atomic_save's UsageError)
+        # A full disk: for DCP's shards every rank sees it (DCP gathers the writers' errors),
+        # for rank 0's meta.pt atomic_save raises a UsageError.
         if isinstance(exc, UsageError) or checkpoint.disk_full(exc):
             raise checkpoint.disk_full_error(path) from None
         raise
-    # Checkpoints.save then waits for every rank (and rank 0's rename) in its vote
+    # Checkpoints.save then waits, in its vote, until every rank (and rank 0's rename) is done.
 
 
 def load_checkpoint(path, state: dict) -> dict:
     """Collective. Each rank reads the pieces of the saved shards it now owns, whatever world
     size wrote them (DCP reshards on load)."""
-    # weights_only: the small state holds tensors and plain values, it cannot run code
+    # weights_only: the small state holds only tensors and plain values, so loading it cannot
+    # run code.
     meta = torch.load(Path(path) / "meta.pt", map_location="cpu", weights_only=True)
     model_sd, optim_sd = get_state_dict(state["model"], state["optimizer"])
     shards = {"model": model_sd, "optimizer": optim_sd}
@@ -185,14 +177,15 @@ def load_checkpoint(path, state: dict) -> dict:
     set_state_dict(state["model"], state["optimizer"], model_state_dict=shards["model"],
                    optim_state_dict=shards["optimizer"])
     for name in ("scheduler", "scaler"):
-        if meta[name]:  # {}: a disabled GradScaler's (a run without fp16): keep the new one
+        # A run without fp16 saved its disabled GradScaler as an empty dict: keep the new one.
+        if meta[name]:
             state[name].load_state_dict(meta[name])
     return meta
 
 
-def train(args, env: common.DistEnv) -> int:
+def train(args, env: distributed.DistEnv) -> int:
     device, backend, mesh = setup_distributed(args, env)
-    common.resolve_args(args, env, device)
+    flags.resolve_args(args, env, device)
     rank, world = env.rank, env.world_size
     is_main = rank == 0
     for line in common.provenance(args, env, device, backend):
@@ -225,8 +218,12 @@ def train(args, env: common.DistEnv) -> int:
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
     # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
     # the same crop as rank 0's i-th sample at every step).
-    torch.manual_seed(common.seed_for_rank(args.seed, rank))
-    model, prepare = datautils.input_pipeline(data, model, device)
+    torch.manual_seed(flags.seed_for_rank(args.seed, rank))
+    # The batches go channels_last on CUDA, but not the weights: FSDP2 shards contiguous
+    # parameters only (a channels_last conv weight raises NotImplementedError). cuDNN still
+    # picks its channels_last kernels from the inputs.
+    layout = models.memory_format(model, device)
+    prepare = datautils.batch_finisher(data, layout)  # augmentation on the device, the layout
     model = apply_fsdp(model, mesh, args)
     step_model = torch.compile(model) if args.compile else model
 
@@ -245,25 +242,28 @@ def train(args, env: common.DistEnv) -> int:
 
     criterion = nn.CrossEntropyLoss()
     steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
-    lr = common.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
+    lr = flags.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
     # The optimizer sees the sharded parameters: its momentum buffers are sharded too. (No
     # fused=True here: DTensor has no fused SGD kernel; the foreach one is the default.)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
     # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, common.lr_factor(args, steps))
-    dtype = common.amp_dtype(args)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, flags.lr_factor(args, steps))
+    dtype = flags.amp_dtype(args)
     # Each rank checks only its gradient shard for inf/NaN; with FSDP2's DTensor gradients the
     # plain GradScaler all-reduces that verdict, so every rank skips (or takes) the same steps.
     # Without a fused optimizer, fp16 also costs a host sync per step (the scaler reads it).
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-    ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint, device)
+    stop = checkpoint.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks
+    ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint)
     start_epoch, start_step = ckpt.resume(steps)
+    losses = checkpoint.LossWatch(device, scaler)  # NaN/inf losses, without a sync per step
 
     devices = [device]  # the device(s) this process drives: for the clock and peak memory
-    meter = measure.StepMeter(args, steps, global_batch, device)  # progress, --profile
+    meter = measure.StepMeter(args, steps, global_batch, device)  # progress, data wait
+    profiler = measure.StepProfiler(args, steps, device)  # --profile: a window of steps
     # what every [METRIC] line of this run says about the run; each epoch adds its figures
     run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
                     world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
@@ -286,6 +286,7 @@ def train(args, env: common.DistEnv) -> int:
         # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
         # adds up the time spent waiting for the loader
         batches = meter.epoch(datautils.to_device(train_loader, device), epoch, skip)
+        batches = profiler.epoch(batches, skip)
         for step, (images, labels) in enumerate(batches, start=skip):
             if step >= steps:
                 break
@@ -297,8 +298,9 @@ def train(args, env: common.DistEnv) -> int:
                                 enabled=dtype is not None):
                 outputs = step_model(images)
                 loss = criterion(outputs, labels)
-            # backward: re-gather (full/hybrid), then reduce-scatter gradients: each rank keeps
-            # the averaged gradient of its own shard (hybrid: then all-reduced across nodes)
+            # backward gathers the parameters again (full and hybrid resharded them after
+            # forward), then reduce-scatters the gradients: each rank keeps the averaged
+            # gradient of its own shard (hybrid then all-reduces it across the nodes)
             scaler.scale(loss).backward()
             scaler.step(optimizer)  # updates only this rank's shard
             scaler.update()
@@ -306,11 +308,17 @@ def train(args, env: common.DistEnv) -> int:
             sums[0] += loss.detach().double() * labels.size(0)
             sums[1] += (outputs.argmax(1) == labels).sum()
             sums[2] += labels.size(0)
-            if ckpt.after_step(loss, epoch, step + 1, steps):  # a stop signal: saved, stop
+            losses.track(loss, step)  # counted on the device: no host sync here
+            stopping = stop.at_step(epoch, step + 1, steps)  # the same step on every rank
+            if ckpt.due(step + 1, steps) or (stopping and ckpt.enabled):
+                losses.check(epoch)  # a host sync and a vote: no NaN reaches a checkpoint
+                ckpt.save(epoch, step + 1)
+            if stopping:  # saved (with a --checkpoint-dir): exit, to be requeued
+                print0(stop.report(saved=ckpt.enabled))
                 return contract.REQUEUE_EXIT
         common.synchronize(*devices)
         train_time = time.perf_counter() - t0
-        ckpt.check_finite(epoch)  # a host sync and a vote of all ranks, once per epoch
+        losses.check(epoch)  # a host sync and a vote of all ranks, once per epoch
 
         val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
 
@@ -326,9 +334,11 @@ def train(args, env: common.DistEnv) -> int:
         print0(contract.format_epoch_line(metrics))
         print0(contract.format_metric_line(metrics))
         datautils.report_skipped(metrics, (steps - skip) * global_batch, len(data.val))
-        if ckpt.end_epoch(epoch, metrics):  # a stop signal by the epoch's end: saved, stop
+        ckpt.end_epoch(epoch, metrics)  # the epoch's checkpoint, with its metrics
+        if stop.at_epoch_end(epoch, args.epochs):  # a stop signal by the epoch's end
+            print0(stop.report(saved=ckpt.enabled))
             return contract.REQUEUE_EXIT
-    ckpt.finish()
+    stop.finish()
 
     total_time = time.perf_counter() - start
     if args.save_model:

@@ -47,8 +47,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import torch  # noqa: E402
 
-import common  # noqa: E402
-import contract  # noqa: E402
+
+from training import contract, flags  # noqa: E402
 from make_tinyimagenet import make_tree, make_tree_parallel  # noqa: E402
 
 CEILING = "synthetic on device"
@@ -165,7 +165,7 @@ def whole_suite(timeout: int) -> tuple:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=common.HelpFormatter)
+                                formatter_class=flags.HelpFormatter)
     p.add_argument("--data-dir", default=None,
                    help="a TinyImageNet folder (original layout); default: generate one")
     p.add_argument("--work-dir", default=None,

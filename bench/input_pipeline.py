@@ -29,9 +29,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from torch.utils.data import DistributedSampler  # noqa: E402
 
-import common  # noqa: E402
-import faults  # noqa: E402
-import datautils  # noqa: E402
+from training import common, datautils, faults  # noqa: E402
 
 
 def rate(loader, seconds: float, warmup: int = 2) -> float:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torchvision  # noqa: E402
 
-import contract  # noqa: E402
+from training import contract  # noqa: E402
 
 # From Fashion-MNIST's README, the rows closest to our two models (test accuracy)
 PUBLISHED = {

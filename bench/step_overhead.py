@@ -29,9 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-import common  # noqa: E402
-import models  # noqa: E402
-import checkpoint  # noqa: E402
+from training import checkpoint, common, flags, models  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -53,7 +51,7 @@ def main(argv=None) -> int:
               "ddp": DDP(copy.deepcopy(base), device_ids=ids, gradient_as_bucket_view=True),
               "ddp+metrics": DDP(copy.deepcopy(base), device_ids=ids,
                                  gradient_as_bucket_view=True)}
-    d = common.add_common_args(argparse.ArgumentParser()).parse_args([])  # ddp_train's SGD
+    d = flags.add_common_args(argparse.ArgumentParser()).parse_args([])  # ddp_train's SGD
     opts = {k: torch.optim.SGD(m.parameters(), lr=d.lr, momentum=d.momentum,
                                weight_decay=d.weight_decay) for k, m in variants.items()}
     x = torch.randn(args.batch_size, *shape, device=device)

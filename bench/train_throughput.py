@@ -32,10 +32,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-import common  # noqa: E402
-import contract  # noqa: E402
-import models  # noqa: E402
-import datautils  # noqa: E402
+from training import common  # noqa: E402
+
+from training import contract, datautils, flags, models  # noqa: E402
 
 
 def ddp_throughput(args, extra) -> float:
@@ -62,9 +61,9 @@ def plain_throughput(args) -> float:
     model = models.build_model(args.model, classes, shape).to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
-    d = common.add_common_args(argparse.ArgumentParser()).parse_args([])  # ddp_train's SGD
+    d = flags.add_common_args(argparse.ArgumentParser()).parse_args([])  # ddp_train's SGD
     opt = torch.optim.SGD(model.parameters(), lr=d.lr, momentum=d.momentum,
-                          weight_decay=d.weight_decay, fused=common.fused_sgd(device, args.amp))
+                          weight_decay=d.weight_decay, fused=flags.fused_sgd(device, args.amp))
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     data = datautils.SyntheticImages(args.batch_size * args.steps, shape, classes, 0, "train")

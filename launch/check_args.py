@@ -1,4 +1,4 @@
-"""Check training arguments with each training script's own parser and common.check_flags, as
+"""Check training arguments with each training script's own parser and flags.check_flags, as
 its jobs will, before anything starts: launch/job.sh runs it for one job,
 launch/run_benchmarks.py once for a study. A typo or an impossible value (--epochs 0, an
 unknown --model) then costs one sentence, not a failed job or a study of failed jobs.
@@ -29,14 +29,14 @@ def main(argv=None) -> int:
             print(f"error: no training script {path}: name one, e.g. ddp_train.py",
                   file=sys.stderr)
             return 1
-        sys.path.insert(0, str(path.parent))  # the script's own imports (common.py, ...)
+        sys.path.insert(0, str(path.parent))  # the script's own imports (training/, ...)
         parser = importlib.import_module(path.stem).build_parser()
         parser.prog = path.name  # argparse's sentence names the script, not this file
         args = parser.parse_args(argv[1:])
-        common = importlib.import_module("common")
+        flags = importlib.import_module("training.flags")
         try:
-            common.check_flags(args, data_known=bool(args.dataset or args.data_dir))
-        except common.UsageError as e:
+            flags.check_flags(args, data_known=bool(args.dataset or args.data_dir))
+        except flags.UsageError as e:
             print(f"{path.name}: error: {e}", file=sys.stderr)
             return 2
     return 0

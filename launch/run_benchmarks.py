@@ -44,10 +44,10 @@ REPO_DIR = LAUNCH_DIR.parent
 sys.path.insert(0, str(REPO_DIR))
 
 import collect_results  # noqa: E402  (the study's reader: no torch)
-import scaling  # noqa: E402  (the runs' statuses)
+from reporting import scaling  # noqa: E402  (the runs' statuses)
 from collect_results import MANIFEST  # noqa: E402
-from scaling import STRATEGIES  # noqa: E402
-from contract import DEFAULT_BATCH_SIZE  # noqa: E402  (the training scripts' --batch-size)
+from reporting.scaling import STRATEGIES  # noqa: E402
+from training.contract import DEFAULT_BATCH_SIZE  # noqa: E402  (the training scripts' --batch-size)
 
 # Variables the launchers read that change what is measured: recorded with each invocation.
 PROVENANCE_ENV = ("DATA_DIR", "PYTHON", "LOG_INTERVAL", "CHECKPOINT_DIR", "OMP_NUM_THREADS",

@@ -27,7 +27,7 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(TESTS))
 
-import contract  # noqa: E402
+from training import contract  # noqa: E402
 from make_tinyimagenet import make_tree  # noqa: E402
 
 EPOCH_RE = re.compile(

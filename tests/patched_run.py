@@ -19,8 +19,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-import checkpoint  # noqa: E402  (the module objects the script will import too)
-import datautils  # noqa: E402
+from training import checkpoint  # noqa: E402  (the module objects the script will import too)
+from training import datautils  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -93,14 +93,14 @@ def usr1_at_an_epochs_last_step(out: Path) -> None:
     """SIGUSR1 arrives as the last step of epoch $STOP_EPOCH (0-based, default 0) ends; one
     process, so the step sees it at once."""
     import signal
-    real = checkpoint.Checkpoints.after_step
+    real = checkpoint.StopRequest.at_step
     stop_epoch = int(os.environ.get("STOP_EPOCH", "0"))
 
-    def after_step(self, loss, epoch, done, steps):
+    def at_step(self, epoch, done, steps):
         if epoch == stop_epoch and done == steps:
             os.kill(os.getpid(), signal.SIGUSR1)
-        return real(self, loss, epoch, done, steps)
-    checkpoint.Checkpoints.after_step = after_step
+        return real(self, epoch, done, steps)
+    checkpoint.StopRequest.at_step = at_step
 
 
 def bug_at_step_3(out: Path) -> None:

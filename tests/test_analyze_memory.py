@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import analyze_memory as am  # noqa: E402
-import contract  # noqa: E402
-import timeline  # noqa: E402
+from reporting import timeline  # noqa: E402
+from training import contract  # noqa: E402
 
 SCRIPT = ROOT / "analyze_memory.py"
 FIX = ROOT / "tests" / "fixtures" / "memory"
@@ -726,8 +726,8 @@ def test_a_copy_of_the_script_alone_names_what_to_copy(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines() == [
-        "error: analyze_memory.py needs contract.py beside it: copy contract.py, plots.py and "
-        "timeline.py from the repository too, or run the repository's copy"]
+        "error: analyze_memory.py needs reporting/plots.py beside it: copy the folders "
+        "reporting/ and training/ from the repository too, or run the repository's copy"]
 
 
 def test_a_reader_that_leaves_early_still_gets_the_errors(tmp_path):

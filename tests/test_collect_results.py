@@ -40,10 +40,8 @@ import pytest
 from conftest import REPO, TESTS, env_for_tests
 
 import collect_results
-import contract
-import plots
-import report
-import scaling
+from reporting import plots, report, scaling
+from training import contract
 
 STUDY = TESTS / "fixtures" / "study"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -75,13 +73,15 @@ def study(tmp_path_factory):
 def test_every_line_tag_and_exit_code_is_defined_once_in_contract():
     """Writer and readers share contract.py (which imports no torch): no other module spells
     a line tag or the requeue exit code itself, so they cannot drift apart."""
-    assert "import torch" not in (REPO / "contract.py").read_text()
+    assert "import torch" not in (REPO / "training" / "contract.py").read_text()
     tags = [q + t + q for t in ("[METRIC]", "[STOP]", "[EXIT]", "[PROFILE]", "[BANDWIDTH]")
             for q in "\"'"]
     tags.append("= 75")
-    for path in sorted(REPO.glob("*.py")) + sorted(REPO.glob("launch/*.py")) + sorted(
-            REPO.glob("bench/*.py")):
-        if path.name != "contract.py":
+    paths = [p for folder in ("", "training/", "reporting/", "launch/", "bench/")
+             for p in sorted(REPO.glob(folder + "*.py"))]
+    assert len(paths) > 20
+    for path in paths:
+        if path.relative_to(REPO) != Path("training/contract.py"):
             text = path.read_text()
             assert not [t for t in tags if t in text], path.name
 
@@ -348,15 +348,17 @@ def test_a_copy_of_the_script_alone_names_what_to_copy(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines() == [
-        "error: collect_results.py needs analyze_memory.py beside it: copy analyze_memory.py, "
-        "contract.py, plots.py, report.py, scaling.py and timeline.py from the repository too, "
-        "or run the repository's copy"]
-    for name in ("analyze_memory.py", "contract.py", "plots.py"):  # the one missing is named
-        shutil.copy(REPO / name, tmp_path)
+        "error: collect_results.py needs analyze_memory.py beside it: copy analyze_memory.py "
+        "and the folders reporting/ and training/ from the repository too, or run the "
+        "repository's copy"]
+    shutil.copy(REPO / "analyze_memory.py", tmp_path)  # the one missing is named
+    shutil.copytree(REPO / "reporting", tmp_path / "reporting")
+    (tmp_path / "reporting" / "timeline.py").unlink()
     proc = subprocess.run([sys.executable, str(tmp_path / "collect_results.py"), str(STUDY)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.startswith("error: collect_results.py needs timeline.py beside it: ")
+    assert proc.stderr.startswith("error: collect_results.py needs reporting/timeline.py "
+                                  "beside it: ")
 
 
 def test_runs_without_torch(tmp_path):

@@ -16,11 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-import common
-import models
-import faults
-import datautils
-import prepare_tinyimagenet
+from training import common, datautils, faults, models, tinyimagenet
 from conftest import check_ok, metrics, run_script
 
 CPU = torch.device("cpu")
@@ -106,7 +102,7 @@ def test_cache_path_still_counts_each_val_image_once(damaged, tmp_path, on_devic
     args = _args(data_dir, cache=str(tmp_path / "c"), on_device=on_device)
     data = datautils.build_data(args, True)
     assert len(data.val) == 35
-    model, prepare = datautils.input_pipeline(data, model, CPU)
+    prepare = datautils.batch_finisher(data, models.memory_format(model, CPU))
     got = _all_ranks(model, data.val, 3, 8, args, prepare)
     assert got[2] == want[2] == 35 and got[1] == want[1]
     assert got[0].item() == pytest.approx(want[0].item(), rel=1e-4)
@@ -158,7 +154,7 @@ def test_binary_wnids_is_one_line_exit_2_for_every_script(tiny_imagenet, tmp_pat
 
 def test_unreadable_dataset_file_is_a_usage_error(tmp_path):
     with pytest.raises(faults.UsageError, match=f"cannot read {tmp_path} "):
-        prepare_tinyimagenet.read_text_file(tmp_path)  # a folder where a file should be
+        tinyimagenet.read_text_file(tmp_path)  # a folder where a file should be
 
 
 @pytest.mark.parametrize("meta", [b"\xff\xfe\x00", b"[]", b'{"version": 1}',
@@ -167,11 +163,11 @@ def test_damaged_cache_meta_means_rebuild_not_a_crash(tmp_path, meta):
     np.save(tmp_path / "val_u8.npy", np.zeros((1, 64, 64, 3), dtype=np.uint8))
     np.save(tmp_path / "val_labels.npy", np.zeros(1, dtype=np.int64))
     (tmp_path / "val_meta.json").write_bytes(meta)
-    assert prepare_tinyimagenet.cache_is_valid(tmp_path, "val", "c", 1) is False
+    assert tinyimagenet.cache_is_valid(tmp_path, "val", "c", 1) is False
     # and the intact meta is still accepted
     (tmp_path / "val_meta.json").write_text(json.dumps(
-        {"version": prepare_tinyimagenet.CACHE_VERSION, "checksum": "c", "sources": 1, "count": 1}))
-    assert prepare_tinyimagenet.cache_is_valid(tmp_path, "val", "c", 1) is True
+        {"version": tinyimagenet.CACHE_VERSION, "checksum": "c", "sources": 1, "count": 1}))
+    assert tinyimagenet.cache_is_valid(tmp_path, "val", "c", 1) is True
 
 
 def test_prepare_tinyimagenet_builds_the_cache_the_training_reuses(tiny_imagenet, tmp_path):

@@ -13,11 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-import common
-import contract
-import models
-import prepare_tinyimagenet
-import datautils
+
+from training import contract, datautils, distributed, models, tinyimagenet
 from conftest import (FAST, REPO, check_ok, env_for_tests, epoch_lines, fake_gpus, metrics,
                       run_script)
 
@@ -143,7 +140,7 @@ def test_real_samples_matches_padding(n, world):
 
 def test_tinyimagenet_labels_follow_annotations(tiny_imagenet):
     root, info = tiny_imagenet
-    classes, train, val = prepare_tinyimagenet.scan_tinyimagenet(root)
+    classes, train, val = tinyimagenet.scan_tinyimagenet(root)
     assert classes == sorted(info["wnids"]) and len(classes) == 4
     index = {w: i for i, w in enumerate(classes)}
     assert len(val) == 40 and len(train) == 160
@@ -164,7 +161,7 @@ def test_tinyimagenet_reorganised_val_folder(tiny_imagenet, tmp_path):
         shutil.move(copy / "val" / "images" / name, copy / "val" / wnid / name)
     (copy / "val" / "val_annotations.txt").unlink()
     (copy / "val" / "images").rmdir()
-    classes, _, val = prepare_tinyimagenet.scan_tinyimagenet(copy)
+    classes, _, val = tinyimagenet.scan_tinyimagenet(copy)
     index = {w: i for i, w in enumerate(classes)}
     assert sorted((os.path.basename(p), l) for p, l in val) == \
         sorted((n, index[w]) for n, w in info["val_labels"].items())
@@ -212,7 +209,7 @@ def test_dist_env_ignores_batch_step(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_NTASKS", "8")
-    assert common.dist_env().world_size == 1
+    assert distributed.dist_env().world_size == 1
 
 
 BAD_INPUTS = [
@@ -402,7 +399,7 @@ def test_resnets_start_each_residual_block_as_the_identity():
     """Goyal et al.'s zero init of each block's last BatchNorm: it keeps the demo's first
     validation loss near chance (ln 200 = 5.3) instead of 208-256 from BatchNorm running
     statistics that a few dozen steps have not settled (measured with ResNet-50)."""
-    import models
+    from training import models
     resnet = models.build_model("resnet50", 200, (3, 64, 64))
     blocks = [b for layer in (resnet.layer1, resnet.layer2, resnet.layer3, resnet.layer4)
               for b in layer]

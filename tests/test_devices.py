@@ -14,8 +14,7 @@ import sys
 import pytest
 import torch
 
-import devices
-import faults
+from training import devices, faults
 from conftest import CU130_ARCHS, FAST, REPO, env_for_tests, fake_gpus, run_script
 
 CU126_ARCHS = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]

@@ -13,9 +13,7 @@ import psutil
 import pytest
 import torch
 
-import checkpoint
-import contract
-import faults
+from training import checkpoint, contract, faults
 from conftest import (REPO, check_ok, env_for_tests, epoch_lines, metrics, read_until, run_script,
                       wait_for)
 
@@ -390,19 +388,19 @@ def test_resume_at_a_larger_world_size_keeps_the_new_ranks_own_seed(monkeypatch,
     rank 1 (which the saved run did not have) keeps the seed the script gave it. Rank 0's
     saved state on rank 1 too would give both ranks the same crops and flips."""
     import argparse
-    import common
+    from training import flags
     torch.manual_seed(0)
     saved = checkpoint.rng_state()
     meta = dict(epoch=1, step=0, metrics={}, rng=[saved], args={"amp": "off"}, path="ck")
     monkeypatch.setattr(checkpoint, "_rank", lambda: rank)
     monkeypatch.setattr(checkpoint, "load_newest", lambda candidates, load: meta)
-    torch.manual_seed(common.seed_for_rank(0, rank))  # as the script seeds each rank
+    torch.manual_seed(flags.seed_for_rank(0, rank))  # as the script seeds each rank
     own = torch.get_rng_state()
     args = argparse.Namespace(checkpoint_dir=None, resume="auto", amp="off", dist_timeout=600)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     ckpt = checkpoint.Checkpoints(args, dict(optimizer=optimizer, scheduler=scheduler), None,
-                                  None, torch.device("cpu"))
+                                  None)
     assert ckpt.resume(10) == (1, 0)
     assert torch.equal(torch.get_rng_state(), saved["torch"] if rank == 0 else own)
 

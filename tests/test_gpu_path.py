@@ -14,8 +14,11 @@ import torch
 
 from conftest import FAST, REPO, check_ok, env_for_tests, fake_gpus, metrics, run_script
 
-import common
-import faults
+from training import common
+
+from training import distributed
+
+from training import faults, flags
 
 PATCHED = REPO / "tests" / "patched_run.py"
 
@@ -57,10 +60,10 @@ def test_ranks_loader_workers_have_different_seeds(tiny_imagenet, tmp_path):
 
 
 def test_seed_for_rank_is_distinct_and_stable():
-    seeds = [common.seed_for_rank(0, r) for r in range(64)]
+    seeds = [flags.seed_for_rank(0, r) for r in range(64)]
     assert len(set(seeds)) == 64
-    assert seeds == [common.seed_for_rank(0, r) for r in range(64)]
-    assert common.seed_for_rank(1, 0) != seeds[0]
+    assert seeds == [flags.seed_for_rank(0, r) for r in range(64)]
+    assert flags.seed_for_rank(1, 0) != seeds[0]
 
 
 # ---- 2. a NaN on one rank stops every rank at once, with one message
@@ -87,7 +90,7 @@ def test_nan_on_one_rank_stops_the_whole_job_quickly(script, tmp_path):
     (4, 1, 4, "slurm", 1),   # srun --gpus-per-node=4: every task sees all four
 ])
 def test_gpu_index(visible, local_rank, local_world, source, expected):
-    assert common.gpu_index(visible, local_rank, local_world, source) == expected
+    assert distributed.gpu_index(visible, local_rank, local_world, source) == expected
 
 
 @pytest.mark.parametrize("visible, local_world, source, fix", [
@@ -97,7 +100,7 @@ def test_gpu_index(visible, local_rank, local_world, source, expected):
 ])
 def test_gpu_index_too_few_gpus_names_the_fix(visible, local_world, source, fix):
     with pytest.raises(faults.UsageError, match="processes were started on this node") as e:
-        common.gpu_index(visible, 0, local_world, source)
+        distributed.gpu_index(visible, 0, local_world, source)
     assert fix in str(e.value)
 
 
@@ -112,7 +115,7 @@ def test_srun_uneven_tasks_per_node(monkeypatch, tasks, node, expected):
         monkeypatch.setenv(k, v)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
         monkeypatch.delenv(k, raising=False)
-    env = common.dist_env()
+    env = distributed.dist_env()
     assert (env.local_world_size, env.nodes) == (expected, 2 if tasks == "3,2" else 4)
 
 
@@ -124,7 +127,7 @@ def test_srun_ntasks_per_node_without_step_list(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NUM_TASKS",
               "SLURM_STEP_NUM_NODES"):
         monkeypatch.delenv(k, raising=False)
-    env = common.dist_env()
+    env = distributed.dist_env()
     assert (env.world_size, env.local_world_size, env.nodes) == (6, 3, 2)
 
 
@@ -143,7 +146,7 @@ def test_dp_turns_on_cudnn_benchmark(monkeypatch):
     fake_gpus(monkeypatch, 1)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     args = dp_train.build_parser().parse_args(FAST + ["--compile"])  # one GPU: compile is fine
-    device, gpus = dp_train.setup_devices(args, common.DistEnv(0, 0, 1, 1, "single"))
+    device, gpus = dp_train.setup_devices(args, distributed.DistEnv(0, 0, 1, 1, "single"))
     assert (device.type, gpus) == ("cuda", [0])
     assert torch.backends.cudnn.benchmark is True
 
@@ -167,29 +170,31 @@ def test_peak_memory_is_reset_per_epoch():
                                                 ((7, 0), "off", "off")])
 def test_amp_default_follows_the_gpu(monkeypatch, cc, flag, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: cc)
-    args = argparse.Namespace(**vars(common.add_common_args(argparse.ArgumentParser())
+    args = argparse.Namespace(**vars(flags.add_common_args(argparse.ArgumentParser())
                                      .parse_args([] if flag is None else ["--amp", flag])))
-    common.resolve_args(args, common.DistEnv(0, 0, 1, 1, "single"), torch.device("cuda", 0))
+    flags.resolve_args(args, distributed.DistEnv(0, 0, 1, 1, "single"), torch.device("cuda", 0))
     assert args.amp == expected
 
 
 def test_bf16_on_a_v100_names_fp16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "Tesla V100-SXM2-32GB")
-    args = common.add_common_args(argparse.ArgumentParser()).parse_args(["--amp", "bf16"])
+    args = flags.add_common_args(argparse.ArgumentParser()).parse_args(["--amp", "bf16"])
     with pytest.raises(faults.UsageError, match="use --amp fp16") as e:
-        common.resolve_args(args, common.DistEnv(0, 0, 1, 1, "single"), torch.device("cuda", 0))
+        flags.resolve_args(args, distributed.DistEnv(0, 0, 1, 1, "single"), torch.device("cuda", 0))
     assert "V100" in str(e.value) and "7.0" in str(e.value)
 
 
-# ---- FSDP2: one unit per residual block plus the root; channels_last weights are accepted
+# ---- FSDP2: one unit per residual block plus the root; weights in the default layout (FSDP2
+# shards contiguous parameters only), channels_last inputs as on CUDA
 FSDP_UNITS = """
 import torch, torch.distributed as dist, argparse
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
-import fsdp_train, models
+import fsdp_train
+from training import models
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-model = models.build_model("resnet50", 200, (3, 64, 64)).to(memory_format=torch.channels_last)
+model = models.build_model("resnet50", 200, (3, 64, 64))
 args = argparse.Namespace(amp="bf16", sharding="full")
 model = fsdp_train.apply_fsdp(model, init_device_mesh("cpu", (1,)), args)
 units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
@@ -202,7 +207,7 @@ dist.destroy_process_group()
 """
 
 
-def test_fsdp_shards_per_block_and_accepts_channels_last_weights():
+def test_fsdp_shards_per_block_and_takes_channels_last_inputs():
     proc = subprocess.run([sys.executable, "-c", FSDP_UNITS], capture_output=True, text=True,
                           env=env_for_tests(), cwd=REPO, timeout=300)
     check_ok(proc)
@@ -257,7 +262,7 @@ def test_save_model_writes_cpu_tensors_of_a_model_on_the_gpu(monkeypatch, tmp_pa
     and the FSDP-against-DDP comparison fails on devices. FakeTensorMode makes CUDA tensors
     without a GPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    import checkpoint
+    from training import checkpoint
     saved = {}
     monkeypatch.setattr(checkpoint, "atomic_save", lambda obj, path: saved.update(obj))
     with FakeTensorMode():
@@ -283,12 +288,12 @@ def test_every_strategy_saves_its_model_through_save_model(script):
     ("cpu", "off", False), ("cpu", "fp16", False),
 ])
 def test_fused_sgd_only_without_a_grad_scaler(device, amp, fused):
-    assert common.fused_sgd(torch.device(device), amp) is fused
+    assert flags.fused_sgd(torch.device(device), amp) is fused
 
 
 @pytest.mark.parametrize("script", ["ddp_train.py", "dp_train.py"])
 def test_the_scripts_choose_fused_sgd_by_the_amp_mode(script):
-    assert "fused=common.fused_sgd(device, args.amp))" in (REPO / script).read_text()
+    assert "fused=flags.fused_sgd(device, args.amp))" in (REPO / script).read_text()
 
 
 def test_an_overflowing_fp16_step_leaves_no_momentum_behind():
@@ -299,7 +304,7 @@ def test_an_overflowing_fp16_step_leaves_no_momentum_behind():
     and the next step's momentum is its own gradient."""
     weights = torch.nn.Parameter(torch.ones(1000))
     optimizer = torch.optim.SGD([weights], lr=0.1, momentum=0.9,
-                                fused=common.fused_sgd(torch.device("cuda"), "fp16"))
+                                fused=flags.fused_sgd(torch.device("cuda"), "fp16"))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     for loss in (lambda: (weights * float("inf")).sum(), lambda: weights.sum()):
         optimizer.zero_grad()
@@ -314,7 +319,7 @@ def test_an_overflowing_fp16_step_leaves_no_momentum_behind():
 def test_every_process_group_waits_for_dist_timeout_at_most(monkeypatch):
     from datetime import timedelta
     import torch.distributed as dist
-    import checkpoint
+    from training import checkpoint
     groups = []
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: groups.append(kw))
     monkeypatch.setattr(dist, "new_group", lambda *a, **kw: groups.append(kw))
@@ -322,7 +327,7 @@ def test_every_process_group_waits_for_dist_timeout_at_most(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(faults.StopSignals, "training", faults.StopSignals.training)
     monkeypatch.setenv("MASTER_PORT", "29999")
-    common.init_process_group("nccl", common.DistEnv(0, 0, 2, 2, "torchrun"), 45)
+    distributed.init_process_group("nccl", distributed.DistEnv(0, 0, 2, 2, "torchrun"), 45)
     checkpoint.StopRequest(45)  # the stop vote's gloo group
     assert [g["timeout"] for g in groups] == [timedelta(seconds=45)] * 2
     assert groups[1]["backend"] == "gloo"

@@ -34,7 +34,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-import contract  # noqa: E402  (the parser of the [METRIC] lines the training scripts write)
+from training import contract  # noqa: E402  (the [METRIC] lines' parser)
 from conftest import read_until, wait_for  # noqa: E402
 
 LAUNCH = REPO / "launch"

@@ -10,9 +10,8 @@ import sys
 import pytest
 from conftest import REPO, check_ok, env_for_tests, metrics, run_script
 
-import common
-import contract
-import measure
+
+from training import contract, flags, measure
 
 PATCHED = REPO / "tests" / "patched_run.py"
 PROGRESS_RE = re.compile(
@@ -115,22 +114,22 @@ def test_lr_scaling_rules():
     import argparse
     args = argparse.Namespace(lr=0.1, base_batch=256, lr_scaling="linear", warmup_epochs=0,
                               step_size=30, gamma=0.1)
-    assert common.peak_lr(args, 8192) == 0.1 * 32  # Goyal et al.: 8k batch, 3.2
+    assert flags.peak_lr(args, 8192) == 0.1 * 32  # Goyal et al.: 8k batch, 3.2
     args.lr_scaling = "sqrt"
-    assert abs(common.peak_lr(args, 1024) - 0.2) < 1e-12
+    assert abs(flags.peak_lr(args, 1024) - 0.2) < 1e-12
     args.lr_scaling = "none"
-    assert common.peak_lr(args, 8192) == 0.1
-    factor = common.lr_factor(args, steps=100)
+    assert flags.peak_lr(args, 8192) == 0.1
+    factor = flags.lr_factor(args, steps=100)
     assert factor(0) == 1.0 and abs(factor(3000) - 0.1) < 1e-12
     args.warmup_epochs = 0.25  # 25 steps
-    factor = common.lr_factor(args, steps=100)
+    factor = flags.lr_factor(args, steps=100)
     assert [factor(s) for s in (0, 11, 24, 25)] == [1 / 25, 12 / 25, 1.0, 1.0]
 
 
 def test_check_measures_bandwidth_the_way_nccl_tests_do():
     """fsdp --check: all-gather, reduce-scatter and all-reduce at four sizes up to the model's
     gradient size; algbw = bytes / time, busbw = algbw x 2(n-1)/n (all-reduce) or (n-1)/n."""
-    import models
+    from training import models
     proc = run_script("fsdp_train.py", ["--check", "--model", "cnn"], nproc=2)
     check_ok(proc)
     lines = [dict(kv.split("=") for kv in line.split()[1:]) for line in proc.stdout.splitlines()

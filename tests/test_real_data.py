@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-import datautils
+from training import datautils
 from conftest import check_ok, metrics, run_script
 
 FOLDER = datautils.FASHION_MNIST_DIR

@@ -20,11 +20,8 @@ import psutil
 import torch
 import pytest
 
-import common
-import contract
-import prepare_tinyimagenet
-import faults
-import checkpoint
+
+from training import checkpoint, contract, faults, flags, tinyimagenet
 from conftest import REPO, check_ok, env_for_tests, metrics, read_until, run_script, wait_for
 
 RUN = ["--model", "cnn", "--synthetic-size", "320", "--batch-size", "16", "--epochs", "2",
@@ -271,7 +268,7 @@ def test_strict_error_on_rank_1_names_the_file(tiny_imagenet, tmp_path):
     root, _ = tiny_imagenet
     bad = tmp_path / "tin"
     shutil.copytree(root, bad)
-    _, train, _ = prepare_tinyimagenet.scan_tinyimagenet(bad)
+    _, train, _ = tinyimagenet.scan_tinyimagenet(bad)
     sampler = DistributedSampler(train, num_replicas=2, rank=1, shuffle=True, seed=0,
                                  drop_last=True)
     sampler.set_epoch(0)
@@ -294,21 +291,21 @@ def test_amp_on_cpu_warns_once():
                                                                    "1"], nproc=2)
     check_ok(proc)
     assert proc.stderr.count("--amp bf16 on a CPU") == 1
-    assert common.cpu_amp_note("bf16", common.cpu_flags()) in proc.stderr
+    assert flags.cpu_amp_note("bf16", flags.cpu_flags()) in proc.stderr
     quiet = run_script("ddp_train.py", RUN + ["--epochs", "1"])
     assert "on a CPU" not in quiet.stderr
 
 
-@pytest.mark.parametrize("amp, flags, says", [
+@pytest.mark.parametrize("amp, cpu, says", [
     ("bf16", {"avx2", "avx512_bf16", "amx_bf16"}, "note: --amp bf16 on a CPU with amx_bf16 "
                                                   "and avx512_bf16: its bf16 kernels can be "
                                                   "faster than fp32"),
     ("bf16", {"avx2"}, "warning: --amp bf16 on a CPU without bf16 instructions"),
     ("fp16", {"avx2", "amx_bf16"}, "warning: --amp fp16 on a CPU trains many times slower"),
 ])
-def test_the_amp_note_on_a_cpu_says_what_is_true_for_that_cpu(amp, flags, says):
+def test_the_amp_note_on_a_cpu_says_what_is_true_for_that_cpu(amp, cpu, says):
     """It said bf16 trains many times slower; on a CPU with AVX512-BF16 it ran 1.5x faster."""
-    assert common.cpu_amp_note(amp, flags).startswith(says)
+    assert flags.cpu_amp_note(amp, cpu).startswith(says)
 
 
 def test_stop_signal_on_rank_1_only_is_named_by_rank_0(tmp_path):

@@ -25,9 +25,8 @@ import pytest
 from conftest import REPO, TESTS, env_for_tests
 
 import collect_results
-import common
-import plots
-import scaling
+from reporting import plots, scaling
+from training import flags
 
 SCRIPT = REPO / "launch" / "run_benchmarks.py"
 FIXTURE_STUDY = TESTS / "fixtures" / "study"
@@ -109,7 +108,7 @@ def test_default_batch_is_the_training_scripts():
     mod = importlib.util.module_from_spec(spec)
     sys.modules["run_benchmarks"] = mod  # dataclasses look their module up while defining
     spec.loader.exec_module(mod)
-    parser = common.add_common_args(argparse.ArgumentParser())
+    parser = flags.add_common_args(argparse.ArgumentParser())
     assert mod.DEFAULT_BATCH_SIZE == parser.get_default("batch_size")  # imported: one definition
     assert mod.MANIFEST is collect_results.MANIFEST  # imported: one definition
     assert mod.STRATEGIES is scaling.STRATEGIES

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-import contract
+from training import contract
 from conftest import FAST, REPO, check_ok, env_for_tests, epoch_lines, metrics, run_script
 
 EQUIV = ["--model", "cnn", "--synthetic-size", "320", "--epochs", "2", "--num-workers", "0",

@@ -11,9 +11,9 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-import plots
-from scaling import (FAILED, HAS_METRICS, OK, OVERLAP, SKIPPED, STATUSES, beyond_study, gpus,
-                     group_of, num, predict_step_ms)
+from reporting import plots
+from reporting.scaling import (FAILED, HAS_METRICS, OK, OVERLAP, SKIPPED, STATUSES,
+                               beyond_study, gpus, group_of, num, predict_step_ms)
 
 STRATEGY_TITLE = {"dp": "DataParallel (dp)", "ddp": "DistributedDataParallel (ddp)",
                   "fsdp": "FSDP (fsdp)"}

@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from faults import UsageError
+from training.faults import UsageError
 
 #: PyTorch's wheel index for one CUDA build, e.g. INDEX.format("cu126").
 INDEX = "https://download.pytorch.org/whl/{}"

@@ -12,9 +12,9 @@ import math
 from datetime import datetime
 from pathlib import Path
 
-import contract
-import plots
-from contract import METRIC_PREFIX
+from training import contract
+from reporting import plots
+from training.contract import METRIC_PREFIX
 
 _STAMP_FORMATS = ("%Y/%m/%d %H:%M:%S.%f", "%Y/%m/%d %H:%M:%S")
 

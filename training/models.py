@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from faults import UsageError
+from training.faults import UsageError
 
 
 class CifarCNN(nn.Module):
@@ -30,7 +30,8 @@ class CifarCNN(nn.Module):
                                         nn.ReLU(inplace=True), nn.Linear(256, num_classes))
 
     def forward(self, x):
-        # x.shape[1:], not x.shape: the batch dimension differs per rank and per last batch
+        # Only the image shape is checked: the batch size differs between ranks and in the
+        # last batch.
         assert x.shape[1:] == (3, 32, 32), f"cnn expects 3x32x32 images, got {tuple(x.shape[1:])}"
         return self.classifier(self.features(x))
 
@@ -92,6 +93,13 @@ def check_model(name: str, shape: tuple) -> None:
                          f"{shape[0]}: use --model mnist_net for MNIST")
 
 
+def memory_format(model: nn.Module, device: torch.device) -> torch.memory_format:
+    """channels_last for a conv net on CUDA (cuDNN's faster convolutions, above all with
+    AMP), the default layout otherwise. The scripts put the model and the batches in it."""
+    conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
+    return torch.channels_last if device.type == "cuda" and conv else torch.contiguous_format
+
+
 def build_model(name: str, num_classes: int, input_shape: tuple) -> nn.Module:
     """A fresh model; the caller seeds torch first so every rank builds the same weights."""
     check_model(name, input_shape)
@@ -108,7 +116,9 @@ def build_model(name: str, num_classes: int, input_shape: tuple) -> nn.Module:
     zero_init = name.startswith(("resnet", "resnext", "wide_resnet"))
     model = models.get_model(name, weights=None, num_classes=num_classes,
                              **({"zero_init_residual": True} if zero_init else {}))
-    try:  # one image, no state changed: some models take one image size only (ViT: 224x224)
+    # One image through the model, no state changed: some models take one image size only
+    # (ViT: 224x224), and this says so before any training starts.
+    try:
         with torch.no_grad():
             model.eval()(torch.zeros(1, *input_shape))
     except (AssertionError, RuntimeError, ValueError) as err:

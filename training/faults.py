@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import contract
+from training import contract
 
 # --------------------------------------------------------------------------------------------
 # Errors a user can fix, and a loss that is not a number

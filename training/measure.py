@@ -5,9 +5,9 @@ the collectives (--check). Each answers a question a user asks of a running job:
 - "how fast, how good, how much memory?": ``epoch_metrics``, from the sums reduced over ranks;
 - "is my job alive, and when does it end?": ``StepMeter`` prints rank 0's progress line;
 - "is the loader keeping up?": ``StepMeter.wait_s``, the epoch's ``data_wait_frac``;
-- "where does a step's time go?": ``--profile`` traces a few steps with torch.profiler and
-  splits the step into compute, communication not hidden behind compute, data wait and the
-  rest (``step_breakdown``);
+- "where does a step's time go?": ``StepProfiler`` (--profile) traces a few steps with
+  torch.profiler and splits the step into compute, communication not hidden behind compute,
+  data wait and the rest (``step_breakdown``);
 - "is the network as fast as it should be?": ``collective_check`` (--check) and
   ``bandwidth`` (--profile, world size > 1) time the strategy's collectives the way nccl-tests
   do and print ``[BANDWIDTH]`` lines.
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import print0, synchronize
-from contract import BANDWIDTH_PREFIX, PROFILE_KEYS, PROFILE_PREFIX, format_metric_line
+from training.common import print0, synchronize
+from training.contract import BANDWIDTH_PREFIX, PROFILE_KEYS, PROFILE_PREFIX, format_metric_line
 
 # --------------------------------------------------------------------------------------------
 # The epoch's figures
@@ -87,21 +87,15 @@ class StepMeter:
     first few steps and then every ``every`` seconds, which answers "is my job alive, and when
     does it end?". It reads only what the host knows (a step count, the clock): no host sync
     is added to the step. On a GPU the host runs a few steps ahead of the device, so the rate
-    is that of queued steps; it converges to the real one from the second line on. With
-    --profile it also opens and closes the profiler around a window of steps (``_Profile``)."""
+    is that of queued steps; it converges to the real one from the second line on."""
 
     # An epoch's first line comes once its slow first steps are behind it, or after 10 s when
     # steps are slow (ResNet-50 on a CPU: 6 s a step): the user knows within seconds it runs.
     FIRST_AFTER, FIRST_WITHIN = 3, 10.0  # steps, seconds
-    PROFILE_AFTER, PROFILE_STEPS = 3, 5  # --profile: skip 3 steps (warm-up), trace 5
 
     def __init__(self, args, steps: int, images_per_step: int, device: torch.device):
         self.every, self.epochs, self.steps = args.log_every, args.epochs, steps
         self.images_per_step, self.device = images_per_step, device
-        # --profile: rank 0 traces a few steps of the first epoch it runs
-        is_main = not dist.is_initialized() or dist.get_rank() == 0
-        self.profile_dir = args.profile if is_main else None
-        self.profile = None
         self.start = time.perf_counter()
         self.epoch_wall = 0.0  # one whole epoch (training, evaluation, saving), once known
         self.wait_s = 0.0
@@ -114,16 +108,9 @@ class StepMeter:
         self.epoch_start, self.wait_s = now, 0.0
         self.next_line = now + min(self.every, self.FIRST_WITHIN)
         it, done, first_line = iter(batches), first_step, True
-        window = self._profile_window(first_step)
         while True:
-            if done == window[0]:
-                self.profile = _Profile(self.profile_dir, self.device, window[1] - window[0])
-            elif done == window[1]:
-                self.profile.finish()
-                self.profile = self.profile_dir = None
             t = time.perf_counter()
-            with torch.profiler.record_function(WAIT_LABEL) if self.profile else nullcontext():
-                batch = next(it, None)
+            batch = next(it, None)
             self.wait_s += time.perf_counter() - t  # host time blocked on the loader
             if batch is None:
                 return
@@ -132,19 +119,6 @@ class StepMeter:
                 first_line = False
             yield batch
             done += 1
-
-    def _profile_window(self, first_step: int) -> tuple:
-        """(first, end) step of this epoch's profile window; (-1, -1): none."""
-        n = self.steps - first_step
-        if not self.profile_dir or n < 1:
-            return -1, -1
-        start = first_step + min(self.PROFILE_AFTER, n // 3)
-        end = min(start + self.PROFILE_STEPS, self.steps)
-        if (start - first_step, end - start) != (self.PROFILE_AFTER, self.PROFILE_STEPS):
-            print0(f"note: --profile: this epoch runs {n} step(s), so it traces {end - start} "
-                   f"after {start - first_step} warm-up step(s), not {self.PROFILE_STEPS} after "
-                   f"{self.PROFILE_AFTER}: a longer epoch gives steadier figures")
-        return start, end
 
     def _line(self, epoch: int, done: int, first_step: int, now: float) -> None:
         self.next_line = now + self.every
@@ -168,7 +142,7 @@ class StepMeter:
 # --profile: where a step's time goes
 # --------------------------------------------------------------------------------------------
 
-WAIT_LABEL = "data wait"  # the span StepMeter marks around each wait for the next batch
+WAIT_LABEL = "data wait"  # the span StepProfiler marks around each wait for the next batch
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of GPU work
 
 
@@ -255,7 +229,52 @@ def format_profile_line(parts: dict, trace_path) -> str:
         + f" trace={trace_path}")
 
 
-class _Profile:
+class StepProfiler:
+    """--profile: rank 0 traces a window of steps of the first epoch it runs (3 warm-up steps,
+    then 5) with torch.profiler, marks each wait for the next batch in the trace, and prints
+    where a step's time went ([PROFILE] line) and where the trace is. Other ranks, and runs
+    without --profile, pass the batches through untouched."""
+
+    AFTER, STEPS = 3, 5  # skip 3 steps (warm-up), trace 5
+
+    def __init__(self, args, steps: int, device: torch.device):
+        is_main = not dist.is_initialized() or dist.get_rank() == 0
+        self.out_dir = args.profile if is_main else None
+        self.steps, self.device = steps, device
+
+    def epoch(self, batches, first_step: int):
+        """Yield ``batches`` (``first_step``: the steps a resumed epoch already ran), tracing
+        this epoch's window of steps, if it has one."""
+        start, end = self._window(first_step)
+        it, done, profile = iter(batches), first_step, None
+        while True:
+            if done == start:
+                profile = _Trace(self.out_dir, self.device, end - start)
+            elif done == end:
+                profile.finish()
+                profile = self.out_dir = None  # one window per run
+            with torch.profiler.record_function(WAIT_LABEL) if profile else nullcontext():
+                batch = next(it, None)
+            if batch is None:
+                return
+            yield batch
+            done += 1
+
+    def _window(self, first_step: int) -> tuple:
+        """(first, end) step of this epoch's window; (-1, -1): none."""
+        n = self.steps - first_step
+        if not self.out_dir or n < 1:
+            return -1, -1
+        start = first_step + min(self.AFTER, n // 3)
+        end = min(start + self.STEPS, self.steps)
+        if (start - first_step, end - start) != (self.AFTER, self.STEPS):
+            print0(f"note: --profile: this epoch runs {n} step(s), so it traces {end - start} "
+                   f"after {start - first_step} warm-up step(s), not {self.STEPS} after "
+                   f"{self.AFTER}: a longer epoch gives steadier figures")
+        return start, end
+
+
+class _Trace:
     """torch.profiler over a window of steps on rank 0, then the breakdown and the trace."""
 
     def __init__(self, out_dir, device: torch.device, steps: int):

@@ -4,7 +4,7 @@ files, e.g. Debian's dataset-fashion-mnist package) and built-in synthetic data;
 loaders that feed the training loop; and the copy of each batch to the device.
 
 ``build_data(args, is_main)`` returns the datasets (a DataBundle), ``make_loader`` the loader
-over a sampler that the strategy chose, ``to_device`` and ``input_pipeline`` finish each batch
+over a sampler that the strategy chose, ``to_device`` and ``batch_finisher`` finish each batch
 on the device.
 """
 
@@ -19,14 +19,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-import prepare_tinyimagenet
-from common import dist_env, on_rank0, print0, raise_if_any_rank, seed_for_rank
-from faults import DataError, UsageError, ignore_stop_signals
-from models import grey_channels, synthetic_shape
+from training import tinyimagenet
+from training.common import print0
+from training.distributed import dist_env, on_rank0, raise_if_any_rank
+from training.faults import DataError, UsageError, ignore_stop_signals
+from training.flags import seed_for_rank
+from training.models import grey_channels, synthetic_shape
 
 # --------------------------------------------------------------------------------------------
 # Datasets
@@ -91,7 +92,7 @@ class ImageList(Dataset):
     def __getitem__(self, index):
         path, label = self.samples[index]
         try:
-            img, resized_from = prepare_tinyimagenet.load_rgb(path)
+            img, resized_from = tinyimagenet.load_rgb(path)
         except (OSError, ValueError, SyntaxError) as exc:  # PIL's errors for broken files
             reason = f"{exc.__class__.__name__}: {str(exc)[:100]}"
             if self.strict:
@@ -102,10 +103,10 @@ class ImageList(Dataset):
             return None
         if resized_from:  # as the cache does: resized with a warning, or --strict stops
             if self.strict:
-                raise DataError(prepare_tinyimagenet.wrong_size(path, resized_from, strict=True))
+                raise DataError(tinyimagenet.wrong_size(path, resized_from, strict=True))
             if path not in self.warned:  # once per file, not every epoch
                 self.warned.add(path)
-                print(prepare_tinyimagenet.wrong_size(path, resized_from, strict=False),
+                print(tinyimagenet.wrong_size(path, resized_from, strict=False),
                       file=sys.stderr, flush=True)
         x = self.to_tensor(img)
         if self.augment_seed is not None:
@@ -373,14 +374,14 @@ def _cached_tinyimagenet(args, classes, train, val) -> DataBundle:
     error = None
     if dist_env().local_rank == 0:  # one builder per node
         try:
-            prepare_tinyimagenet.prepare(args.data_dir, args.data_cache, args.strict,
+            tinyimagenet.prepare(args.data_dir, args.data_cache, args.strict,
                                          max(1, args.num_workers),
                                          lambda m: print(m, flush=True),
                                          scanned=(classes, train, val))
         except UsageError as exc:
             error = str(exc)
     raise_if_any_rank(error)  # every rank: wait for each node's builder, learn of its failure
-    directory = prepare_tinyimagenet.cache_dir(args.data_dir, args.data_cache)
+    directory = tinyimagenet.cache_dir(args.data_dir, args.data_cache)
     train_set = CachedSplit(directory / "train_u8.npy", directory / "train_labels.npy")
     val_set = CachedSplit(directory / "val_u8.npy", directory / "val_labels.npy")
     return DataBundle(train_set, val_set, len(classes), (3, 64, 64), "tinyimagenet",
@@ -405,7 +406,7 @@ def build_data(args, is_main: bool) -> DataBundle:
         if not args.data_dir:
             raise UsageError("--dataset tinyimagenet needs --data-dir (or $DATA_DIR) pointing "
                              "at the tiny-imagenet-200 folder")
-        classes, train, val = prepare_tinyimagenet.scan_tinyimagenet(args.data_dir)
+        classes, train, val = tinyimagenet.scan_tinyimagenet(args.data_dir)
         if args.data_cache:
             return _cached_tinyimagenet(args, classes, train, val)
         return DataBundle(ImageList(train, args.strict, augment_seed=args.seed),
@@ -542,19 +543,14 @@ def to_device(batches, device: torch.device):
         yield current
 
 
-def input_pipeline(data: DataBundle, model: nn.Module, device: torch.device):
-    """(model, prepare): on CUDA, conv nets go channels_last (faster convolutions with AMP);
-    ``prepare(images, train)`` finishes a batch on the device (cache-path augmentation, memory
-    format). Called by every strategy so their inputs are identical."""
-    channels_last = device.type == "cuda" and any(isinstance(m, nn.Conv2d)
-                                                  for m in model.modules())
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
+def batch_finisher(data: DataBundle, layout: torch.memory_format):
+    """``prepare(images, train)``, which finishes a batch on the device: the cache path's
+    augmentation, then the model's memory format (``layout``). Every strategy calls it, so
+    their inputs are identical."""
     augment = data.device_augment
-    layout = torch.channels_last if channels_last else torch.contiguous_format
 
     def prepare(images, train: bool):
         if augment is not None:
             images = augment(images, train)
         return images.contiguous(memory_format=layout)  # no-op when already in that layout
-    return model, prepare
+    return prepare

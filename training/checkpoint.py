@@ -1,6 +1,11 @@
-"""Checkpoints, resume and a clean stop, behind one object the training loop calls in a few
-places (``Checkpoints``): resume() once, after_step() after every step, check_finite() and
-end_epoch() once per epoch, finish() at the end.
+"""Checkpoints, resume and a clean stop, as three objects the training loop calls by name:
+
+- ``Checkpoints``: resume() once, due() after every step (--checkpoint-every), save(), and
+  end_epoch() for the epoch's own checkpoint;
+- ``StopRequest``: after SIGUSR1/SIGTERM, at_step() and at_epoch_end() are True on every rank
+  at the same point (a vote without a host sync), report() says what happened;
+- ``LossWatch``: NaN/inf losses counted on the device at every step (track) and checked by a
+  vote of all ranks before each checkpoint and at each epoch's end (check).
 
 How each strategy saves and loads stays in its script (``save_checkpoint(path, state, meta)``,
 ``load_checkpoint(path, state)``): DDP and DataParallel write one file from rank 0, FSDP a
@@ -23,9 +28,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import on_rank0, print0, raise_if_any_rank
-from contract import REQUEUE_EXIT, STOP_LINE
-from faults import NonFiniteLoss, StopSignals, UsageError, lock_checkpoint_dir
+from training.common import print0
+from training.contract import REQUEUE_EXIT, STOP_LINE
+from training.distributed import on_rank0, raise_if_any_rank
+from training.faults import NonFiniteLoss, StopSignals, UsageError, lock_checkpoint_dir
 
 # --------------------------------------------------------------------------------------------
 # Checkpoint files: names, atomic writes, pruning
@@ -338,6 +344,7 @@ class StopRequest:
 
     def __init__(self, timeout_s: int | None = None):
         self.signum = 0  # agreed by the vote
+        self.where = (1, 0)  # (epoch, step) of the last at_step or at_epoch_end, 1-based epoch
         self._buf = torch.zeros(1, dtype=torch.int32)
         self._work = None
         self._group = None
@@ -354,8 +361,23 @@ class StopRequest:
         import signal
         return signal.Signals(self.signum).name if self.signum else "stop request"
 
-    def report(self, epoch: int, step: int, saved: bool) -> str:
+    def at_step(self, epoch: int, done: int, steps: int) -> bool:
+        """Every rank, after step ``done`` (1-based) of ``steps`` of ``epoch``: True on every
+        rank at the same step when a stop signal came. A signal at the epoch's last step waits
+        for at_epoch_end, after the epoch's metrics: a checkpoint taken here would resume into
+        an epoch with no step left to run."""
+        self.where = (epoch + 1, done)
+        return done < steps and self.should_stop()
+
+    def at_epoch_end(self, epoch: int, epochs: int) -> bool:
+        """Every rank, after ``epoch``'s metrics: True when a stop signal came by its end and
+        more epochs were to come (after the last epoch the run just ends, its work done)."""
+        self.where = (epoch + 2, 0)
+        return epoch + 1 < epochs and self.should_stop()
+
+    def report(self, saved: bool) -> str:
         """What rank 0 prints as the run stops: a sentence, then the [STOP] line for job.sh."""
+        epoch, step = self.where
         if saved:
             text = (f"{self.signame}: checkpoint saved at epoch {epoch}, step {step}; exiting "
                     f"with code {REQUEUE_EXIT} to be requeued")
@@ -415,8 +437,28 @@ def track_finite(loss, step: int, bad_steps, first_bad) -> None:
                                 first_bad))
 
 
+class LossWatch:
+    """NaN and inf losses, counted on the device at every step (``track``: no host sync in the
+    step) and checked by a vote of all ranks before each checkpoint and at each epoch's end
+    (``check``: raises NonFiniteLoss on every rank together)."""
+
+    def __init__(self, device: torch.device, scaler):
+        self.scaler = scaler
+        self.bad_steps = torch.zeros((), device=device, dtype=torch.int64)
+        self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)
+
+    def track(self, loss, step: int) -> None:
+        track_finite(loss, step, self.bad_steps, self.first_bad)
+
+    def check(self, epoch: int) -> None:
+        """A host sync and a vote (every rank)."""
+        check_finite(self.bad_steps, self.first_bad, epoch, self.scaler)
+        self.bad_steps.zero_()
+        self.first_bad.fill_(-1)
+
+
 # --------------------------------------------------------------------------------------------
-# The object the training loop calls
+# Checkpoints: resume, save, prune
 # --------------------------------------------------------------------------------------------
 
 
@@ -436,25 +478,20 @@ def _rank() -> int:
 
 
 class Checkpoints:
-    """What the training loop must do besides training, behind one object: resume from the
-    newest usable checkpoint, checkpoint every --checkpoint-every steps and at each epoch end
-    (pruned to --keep-checkpoints), watch for NaN/inf losses without a host sync per step,
-    and stop at the same step on every rank after a stop signal. The loop calls resume() once,
-    after_step() after every step, check_finite() and end_epoch() once per epoch, finish() at
-    the end.
+    """The run's checkpoints in --checkpoint-dir: resume() from the newest usable one, due()
+    every --checkpoint-every steps, save() one (pruned to --keep-checkpoints). Without a
+    --checkpoint-dir it is disabled (``enabled`` False) and resume() starts afresh.
 
     ``save(path, state, meta)`` and ``load(path, state) -> meta`` are the strategy's own:
     ``state`` holds the model, optimizer, scheduler and scaler (each has a state_dict),
     ``meta`` the plain values (epoch, step, metrics, the RNG state of every rank, args)."""
 
-    def __init__(self, args, state: dict, save, load, device: torch.device):
+    def __init__(self, args, state: dict, save, load):
         self.args, self.state, self._save, self._load = args, state, save, load
         self.dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+        self.enabled = self.dir is not None
         self.metrics = {}  # the last finished epoch's (from the checkpoint, after a resume)
         self.steps = 0  # this run's steps per epoch, set by resume()
-        self.stop = StopRequest(args.dist_timeout)  # collective: every rank builds it
-        self.bad_steps = torch.zeros((), device=device, dtype=torch.int64)  # NaN/inf losses,
-        self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)  # on the device
 
     def resume(self, steps: int) -> tuple:
         """(epoch, step) to start from, on every rank: (0, 0) for a fresh start. ``steps``:
@@ -492,45 +529,22 @@ class Checkpoints:
                        ", its loss scale starting afresh" if amp == "fp16" else ""))
         return meta["epoch"], step
 
-    def after_step(self, loss, epoch: int, done: int, steps: int) -> bool:
-        """Every rank, after step ``done`` (1-based) of ``steps``: True when the run must end
-        now (a stop signal; checkpointed first when there is a --checkpoint-dir)."""
-        track_finite(loss, done - 1, self.bad_steps, self.first_bad)
+    def due(self, done: int, steps: int) -> bool:
+        """A checkpoint after step ``done`` of ``steps`` (--checkpoint-every; the epoch's end
+        has its own)."""
         every = self.args.checkpoint_every
-        if self.dir and every and done % every == 0 and done < steps:
-            self.check_finite(epoch)  # never save weights that a NaN has reached
-            self.save(epoch, done)
-        # A stop at the epoch's last step waits for end_epoch, after the epoch's metrics: a
-        # checkpoint taken here would resume into an epoch with no step left to run.
-        if done == steps or not self.stop.should_stop():  # all ranks agree on the same step
-            return False
-        if self.dir:
-            self.check_finite(epoch)
-            self.save(epoch, done)
-        print0(self.stop.report(epoch + 1, done, saved=self.dir is not None))
-        return True
+        return self.enabled and bool(every) and done % every == 0 and done < steps
 
-    def check_finite(self, epoch: int) -> None:
-        """A host sync and a vote (every rank): raises NonFiniteLoss after a NaN/inf loss."""
-        check_finite(self.bad_steps, self.first_bad, epoch, self.state["scaler"])
-        self.bad_steps.zero_()
-        self.first_bad.fill_(-1)
-
-    def end_epoch(self, epoch: int, metrics: dict) -> bool:
-        """Every rank, after the epoch's check_finite() and metrics: the epoch-end checkpoint.
-        True when a stop signal came by the epoch's last step and the run must end now (saved;
-        after the last epoch the run just ends, its work done)."""
+    def end_epoch(self, epoch: int, metrics: dict) -> None:
+        """Every rank, after ``epoch``'s losses were checked and its metrics reduced: the
+        epoch-end checkpoint (which resumes at the next epoch's start)."""
         self.metrics = metrics
-        if self.dir:
+        if self.enabled:
             self.save(epoch + 1, 0)
-        if epoch + 1 == self.args.epochs or not self.stop.should_stop():
-            return False
-        print0(self.stop.report(epoch + 2, 0, saved=self.dir is not None))
-        return True
 
     def save(self, epoch: int, step: int) -> None:
         """Collective: every rank takes part (their RNG states are gathered into the file).
-        The caller has just run check_finite()."""
+        The caller has just checked the losses (LossWatch.check): no NaN reaches a file."""
         rngs = [rng_state()]
         if dist.is_available() and dist.is_initialized():
             rngs = [None] * dist.get_world_size()
@@ -547,5 +561,3 @@ class Checkpoints:
         if _rank() == 0:
             prune_checkpoints(self.dir, self.args.keep_checkpoints)
 
-    def finish(self) -> None:
-        self.stop.finish()

@@ -1,0 +1,202 @@
+"""What every training script does around its own lesson: ``run(train, parser)``, which each
+script's main() calls (flags, rank layout, stop signals, watchdog, exit codes), ``print0``,
+the evaluation pass (every validation sample counted exactly once), the metric reduction,
+memory statistics and the provenance lines a run starts with.
+
+dp_train.py, ddp_train.py and fsdp_train.py each keep inline what a strategy *is* (process
+group, model wrapper, sampler, training step, metric reduction, saving). The flags are in
+flags.py, the rank layout in distributed.py, the output lines and exit codes in contract.py,
+the models in models.py, the data in datautils.py, checkpoints in checkpoint.py, what
+happens when something goes wrong in faults.py, and what a run measures about itself beyond
+the metrics (progress, data wait, --profile, --check's bandwidth) in measure.py. Importing
+this module has no side effects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import resource
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from training import contract, devices
+from training.distributed import DistEnv, dist_env
+from training.faults import (NonFiniteLoss, UsageError, catch_stop_signals, collective_failed,
+                             crashed, exit_line, fail_cleanly, is_collective_failure,
+                             start_watchdog)
+from training.flags import AMP_TEXT, check_flags
+
+
+_rank = 0  # this process's rank, as run() found it
+
+
+def print0(*values) -> None:
+    """print on rank 0 only, flushed: logs are read with tail -f."""
+    if _rank == 0:
+        print(*values, flush=True)
+
+
+def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
+    """What every training script does around its ``train(args, env)``, so each script keeps
+    only the lesson: parse the flags; find the rank layout (torchrun, srun or one process);
+    catch the stop signals from the start; start the watchdog; map what went wrong to an exit
+    code (2: a problem the user can fix, contract.NONFINITE_EXIT: NaN loss, 1: a collective
+    failed or any other error, after its traceback, 130: Ctrl-C); and, once every
+    rank has finished, the last barrier and the process group's teardown. Returns the exit
+    code for end_process."""
+    global _rank
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # argparse's error (2), or --help (0)
+        return exit_line(done.code or 0)
+    env = None
+    try:
+        env = dist_env()
+        _rank = env.rank
+        catch_stop_signals(env.rank)  # from the start: a signal is never lost
+        import torchvision
+        devices.check_versions(torch.__version__, torchvision.__version__)  # the floor
+        check_flags(args)  # before the watchdog and the process group use them
+        start_watchdog(env, args.dist_timeout)  # ends this worker if orphaned or frozen
+        rc = train(args, env)
+        if dist.is_initialized():  # let every rank finish its last collective before any of
+            dist.barrier()  # them tears gloo/NCCL down (else: an abort at exit)
+        return rc
+    except UsageError as err:
+        return exit_line(fail_cleanly(err, env), env)
+    except NonFiniteLoss as err:  # every rank raises it at the same check (a vote)
+        if env is None or env.rank == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return exit_line(contract.NONFINITE_EXIT, env)
+    except Exception as err:  # noqa: BLE001 (a bug too must end the process, never hang)
+        if is_collective_failure(err):  # a peer died or a collective timed out
+            return collective_failed(err, env)
+        return exit_line(crashed(err, env), env)
+    except KeyboardInterrupt:  # Ctrl-C: one line, and end_process releases the checkpoint lock
+        if env is None or env.rank == 0:
+            print("error: interrupted (Ctrl-C); nothing was saved since the last checkpoint. "
+                  "To stop with a checkpoint, send SIGTERM or SIGUSR1 (scancel --signal=USR1)",
+                  file=sys.stderr, flush=True)
+        return 130
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, dtype, n_real: int, prepare=None) -> torch.Tensor:
+    """Local validation sums [loss x n, correct, n] on ``device`` (no host sync here).
+
+    Only samples at the first ``n_real`` positions of this rank's stream are counted, so
+    padding added by the DistributedSampler is never counted twice. The folder path's batches
+    carry a third item, which positions survived (see collate_val): an unreadable image
+    dropped from a batch must not shift a padding duplicate into the counted positions. Every
+    rank runs the same number of batches, which FSDP needs (each forward all-gathers
+    parameters with every rank).
+    """
+    model.eval()
+    sums = torch.zeros(3, device=device, dtype=torch.float64)
+    seen = 0  # positions of the sampler's stream consumed so far
+    for images, labels, *mask in loader:
+        # the cache path and DeviceResident drop nothing: every position survived
+        survived = mask[0] if mask else torch.ones(labels.size(0), dtype=torch.bool)
+        images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        if prepare is not None:
+            images = prepare(images, train=False)
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            logits = model(images)
+        # Survivors keep the sampler's order, so those at real positions come first: count
+        # them and keep that prefix (host-side count, no sync)
+        keep = int(survived[:max(0, n_real - seen)].sum())
+        seen += survived.numel()
+        if keep:
+            logits, labels = logits[:keep].float(), labels[:keep]
+            sums[0] += F.cross_entropy(logits, labels, reduction="sum")
+            sums[1] += (logits.argmax(1) == labels).sum()
+            sums[2] += keep
+    return sums
+
+
+def reset_peak_memory(*devices: torch.device) -> None:
+    """Start a new peak on each device, so each epoch reports its own: the CUDA allocator's on a
+    GPU, the peak RSS on a CPU (Linux: 5 into /proc/self/clear_refs; elsewhere the run's)."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            continue
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory since ``reset_peak_memory``: CUDA ``max_memory_allocated`` on a GPU, else the
+    peak RSS (VmHWM, or getrusage's whole-run figure where /proc is missing)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``dist.all_reduce`` in place over every rank (a collective: all ranks call it). Without
+    a process group it does nothing: DataParallel's one process holds every GPU's numbers."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def peak_memory_per_gpu(devices: list) -> list:
+    """The peak (MiB) of every GPU of the run, in rank order: this process's ``devices`` (DDP
+    and FSDP: its one GPU; DataParallel: all of them), gathered from every rank."""
+    local = torch.tensor([peak_memory_mib(d) for d in devices], dtype=torch.float64,
+                         device=devices[0])
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return local.tolist()
+    everyone = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, local)  # collective: every rank's peaks
+    return torch.cat(everyone).tolist()
+
+
+def synchronize(*devices: torch.device) -> None:
+    """Wait for the devices' queued work, so the clock measures work done, not work queued."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:
+    """Lines logged once at start by rank 0: versions, devices, layout, resolved arguments."""
+    import torchvision
+    cuda = torch.version.cuda or "n/a"
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "n/a"
+    if device.type == "cuda":
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+    else:
+        names = f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+    args_text = " ".join(f"{k}={v}" for k, v in sorted(vars(args).items()))
+    return [
+        f"torch {torch.__version__} | torchvision {torchvision.__version__} | CUDA {cuda} | "
+        f"NCCL {nccl} | python {platform.python_version()} | host {platform.node()}",
+        f"devices: {names}",
+        f"layout: world_size={env.world_size} nodes={env.nodes} "
+        f"processes_per_node={env.local_world_size} backend={backend} device={device.type} "
+        f"(ranks from {env.source})",
+        f"mixed precision: {AMP_TEXT[args.amp]} (--amp {args.amp}; default: bf16 on GPUs of "
+        f"compute capability 8.0+, fp16 on older GPUs, off on CPU)",
+        f"args: {args_text}",
+    ]

@@ -1,0 +1,172 @@
+"""The rank layout and the process group: where this process sits among the others.
+
+torchrun describes the layout in RANK / WORLD_SIZE / LOCAL_RANK and friends; ``srun`` without
+torchrun in SLURM_PROCID / SLURM_NTASKS and the node list. ``dist_env`` reads either into one
+``DistEnv``; ``gpu_index`` picks this rank's GPU; ``init_process_group`` joins the others;
+``on_rank0`` and ``raise_if_any_rank`` make every rank act on what one rank found.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from training.faults import UsageError
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    source: str  # "torchrun", "slurm" or "single"
+    num_nodes: int = 0  # 0: world_size / local_world_size (an even layout)
+
+    @property
+    def nodes(self) -> int:
+        return self.num_nodes or max(1, self.world_size // max(1, self.local_world_size))
+
+
+def _int_env(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except ValueError:
+        raise UsageError(f"${name}={os.environ[name]!r} is not an integer: unset it or fix the "
+                         f"launcher that sets it") from None
+
+
+def _slurm_tasks_on_this_node(world: int, nodes: int) -> int:
+    """Tasks of this step on this node. Slurm may place them unevenly (5 tasks on 2 nodes:
+    SLURM_STEP_TASKS_PER_NODE="3,2"; "2(x3),1" means 2 on each of three nodes, then 1), so
+    world // nodes is only the last resort."""
+    counts = []
+    for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "").split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            counts = []
+            break
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    node = os.environ.get("SLURM_NODEID", "0")
+    if counts and node.isdigit() and int(node) < len(counts):
+        return counts[int(node)]
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "")
+    if per_node.isdigit() and int(per_node) > 0:
+        return int(per_node)
+    return max(1, world // max(1, nodes))
+
+
+def _slurm_first_node() -> str:
+    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise UsageError("started by srun but SLURM_JOB_NODELIST is unset: export MASTER_ADDR "
+                         "and MASTER_PORT, or start the job with torchrun")
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        return out[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        raise UsageError(f"could not expand the Slurm node list {nodelist!r} with scontrol: "
+                         f"export MASTER_ADDR=<first node> before srun") from None
+
+
+def dist_env() -> DistEnv:
+    """Rank layout from torchrun (RANK/LOCAL_RANK/WORLD_SIZE) or, started by ``srun`` without
+    torchrun, from SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; one process otherwise.
+
+    Under the Slurm fallback MASTER_ADDR defaults to the step's first node and MASTER_PORT to
+    20000 + job id % 20000 (the launchers use the same rule), so ``srun python ddp_train.py``
+    works without extra exports.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        world = _int_env("WORLD_SIZE")
+        local_world = (_int_env("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ
+                       else world)
+        return DistEnv(_int_env("RANK"), _int_env("LOCAL_RANK") if "LOCAL_RANK" in os.environ
+                       else 0, world, local_world, "torchrun",  # its nodes: GROUP_WORLD_SIZE
+                       _int_env("GROUP_WORLD_SIZE") if "GROUP_WORLD_SIZE" in os.environ else 0)
+    # SLURM_STEP_ID is set inside an srun step, not in the batch script itself, where
+    # SLURM_NTASKS describes the whole job and one plain `python` would wait for its peers.
+    if "SLURM_PROCID" in os.environ and "SLURM_STEP_ID" in os.environ:
+        world = _int_env("SLURM_STEP_NUM_TASKS") if "SLURM_STEP_NUM_TASKS" in os.environ \
+            else _int_env("SLURM_NTASKS")
+        nodes = _int_env("SLURM_STEP_NUM_NODES") if "SLURM_STEP_NUM_NODES" in os.environ \
+            else _int_env("SLURM_NNODES") if "SLURM_NNODES" in os.environ else 1
+        env = DistEnv(_int_env("SLURM_PROCID"), _int_env("SLURM_LOCALID"), world,
+                      _slurm_tasks_on_this_node(world, nodes), "slurm", nodes)
+        if world > 1 and "MASTER_ADDR" not in os.environ:
+            os.environ["MASTER_ADDR"] = _slurm_first_node()
+        if world > 1:
+            job = os.environ.get("SLURM_JOB_ID", "0")
+            os.environ.setdefault("MASTER_PORT", str(20000 + int(job) % 20000))
+        return env
+    return DistEnv(0, 0, 1, 1, "single")
+
+
+def gpu_index(visible: int, local_rank: int, local_world_size: int, source: str) -> int:
+    """Which of the ``visible`` GPUs this process drives (a pure function of the layout).
+
+    - One GPU visible to a process that srun started as its own task: srun --gpus-per-task=1
+      or --gpu-bind gave each task its own GPU, always cuda:0 inside the task.
+    - Otherwise local rank i drives GPU i, so the node needs a GPU per local process.
+    """
+    if visible == 1 and (source == "slurm" or local_world_size == 1):
+        return 0
+    if local_world_size > visible:
+        fix = (f"use --nproc-per-node {visible}" if source == "torchrun" else
+               f"start {visible} task(s) per node, or give each task its own GPU with srun "
+               f"--gpus-per-task=1")
+        raise UsageError(f"{local_world_size} processes were started on this node but only "
+                         f"{visible} GPU(s) are visible: {fix} (or request more GPUs)")
+    return local_rank
+
+
+def init_process_group(backend: str, env: DistEnv, timeout_s: int) -> None:
+    """Join the global process group (all ranks). A single process gets an in-memory store,
+    so `python script.py` needs no MASTER_ADDR/PORT and runs the same DDP/FSDP code path."""
+    from datetime import timedelta
+    timeout = timedelta(seconds=timeout_s)
+    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            raise UsageError("MASTER_PORT is not set: start with torchrun (which sets it) or "
+                             "export MASTER_ADDR and MASTER_PORT")
+        dist.init_process_group(backend, init_method="env://", rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
+
+
+def on_rank0(fn):
+    """Run ``fn`` on rank 0 only while the other ranks wait; a UsageError there is raised on
+    every rank (through a broadcast), so nobody waits forever. Without a process group
+    (DataParallel) it simply runs ``fn``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return fn()
+    result, box = None, [None]  # box: rank 0's error, if any
+    if dist.get_rank() == 0:
+        try:
+            result = fn()
+        except UsageError as exc:
+            box = [str(exc)]
+    dist.broadcast_object_list(box, src=0)  # collective: every rank waits here for rank 0
+    if box[0] is not None:
+        raise UsageError(box[0])
+    return result
+
+
+def raise_if_any_rank(error: str | None) -> None:
+    """Collective (every rank calls it): each rank passes its own error sentence, or None, and
+    every rank raises the first one as a UsageError, so no rank goes on while another stops.
+    Also the wait for the slowest rank. Without a process group: this rank's error only."""
+    if dist.is_available() and dist.is_initialized():
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise UsageError(error)

@@ -1,0 +1,290 @@
+"""TinyImageNet on disk: its original layout (``scan_tinyimagenet``), and a decode-once cache
+of it in memory-mapped uint8 arrays, the input of --data-cache (``prepare``; the program
+prepare_tinyimagenet.py builds it ahead, the training on each node's local rank 0 otherwise).
+
+The cache holds, per split, {split}_u8.npy (N x 64 x 64 x 3), {split}_labels.npy and
+{split}_meta.json; datautils.CachedSplit reads them. The meta file holds a checksum of the file
+list (names, labels, sizes): when the dataset changes the cache is rebuilt, otherwise reused.
+Unreadable images are left out and counted, an image of another size than 64x64 is resized
+with a warning naming it (--strict: stop and name the first of either).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from training.faults import UsageError
+
+# --------------------------------------------------------------------------------------------
+# The layout: which file is which class
+# --------------------------------------------------------------------------------------------
+
+CACHE_VERSION = 1
+SPLITS = ("train", "val")
+IMG_EXTENSIONS = (".jpeg", ".jpg", ".png")
+
+
+def read_text_file(path: Path) -> str:
+    """A dataset text file (wnids.txt, val_annotations.txt) as str, or a UsageError naming it
+    when it cannot be read or is not UTF-8 text (a damaged or wrong file)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path} is not a text file (bytes that are not UTF-8 at offset "
+                         f"{exc.start}): restore it from the dataset archive") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read {path} ({exc.strerror or exc}): make it readable or "
+                         f"restore it from the dataset archive") from None
+
+
+def _images_in(folder: Path) -> list:
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMG_EXTENSIONS)
+
+
+def scan_tinyimagenet(root) -> tuple:
+    """Read TinyImageNet's ORIGINAL layout: classes from wnids.txt (sorted), train images from
+    train/<wnid>/images/, val labels from val/val_annotations.txt (val/images/ is one flat
+    folder; reading it with ImageFolder would give every image the same label). A val folder
+    already split into val/<wnid>/[images/] is accepted too.
+
+    Returns (classes, train_samples, val_samples) with samples as (path, class index).
+    """
+    root = Path(root)
+    hint = ("give the tiny-imagenet-200 folder, which holds wnids.txt, train/ and val/ "
+            "(--data-dir, or prepare_tinyimagenet.py's first argument)")
+    if not root.is_dir():
+        what = "is a file, not a folder" if root.exists() else "does not exist"
+        raise UsageError(f"data dir {root} {what}: {hint}")
+    wnids_file = root / "wnids.txt"
+    if not wnids_file.is_file():
+        raise UsageError(f"{wnids_file} is missing: {hint}")
+    classes = sorted({w.strip() for w in read_text_file(wnids_file).split() if w.strip()})
+    if not classes:
+        raise UsageError(f"{wnids_file} lists no class ids: restore it from the dataset archive")
+    index = {wnid: i for i, wnid in enumerate(classes)}
+
+    train_dir = root / "train"
+    if not train_dir.is_dir():
+        raise UsageError(f"{train_dir} is missing: {hint}")
+    for d in sorted(p for p in train_dir.iterdir() if p.is_dir()):
+        if d.name not in index:
+            raise UsageError(f"train/{d.name} is not listed in wnids.txt: remove the folder "
+                             f"or restore wnids.txt from the dataset archive")
+    train = []
+    for wnid in classes:
+        folder = train_dir / wnid / "images"
+        if not folder.is_dir():
+            folder = train_dir / wnid
+        if not folder.is_dir():
+            raise UsageError(f"no training folder for class {wnid} (expected "
+                             f"{train_dir / wnid / 'images'}): {hint}")
+        images = _images_in(folder)
+        if not images:
+            raise UsageError(f"{folder} holds no images: restore it from the dataset archive")
+        train += [(str(p), index[wnid]) for p in images]
+
+    val_dir = root / "val"
+    annotations = val_dir / "val_annotations.txt"
+    val = []
+    if annotations.is_file():
+        images_dir = val_dir / "images"
+        for lineno, line in enumerate(read_text_file(annotations).splitlines(), 1):
+            parts = line.split()
+            if not parts:
+                continue
+            if len(parts) < 2:
+                raise UsageError(f"{annotations}:{lineno} is malformed (expected "
+                                 f"'<file> <wnid> ...'): restore it from the dataset archive")
+            name, wnid = parts[0], parts[1]
+            if wnid not in index:
+                raise UsageError(f"{annotations}:{lineno} names class {wnid}, which is not in "
+                                 f"wnids.txt: the data dir mixes two datasets; restore both "
+                                 f"files from the same archive")
+            path = images_dir / name
+            if not path.is_file():
+                raise UsageError(f"{annotations}:{lineno} names {path}, which does not exist: "
+                                 f"restore val/images/ from the dataset archive")
+            val.append((str(path), index[wnid]))
+        annotated = {Path(p).name for p, _ in val}
+        stray = [p.name for p in _images_in(images_dir) if p.name not in annotated] \
+            if images_dir.is_dir() else []
+        if stray:
+            raise UsageError(f"{len(stray)} image(s) in {images_dir} have no line in "
+                             f"{annotations} (first: {stray[0]}): restore both from the same "
+                             f"dataset archive")
+    elif val_dir.is_dir() and any((val_dir / w).is_dir() for w in classes):
+        for wnid in classes:  # already reorganised into one folder per class
+            folder = val_dir / wnid / "images" if (val_dir / wnid / "images").is_dir() \
+                else val_dir / wnid
+            if folder.is_dir():
+                val += [(str(p), index[wnid]) for p in _images_in(folder)]
+    else:
+        raise UsageError(f"{annotations} is missing and val/ is not split into class folders: "
+                         f"the labels of val/images/ live only in val_annotations.txt; restore "
+                         f"it from the dataset archive")
+    if not val:
+        raise UsageError(f"{val_dir} holds no validation images: restore it from the archive")
+    return classes, train, val
+
+
+# --------------------------------------------------------------------------------------------
+# The cache
+# --------------------------------------------------------------------------------------------
+
+def default_cache_dir(data_dir) -> Path:
+    """Beside the data (tiny-imagenet-200 -> tiny-imagenet-200-cache) when that is writable,
+    else under the user's cache dir."""
+    data_dir = Path(data_dir).resolve()
+    beside = data_dir.parent / f"{data_dir.name}-cache"
+    if (beside.is_dir() and os.access(beside, os.W_OK)) or \
+            (not beside.exists() and os.access(data_dir.parent, os.W_OK)):
+        return beside
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    tag = hashlib.sha256(str(data_dir).encode()).hexdigest()[:12]
+    return base / "dp-toolkit" / f"{data_dir.name}-{tag}"
+
+
+def cache_dir(data_dir, choice) -> Path:
+    """--data-cache DIR, or with no DIR ("auto") default_cache_dir."""
+    return default_cache_dir(data_dir) if choice in (None, "auto") else Path(choice)
+
+
+def file_list_checksum(root: Path, samples) -> str:
+    h = hashlib.sha256()
+    for path, label in samples:
+        p = Path(path)
+        h.update(f"{p.relative_to(root)}\t{label}\t{p.stat().st_size}\n".encode())
+    return h.hexdigest()
+
+
+def cache_is_valid(directory: Path, split: str, checksum: str, count: int) -> bool:
+    meta_file = directory / f"{split}_meta.json"
+    # A damaged meta file (not UTF-8, or not JSON: both raise ValueError) means a rebuild.
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        images = np.load(directory / f"{split}_u8.npy", mmap_mode="r")
+        labels = np.load(directory / f"{split}_labels.npy", mmap_mode="r")
+    except (OSError, ValueError):
+        return False
+    return (isinstance(meta, dict) and meta.get("version") == CACHE_VERSION
+            and meta.get("checksum") == checksum and meta.get("sources") == count
+            and images.shape == (meta.get("count"), 64, 64, 3)
+            and labels.shape == (meta.get("count"),))
+
+
+SIZE = 64  # every TinyImageNet image is 64x64 pixels
+
+
+def load_rgb(path):
+    """An image as RGB at TinyImageNet's 64x64, and its own (width, height) when it had
+    another size and was resized (None when it had the right one). The folder path
+    (datautils.ImageList) and the cache share it, so both treat an odd image the same way.
+    Raises PIL's errors for a file that cannot be read."""
+    from PIL import Image
+    with Image.open(path) as img:  # some TinyImageNet images are greyscale
+        rgb = img.convert("RGB")
+    if rgb.size == (SIZE, SIZE):
+        return rgb, None
+    return rgb.resize((SIZE, SIZE)), rgb.size
+
+
+def wrong_size(path, size, strict: bool) -> str:
+    """The sentence about an image that is not 64x64: --strict's error, else the warning."""
+    text = f"{path} is {size[0]}x{size[1]} pixels, not TinyImageNet's {SIZE}x{SIZE}"
+    if strict:
+        return f"{text}: resize or delete it, or drop --strict to have it resized to {SIZE}x{SIZE}"
+    return f"warning: {text}: resized to {SIZE}x{SIZE} (--strict stops at such files)"
+
+
+def _decode_rgb(path):
+    """(pixels, original size or None), or the reason the file cannot be read."""
+    try:
+        rgb, resized_from = load_rgb(path)
+        return np.asarray(rgb, dtype=np.uint8), resized_from
+    except (OSError, ValueError, SyntaxError) as exc:
+        return f"{exc.__class__.__name__}: {str(exc)[:100]}"
+
+
+def _default_sigterm() -> None:
+    """Pool workers: the pool ends them with SIGTERM, which a training process's forked
+    children otherwise ignore (faults._child_signals)."""
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def build_split(directory: Path, split: str, samples, checksum: str, strict: bool,
+                workers: int, log) -> None:
+    """Decode ``samples`` into {split}_u8.npy / {split}_labels.npy / {split}_meta.json,
+    written under temporary names and renamed into place (meta last), so a reader never sees
+    half a cache. A progress line every 10 s."""
+    from multiprocessing import get_context
+    directory.mkdir(parents=True, exist_ok=True)
+    tag = f".tmp-{platform.node()}-{os.getpid()}"
+    t0 = last = time.perf_counter()
+    images = np.empty((len(samples), 64, 64, 3), dtype=np.uint8)
+    labels, bad = [], []
+    with get_context("fork").Pool(max(1, workers), initializer=_default_sigterm) as pool:
+        decoded = pool.imap(_decode_rgb, [p for p, _ in samples], chunksize=256)
+        for i, ((path, label), img) in enumerate(zip(samples, decoded), 1):
+            if isinstance(img, str):
+                if strict:
+                    raise UsageError(f"unreadable image {path} ({img}): replace or delete it, "
+                                     f"or drop --strict to skip such files")
+                bad.append(path)
+            else:
+                pixels, resized_from = img
+                if resized_from and strict:
+                    raise UsageError(wrong_size(path, resized_from, strict=True))
+                if resized_from:
+                    log(wrong_size(path, resized_from, strict=False))
+                images[len(labels)] = pixels
+                labels.append(label)
+            if time.perf_counter() - last >= 10:
+                last = time.perf_counter()
+                log(f"data cache: {split} {i}/{len(samples)} images decoded "
+                    f"({i / (last - t0):.0f} img/s)")
+    images_tmp = directory / f"{split}_u8.npy{tag}"
+    with open(images_tmp, "wb") as f:
+        np.save(f, images[:len(labels)])
+    labels_tmp = directory / f"{split}_labels.npy{tag}"
+    with open(labels_tmp, "wb") as f:
+        np.save(f, np.asarray(labels, dtype=np.int64))
+    os.replace(images_tmp, directory / f"{split}_u8.npy")
+    os.replace(labels_tmp, directory / f"{split}_labels.npy")
+    meta_tmp = directory / f"{split}_meta.json{tag}"
+    meta_tmp.write_text(json.dumps({"version": CACHE_VERSION, "checksum": checksum,
+                                    "count": len(labels), "sources": len(samples),
+                                    "skipped": bad[:20], "skipped_count": len(bad)}))
+    os.replace(meta_tmp, directory / f"{split}_meta.json")
+    log(f"data cache: decoded {len(labels)} {split} images into {directory} in "
+        f"{time.perf_counter() - t0:.1f} s" + (f" ({len(bad)} unreadable left out, e.g. "
+                                               f"{bad[0]})" if bad else ""))
+
+
+def prepare(root, directory, strict: bool = False, workers: int = 1, log=print,
+            scanned=None) -> Path:
+    """Make sure ``directory`` holds a valid cache of the TinyImageNet tree at ``root``:
+    build each split that is missing or stale, reuse the others. ``scanned``: the result of
+    scan_tinyimagenet(root), when the caller has it already. Returns the directory."""
+    root = Path(root)
+    directory = cache_dir(root, directory)
+    _, train, val = scanned or scan_tinyimagenet(root)
+    try:
+        for split, samples in zip(SPLITS, (train, val)):
+            checksum = file_list_checksum(root, samples)
+            if not cache_is_valid(directory, split, checksum, len(samples)):
+                log(f"data cache: building {split} in {directory} (first use, or the dataset "
+                    f"changed)")
+                build_split(directory, split, samples, checksum, strict, workers, log)
+    except OSError as exc:
+        raise UsageError(f"cannot write the data cache in {directory} ({exc.strerror}): give "
+                         f"a writable folder (--data-cache DIR, or prepare_tinyimagenet.py's "
+                         f"CACHE_DIR)") from None
+    return directory
