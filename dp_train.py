@@ -177,7 +177,7 @@ def train(args, env: distributed.DistEnv) -> int:
     losses = checkpoint.LossWatch(device, scaler)  # NaN/inf losses, without a sync per step
 
     devices = [torch.device("cuda", i) for i in gpu_ids] or [device]  # GPU 0 holds the most
-    meter = measure.StepMeter(args, steps, global_batch, device)  # progress, data wait
+    meter = measure.StepMeter(args, steps, global_batch)  # progress, data wait
     profiler = measure.StepProfiler(args, steps, device)  # --profile: a window of steps
     # what every [METRIC] line of this run says about the run; each epoch adds its figures
     run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,

@@ -122,25 +122,30 @@ def plan(data: list, cache: list, steps: int, model: str, batches: tuple) -> lis
             for label, b, script, args, cuda_only in rows]
 
 
+def _pytest(args: list, env: dict, timeout: int) -> tuple:
+    """(passed, pytest's last line, its FAILED/ERROR lines): which test failed, not only how
+    many."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                              cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return False, f"no result within {timeout} s", []
+    lines = proc.stdout.strip().splitlines() or ["no output"]
+    failed = [line[:300] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    return proc.returncode == 0, lines[-1], failed[:10]
+
+
 def equivalence_tests(gpus: int, timeout: int) -> tuple:
     """The suite's strategy-equivalence tests, run on this machine's device (CUDA here)."""
     if importlib.util.find_spec("pytest") is None:  # run as python -m pytest below
         return None, "skipped: pytest is not installed (pip install -r requirements-test.txt)"
     nproc = 2 if gpus >= 2 else 1
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           str(REPO / "tests" / "test_strategies.py"), "-m", "cuda_ok"]
     # without DPT_TEST_DEVICE=cuda the tests hide the GPUs from their runs (tests/conftest.py)
     env = dict(os.environ, DPT_TEST_NPROC=str(nproc), DPT_TEST_DEVICE="cuda")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                              cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return False, f"no result within {timeout} s"
-    lines = proc.stdout.strip().splitlines() or ["no output"]
-    # which test failed, not only how many: pytest's short summary lines
-    failed = [line[:300] for line in lines if line.startswith(("FAILED ", "ERROR "))]
-    return proc.returncode == 0, "; ".join(
-        [f"{lines[-1]} ({nproc} process(es) per run, NCCL)"] + failed[:10])
+    passed, summary, failed = _pytest(
+        [str(REPO / "tests" / "test_strategies.py"), "-m", "cuda_ok"], env, timeout)
+    return passed, "; ".join([f"{summary} ({nproc} process(es) per run, NCCL)"] + failed)
 
 
 def whole_suite(timeout: int) -> tuple:
@@ -149,18 +154,10 @@ def whole_suite(timeout: int) -> tuple:
     Slurm lab tests are left out: they start a Slurm cluster, as root, and test no GPU."""
     if importlib.util.find_spec("pytest") is None:
         return None, "skipped: pytest is not installed (pip install -r requirements-test.txt)"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider",
-           str(REPO / "tests")]
     env = {k: v for k, v in os.environ.items() if k not in ("DPT_TEST_DEVICE", "DPT_TEST_NPROC")}
     env["LAUNCHER_TESTS_SLURM"] = "0"
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                              cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return False, f"no result within {timeout} s"
-    lines = proc.stdout.strip().splitlines() or ["no output"]
-    failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
-    return proc.returncode == 0, "; ".join([lines[-1]] + failed[:10])
+    passed, summary, failed = _pytest(["-ra", str(REPO / "tests")], env, timeout)
+    return passed, "; ".join([summary] + failed)
 
 
 def main(argv=None) -> int:

@@ -248,7 +248,7 @@ def test_first_progress_line_comes_within_seconds_when_steps_are_slow(monkeypatc
     clock = [1000.0]
     monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
     args = argparse.Namespace(log_every=30, epochs=1, profile=None)
-    meter = measure.StepMeter(args, steps=20, images_per_step=128, device=None)
+    meter = measure.StepMeter(args, steps=20, images_per_step=128)
     for _ in meter.epoch(range(20), epoch=0, first_step=0):
         clock[0] += 6.0  # the step
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("progress")]

@@ -489,7 +489,6 @@ class Checkpoints:
     def __init__(self, args, state: dict, save, load):
         self.args, self.state, self._save, self._load = args, state, save, load
         self.dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
-        self.enabled = self.dir is not None
         self.metrics = {}  # the last finished epoch's (from the checkpoint, after a resume)
         self.steps = 0  # this run's steps per epoch, set by resume()
 
@@ -528,6 +527,11 @@ class Checkpoints:
                    f"with --amp {amp} (another GPU type?)" + (
                        ", its loss scale starting afresh" if amp == "fp16" else ""))
         return meta["epoch"], step
+
+    @property
+    def enabled(self) -> bool:
+        """A --checkpoint-dir was given."""
+        return self.dir is not None
 
     def due(self, done: int, steps: int) -> bool:
         """A checkpoint after step ``done`` of ``steps`` (--checkpoint-every; the epoch's end

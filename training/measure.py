@@ -93,9 +93,9 @@ class StepMeter:
     # steps are slow (ResNet-50 on a CPU: 6 s a step): the user knows within seconds it runs.
     FIRST_AFTER, FIRST_WITHIN = 3, 10.0  # steps, seconds
 
-    def __init__(self, args, steps: int, images_per_step: int, device: torch.device):
+    def __init__(self, args, steps: int, images_per_step: int):
         self.every, self.epochs, self.steps = args.log_every, args.epochs, steps
-        self.images_per_step, self.device = images_per_step, device
+        self.images_per_step = images_per_step
         self.start = time.perf_counter()
         self.epoch_wall = 0.0  # one whole epoch (training, evaluation, saving), once known
         self.wait_s = 0.0
