@@ -26,11 +26,12 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from training import (checkpoint, common, contract, datautils, devices, distributed, flags,
-                      measure, models)
+                      measure, memory, models)
 from training.common import print0
 from training.faults import end_process
 
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "forward; off: one broadcast less per step, each rank keeps its own")
     g.add_argument("--static-graph", action="store_true",
                    help="the graph is the same every step: DDP skips per-step bookkeeping")
+    g.add_argument("--zero1", action="store_true",
+                   help="ZeRO stage 1 (ZeroRedundancyOptimizer): each rank keeps the optimizer "
+                        "state of 1/N of the parameters, updates only those and broadcasts "
+                        "them; parameters and gradients stay whole on every rank")
     return parser
 
 
@@ -78,7 +83,10 @@ def setup_distributed(args, env: distributed.DistEnv):
 
 def save_checkpoint(path, state: dict, meta: dict) -> None:
     """DDP: every replica has the same weights, so rank 0 alone writes one file (with
-    --no-broadcast-buffers, its BatchNorm statistics are rank 0's)."""
+    --no-broadcast-buffers, its BatchNorm statistics are rank 0's). --zero1: every rank first
+    sends rank 0 its part of the optimizer state (a collective)."""
+    if isinstance(state["optimizer"], ZeroRedundancyOptimizer):
+        state["optimizer"].consolidate_state_dict(to=0)
     if dist.get_rank() == 0:
         checkpoint.atomic_save({name: obj.state_dict() for name, obj in state.items()} | meta, path)
 
@@ -94,6 +102,18 @@ def load_checkpoint(path, state: dict) -> dict:
     return saved
 
 
+def build_optimizer(model: nn.Module, lr: float, args, device: torch.device):
+    """SGD with momentum; on CUDA without a GradScaler its fused step (one kernel for all
+    parameters). --zero1 (ZeRO stage 1): ZeroRedundancyOptimizer gives each rank 1/N of the
+    parameters; a rank keeps the momentum of its own only, steps them, and broadcasts the new
+    values to the other ranks."""
+    sgd = dict(lr=lr, momentum=args.momentum, weight_decay=args.weight_decay,
+               fused=flags.fused_sgd(device, args.amp))
+    if args.zero1:
+        return ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, **sgd)
+    return torch.optim.SGD(model.parameters(), **sgd)
+
+
 def collectives_per_step(model: nn.Module, args) -> dict:
     """What one training step sends, for the scaling model's latency term (collect_results.py):
     one all-reduce per gradient bucket of --bucket-cap-mb."""
@@ -101,7 +121,33 @@ def collectives_per_step(model: nn.Module, args) -> dict:
     return {"all_reduce": math.ceil(grad_bytes / (args.bucket_cap_mb * 2**20))}
 
 
+# the rows --estimate-memory prints; memory_variant(args): the row of a run with these flags
+MEMORY_VARIANTS = ("-", "zero1")
+
+
+def memory_variant(args) -> str:
+    return "zero1" if args.zero1 else "-"
+
+
+def memory_per_gpu(model: nn.Module, args, world: int, saved: memory.Saved,
+                   variant: str) -> memory.Estimate:
+    """One GPU's memory under DDP: a whole replica (parameters, gradients, momentum) on every
+    GPU, whatever the world size, plus the gradient buckets the all-reduce sends, which hold
+    the gradients themselves with --gradient-as-bucket-view. zero1: the momentum of this
+    rank's partition only (the largest partition: the GPU that fills first)."""
+    params, grads, optimizer, buffers = memory.model_states(model, args.momentum)
+    if variant == "zero1" and args.momentum:
+        parts = memory.zero1_partition(list(model.parameters()), world)
+        optimizer = max(memory.param_bytes(part) for part in parts)
+    buckets = 0 if args.gradient_as_bucket_view else grads
+    return memory.Estimate(STRATEGY, variant, world, args.batch_size, saved, params, grads,
+                           optimizer, buffers, comm=buckets,
+                           grads_at_peak=args.gradient_as_bucket_view)
+
+
 def train(args, env: distributed.DistEnv) -> int:
+    if args.estimate_memory is not None:  # a prediction only: no GPU, no process group
+        return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
     device, backend = setup_distributed(args, env)
     flags.resolve_args(args, env, device)
     rank, world = env.rank, env.world_size
@@ -120,7 +166,11 @@ def train(args, env: distributed.DistEnv) -> int:
 
     # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(args.seed)
-    model = models.build_model(args.model, data.num_classes, data.input_shape).to(device)
+    model = models.build_model(args.model, data.num_classes, data.input_shape)
+    if is_main:  # the predicted memory per GPU, which collect_results.py sets beside the peak
+        saved = memory.saved_for_backward(model, data.input_shape, args.amp)
+        print0(memory_per_gpu(model, args, world, saved, memory_variant(args)).line())
+    model = model.to(device)
     checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
     grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # fp32 gradients
     if args.check:
@@ -161,10 +211,7 @@ def train(args, env: distributed.DistEnv) -> int:
     criterion = nn.CrossEntropyLoss()
     steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
     lr = flags.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay,
-                                # CUDA without a GradScaler: one kernel for all parameters
-                                fused=flags.fused_sgd(device, args.amp))
+    optimizer = build_optimizer(model, lr, args, device)  # SGD; --zero1: its state sharded
     # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, flags.lr_factor(args, steps))
     dtype = flags.amp_dtype(args)
@@ -183,8 +230,8 @@ def train(args, env: distributed.DistEnv) -> int:
     run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
                     world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
                     per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
-                    epochs=args.epochs, lr_peak=lr, lr_scaling=args.lr_scaling,
-                    warmup_epochs=args.warmup_epochs)
+                    image_size=data.input_shape[-1], epochs=args.epochs, lr_peak=lr,
+                    lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs)
     start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks

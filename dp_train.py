@@ -22,6 +22,8 @@ DataParallel splits into one chunk per GPU.
 from __future__ import annotations
 
 import argparse
+import copy
+import math
 import time
 
 import torch
@@ -30,7 +32,7 @@ import torch.nn as nn
 from torch.utils.data import DistributedSampler
 
 from training import (checkpoint, common, contract, datautils, devices, distributed, flags,
-                      measure, models)
+                      measure, memory, models)
 from training.common import print0
 from training.faults import UsageError, end_process
 
@@ -107,7 +109,42 @@ def load_checkpoint(path, state: dict) -> dict:
     return saved
 
 
+# the rows --estimate-memory prints; memory_variant(args): the row of a run with these flags
+MEMORY_VARIANTS = ("-",)
+
+
+def memory_variant(args) -> str:
+    return "-"
+
+
+def memory_per_gpu(model: nn.Module, args, world: int, saved: memory.Saved,
+                   variant: str) -> memory.Estimate:
+    """GPU 0's memory under DataParallel over ``world`` GPUs, the one that fills first: the
+    model, its gradients and momentum (the other GPUs get copies of the parameters each step,
+    nothing else), the activations of its share of the batch, and with several GPUs the
+    extras only GPU 0 holds: the rest of the whole batch before the scatter, every GPU's
+    outputs gathered back (and their gradients), and the replicas' gradients summed into
+    its own."""
+    params, grads, optimizer, buffers = memory.model_states(model, args.momentum)
+    extras = 0
+    if world > 1:
+        image = math.prod(saved.input_shape) * 4  # fp32, as the loader hands it over
+        outputs = 2 * 4 * model_outputs(model, saved.input_shape)  # logits and their gradient
+        extras = args.batch_size * (world - 1) * image + args.batch_size * world * outputs \
+            + grads
+    return memory.Estimate(STRATEGY, variant, world, args.batch_size, saved, params, grads,
+                           optimizer, buffers, extras, grads_at_peak=False)
+
+
+def model_outputs(model: nn.Module, input_shape: tuple) -> int:
+    """How many numbers the model returns per image (its classes)."""
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        return copy.deepcopy(model).cpu().eval()(torch.zeros(1, *input_shape)).numel()
+
+
 def train(args, env: distributed.DistEnv) -> int:
+    if args.estimate_memory is not None:  # a prediction only: no GPU, no process group
+        return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
     device, gpu_ids = setup_devices(args, env)
     flags.resolve_args(args, env, device)
     rank, world = 0, max(1, len(gpu_ids))  # no process group: one process, `world` GPUs
@@ -128,7 +165,11 @@ def train(args, env: distributed.DistEnv) -> int:
            f"DataLoader batch split by DataParallel")
 
     torch.manual_seed(args.seed)
-    model = models.build_model(args.model, data.num_classes, data.input_shape).to(device)
+    model = models.build_model(args.model, data.num_classes, data.input_shape)
+    if is_main:  # the predicted memory per GPU, which collect_results.py sets beside the peak
+        saved = memory.saved_for_backward(model, data.input_shape, args.amp)
+        print0(memory_per_gpu(model, args, world, saved, memory_variant(args)).line())
+    model = model.to(device)
     checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
     if args.check:
         print0(f"check: no process group (DataParallel is one process); {world} device(s): "
@@ -183,8 +224,8 @@ def train(args, env: distributed.DistEnv) -> int:
     run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
                     world_size=world, nodes=1, gpus_per_node=world,
                     per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
-                    epochs=args.epochs, lr_peak=lr, lr_scaling=args.lr_scaling,
-                    warmup_epochs=args.warmup_epochs)
+                    image_size=data.input_shape[-1], epochs=args.epochs, lr_peak=lr,
+                    lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs)
     start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: a new permutation every epoch

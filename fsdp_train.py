@@ -48,14 +48,14 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict, set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 try:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch before 2.6: common.run() stops it with one sentence (the floor)
-    MixedPrecisionPolicy = fully_shard = None
+    CPUOffloadPolicy = MixedPrecisionPolicy = fully_shard = None
 from torch.utils.data import DistributedSampler
 from torchvision.models.resnet import ResNet
 
 from training import (checkpoint, common, contract, datautils, devices, distributed, flags,
-                      measure, models)
+                      measure, memory, models)
 from training.common import print0
 from training.faults import UsageError, end_process
 
@@ -77,11 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="full: reshard parameters after forward (least memory); grad-op: keep "
                         "them gathered until backward (less communication); hybrid: shard "
                         "within a node, replicate across nodes (HSDP)")
+    g.add_argument("--offload", action="store_true",
+                   help="with --sharding full: keep the parameter shards, their gradients and "
+                        "the optimizer state in host memory (CPUOffloadPolicy) and take the "
+                        "optimizer step on the CPU; the GPU holds the blocks in flight and the "
+                        "activations. Slower: every block crosses PCIe twice a step")
     return parser
 
 
 def setup_distributed(args, env: distributed.DistEnv):
     """Pick the device and backend, join the process group, and build the device mesh."""
+    if args.offload and args.sharding != "full":
+        raise UsageError(f"--offload works with --sharding full, not {args.sharding}: drop one "
+                         f"of them")
     if args.sharding == "hybrid" and env.nodes * env.local_world_size != env.world_size:
         raise UsageError("--sharding hybrid needs the same number of processes on every node: "
                          "one torchrun --nproc-per-node, or srun --ntasks-per-node, for all")
@@ -117,15 +125,22 @@ def shard_units(model: nn.Module) -> list:
     return [u for u in units if any(True for _ in u.parameters())]
 
 
-def apply_fsdp(model: nn.Module, mesh, args) -> nn.Module:
-    dtype = flags.amp_dtype(args)
-    reshard = args.sharding != "grad-op"  # grad-op keeps parameters gathered after forward
+def gather_dtype(model: nn.Module, args) -> torch.dtype | None:
+    """The dtype FSDP gathers the parameters in: the --amp dtype, but fp32 for a model with
+    BatchNorm (autocast still computes in the --amp dtype); None: as stored (fp32)."""
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    # any BatchNorm: the whole model gathers in fp32 (autocast still computes in --amp dtype)
-    mp = MixedPrecisionPolicy(param_dtype=None if has_bn else dtype, reduce_dtype=torch.float32)
+    return None if has_bn else flags.amp_dtype(args)
+
+
+def apply_fsdp(model: nn.Module, mesh, args, device: torch.device) -> nn.Module:
+    reshard = args.sharding != "grad-op"  # grad-op keeps parameters gathered after forward
+    mp = MixedPrecisionPolicy(param_dtype=gather_dtype(model, args), reduce_dtype=torch.float32)
+    kw = dict(mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    if args.offload:  # shards, gradients and optimizer state in (pinned, on a GPU) host memory
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for unit in shard_units(model):  # bottom-up: the blocks first, then the root
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)  # the rest
+        fully_shard(unit, **kw)
+    fully_shard(model, **kw)  # the rest: the stem and the classifier
     return model
 
 
@@ -136,6 +151,45 @@ def collectives_per_step(model: nn.Module, args) -> dict:
     units = len(shard_units(model)) + 1
     gathers = 1 if args.sharding == "grad-op" else 2
     return {"all_gather": gathers * units, "reduce_scatter": units}
+
+
+# the rows --estimate-memory prints; memory_variant(args): the row of a run with these flags
+MEMORY_VARIANTS = ("grad-op", "full", "offload")
+
+
+def memory_variant(args) -> str:
+    return "offload" if args.offload else args.sharding
+
+
+def memory_per_gpu(model: nn.Module, args, world: int, saved: memory.Saved,
+                   variant: str) -> memory.Estimate:
+    """One GPU's memory under FSDP over ``world`` shards: 1/world of the parameters, gradients
+    and momentum (rank 0's shards, padded like every rank's), whole buffers, and the unsharded
+    blocks in flight: full (and hybrid, offload) the root, which stays gathered, and two
+    blocks, the one running and the one prefetched; grad-op every block, gathered from forward
+    to backward. In backward one block's unsharded fp32 gradient waits for its reduce-scatter.
+    offload: the shards, gradients and momentum live in host memory instead."""
+    units = [list(unit.parameters()) for unit in shard_units(model)]
+    in_units = {id(p) for unit in units for p in unit}
+    root = [p for p in model.parameters() if id(p) not in in_units]
+    numel = [sum(p.numel() for p in unit) for unit in units] or [0]
+    gathered = (gather_dtype(model, args) or torch.float32).itemsize  # bytes per element
+    if variant == "grad-op":
+        in_flight = sum(p.numel() for p in model.parameters()) * gathered
+    else:
+        in_flight = (sum(p.numel() for p in root) + 2 * max(numel)) * gathered
+    comm = in_flight + max(numel) * 4  # and the fp32 gradient of one block
+    shards = memory.fsdp_shard_bytes(model.parameters(), world)
+    params, grads, optimizer = shards, shards, shards if args.momentum else 0
+    buffers = memory.model_states(model, args.momentum)[3]
+    host = 0
+    if variant == "offload":
+        host, params, grads, optimizer = params + grads + optimizer, 0, 0, 0
+    notes = ["hybrid: sharded over the GPUs of one node (world_size= here)"] \
+        if variant == "hybrid" else []
+    return memory.Estimate(STRATEGY, variant, world, args.batch_size, saved, params, grads,
+                           optimizer, buffers, comm, host=host, grads_at_peak=False,
+                           notes=notes)
 
 
 def save_checkpoint(path, state: dict, meta: dict) -> None:
@@ -184,6 +238,8 @@ def load_checkpoint(path, state: dict) -> dict:
 
 
 def train(args, env: distributed.DistEnv) -> int:
+    if args.estimate_memory is not None:  # a prediction only: no GPU, no process group
+        return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
     device, backend, mesh = setup_distributed(args, env)
     flags.resolve_args(args, env, device)
     rank, world = env.rank, env.world_size
@@ -205,7 +261,12 @@ def train(args, env: distributed.DistEnv) -> int:
     # Same seed on every rank: identical full weights before sharding, so each rank keeps
     # its slice of the same model.
     torch.manual_seed(args.seed)
-    model = models.build_model(args.model, data.num_classes, data.input_shape).to(device)
+    model = models.build_model(args.model, data.num_classes, data.input_shape)
+    if is_main:  # the predicted memory per GPU, which collect_results.py sets beside the peak
+        saved = memory.saved_for_backward(model, data.input_shape, args.amp)
+        shards = mesh.shape[-1]  # the world size; hybrid: the GPUs of one node
+        print0(memory_per_gpu(model, args, shards, saved, memory_variant(args)).line())
+    model = model.to(device)
     checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
     grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # fp32 gradients
     if args.check:
@@ -224,7 +285,7 @@ def train(args, env: distributed.DistEnv) -> int:
     # picks its channels_last kernels from the inputs.
     layout = models.memory_format(model, device)
     prepare = datautils.batch_finisher(data, layout)  # augmentation on the device, the layout
-    model = apply_fsdp(model, mesh, args)
+    model = apply_fsdp(model, mesh, args, device)
     step_model = torch.compile(model) if args.compile else model
 
     batch = args.batch_size  # one DataLoader batch: this process's share of the global batch
@@ -268,8 +329,8 @@ def train(args, env: distributed.DistEnv) -> int:
     run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
                     world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
                     per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
-                    epochs=args.epochs, lr_peak=lr, lr_scaling=args.lr_scaling,
-                    warmup_epochs=args.warmup_epochs)
+                    image_size=data.input_shape[-1], epochs=args.epochs, lr_peak=lr,
+                    lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs)
     start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks

@@ -13,12 +13,18 @@ What it does, in order:
    compute ceiling: no loader, no copy), on the cache path, on the cache held on the device,
    on the JPEG folder path; fp16 and bf16; --compile; fsdp_train.py (full, grad-op) and
    dp_train.py on one GPU;
+   then the memory rows: every strategy and ZeRO rung (dp, ddp, ddp --zero1, fsdp grad-op,
+   full, full --offload) on the cache path at 64x64 and, with --image-size 224, the seed's
+   setting; every row sets the measured peak (torch.cuda.max_memory_allocated) beside the
+   peak its run predicted at start (its [MEMORY] line; training/memory.py), and the error;
 3. the test suite's DDP / FSDP / DP equivalence tests on CUDA (NCCL; one process per run, two
    when two GPUs are visible; the tests marked cuda_ok, with DPT_TEST_DEVICE=cuda);
 4. the whole test suite on this node, as a workshop would run it (its runs on the CPU, with the
    GPUs hidden; the Slurm lab tests are left out: LAUNCHER_TESTS_SLURM=0), unless --skip-suite;
-5. one markdown table: configuration, img/s, peak memory (MiB), ratio to the device-synthetic
-   ceiling at the same batch; with the GPU, driver, torch / CUDA / cuDNN / NCCL versions.
+5. one markdown table: configuration, img/s, peak memory (MiB) measured and predicted, ratio
+   to the device-synthetic ceiling at the same batch; with the GPU, driver, torch / CUDA /
+   cuDNN / NCCL versions. ``--rows memory`` runs the memory rows only, ``--rows speed`` the
+   others.
 
 Without a GPU it still runs (CI smoke-tests it): a small tree, ResNet-18, a few steps, and the
 CUDA-only rows (fp16, bf16, --compile), the CUDA equivalence tests and the suite are skipped
@@ -91,19 +97,25 @@ def run_row(script: str, args: list, timeout: int) -> dict:
         last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
         return {"error": f"exit {proc.returncode}: {last[:200]}", "cmd": cmd}
     m = rows[-1]
+    predicted = [found for found, _ in filter(None, (
+        contract.fields(line, contract.MEMORY_PREFIX) for line in proc.stdout.splitlines()))]
     return {"img_s": float(m["throughput_img_s"]), "peak": float(m["peak_mem_mib"]),
+            "predicted": float(predicted[0]["peak_mib"]) if predicted else None,
             "amp": m["amp"], "seconds": time.monotonic() - t0, "cmd": cmd}
 
 
-def plan(data: list, cache: list, steps: int, model: str, batches: tuple) -> list:
-    """(label, batch, script, args, cuda_only) for every row."""
+def plan(data: list, cache: list, steps: int, model: str, batches: tuple, which: str,
+         big_image: int) -> list:
+    """(label, batch, script, args, cuda_only) for every row of ``which`` (speed, memory, all)."""
     rows = []
     small, big = batches
-    for b in (small, big):
+    if which == "memory":
+        batches = ()
+    for b in batches:
         synth = ["--synthetic-size", str(b * steps), "--data-on-device"]
         rows.append((f"ddp, {CEILING}", b, "ddp_train.py", synth, False))
         rows.append(("ddp, cache", b, "ddp_train.py", data + cache, False))
-    rows += [
+    rows += [] if which == "memory" else [
         ("ddp, cache held on device", big, "ddp_train.py", data + cache + ["--data-on-device"],
          False),
         ("ddp, JPEG folder", small, "ddp_train.py", data, False),
@@ -117,6 +129,16 @@ def plan(data: list, cache: list, steps: int, model: str, batches: tuple) -> lis
         ("dp, cache", small, "dp_train.py",
          data + cache + (["--gpus", "1"] if torch.cuda.is_available() else []), False),
     ]
+    one_gpu = ["--gpus", "1"] if torch.cuda.is_available() else []
+    rungs = [("dp", "dp_train.py", one_gpu), ("ddp", "ddp_train.py", []),
+             ("ddp --zero1", "ddp_train.py", ["--zero1"]),
+             ("fsdp grad-op", "fsdp_train.py", ["--sharding", "grad-op"]),
+             ("fsdp full", "fsdp_train.py", ["--sharding", "full"]),
+             ("fsdp full --offload", "fsdp_train.py", ["--offload"])]
+    for side, b in ((64, small), (big_image, small)) if which != "speed" else ():
+        size = ["--image-size", str(side)] if side != 64 else []
+        rows += [(f"memory: {label}, {side}px", b, script, data + cache + size + extra, False)
+                 for label, script, extra in rungs]
     common_args = ["--model", model, "--epochs", "2", "--max-steps-per-epoch", str(steps)]
     return [(label, b, script, common_args + ["--batch-size", str(b)] + args, cuda_only)
             for label, b, script, args, cuda_only in rows]
@@ -177,6 +199,9 @@ def main(argv=None) -> int:
                         "cores, less with more)")
     p.add_argument("--suite-timeout", type=int, default=3600,
                    help="seconds the whole test suite may take")
+    p.add_argument("--rows", choices=("all", "speed", "memory"), default="all",
+                   help="speed: the throughput rows; memory: every strategy's predicted "
+                        "against measured peak memory, at 64 and 224 pixels")
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available()
     if args.data_dir and not Path(args.data_dir).is_dir():
@@ -212,7 +237,9 @@ def main(argv=None) -> int:
     print(f"data: cache ready in {work / 'cache'} ({time.monotonic() - t0:.0f} s)", flush=True)
 
     results = []
-    for label, batch, script, row_args, cuda_only in plan(data, cache, steps, model, batches):
+    big_image = 224 if gpu else 96  # the seed's setting (the CPU smoke run: smaller)
+    for label, batch, script, row_args, cuda_only in plan(data, cache, steps, model, batches,
+                                                          args.rows, big_image):
         if cuda_only and not gpu:
             results.append((label, batch, {"skipped": "CUDA only"}))
             continue
@@ -243,19 +270,29 @@ def main(argv=None) -> int:
     lines += [f"- command: `{cmd}`",
               f"- each row: 2 epochs of {steps} steps, the second measured; one process"
               + (", one GPU" if gpu else " on the CPU"), ""]
-    lines += ["| configuration | batch | amp | img/s | peak memory (MiB) | vs ceiling |",
-              "|---|---:|---|---:|---:|---:|"]
+    lines += ["| configuration | batch | amp | img/s | peak memory (MiB) | predicted (MiB) | "
+              "error | vs ceiling |", "|---|---:|---|---:|---:|---:|---:|---:|"]
     failed = False
     for label, batch, r in results:
         if "img_s" in r:
             ratio = f"{r['img_s'] / ceiling[batch]:.2f}x" if batch in ceiling else "n/a"
+            predicted, error = "n/a", "n/a"
+            if r["predicted"]:
+                predicted = f"{r['predicted']:,.0f}"
+                error = f"{(r['predicted'] - r['peak']) / r['peak']:+.0%}" if gpu else "n/a"
             lines.append(f"| {label} | {batch} | {r['amp']} | {r['img_s']:,.0f} | "
-                         f"{r['peak']:,.0f} | {ratio} |")
+                         f"{r['peak']:,.0f} | {predicted} | {error} | {ratio} |")
         elif "skipped" in r:
-            lines.append(f"| {label} | {batch} | | skipped ({r['skipped']}) | | |")
+            lines.append(f"| {label} | {batch} | | skipped ({r['skipped']}) | | | | |")
         else:
             failed = True
-            lines.append(f"| {label} | {batch} | | FAILED: {r['error']} | | |")
+            lines.append(f"| {label} | {batch} | | FAILED: {r['error']} | | | | |")
+    if gpu:
+        lines += ["", "error: (predicted - measured) / measured peak, measured as "
+                      "torch.cuda.max_memory_allocated over the second epoch"]
+    else:
+        lines += ["", "peak memory on the CPU is the process's peak RSS: no prediction to "
+                      "compare it with (error: n/a)"]
     lines += ["", f"equivalence tests on this device: {tests}",
               f"test suite on this node: {suite}",
               f"total: {time.monotonic() - t_start:.0f} s"]

@@ -33,7 +33,7 @@ from make_tinyimagenet import make_tree  # noqa: E402
 EPOCH_RE = re.compile(
     r"^Epoch \[(\d+)/(\d+)\] LR: (\d+\.\d{6}) \| Loss \(train, val\): (\d+\.\d{3}), "
     r"(\d+\.\d{3}) \| Accuracy \(train, val\): (\d+\.\d{2})%, (\d+\.\d{2})% \| "
-    r"Throughput: (\d+\.\d) img/s \| Data wait: \d+%$", re.M)
+    r"Throughput: (\d+\.\d) img/s \| Data wait: \d+% \| Images: (\d+)x\d+$", re.M)
 
 # Tiny, fast settings for the CIFAR-10 CNN on synthetic data (fp32, no workers).
 FAST = ["--model", "cnn", "--synthetic-size", "256", "--batch-size", "16", "--epochs", "2",

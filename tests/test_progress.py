@@ -65,7 +65,7 @@ def test_data_wait_is_the_share_of_time_spent_waiting_for_the_loader(tmp_path):
     assert "progress:" not in slow.stdout  # --log-every 0: none
     waits = [float(m["data_wait_frac"]) for m in metrics(slow.stdout)]
     assert len(waits) == 4 and min(waits) > 0.5, waits
-    assert re.search(r"\| Data wait: [5-9]\d%$", slow.stdout, re.M)
+    assert re.search(r"\| Data wait: [5-9]\d% \|", slow.stdout, re.M)
     # the same model on data held on the device: next to no waiting
     fast = run_script("ddp_train.py", ["--model", "cnn", "--synthetic-size", "512",
                                        "--batch-size", "16", "--epochs", "2", "--amp", "off",

@@ -42,9 +42,9 @@ def test_all_scripts_share_the_flags_of_ddp_train():
     assert {"--data-dir", "--batch-size", "--amp", "--save-model", "--dist-timeout"} <= ddp
     ddp_only = {"--bucket-cap-mb", "--gradient-as-bucket-view",
                 "--no-gradient-as-bucket-view", "--static-graph", "--broadcast-buffers",
-                "--no-broadcast-buffers"}
+                "--no-broadcast-buffers", "--zero1"}
     assert dp - ddp == {"--gpus"} and ddp - dp == ddp_only
-    assert fsdp - ddp == {"--sharding"} and ddp - fsdp == ddp_only
+    assert fsdp - ddp == {"--sharding", "--offload"} and ddp - fsdp == ddp_only
 
 
 def test_help_gives_each_default_once():
@@ -126,6 +126,36 @@ def test_fsdp_ends_with_the_same_weights_as_ddp(ddp_weights, sharding, tmp_path)
     assert m["val_images"] == ref_m["val_images"] == "80"
 
 
+@pytest.mark.cuda_ok
+def test_zero1_ends_with_the_same_weights_as_ddp(ddp_weights, tmp_path):
+    """ZeRO-1 shards the optimizer state, not the arithmetic: each rank steps its partition of
+    the parameters and broadcasts them, so the weights are DDP's."""
+    ref, ref_m = ddp_weights
+    path = tmp_path / "zero1.pt"
+    proc = run_script("ddp_train.py", EQUIV + ["--zero1", "--save-model", str(path)],
+                      nproc=NPROC)
+    check_ok(proc)
+    assert "variant=zero1" in proc.stdout  # its [MEMORY] line predicts the sharded momentum
+    _assert_same_weights(ref, torch.load(path, weights_only=True))
+    m = metrics(proc.stdout)[-1]
+    assert float(m["train_loss"]) == pytest.approx(float(ref_m["train_loss"]), rel=1e-4)
+
+
+@pytest.mark.cuda_ok
+def test_fsdp_offload_ends_with_the_same_weights_as_ddp(ddp_weights, tmp_path):
+    """--offload moves the shards and the optimizer step to the host: the weights stay those of
+    --sharding full, and so of DDP (test_fsdp_ends_with_the_same_weights_as_ddp[full])."""
+    ref, ref_m = ddp_weights
+    path = tmp_path / "offload.pt"
+    proc = run_script("fsdp_train.py", EQUIV + ["--offload", "--save-model", str(path)],
+                      nproc=NPROC)
+    check_ok(proc)
+    assert "variant=offload" in proc.stdout
+    _assert_same_weights(ref, torch.load(path, weights_only=True))
+    m = metrics(proc.stdout)[-1]
+    assert float(m["train_loss"]) == pytest.approx(float(ref_m["train_loss"]), rel=1e-4)
+
+
 def test_fsdp_hybrid_across_two_nodes_matches_ddp(ddp_weights, tmp_path):
     """Two torchrun 'nodes' of one process each: a 2x1 mesh (replicate x shard)."""
     ref, _ = ddp_weights
@@ -171,6 +201,8 @@ def test_dp_on_one_device_matches_ddp_single_process(tmp_path):
     ("ddp_train.py", ["--bucket-cap-mb", "-1"],
      "argument --bucket-cap-mb: must be a number above 0"),
     ("dp_train.py", ["--data-dir", "/nonexistent"], "does not exist"),
+    ("fsdp_train.py", ["--offload", "--sharding", "grad-op"],
+     "--offload works with --sharding full, not grad-op: drop one of them"),
     ("fsdp_train.py", ["--data-dir", "/nonexistent"], "does not exist"),
     ("fsdp_train.py", ["--model", "cnn", "--dataset", "tinyimagenet", "--data-dir", "/tmp"],
      "--model cnn takes 3x32x32"),
@@ -252,7 +284,7 @@ def test_the_epoch_loop_is_the_same_text(other):
         "\n".join(difflib.unified_diff(ddp, theirs, lineterm=""))
 
 
-@pytest.mark.parametrize("other, budget", [("fsdp_train.py", 26), ("dp_train.py", 48)])
+@pytest.mark.parametrize("other, budget", [("fsdp_train.py", 28), ("dp_train.py", 48)])
 def test_train_differs_from_ddp_by_a_strategys_worth_of_lines(other, budget):
     """The rest of train() may differ only where the strategy does (wrapper, sampler, device
     setup, reduction, saving): a budget of changed code lines, today's plus a little room."""

@@ -7,7 +7,9 @@ Every line a launcher or a parser reacts to is ``[TAG] key=value ...``:
 - ``[STOP]``: a stop signal ended the run; launch/job.sh requeues the job when ``saved=1``;
 - ``[EXIT]``: a torchrun worker's own exit code (torchrun reports any as 1), read by job.sh;
 - ``[PROFILE]``: --profile's step breakdown (``PROFILE_KEYS``), read by collect_results.py;
-- ``[BANDWIDTH]``: one collective's bandwidth (--check, --profile), read by collect_results.py.
+- ``[BANDWIDTH]``: one collective's bandwidth (--check, --profile), read by collect_results.py;
+- ``[MEMORY]``: the predicted per-GPU memory by component (``MEMORY_KEYS``), at the start of
+  every run and from --estimate-memory, read by collect_results.py.
 
 The training scripts write the epoch and ``[METRIC]`` lines, checkpoint.py the ``[STOP]`` line,
 faults.py the ``[EXIT]`` line, measure.py the ``[PROFILE]`` and ``[BANDWIDTH]`` lines; the
@@ -21,12 +23,13 @@ import math
 
 METRIC_PREFIX, STOP_PREFIX, EXIT_PREFIX = "[METRIC]", "[STOP]", "[EXIT]"
 PROFILE_PREFIX, BANDWIDTH_PREFIX = "[PROFILE]", "[BANDWIDTH]"
+MEMORY_PREFIX = "[MEMORY]"
 
 #: Keys of every ``[METRIC]`` line, in order. The final line adds ``FINAL_KEYS``.
 METRIC_KEYS = (
     "strategy", "model", "dataset", "device", "world_size", "nodes", "gpus_per_node",
-    "per_gpu_batch", "global_batch", "amp", "epoch", "epochs", "lr", "lr_peak", "lr_scaling",
-    "warmup_epochs",
+    "per_gpu_batch", "global_batch", "amp", "image_size", "epoch", "epochs", "lr", "lr_peak",
+    "lr_scaling", "warmup_epochs",
     "train_loss", "train_acc", "val_loss", "val_acc", "train_images", "val_images",
     "epoch_time_s", "throughput_img_s", "peak_mem_mib", "peak_mem_per_gpu_mib",
     "data_wait_frac", "train_start_unix", "eval_start_unix", "eval_end_unix",
@@ -37,12 +40,22 @@ METRIC_KEYS = (
 METRIC_TEXT_KEYS = ("strategy", "model", "dataset", "device", "amp", "lr_scaling",
                     "peak_mem_per_gpu_mib")
 
+#: [METRIC] keys added after the first release: an older log's line without them still parses.
+LATER_METRIC_KEYS = ("image_size",)
+
 #: Extra keys of the one ``[METRIC]`` line printed after the last epoch (``final=1``).
 FINAL_KEYS = ("final", "total_time_s")
 
 #: --profile's parts of one training step, in milliseconds (``steps``: how many were traced).
 PROFILE_KEYS = ("steps", "step_ms", "compute_ms", "exposed_comm_ms", "data_wait_ms", "other_ms",
                 "comm_ms")
+
+#: The keys every ``[MEMORY]`` line has, in order (sizes in MiB, per GPU, one process): the
+#: model states, what the strategy's communication holds, the activations saved for backward,
+#: and their sum, the predicted peak (training/memory.py says what each counts).
+MEMORY_KEYS = ("strategy", "variant", "world_size", "per_gpu_batch", "image_size", "amp",
+               "params_mib", "grads_mib", "optimizer_mib", "buffers_mib", "amp_copies_mib",
+               "activations_mib", "comm_mib", "transient_mib", "host_mib", "peak_mib")
 
 #: The training scripts' --batch-size default (per GPU); launch/run_benchmarks.py plans with it.
 DEFAULT_BATCH_SIZE = 64
@@ -65,7 +78,8 @@ EXIT_LINE = EXIT_PREFIX + " code={code} rank={rank}"
 #: The per-epoch line people read (the workshop's), values global across ranks.
 EPOCH_LINE = ("Epoch [{epoch}/{epochs}] LR: {lr:.6f} | Loss (train, val): {train_loss:.3f}, "
               "{val_loss:.3f} | Accuracy (train, val): {train_acc:.2f}%, {val_acc:.2f}% | "
-              "Throughput: {throughput_img_s:.1f} img/s | Data wait: {data_wait_frac:.0%}")
+              "Throughput: {throughput_img_s:.1f} img/s | Data wait: {data_wait_frac:.0%} | "
+              "Images: {image_size}x{image_size}")
 
 
 def format_epoch_line(m: dict) -> str:
@@ -125,6 +139,7 @@ def number(text) -> float | None:
 def parse_metric_line(line: str) -> dict | None:
     """One complete ``[METRIC]`` line as {key: text}; None when the line is not one."""
     parsed = fields(line, METRIC_PREFIX)
-    if parsed is None or parsed[1] or not all(k in parsed[0] for k in METRIC_KEYS):
+    required = [k for k in METRIC_KEYS if k not in LATER_METRIC_KEYS]
+    if parsed is None or parsed[1] or not all(k in parsed[0] for k in required):
         return None
     return parsed[0]

@@ -26,8 +26,8 @@ from training import tinyimagenet
 from training.common import print0
 from training.distributed import dist_env, on_rank0, raise_if_any_rank
 from training.faults import DataError, UsageError, ignore_stop_signals
-from training.flags import seed_for_rank
-from training.models import grey_channels, synthetic_shape
+from training.flags import input_shape, seed_for_rank
+from training.models import grey_channels
 
 # --------------------------------------------------------------------------------------------
 # Datasets
@@ -69,9 +69,10 @@ class ImageList(Dataset):
     (``strict``: an error), as the cache of prepare_tinyimagenet.py does.
     """
 
-    def __init__(self, samples, strict: bool = False, augment_seed=None):
+    def __init__(self, samples, strict: bool = False, augment_seed=None,
+                 size: int | None = None):
         from torchvision import transforms as T
-        self.samples = samples
+        self.samples, self.size = samples, size  # size: --image-size, resized after the crop
         self.targets = [label for _, label in samples]
         self.to_tensor, self.normalize = T.ToTensor(), T.Normalize(*NORMALIZE["tinyimagenet"])
         self.strict = strict
@@ -117,10 +118,21 @@ class ImageList(Dataset):
             x = x[:, dy:dy + x.shape[1] - 2 * pad, dx:dx + x.shape[2] - 2 * pad]
             if flip:
                 x = x.flip(-1)
+        if self.size:
+            x = resize(x[None], self.size)[0]
         return self.normalize(x), label
 
 
 CROP_PADDING = 4  # pixels of zeros around the image before a random 64x64 crop (both paths)
+
+
+def resize(images: torch.Tensor, size: int) -> torch.Tensor:
+    """--image-size: a batch of float images (N, C, H, W) resized to size x size, bilinear, as
+    torchvision's Resize does (antialiased when it shrinks them)."""
+    if images.shape[-1] == size and images.shape[-2] == size:
+        return images
+    return F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False,
+                         antialias=size < images.shape[-1])
 
 
 def _mix32(x: int) -> int:
@@ -335,11 +347,11 @@ class CachedSplit(Dataset):
 class DeviceAugment:
     """What the folder path does per image with PIL, done per batch on the device: uint8 NHWC
     -> (train) random crop with 4 pixels of zero padding and a random horizontal flip -> float
-    in [0, 1] -> normalize. Without augmentation the NCHW result keeps the NHWC memory
-    (channels_last)."""
+    in [0, 1] -> (--image-size) resized -> normalize. Without augmentation the NCHW result
+    keeps the NHWC memory (channels_last)."""
 
-    def __init__(self, mean, std):
-        self.mean_std = (mean, std)
+    def __init__(self, mean, std, size: int | None = None):
+        self.mean_std, self.size = (mean, std), size
         self._cache = {}
 
     def _stats(self, device):
@@ -364,6 +376,8 @@ class DeviceAugment:
             cols = torch.where(flip, w - 1 - cols, cols) + dx  # a flip is reversed columns
             x = x.gather(3, cols.expand(b, c, h, w))  # crop (and flip) columns
         x = x.float().div_(255)
+        if self.size:
+            x = resize(x, self.size)
         mean, std = self._stats(x.device)
         return (x - mean) / std
 
@@ -384,17 +398,25 @@ def _cached_tinyimagenet(args, classes, train, val) -> DataBundle:
     directory = tinyimagenet.cache_dir(args.data_dir, args.data_cache)
     train_set = CachedSplit(directory / "train_u8.npy", directory / "train_labels.npy")
     val_set = CachedSplit(directory / "val_u8.npy", directory / "val_labels.npy")
-    return DataBundle(train_set, val_set, len(classes), (3, 64, 64), "tinyimagenet",
+    return DataBundle(train_set, val_set, len(classes), input_shape(args)[0], "tinyimagenet",
                       f"TinyImageNet at {args.data_dir} via the uint8 cache {directory}: "
-                      f"{len(train_set)} train / {len(val_set)} val, {len(classes)} classes",
-                      DeviceAugment(*NORMALIZE["tinyimagenet"]))
+                      f"{len(train_set)} train / {len(val_set)} val, {len(classes)} classes"
+                      f"{resized(args)}",
+                      DeviceAugment(*NORMALIZE["tinyimagenet"], size=args.image_size))
+
+
+def resized(args) -> str:
+    """What --image-size adds to the data line."""
+    if not args.image_size or args.image_size == 64:
+        return ""
+    return f", resized from 64x64 to {args.image_size}x{args.image_size}"
 
 
 def build_data(args, is_main: bool) -> DataBundle:
     """Train and val datasets for ``args.dataset``. Downloads (CIFAR-10, MNIST) run on rank 0
     first; call after the process group exists."""
     if args.dataset == "synthetic":
-        shape, classes = synthetic_shape(args.model)
+        shape, classes = input_shape(args)  # shaped for the model (and --image-size)
         n_val = max(1, args.synthetic_size // 4)
         return DataBundle(
             SyntheticImages(args.synthetic_size, shape, classes, args.seed, "train"),
@@ -409,11 +431,11 @@ def build_data(args, is_main: bool) -> DataBundle:
         classes, train, val = tinyimagenet.scan_tinyimagenet(args.data_dir)
         if args.data_cache:
             return _cached_tinyimagenet(args, classes, train, val)
-        return DataBundle(ImageList(train, args.strict, augment_seed=args.seed),
-                          ImageList(val, args.strict), len(classes),
-                          (3, 64, 64), "tinyimagenet",
+        return DataBundle(ImageList(train, args.strict, args.seed, args.image_size),
+                          ImageList(val, args.strict, size=args.image_size), len(classes),
+                          input_shape(args)[0], "tinyimagenet",
                           f"TinyImageNet at {args.data_dir}: {len(train)} train / {len(val)} "
-                          f"val, {len(classes)} classes")
+                          f"val, {len(classes)} classes{resized(args)}")
     if args.dataset == "fashion-mnist":
         return _fashion_mnist(args)
     return _torchvision_data(args, is_main)

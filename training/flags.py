@@ -22,6 +22,7 @@ from training.models import check_model, grey_channels, synthetic_shape
 
 
 DATASETS = ("tinyimagenet", "cifar10", "mnist", "fashion-mnist", "synthetic")
+ALL_GPU_COUNTS = -1  # --estimate-memory without N: 1, 2, 4 and 8 GPUs
 MAX_DIST_TIMEOUT = 86400  # seconds; far beyond it, gloo's and NCCL's own timers overflow
 DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_net",
                  "fashion-mnist": "mnist_net", "synthetic": "resnet50"}
@@ -86,6 +87,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "peak memory)")
     g.add_argument("--synthetic-size", type=int, default=2048,
                    help="training samples of the synthetic dataset (validation gets a quarter)")
+    g.add_argument("--image-size", type=int, default=None, metavar="N",
+                   help="TinyImageNet and synthetic data: train on N x N images, resized from "
+                        "the native 64 x 64 (on the device per batch with --data-cache, in the "
+                        "loader otherwise). 224 is the workshop seed's setting: 12 times the "
+                        "pixels, and about 12 times the activation memory")
     g = parser.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=3, help="number of epochs")
     g.add_argument("--batch-size", type=int, default=contract.DEFAULT_BATCH_SIZE,
@@ -152,6 +158,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="run only the preflight checks, an all-reduce sanity test and the "
                         "bandwidth of the strategy's collectives up to the gradient size "
                         "([BANDWIDTH] lines, as nccl-tests report them), then exit")
+    g.add_argument("--estimate-memory", nargs="?", type=int, const=ALL_GPU_COUNTS, default=None,
+                   metavar="N",
+                   help="print the predicted memory per GPU of this strategy and its variants, "
+                        "by component ([MEMORY] lines and a table) for N GPUs (no N: 1, 2, 4 "
+                        "and 8), then exit: no GPU, no process group, no dataset needed")
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="save a checkpoint here at the end of every epoch (and every "
@@ -214,9 +225,21 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
     if args.profile is not None and args.check:
         raise UsageError("--check is a preflight that trains nothing, so there is nothing for "
                          "--profile to trace: drop one of them")
-    fixed = {"tinyimagenet": (3, 64, 64), "cifar10": (3, 32, 32), "mnist": (1, 28, 28),
-             "fashion-mnist": (grey_channels(args.model), 28, 28)}
-    shape = (data_known and fixed.get(args.dataset)) or synthetic_shape(args.model)[0]
+    if args.image_size is not None:
+        if args.dataset not in ("tinyimagenet", "synthetic"):
+            raise UsageError(f"--image-size works with TinyImageNet and synthetic data only, "
+                             f"not --dataset {args.dataset}: drop --image-size")
+        if args.model in ("cnn", "mnist_net"):
+            raise UsageError(f"--model {args.model} takes its dataset's fixed image size: drop "
+                             f"--image-size, or choose --model resnet50")
+        if not 16 <= args.image_size <= 1024:
+            raise UsageError(f"--image-size is the side of the square image in pixels, 16 to "
+                             f"1024 (64: TinyImageNet's own, 224: ImageNet's), got "
+                             f"{args.image_size}")
+    if args.estimate_memory not in (None, ALL_GPU_COUNTS) and args.estimate_memory < 1:
+        raise UsageError(f"--estimate-memory N: N is a number of GPUs, at least 1 (or none: "
+                         f"1, 2, 4 and 8), got {args.estimate_memory}")
+    shape = input_shape(args, data_known)[0]
     try:
         check_model(args.model, shape)  # before any download or data scan
     except UsageError as e:
@@ -233,6 +256,17 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
     if args.data_cache and args.dataset != "tinyimagenet":
         raise UsageError(f"--data-cache works with TinyImageNet only, not --dataset "
                          f"{args.dataset}: drop --data-cache")
+
+
+def input_shape(args, data_known: bool = True) -> tuple:
+    """(C, H, W) of the images the model gets, and the number of classes, from the flags alone
+    (no dataset read): --estimate-memory and the flag checks need them before any data."""
+    fixed = {"tinyimagenet": ((3, 64, 64), 200), "cifar10": ((3, 32, 32), 10),
+             "mnist": ((1, 28, 28), 10), "fashion-mnist": ((grey_channels(args.model), 28, 28), 10)}
+    shape, classes = (data_known and fixed.get(args.dataset)) or synthetic_shape(args.model)
+    if args.image_size is not None:
+        shape = (shape[0], args.image_size, args.image_size)
+    return shape, classes
 
 
 def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -> None:

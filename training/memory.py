@@ -1,0 +1,261 @@
+"""The memory model: what one GPU holds during a training step, by component, predicted before
+the run (``--estimate-memory``, and the ``[MEMORY]`` line every run prints at its start) and
+compared with the measured peak by collect_results.py.
+
+What a step keeps on one GPU, and how each part is counted here:
+
+- **parameters, gradients, optimizer state, buffers**: counted from the model itself, in
+  bytes, then divided the way the strategy divides them (each script's ``memory_per_gpu``);
+  SGD with momentum keeps one momentum buffer per parameter;
+- **activations**: every tensor the forward saves for backward. They are counted exactly, on
+  the CPU, with ``torch.autograd.graph.saved_tensors_hooks``: one forward at batch 2 and one at
+  batch 4, each storage counted once, parameters and buffers left out. The count is linear in
+  the batch (checked in tests/test_memory.py), so the two forwards give it at any batch: a
+  part per image and a part that does not grow with the batch (under --amp, that part is
+  mostly the weights autocast casts to 16 bits: ``amp_copies``);
+- **transient**: during backward, the gradient of the largest saved activation and of its
+  input exist beside the activations (twice the largest one);
+- **communication buffers**: DDP's gradient buckets, FSDP's unsharded parameters and
+  gradients of the blocks in flight, DataParallel's whole batch and gathered outputs on GPU 0.
+
+Not counted, and stated with every table: cuDNN's workspace, the caching allocator's
+fragmentation, and the CUDA context (about 0.5 GB that nvidia-smi sees and
+``torch.cuda.max_memory_allocated`` does not).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from training import contract
+from training.common import print0
+
+MIB = 2**20
+COUNT_BATCHES = (2, 4)  # the two forwards; 2, not 1: BatchNorm needs two values per channel
+
+
+@dataclass
+class Saved:
+    """What one forward saves for backward, for images of ``input_shape`` under ``amp``: bytes
+    per image, bytes that do not grow with the batch, and the largest saved tensor per image."""
+    per_image: float
+    fixed: float
+    largest_per_image: float
+    input_shape: tuple
+    amp: str
+
+
+def count_saved(model: nn.Module, input_shape: tuple, batch: int, amp: str) -> tuple:
+    """One forward of ``model`` (train mode, on the CPU) at ``batch``: (bytes of every tensor
+    it saves for backward, each storage once, without parameters and buffers; bytes of the
+    largest one that holds images of this batch, not a weight cast by autocast). Under --amp
+    fp16 or bf16 the forward runs under CPU autocast in bf16: the same two bytes per element
+    as fp16 on a GPU."""
+    own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    saved, per_batch = {}, {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in own:
+            saved[storage.data_ptr()] = storage.nbytes()
+            if tensor.dim() and tensor.shape[0] == batch and not is_cast_weight(tensor):
+                per_batch[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    images = torch.randn(batch, *input_shape)
+    with saved_tensors_hooks(pack, lambda tensor: tensor), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp != "off"):
+        outputs = model(images)
+    del outputs  # frees the graph, and the storages with it
+    return sum(saved.values()), max(per_batch.values(), default=0)
+
+
+def is_cast_weight(tensor: torch.Tensor) -> bool:
+    """Whether autocast made ``tensor`` from a parameter (a copy in 16 bits)."""
+    fn = tensor.grad_fn
+    return fn is not None and type(fn).__name__ == "ToCopyBackward0" and any(
+        type(parent).__name__ == "AccumulateGrad" for parent, _ in fn.next_functions)
+
+
+def saved_for_backward(model: nn.Module, input_shape: tuple, amp: str) -> Saved:
+    """The activations of ``model`` at any batch, from two counted forwards (COUNT_BATCHES) on
+    a CPU copy of it: the model itself, its BatchNorm statistics and the random state stay as
+    they were."""
+    twin = copy.deepcopy(model).cpu().train()
+    small, large = COUNT_BATCHES
+    with torch.random.fork_rng(devices=[]):  # dropout draws, and the images above
+        (a, _), (b, top) = (count_saved(twin, input_shape, n, amp) for n in COUNT_BATCHES)
+    per_image = (b - a) / (large - small)
+    return Saved(per_image, a - per_image * small, top / large, tuple(input_shape), amp)
+
+
+def param_bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def shard_rows(rows: int, world: int, rank: int) -> int:
+    """The rows of a tensor's dim 0 that ``rank`` holds when FSDP2 shards it over ``world``
+    ranks: torch.chunk's split, ceil(rows / world) each, the last ranks less or none."""
+    each = -(-rows // world)
+    return max(0, min(each, rows - rank * each))
+
+
+def fsdp_shard_bytes(params, world: int, rank: int = 0) -> int:
+    """Bytes of ``rank``'s FSDP2 shards of ``params``. Rank 0's is also what every rank
+    allocates: FSDP2 pads each shard to ceil(rows / world) rows."""
+    total = 0
+    for p in params:
+        rows = p.shape[0] if p.dim() else 1
+        total += shard_rows(rows, world, rank) * (p.numel() // max(rows, 1)) * p.element_size()
+    return total
+
+
+def zero1_partition(params, world: int) -> list:
+    """The parameters each rank optimizes under ZeroRedundancyOptimizer: largest first, each
+    to the rank with the fewest elements so far (torch's own greedy rule)."""
+    ranks, sizes = [[] for _ in range(world)], [0] * world
+    for p in sorted(params, key=lambda t: t.numel(), reverse=True):
+        r = sizes.index(min(sizes))
+        ranks[r].append(p)
+        sizes[r] += p.numel()
+    return ranks
+
+
+@dataclass
+class Estimate:
+    """One process's (one GPU's) predicted memory, in bytes, by component: the model states
+    and communication buffers as the strategy holds them, the activations from ``saved`` at
+    ``per_gpu_batch``."""
+    strategy: str
+    variant: str  # "-", or the strategy's option: zero1, full, grad-op, offload, ...
+    world_size: int
+    per_gpu_batch: int
+    saved: Saved
+    params: float
+    grads: float
+    optimizer: float
+    buffers: float
+    comm: float
+    host: float = 0.0  # kept in host memory instead (--offload)
+    grads_at_peak: bool = True  # False: set to None before each step, made during backward
+    notes: list = field(default_factory=list)
+
+    @property
+    def activations(self) -> float:
+        return self.saved.per_image * self.per_gpu_batch
+
+    @property
+    def amp_copies(self) -> float:
+        """Saved tensors that do not grow with the batch: under --amp, the weights autocast
+        casts to 16 bits (and BatchNorm's per-channel statistics)."""
+        return self.saved.fixed
+
+    @property
+    def transient(self) -> float:
+        """In backward, the gradients of the largest activation and of its input."""
+        return 2 * self.saved.largest_per_image * self.per_gpu_batch
+
+    @property
+    def peak(self) -> float:
+        """The components that are all resident at once, at the end of the forward."""
+        return (self.params + self.optimizer + self.buffers + self.amp_copies + self.activations
+                + self.comm + self.transient + (self.grads if self.grads_at_peak else 0))
+
+    def values(self) -> dict:
+        sizes = dict(params=self.params, grads=self.grads, optimizer=self.optimizer,
+                     buffers=self.buffers, amp_copies=self.amp_copies,
+                     activations=self.activations, comm=self.comm, transient=self.transient,
+                     host=self.host, peak=self.peak)
+        return dict(strategy=self.strategy, variant=self.variant, world_size=self.world_size,
+                    per_gpu_batch=self.per_gpu_batch, image_size=self.saved.input_shape[-1],
+                    amp=self.saved.amp) | {f"{k}_mib": round(v / MIB, 1) for k, v in sizes.items()}
+
+    def line(self) -> str:
+        """The machine line: ``[MEMORY] strategy=... peak_mib=...`` (contract.MEMORY_KEYS)."""
+        values = self.values()
+        return contract.MEMORY_PREFIX + " " + " ".join(f"{k}={values[k]}"
+                                                       for k in contract.MEMORY_KEYS)
+
+
+def model_states(model: nn.Module, momentum: float) -> tuple:
+    """(parameters, gradients, optimizer state, buffers) of the whole model, in bytes: fp32
+    gradients like the parameters, one SGD momentum buffer per parameter (none without
+    momentum)."""
+    params = param_bytes(model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return params, params, params if momentum else 0, buffers
+
+
+COLUMNS = (("params", "params"), ("grads", "grads"), ("optimizer", "optim"),
+           ("buffers", "buffers"), ("amp_copies", "amp copies"), ("activations", "activations"),
+           ("comm", "comm"), ("transient", "transient"), ("peak", "peak"), ("host", "host"))
+
+
+def table(estimates: list) -> list:
+    """The lines of a table a person reads: one row per estimate, MiB per GPU."""
+    head = f"{'strategy':<16}{'GPUs':>5}" + "".join(f"{title:>12}" for _, title in COLUMNS)
+    rows = [head, "-" * len(head)]
+    for e in estimates:
+        v = e.values()
+        name = e.strategy if e.variant == "-" else f"{e.strategy} {e.variant}"
+        cells = []
+        for key, _ in COLUMNS:
+            text = f"{v[key + '_mib']:,.0f}"
+            cells.append(f"{text + ('*' if key == 'grads' and not e.grads_at_peak else ''):>12}")
+        rows.append(f"{name:<16}{e.world_size:>5}" + "".join(cells))
+    return rows
+
+
+UNCOUNTED = ("not counted: cuDNN workspace, allocator fragmentation, and the CUDA context "
+             "(about 0.5 GB, which nvidia-smi shows and torch.cuda.max_memory_allocated does not)")
+
+
+def print_estimates(estimates: list, model_name: str) -> None:
+    """--estimate-memory's output: the [MEMORY] lines, then the table and what it assumes."""
+    for e in estimates:
+        print0(e.line())
+    saved, side = estimates[0].saved, estimates[0].saved.input_shape[-1]
+    print0(f"\nPredicted memory per GPU (MiB): {model_name} at {side}x{side}, batch "
+           f"{estimates[0].per_gpu_batch} per GPU, --amp {saved.amp}")
+    for row in table(estimates):
+        print0(row)
+    print0(f"activations: {saved.per_image / MIB:.2f} MiB per image saved for backward, counted "
+          f"with saved-tensor hooks in two forwards on the CPU (batch {COUNT_BATCHES[0]} and "
+          f"{COUNT_BATCHES[1]}; linear in the batch)")
+    print0("peak: every column left of it that is resident at once at the end of the forward"
+          + ("; * gradients are freed before each step and made during backward, as "
+             "activations are freed" if any(not e.grads_at_peak for e in estimates) else ""))
+    notes = dict.fromkeys(n for e in estimates for n in e.notes)
+    for note in notes:
+        print0(f"note: {note}")
+    print0(UNCOUNTED)
+
+
+def gpu_counts(flag: int) -> list:
+    """The GPU counts --estimate-memory N asks for: N, or 1, 2, 4 and 8."""
+    from training.flags import ALL_GPU_COUNTS
+    return [1, 2, 4, 8] if flag == ALL_GPU_COUNTS else [flag]
+
+
+def estimate_only(args, memory_per_gpu, variants: tuple) -> int:
+    """--estimate-memory: the model built on the CPU, its activations counted once, then one
+    estimate per variant and GPU count from the script's ``memory_per_gpu``. No GPU, no process
+    group, no dataset."""
+    from training import flags, models
+    shape, classes = flags.input_shape(args)
+    if args.amp is None:  # what a GPU run picks (both 16-bit types save the same bytes)
+        args.amp = "bf16"
+        print0("note: --amp bf16 assumed, a GPU run's default (fp16 saves the same bytes; "
+               "--amp off for fp32)")
+    torch.manual_seed(args.seed)
+    model = models.build_model(args.model, classes, shape)
+    saved = saved_for_backward(model, shape, args.amp)
+    estimates = [memory_per_gpu(model, args, n, saved, variant)
+                 for variant in variants for n in gpu_counts(args.estimate_memory)]
+    print_estimates(estimates, args.model)
+    return 0
