@@ -60,6 +60,7 @@ def main(argv=None) -> int:
     cpus = len(os.sched_getaffinity(0))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args = argparse.Namespace(data_dir=a.data_dir, dataset="tinyimagenet", model="resnet50",
+                              image_size=None,
                               strict=False, num_workers=cpus, data_cache=None, seed=0,
                               data_on_device=False)
     try:

@@ -39,6 +39,7 @@ def _damaged_copy(src, dst, unreadable=(), drop=()):
 
 def _args(data_dir, cache=None, on_device=False):
     return argparse.Namespace(data_dir=str(data_dir), dataset="tinyimagenet", model="resnet18",
+                              image_size=None,
                               data_on_device=on_device, strict=False, num_workers=0, seed=0,
                               data_cache=cache)
 

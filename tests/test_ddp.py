@@ -315,6 +315,7 @@ def test_cache_and_folder_paths_give_the_same_pixels_and_labels(tiny_imagenet, t
     import argparse
     root, _ = tiny_imagenet
     args = argparse.Namespace(data_dir=str(root), dataset="tinyimagenet", model="resnet18",
+                              image_size=None,
                               data_on_device=False,
                               strict=False, num_workers=1, data_cache=str(tmp_path / "c"),
                               seed=0)
@@ -382,6 +383,7 @@ def test_started_loader_drops_its_early_batches(tiny_imagenet, tmp_path, cached)
     import argparse
     root, _ = tiny_imagenet
     args = argparse.Namespace(data_dir=str(root), dataset="tinyimagenet", model="resnet18",
+                              image_size=None,
                               data_on_device=False,
                               strict=False, num_workers=1, seed=0,
                               data_cache=str(tmp_path / "c") if cached else None)

@@ -195,7 +195,7 @@ import fsdp_train
 from training import models
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 model = models.build_model("resnet50", 200, (3, 64, 64))
-args = argparse.Namespace(amp="bf16", sharding="full")
+args = argparse.Namespace(amp="bf16", sharding="full", offload=False)
 model = fsdp_train.apply_fsdp(model, init_device_mesh("cpu", (1,)), args, torch.device("cpu"))
 units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
 print("units", len(units), "bn_units", sum("bn" in n for n in units))

@@ -1,0 +1,230 @@
+"""The memory model (training/memory.py): the activations counted exactly and checked by a second,
+independent count; the model states of every strategy equal to what 2 gloo ranks really hold;
+--estimate-memory and --image-size as a user runs them."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from training import contract, memory, models
+from conftest import REPO, check_ok, env_for_tests, epoch_lines, metrics, run_script
+
+
+def graph_count(outputs: torch.Tensor, own: set) -> int:
+    """A second count of what a forward saved, without hooks: walk the autograd graph from the
+    outputs and read every node's saved tensors (its ``_saved_*`` attributes)."""
+    seen, storages, todo = set(), {}, [outputs.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            if not name.startswith("_saved_"):
+                continue
+            try:
+                value = getattr(node, name)
+            except RuntimeError:  # a saved value that is not a tensor (e.g. undefined)
+                continue
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() not in own:
+                        storages[storage.data_ptr()] = storage.nbytes()
+        todo += [parent for parent, _ in node.next_functions]
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("name,shape,amp", [("resnet18", (3, 64, 64), "off"),
+                                            ("resnet18", (3, 64, 64), "bf16"),
+                                            ("cnn", (3, 32, 32), "off"),
+                                            ("mnist_net", (1, 28, 28), "off")])
+def test_the_hook_count_equals_an_independent_graph_count(name, shape, amp):
+    torch.manual_seed(0)
+    model = models.build_model(name, 10, shape).train()
+    own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    hooked, _ = memory.count_saved(model, shape, 4, amp)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp != "off"):
+        outputs = model(torch.randn(4, *shape))
+    assert hooked == graph_count(outputs, own) > 0
+
+
+def test_a_hand_counted_model():
+    """Linear(10, 20) -> ReLU -> Linear(20, 5) at batch 8, fp32: the first layer saves its input
+    (8 x 10), ReLU its output (8 x 20), which the second layer saves again (counted once); the
+    weights are parameters, left out."""
+    model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 5))
+    total, largest = memory.count_saved(model, (10,), 8, "off")
+    assert total == 8 * 10 * 4 + 8 * 20 * 4
+    assert largest == 8 * 20 * 4
+
+
+@pytest.mark.parametrize("amp", ["off", "bf16"])
+def test_two_counted_forwards_give_the_activations_at_any_batch_exactly(amp):
+    """The estimate counts at batch 2 and 4 and extrapolates: at batch 16 it is the count."""
+    torch.manual_seed(0)
+    model = models.build_model("resnet18", 200, (3, 64, 64))
+    saved = memory.saved_for_backward(model, (3, 64, 64), amp)
+    counted, largest = memory.count_saved(model.train(), (3, 64, 64), 16, amp)
+    estimate = memory.Estimate("ddp", "-", 1, 16, saved, 0, 0, 0, 0, 0)
+    assert estimate.activations + estimate.amp_copies == pytest.approx(counted, abs=1)
+    assert estimate.transient == pytest.approx(2 * largest, abs=1)
+    if amp == "bf16":  # the 16-bit copies of the weights: half the parameters' bytes
+        params = memory.param_bytes(model.parameters())
+        assert 0.45 * params < saved.fixed < 0.55 * params
+
+
+def test_counting_leaves_the_model_and_the_random_state_as_they_were():
+    torch.manual_seed(0)
+    model = models.build_model("resnet18", 200, (3, 64, 64))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    memory.saved_for_backward(model, (3, 64, 64), "off")
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_fsdp_shards_follow_torch_chunk():
+    assert [memory.shard_rows(10, 4, r) for r in range(4)] == [3, 3, 3, 1]
+    assert [memory.shard_rows(2, 4, r) for r in range(4)] == [1, 1, 0, 0]
+    assert [len(c) for c in torch.arange(10).chunk(4)] == [3, 3, 3, 1]
+
+
+# One program per strategy, on 2 gloo ranks: what each rank really holds after two steps,
+# against the model's prediction for this rank at world size 2.
+STATES = r"""
+import sys, torch, torch.distributed as dist, torch.nn as nn, argparse
+sys.path.insert(0, {repo!r})
+import ddp_train, fsdp_train
+from training import memory, models
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+shape = (3, 64, 64)
+model = models.build_model("resnet18", 201, shape)  # 201 classes: uneven shards
+args = argparse.Namespace(amp="off", sharding="full", offload=False, zero1={zero1},
+                          momentum=0.9, weight_decay=5e-4, batch_size=2,
+                          gradient_as_bucket_view=True)
+saved = memory.saved_for_backward(model, shape, "off")
+variant = "{variant}"
+if variant == "full":
+    predicted = fsdp_train.memory_per_gpu(model, args, world, saved, variant)
+    mine = memory.fsdp_shard_bytes(model.parameters(), world, rank)
+    expected = (mine, mine, mine)
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    model = fsdp_train.apply_fsdp(model, mesh, args, torch.device("cpu"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    local = lambda t: t.to_local()
+else:
+    predicted = ddp_train.memory_per_gpu(model, args, world, saved, variant)
+    params = memory.param_bytes(model.parameters())
+    part = memory.zero1_partition(list(model.parameters()), world)[rank]
+    expected = (params, params, memory.param_bytes(part) if args.zero1 else params)
+    model = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+    optimizer = ddp_train.build_optimizer(model, 0.01, args, torch.device("cpu"))
+    local = lambda t: t
+for _ in range(2):
+    optimizer.zero_grad(set_to_none=False)
+    model(torch.randn(2, *shape)).logsumexp(1).mean().backward()
+    optimizer.step()
+inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's own SGD: this rank's
+nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)
+held = (nbytes(model.parameters()), nbytes(p.grad for p in model.parameters()),
+        nbytes(s["momentum_buffer"] for s in inner.state.values()))
+print("rank", rank, "held", held, "expected", expected, flush=True)
+assert held == expected, (held, expected)
+if rank == 0:  # the estimate of a run is rank 0's
+    assert (predicted.params, predicted.grads, predicted.optimizer) == held, predicted
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("variant,zero1", [("-", False), ("zero1", True), ("full", False)])
+def test_model_states_are_what_two_ranks_hold(tmp_path, variant, zero1):
+    program = tmp_path / "states.py"
+    program.write_text(STATES.format(repo=str(REPO), variant=variant, zero1=zero1))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", str(program)], capture_output=True, text=True,
+                          timeout=300, env=env_for_tests(), cwd=tmp_path)
+    check_ok(proc)
+    held = re.findall(r"rank (\d) held \((\d+), (\d+), (\d+)\)", proc.stdout)
+    assert sorted(r for r, *_ in held) == ["0", "1"]
+    if variant != "-":  # sharded: the ranks hold different parts
+        assert held[0][1:] != held[1][1:]
+
+
+def _memory_lines(stdout: str) -> list:
+    found = [contract.fields(line, contract.MEMORY_PREFIX) for line in stdout.splitlines()]
+    return [f for f, stray in filter(None, found)]
+
+
+def test_estimate_memory_prints_every_rung_and_exits_without_a_process_group():
+    proc = run_script("fsdp_train.py", ["--estimate-memory", "--batch-size", "32",
+                                        "--image-size", "128"], timeout=300)
+    check_ok(proc)
+    lines = _memory_lines(proc.stdout)
+    assert [(m["variant"], m["world_size"]) for m in lines] == [
+        (v, str(n)) for v in ("grad-op", "full", "offload") for n in (1, 2, 4, 8)]
+    for m in lines:
+        assert tuple(m) == contract.MEMORY_KEYS
+        assert (m["image_size"], m["per_gpu_batch"], m["amp"]) == ("128", "32", "bf16")
+    full = {m["world_size"]: float(m["params_mib"]) for m in lines if m["variant"] == "full"}
+    assert full["8"] < full["4"] < full["2"] < full["1"]  # 1/N of the parameters
+    offload = [m for m in lines if m["variant"] == "offload"]
+    assert all(float(m["params_mib"]) == 0 < float(m["host_mib"]) for m in offload)
+    assert "Predicted memory per GPU (MiB): resnet50 at 128x128, batch 32 per GPU" in proc.stdout
+    assert "not counted: cuDNN workspace" in proc.stdout
+    assert "Epoch [" not in proc.stdout and "process group" not in proc.stderr
+
+
+def test_estimate_memory_for_ddp_zero1_shards_the_optimizer_state():
+    proc = run_script("ddp_train.py", ["--estimate-memory", "4", "--amp", "off"], timeout=300)
+    check_ok(proc)
+    ddp, zero1 = _memory_lines(proc.stdout)
+    assert (ddp["variant"], zero1["variant"], zero1["world_size"]) == ("-", "zero1", "4")
+    assert ddp["params_mib"] == zero1["params_mib"] and ddp["grads_mib"] == zero1["grads_mib"]
+    assert float(zero1["optimizer_mib"]) < float(ddp["optimizer_mib"]) / 3
+    assert float(ddp["amp_copies_mib"]) < 1  # fp32: no weights cast
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--estimate-memory", "0"], "--estimate-memory N: N is a number of GPUs, at least 1"),
+    (["--image-size", "224", "--dataset", "cifar10"],
+     "--image-size works with TinyImageNet and synthetic data only"),
+    (["--image-size", "224", "--model", "cnn"], "--model cnn takes its dataset's fixed image"),
+    (["--image-size", "8"], "--image-size is the side of the square image in pixels, 16 to"),
+])
+def test_bad_memory_flags_exit_2(args, message):
+    proc = run_script("ddp_train.py", args, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_image_size_224_trains_and_says_so(tiny_imagenet, tmp_path, cache):
+    """The folder path resizes in the loader, the cache path on the device: both train at
+    224 x 224, and the [MEMORY], epoch and [METRIC] lines say so."""
+    root, _ = tiny_imagenet
+    extra = ["--data-cache", str(tmp_path / "cache")] if cache else []
+    proc = run_script("ddp_train.py", ["--data-dir", str(root), "--model", "resnet18",
+                                       "--image-size", "224", "--batch-size", "4", "--epochs",
+                                       "1", "--max-steps-per-epoch", "2", "--num-workers", "0",
+                                       "--amp", "off", *extra], timeout=600)
+    check_ok(proc)
+    assert "resized from 64x64 to 224x224" in proc.stdout
+    m = metrics(proc.stdout)[-1]
+    assert m["image_size"] == "224" and float(m["train_loss"]) > 0
+    assert epoch_lines(proc.stdout)[-1][-1] == "224"
+    (predicted,) = _memory_lines(proc.stdout)
+    assert (predicted["image_size"], predicted["per_gpu_batch"]) == ("224", "4")
+    # 224 x 224 is 12.25 times the pixels of 64 x 64: about as many times the activations
+    small = memory.saved_for_backward(models.build_model("resnet18", 4, (3, 64, 64)),
+                                      (3, 64, 64), "off")
+    assert 11 < float(predicted["activations_mib"]) * 2**20 / (4 * small.per_image) < 13
