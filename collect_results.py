@@ -66,8 +66,8 @@ except ImportError:
     sys.exit(2)
 from reporting.scaling import (FAILED, MISSING, OK, PARTIAL,  # noqa: E402
                                REQUEUED, SKIPPED, STATUSES, UNREADABLE)
-from training.contract import (BANDWIDTH_PREFIX, METRIC_PREFIX,  # noqa: E402
-                               PROFILE_PREFIX, REQUEUE_EXIT)
+from training.contract import (BANDWIDTH_PREFIX, MEMORY_PREFIX,  # noqa: E402
+                               METRIC_PREFIX, PROFILE_PREFIX, REQUEUE_EXIT)
 
 MANIFEST = "study.json"     # the study's plan, written by launch/run_benchmarks.py
 NO_GPU_LOG = "n/a (no GPU log)"
@@ -82,6 +82,8 @@ TAIL = ("gpu0", "gpu0_peak_mib", "gpu0_avg_mib", "gpu0_mode_mib",
         "grad_bytes", "busbw_all_reduce_gbs", "busbw_all_gather_gbs",
         "busbw_reduce_scatter_gbs", "messages_all_reduce", "messages_all_gather",
         "messages_reduce_scatter", "predicted_step_ms", "prediction_error",
+        *(f"predicted_{k}" for k in contract.MEMORY_SIZE_KEYS), "predicted_variant",
+        "memory_error",
         "exit_code", "job_id", "job_name", "restarts", "start_time", "end_time",
         "metric_lines", "bad_metric_lines", "path")
 NOT_COLUMNS = ("final", "notes", "bad")  # in a row, but not in results.csv
@@ -135,19 +137,26 @@ def read_log(path: Path) -> tuple:
 
 
 def read_explanations(path: Path) -> dict:
-    """What --profile adds to a train.log, as row columns: the last [PROFILE] line's parts
-    (profile_<key>) and, per collective, the bus bandwidth at the largest message size
-    measured ([BANDWIDTH] lines: busbw_<op>_gbs, and that size as grad_bytes), with the
-    collectives of that kind per training step where the run counted them (messages_<op>)."""
+    """What explains a run's numbers in its train.log, as row columns: the predicted memory
+    per GPU of its [MEMORY] line (predicted_<key>, predicted_variant); with --profile, the last
+    [PROFILE] line's parts (profile_<key>) and, per collective, the bus bandwidth at the
+    largest message size measured ([BANDWIDTH] lines: busbw_<op>_gbs, and that size as
+    grad_bytes), with the collectives of that kind per training step where the run counted
+    them (messages_<op>)."""
     found = {}
     with open(path, encoding="utf-8", errors="replace") as f:
         for text in f:
-            for tag in (PROFILE_PREFIX, BANDWIDTH_PREFIX):
+            for tag in (MEMORY_PREFIX, PROFILE_PREFIX, BANDWIDTH_PREFIX):
                 parsed = contract.fields(text, tag + " ")
                 if parsed is None or not text.endswith("\n"):
                     continue
                 pairs = parsed[0]
-                if tag == PROFILE_PREFIX:
+                if tag == MEMORY_PREFIX:
+                    sizes = contract.MEMORY_SIZE_KEYS
+                    if all(_is_number(pairs.get(k, "")) for k in sizes):
+                        found.update((f"predicted_{k}", pairs[k]) for k in sizes)
+                        found["predicted_variant"] = pairs.get("variant", "")
+                elif tag == PROFILE_PREFIX:
                     found.update((f"profile_{k}", v) for k, v in pairs.items() if k != "trace")
                 elif "op" in pairs and pairs.get("bytes", "").isdigit() and int(
                         pairs["bytes"]) >= int(found.get("grad_bytes", 0)):
@@ -240,6 +249,10 @@ def read_run_dir(run_dir: Path, plan: dict) -> dict:
                metric_lines=len(lines), bad_metric_lines=len(row["bad"]))
     memory, notes = read_memory(run_dir, (job.get("NODELIST", "").split() or [""])[0])
     row.update(memory)
+    predicted, measured = contract.number(row.get("predicted_peak_mib")), contract.number(
+        row.get("peak_mem_mib"))
+    if predicted and measured and row.get("device") == "cuda":  # a CPU run's peak is its RSS
+        row["memory_error"] = f"{predicted / measured - 1:.4f}"
     row["notes"] += notes
     return row
 

@@ -20,6 +20,7 @@ PLOTS = {
     "peak_memory.png": "peak memory per GPU vs GPUs",
     "throughput.png": "throughput vs GPUs against ideal linear scaling",
     "step_breakdown.png": "where the step time goes, per configuration",
+    "memory_breakdown.png": "where the memory goes: predicted parts and measured peak",
 }
 
 #: The parts of a step_breakdown.png bar, in drawing order: key -> (legend, colour, hatch).
@@ -150,8 +151,9 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
     ax.legend(fontsize=8)
     save(fig, "throughput.png", throughput_title(ideal))
 
+    drawn = [name for name in PLOTS if name != "memory_breakdown.png"]  # memory_plot's
     if not bars:  # no run with a step time (its [METRIC] line lacks the figures for one)
-        return [name for name in PLOTS if name != "step_breakdown.png"]
+        return [name for name in drawn if name != "step_breakdown.png"]
     fig, ax = plt.subplots(figsize=(9, 1.5 + 0.4 * len(bars)))
     for y, (_label, widths) in enumerate(bars):
         left = 0.0
@@ -172,7 +174,47 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
     ax.set_xlabel("milliseconds per training step (profiled: 5 traced steps; else final epoch)")
     ax.grid(True, axis="x", alpha=0.3)
     save(fig, "step_breakdown.png", "Where the step time goes", markers=False)
-    return list(PLOTS)
+    return drawn
+
+
+MEMORY_COLORS = {"params": "C0", "grads": "C9", "optimizer": "C2", "buffers": "0.5",
+                 "amp_copies": "C8", "activations": "C1", "comm": "C3", "transient": "C4"}
+
+
+def memory_plot(bars: list, parts: dict, out_dir: Path, dpi: int) -> str:
+    """memory_breakdown.png: one stacked bar per configuration, the predicted MiB per GPU of
+    each part in ``parts`` ({key: name}); a black diamond at the measured peak where there is
+    one (a GPU run). bars: (label, {key: MiB}, measured MiB or None), top to bottom."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 1.7 + 0.4 * len(bars)))
+    for y, (_label, widths, measured) in enumerate(bars):
+        left = 0.0
+        for key, name in parts.items():
+            width = widths.get(key, 0.0)
+            ax.barh(y, width, left=left, color=MEMORY_COLORS.get(key, "0.8"),
+                    edgecolor="white", label=name if width > 0 else None)
+            left += width
+        text = f"{left:,.0f} predicted"
+        if measured is not None:
+            ax.plot([measured], [y], "kD", markersize=7, label="measured peak")
+            text += f", {measured:,.0f} measured"
+        ax.annotate(text, (max(left, measured or 0), y), xytext=(7, 0),
+                    textcoords="offset points", va="center", fontsize=8)
+    handles = dict(zip(*reversed(ax.get_legend_handles_labels())))
+    names = [n for n in (*parts.values(), "measured peak") if n in handles]
+    ax.legend([handles[n] for n in names], names, fontsize=8, ncol=min(5, len(names)),
+              frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    ax.set_xlim(0, ax.get_xlim()[1] * 1.35)  # room for the labels
+    ax.set_yticks(range(len(bars)), [label for label, *_ in bars], fontsize=8)
+    ax.invert_yaxis()  # first configuration on top
+    ax.set_xlabel("MiB per GPU: the parts predicted at the run's start (bars), the measured "
+                  "peak (GPU runs)")
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.suptitle("Where the memory goes")
+    fig.tight_layout()
+    fig.savefig(out_dir / "memory_breakdown.png", dpi=dpi)
+    plt.close(fig)
+    return "memory_breakdown.png"
 
 
 # --------------------------------------------------------------------------------------------

@@ -238,6 +238,66 @@ def model_markdown(inputs: dict, configs: dict) -> list:
     return lines + [""]
 
 
+# --------------------------------------------------------------------------------------------
+# Where the memory goes: each run's predicted components beside its measured peak
+# --------------------------------------------------------------------------------------------
+
+#: The predicted components, in the order they stack (results.md and memory_breakdown.png).
+MEMORY_PARTS = {"params": "Params", "grads": "Grads", "optimizer": "Optimizer",
+                "buffers": "Buffers", "amp_copies": "AMP copies",
+                "activations": "Activations", "comm": "Comm. buffers",
+                "transient": "Backward transient"}
+
+
+def memory_rows(chosen: dict) -> list:
+    """(label, row) of every chosen run that predicted its memory, in table order."""
+    found = []
+    for key in sorted(chosen):
+        for (n, g), r in sorted(chosen[key].items()):
+            if num(r, "predicted_peak_mib") is None:
+                continue
+            variant = r.get("predicted_variant") or "-"
+            unit = "process" if r.get("device") == "cpu" else "GPU"
+            found.append((f"{key[1]}{'' if variant == '-' else ' ' + variant}, "
+                          f"{_count(n, 'node')} x {_count(g, unit)}", r))
+    return found
+
+
+def memory_markdown(chosen: dict) -> list:
+    """results.md's "Where the memory goes": per run, the predicted MiB per GPU by component,
+    the predicted peak, the measured one, and the error."""
+    found = memory_rows(chosen)
+    lines = ["## Where the memory goes", ""]
+    if not found:
+        return lines + ["No run in this study printed a [MEMORY] line (its training scripts "
+                        "predate the memory model).", ""]
+    lines += ["MiB per GPU (GPU 0 for DataParallel), predicted by each run at its start from the "
+              "model and the flags (its [MEMORY] line; `python ddp_train.py --estimate-memory` "
+              "prints the same before a job). Activations: every tensor the forward saves for "
+              "backward, counted on the CPU; comm. buffers: DDP's gradient buckets, FSDP's "
+              "gathered blocks, DataParallel's whole batch on GPU 0. Measured: the run's peak "
+              "(`torch.cuda.max_memory_allocated`, the largest over its GPUs). Not counted: "
+              "cuDNN workspace, allocator fragmentation, the CUDA context (about 0.5 GB more in "
+              "nvidia-smi's GPU 0 Peak).", ""]
+    head = ["Config", *MEMORY_PARTS.values(), "Host", "Predicted peak", "Measured peak",
+            "Error"]
+    lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    cpu = False
+    for label, r in found:
+        cells = [_fmt(r, f"predicted_{k}_mib", ",.0f") for k in (*MEMORY_PARTS, "host", "peak")]
+        if r.get("device") == "cpu":
+            cpu = True
+            measured, error = _fmt(r, "peak_mem_mib", ",.0f") + " (RSS)", "n/a"
+        else:
+            measured, error = _fmt(r, "peak_mem_mib", ",.0f"), _fmt(r, "memory_error", "+.0%")
+        lines.append("| " + " | ".join([label, *cells, measured, error]) + " |")
+    if cpu:
+        lines += ["", "(RSS): a CPU run's measured peak is its process's resident memory: the "
+                      "interpreter, torch's libraries and the data beside the model, no GPU "
+                      "memory to compare with the prediction."]
+    return lines + [""]
+
+
 def write_markdown(rows: list, chosen: dict, models: dict, studies: list, path: Path,
                    pngs: list) -> None:
     counts = ", ".join(f"{n} {s}" for s in STATUSES if (n := [r["status"] for r in rows].count(s)))
@@ -257,6 +317,7 @@ def write_markdown(rows: list, chosen: dict, models: dict, studies: list, path: 
     for key in sorted(chosen):
         lines += strategy_markdown(key, chosen[key], rows)
         lines += explain_markdown(key, chosen[key], models[key])
+    lines += memory_markdown(chosen)
     if pngs:
         lines += ["## Plots", ""]
         for name in pngs:
@@ -323,10 +384,29 @@ def plot_data(chosen: dict) -> tuple:
     return series, ideal, bars
 
 
+def memory_bars(chosen: dict) -> list:
+    """(label, {MEMORY_PARTS key: MiB}, measured peak or None) for memory_breakdown.png: the
+    parts resident at the predicted peak (gradients only where they are), and the measured
+    peak of a GPU run."""
+    bars = []
+    for label, r in memory_rows(chosen):
+        parts = {k: num(r, f"predicted_{k}_mib") or 0.0 for k in MEMORY_PARTS}
+        others = sum(v for k, v in parts.items() if k != "grads")
+        parts["grads"] = max(0.0, num(r, "predicted_peak_mib") - others)  # 0: not at the peak
+        measured = num(r, "peak_mem_mib") if r.get("device") == "cuda" else None
+        bars.append((label, parts, measured))
+    return bars
+
+
 def write_plots(chosen: dict, out_dir: Path, dpi: int) -> list:
-    """The PNGs of plots.PLOTS in out_dir; returns their names (none when no run has metrics)."""
+    """The PNGs of plots.PLOTS in out_dir; returns their names (none when no run has metrics;
+    memory_breakdown.png only where runs predicted their memory)."""
     series, ideal, bars = plot_data(chosen)
     if not series:
         print("note: no run with metrics to plot; no PNG written", file=sys.stderr)
         return []
-    return plots.study_plots(series, ideal, bars, out_dir, dpi)
+    written = plots.study_plots(series, ideal, bars, out_dir, dpi)
+    memory = memory_bars(chosen)
+    if memory:
+        written.append(plots.memory_plot(memory, MEMORY_PARTS, out_dir, dpi))
+    return written

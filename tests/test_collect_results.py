@@ -250,7 +250,8 @@ def test_plot_without_step_times_leaves_out_the_breakdown(tmp_path):
     code = collect_results.main([str(run), "--out", str(tmp_path / "out"), "--plot"])
     assert code == 0
     written = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
-    assert written == sorted(set(plots.PLOTS) - {"step_breakdown.png"})
+    # and no memory breakdown: this log has no [MEMORY] line
+    assert written == sorted(set(plots.PLOTS) - {"step_breakdown.png", "memory_breakdown.png"})
     assert "step_breakdown.png" not in (tmp_path / "out" / "results.md").read_text()
 
 
@@ -310,8 +311,8 @@ def test_without_bandwidth_figures_the_model_says_how_to_get_them(study):
 
 def test_a_real_metric_line_round_trips(tmp_path):
     m = dict(strategy="ddp", model="cnn", dataset="synthetic", device="cpu", world_size=2,
-             nodes=1, gpus_per_node=2, per_gpu_batch=16, global_batch=32, amp="off", epoch=2,
-             epochs=2, lr=0.01, train_loss=2.298062, train_acc=17.1875, val_loss=2.294444,
+             nodes=1, gpus_per_node=2, per_gpu_batch=16, global_batch=32, amp="off",
+             image_size=32, epoch=2, epochs=2, lr=0.01, train_loss=2.298062, train_acc=17.1875, val_loss=2.294444,
              val_acc=18.75, train_images=256, val_images=64, epoch_time_s=0.5164306,
              throughput_img_s=495.7104, peak_mem_mib=771.1953,
              peak_mem_per_gpu_mib=[771.1953, 765.1094], total_time_s=1.199915, lr_peak=0.01,
@@ -528,11 +529,11 @@ def test_unparseable_lines_are_counted_and_reported(study, capsys, tmp_path):
     assert rows["ddp-1n2g-5002"]["bad_metric_lines"] == "1"
     assert rows["ddp-1n2g-5002"]["metric_lines"] == "3"  # incl. the one after rank 1's text
     assert "**1 [METRIC] line(s) could not be parsed**" in md
-    assert "unparseable [METRIC] line at train.log:12: text without '='" in md
+    assert "unparseable [METRIC] line at train.log:13: text without '='" in md
     collect_results.main([str(STUDY / "ddp-1n2g-5002"), "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert "warning: 1 unparseable [METRIC] line(s)" in err
-    assert "ddp-1n2g-5002/train.log:12:" in err
+    assert "ddp-1n2g-5002/train.log:13:" in err
 
 
 def test_killed_mid_write_and_no_newline(tmp_path):
@@ -825,3 +826,46 @@ def test_the_model_agrees_with_the_largest_run_it_measured(measured, carried, hi
     # 64 nodes: 2 x 255/256 x 10 + 4 x 2 x 255 x 0.01 = 40.32 ms, 2/3 x 100 ms hides it all
     if carried > 0:
         assert scaling.predict_step_ms(inputs, 64, 4) == pytest.approx(150.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Where the memory goes: the runs' [MEMORY] lines beside their measured peaks
+# --------------------------------------------------------------------------------------------
+
+def test_where_the_memory_goes_sets_each_prediction_beside_its_peak(study):
+    rows, md, out = study
+    section = md.split("## Where the memory goes", 1)[1].split("\n## ", 1)[0]
+    r = rows["ddp-1n2g-5002"]
+    predicted, measured = float(r["predicted_peak_mib"]), float(r["peak_mem_mib"])
+    assert float(r["memory_error"]) == pytest.approx(predicted / measured - 1, abs=1e-4)
+    assert r["predicted_variant"] == "-" and float(r["predicted_activations_mib"]) > 0
+    # one table row per chosen run that predicted, in the tables' order: dp 1, 2, 4 GPUs, ddp
+    # 1, 2, 4, 8, fsdp 2
+    table = [line for line in section.splitlines() if line.startswith("| ") and "Config" not in
+             line]
+    assert [line.split(" | ")[0] for line in table] == [
+        "| dp, 1 node x 1 GPU", "| dp, 1 node x 2 GPUs", "| dp, 1 node x 4 GPUs",
+        "| ddp, 1 node x 1 GPU", "| ddp, 1 node x 2 GPUs", "| ddp, 1 node x 4 GPUs",
+        "| ddp, 2 nodes x 4 GPUs", "| fsdp full, 1 node x 2 GPUs"]
+    cells = table[4].split(" | ")
+    assert cells[-2:] == [f"{measured:,.0f}", f"{predicted / measured - 1:+.0%} |"]
+    assert "ddp, 4 nodes" not in section  # its log has no [MEMORY] line: left out, not guessed
+    assert "memory_breakdown.png" in md
+    assert (out / "memory_breakdown.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_a_cpu_runs_peak_is_not_compared_with_the_prediction(tmp_path):
+    run = tmp_path / "ddp-1n1g-1"
+    run.mkdir()
+    (run / "train.log").write_text(
+        "[MEMORY] strategy=ddp variant=- world_size=1 per_gpu_batch=16 image_size=32 amp=off "
+        "params_mib=2.1 grads_mib=2.1 optimizer_mib=2.1 buffers_mib=0 amp_copies_mib=0 "
+        "activations_mib=3.5 comm_mib=0 transient_mib=0.5 host_mib=0 peak_mib=10.3\n"
+        "[METRIC] strategy=ddp model=cnn dataset=synthetic device=cpu world_size=1 nodes=1 "
+        "gpus_per_node=1 epoch=1 epochs=1 val_loss=1.5 val_acc=40 epoch_time_s=3 "
+        "throughput_img_s=50 peak_mem_mib=410 final=1 total_time_s=4\n")
+    (run / "job.env").write_text("EXIT_CODE=0\n")
+    code, rows, md = collect([run], tmp_path / "out")
+    assert code == 0 and rows["ddp-1n1g-1"]["memory_error"] == ""
+    assert "| ddp, 1 node x 1 process | 2 | 2 | 2 | 0 | 0 | 4 | 0 | 0 | 0 | 10 | 410 (RSS) | n/a |" \
+        in md
