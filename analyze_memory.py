@@ -393,10 +393,10 @@ def plot_timeline(run_dir, out_path=None, notes: list | None = None, logs: dict 
                          alignment_notes)
 
 
-def write_timelines(logs: dict, notes: list, problems: list) -> list:
-    """Draw TIMELINE_NAME in each run directory (the folder above gpu_memory/ and cpu_memory/)
-    of collect_logs' result; return the paths written. A log outside such a folder and a
-    timeline that cannot be written go to problems."""
+def _runs(logs: dict, problems: list, what: str) -> list:
+    """(run_dir as the user spelled it, its logs) of each run directory (the folder above
+    gpu_memory/ and cpu_memory/) of collect_logs' result; a log outside such a folder goes to
+    problems (what: the output it gets none of)."""
     runs = {}
     for key, attempts in logs.items():
         if key[1].name in LOG_DIRS:
@@ -404,11 +404,18 @@ def write_timelines(logs: dict, notes: list, problems: list) -> list:
             runs.setdefault(key[1].parent, (run_dir, {}))[1][key] = attempts
             continue
         for log in attempts:
-            problems.append(_problem(BAD_INPUT, log["path"], "not in a gpu_memory/ or "
-                                     "cpu_memory/ folder, so no timeline; for --plot pass the "
-                                     "run directory that holds those folders"))
+            problems.append(_problem(BAD_INPUT, log["path"], f"not in a gpu_memory/ or "
+                                     f"cpu_memory/ folder, so no {what}; pass the run "
+                                     f"directory that holds those folders"))
+    return [runs[key] for key in sorted(runs)]
+
+
+def write_timelines(logs: dict, notes: list, problems: list) -> list:
+    """Draw TIMELINE_NAME in each run directory of collect_logs' result; return the paths
+    written. A log outside a run directory and a timeline that cannot be written go to
+    problems."""
     written = []
-    for _resolved, (run_dir, run_logs) in sorted(runs.items()):
+    for run_dir, run_logs in _runs(logs, problems, "timeline (--plot)"):
         try:
             plot_timeline(run_dir, run_dir / TIMELINE_NAME, notes, logs=run_logs)
             written.append(run_dir / TIMELINE_NAME)
@@ -416,6 +423,22 @@ def write_timelines(logs: dict, notes: list, problems: list) -> list:
             problems.append(_problem(BAD_INPUT, run_dir / TIMELINE_NAME, f"cannot write the "
                                      f"timeline ({e.strerror or e}); make the run directory "
                                      f"writable or copy the run somewhere you can write"))
+    return written
+
+
+def write_boards(logs: dict, notes: list, problems: list) -> list:
+    """--tensorboard: each run directory's memory and utilisation samples as TensorBoard
+    scalars in RUN_DIR/tensorboard (timeline.write_board); return the folders written."""
+    written = []
+    for run_dir, run_logs in _runs(logs, problems, "TensorBoard scalars (--tensorboard)"):
+        by_kind = {kind: [(node, a) for (k, _, node), a in run_logs.items() if k == kind]
+                   for kind in (KIND_GPU, KIND_CPU)}
+        try:
+            written.append(timeline.write_board(run_dir, by_kind[KIND_GPU], by_kind[KIND_CPU],
+                                                notes))
+        except OSError as e:
+            problems.append(_problem(BAD_INPUT, run_dir / "tensorboard", f"cannot write "
+                                     f"({e.strerror or e}); make the run directory writable"))
     return written
 
 
@@ -437,6 +460,17 @@ def _run_of(record: dict) -> Path:
     return folder.parent if folder.name in LOG_DIRS else folder
 
 
+def missing_tensorboard() -> str | None:
+    """What --tensorboard says before any work when the package is missing; None when it is
+    there."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return ("--tensorboard needs the tensorboard package: pip install tensorboard "
+                "(requirements.txt has it), or drop --tensorboard")
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="analyze_memory.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -455,6 +489,12 @@ def build_parser() -> argparse.ArgumentParser:
                              f"matplotlib): memory and utilisation over time, per node, with "
                              f"the epochs of train.log (nvidia-smi logs the node's local time: "
                              f"set TZ=... if this machine's differs); prints each file written")
+    parser.add_argument("--tensorboard", action="store_true",
+                        help="also write each run directory's GPU memory and utilisation and "
+                             "CPU memory as TensorBoard scalars into RUN_DIR/tensorboard, "
+                             "beside the training's curves (--tensorboard of the training "
+                             "scripts), at the samples' clock times: choose TensorBoard's Wall "
+                             "axis to line them up with the loss (needs tensorboard)")
     return parser
 
 
@@ -478,7 +518,8 @@ def print_results(args, gpu_stats: list, cpu_stats: list, problems: list,
                 print(f"== {run} ==")
             print("\n".join(line for line_run, line in lines if line_run == run))
     for path in timelines:      # on stderr after --json/--csv, which own stdout
-        print(f"timeline: {path}", file=sys.stderr if args.json or args.csv else sys.stdout)
+        what = "tensorboard" if path.name == "tensorboard" else "timeline"
+        print(f"{what}: {path}", file=sys.stderr if args.json or args.csv else sys.stdout)
     sys.stdout.flush()      # results before the notes when both go to one terminal
 
 
@@ -487,10 +528,14 @@ def main(argv=None) -> int:
     if args.plot and (why := plots.missing_matplotlib()):
         print(f"error: {why}", file=sys.stderr)
         return 2
+    if args.tensorboard and (why := missing_tensorboard()):
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     notes, problems = [], []
     logs = collect_logs(args.paths, notes, problems)
     gpu_stats, cpu_stats = summarize_logs(logs, notes)
     timelines = write_timelines(logs, notes, problems) if args.plot else []
+    timelines += write_boards(logs, notes, problems) if args.tensorboard else []
     try:
         print_results(args, gpu_stats, cpu_stats, problems, timelines)
     except BrokenPipeError:     # the reader left early (| head): notes and errors still follow

@@ -410,6 +410,23 @@ def write_csv(rows: list, path: Path) -> None:
         writer.writerows(rows)
 
 
+def write_boards(rows: list) -> list:
+    """--tensorboard: each run directory's memory logs as TensorBoard scalars in its
+    tensorboard/ folder (analyze_memory.py --tensorboard RUN_DIR); a run it cannot write gets a
+    note. Returns the folders written."""
+    written = []
+    for row in rows:
+        run_dir = Path(row["path"]) if row["path"] else None
+        if run_dir is None or not any((run_dir / d).is_dir() for d in ("gpu_memory",
+                                                                        "cpu_memory")):
+            continue
+        notes, problems = [], []
+        logs = analyze_memory.collect_logs([run_dir], notes, problems)
+        written += analyze_memory.write_boards(logs, notes, problems)
+        row["notes"] += [p["message"] for p in problems if "cannot write" in p["message"]]
+    return written
+
+
 # --------------------------------------------------------------------------------------------
 # --plot: each run over time (analyze_memory.py draws it)
 # --------------------------------------------------------------------------------------------
@@ -453,6 +470,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "directory given, else the current directory); created if needed")
     parser.add_argument("--plot", action="store_true",
                         help="also write the PNG plots (matplotlib, headless)")
+    parser.add_argument("--tensorboard", action="store_true",
+                        help="also add each run's GPU memory and utilisation and CPU memory to "
+                             "its RUN_DIR/tensorboard, beside the training's curves "
+                             "(analyze_memory.py --tensorboard), so that tensorboard --logdir "
+                             "STUDY shows them per run")
     parser.add_argument("--dpi", type=int, default=100,
                         help="resolution of the PNG plots, 50 to 600")
     parser.add_argument("--inter-node-busbw", type=float, default=scaling.INTER_NODE_BUSBW_GBS,
@@ -478,6 +500,8 @@ def main(argv=None) -> int:
                              f"be above 0 GB/s and the latency at least 0 us")
         if args.plot and (why := plots.missing_matplotlib()):
             raise UsageError(why)
+        if args.tensorboard and (why := analyze_memory.missing_tensorboard()):
+            raise UsageError(why)
         rows = read_inputs(args.paths)
         chosen = scaling.scale(rows)
         scaling.step_times(rows)
@@ -486,6 +510,7 @@ def main(argv=None) -> int:
             out.mkdir(parents=True, exist_ok=True)
             pngs = report.write_plots(chosen, out, args.dpi) if args.plot else []
             timelines = write_timelines(rows, out) if args.plot else []
+            boards = write_boards(rows) if args.tensorboard else []
             write_csv(rows, out / "results.csv")
             report.write_markdown(rows, chosen, models, args.paths, out / "results.md", pngs)
         except OSError as e:
@@ -511,6 +536,11 @@ def main(argv=None) -> int:
     if timelines:
         print(f"timelines (memory and utilisation over time, one per run): "
               f"{out / 'timeline-<run>.png'}, {len(timelines)} of them")
+    if boards:
+        top = Path(args.paths[0]) if len(args.paths) == 1 else Path(".")
+        print(f"TensorBoard: memory and utilisation scalars added to {len(boards)} run(s)' "
+              f"tensorboard/ folders; view them with the training's curves: tensorboard "
+              f"--logdir {top}")
     return 0
 
 

@@ -33,6 +33,7 @@ from torch.utils.data import DistributedSampler
 
 from training import (checkpoint, common, contract, datautils, devices, distributed, flags,
                       measure, memory, models)
+from training.board import Board
 from training.common import print0
 from training.faults import UsageError, end_process
 
@@ -226,6 +227,7 @@ def train(args, env: distributed.DistEnv) -> int:
                     per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
                     image_size=data.input_shape[-1], epochs=args.epochs, lr_peak=lr,
                     lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs)
+    tb = Board(args, run_info, steps, start_epoch * steps + start_step, is_main)  # --tensorboard
     start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
         train_sampler.set_epoch(epoch)  # reshuffle: a new permutation every epoch
@@ -257,6 +259,7 @@ def train(args, env: distributed.DistEnv) -> int:
             scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
+            tb.step(epoch, step + 1, loss, optimizer, meter)  # its loss and lr, now and then
             scheduler.step()
             sums[0] += loss.detach().double() * labels.size(0)
             sums[1] += (outputs.argmax(1) == labels).sum()
@@ -267,6 +270,7 @@ def train(args, env: distributed.DistEnv) -> int:
                 losses.check(epoch)  # a host sync and a vote: no NaN reaches a checkpoint
                 ckpt.save(epoch, step + 1)
             if stopping:  # saved (with a --checkpoint-dir): exit, to be requeued
+                tb.close()
                 print0(stop.report(saved=ckpt.enabled))
                 return contract.REQUEUE_EXIT
         common.synchronize(*devices)
@@ -287,8 +291,10 @@ def train(args, env: distributed.DistEnv) -> int:
         print0(contract.format_epoch_line(metrics))
         print0(contract.format_metric_line(metrics))
         datautils.report_skipped(metrics, (steps - skip) * global_batch, len(data.val))
+        tb.epoch(metrics)  # the same figures as TensorBoard curves
         ckpt.end_epoch(epoch, metrics)  # the epoch's checkpoint, with its metrics
         if stop.at_epoch_end(epoch, args.epochs):  # a stop signal by the epoch's end
+            tb.close()
             print0(stop.report(saved=ckpt.enabled))
             return contract.REQUEUE_EXIT
     stop.finish()
@@ -297,6 +303,7 @@ def train(args, env: distributed.DistEnv) -> int:
     if args.save_model and is_main:
         checkpoint.save_model(model.state_dict(), args.save_model)  # unwrapped, on the CPU
         print0(f"saved model state_dict to {args.save_model}")
+    tb.finish(ckpt.metrics)  # hyperparameters and final metrics, --profile's trace
     measure.print_final(ckpt.metrics, total_time, trained=start_epoch < args.epochs)
     return 0
 

@@ -153,3 +153,45 @@ def draw(run_dir, gpu_logs: list, cpu_logs: list, out_path=None, notes: list | N
     if out_path is not None:
         fig.savefig(out_path, dpi=100)
     return fig
+
+
+SYSTEM_SUFFIX = ".system"  # the event files of write_board, told apart from the training's
+
+
+def write_board(run_dir, gpu_logs: list, cpu_logs: list, notes: list) -> Path:
+    """analyze_memory.py --tensorboard: the run's GPU memory and utilisation and CPU memory,
+    every node's, as TensorBoard scalars in RUN_DIR/tensorboard beside the training's curves,
+    each point at its sample's clock time (TensorBoard's Wall axis puts them beside the loss;
+    their step is the seconds since the run's first sample). Written again from scratch on
+    every call: the files of an earlier call are replaced."""
+    # TensorBoard's own writer: no torch needed on the login node
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+    nodes = node_timelines(gpu_logs, cpu_logs, notes)
+    starts = [t for entry in nodes.values() for series in entry["gpu"] for s in series.values()
+              for t in s["time"][:1]] + [c["time"][0] for e in nodes.values() for c in e["cpu"]
+                                        if c["time"]]
+    out = Path(run_dir) / "tensorboard"
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob(f"events.out.tfevents.*{SYSTEM_SUFFIX}"):
+        old.unlink()
+    t0 = min(starts, default=0.0)
+    writer = EventFileWriter(str(out), filename_suffix=SYSTEM_SUFFIX)
+
+    def scalar(tag: str, value: float, t: float) -> None:
+        writer.add_event(Event(wall_time=t, step=round(t - t0), summary=Summary(
+            value=[Summary.Value(tag=tag, simple_value=value)])))
+
+    for node, entry in nodes.items():
+        for series in entry["gpu"]:  # one per attempt of a requeued job
+            for index, s in series.items():
+                for t, used, util in zip(s["time"], s["used"], s["util"]):
+                    scalar(f"gpu_memory_mib/{node}/gpu{index}", used, t)
+                    if not math.isnan(util):
+                        scalar(f"gpu_util_pct/{node}/gpu{index}", util, t)
+        for attempt in entry["cpu"]:
+            for t, rss in zip(attempt["time"], attempt["rss"]):
+                scalar(f"cpu_rss_mb/{node}", rss, t)
+    writer.close()
+    return out

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from training import contract
+from training import board, contract
 from training.distributed import DistEnv
 from training.faults import UsageError
 from training.models import check_model, grey_channels, synthetic_shape
@@ -158,6 +158,17 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="run only the preflight checks, an all-reduce sanity test and the "
                         "bandwidth of the strategy's collectives up to the gradient size "
                         "([BANDWIDTH] lines, as nccl-tests report them), then exit")
+    g.add_argument("--tensorboard", nargs="?", const="auto", default=board.default_flag(),
+                   metavar="DIR",
+                   help="rank 0 writes TensorBoard curves to DIR: per step (see "
+                        "--tensorboard-every) the loss, learning rate, images/s and data wait; "
+                        "per epoch the [METRIC] figures; the configuration and hyperparameters. "
+                        "Default DIR: $RUN_DIR/tensorboard under the launchers, where it is on "
+                        "unless --tensorboard off; else runs/tensorboard/<strategy>-<nodes>n"
+                        "<gpus>g-<time>")
+    g.add_argument("--tensorboard-every", type=float, default=5, metavar="SECONDS",
+                   help="with --tensorboard: a per-step point at most this often (each reads "
+                        "the loss from the device once); 0: every step")
     g.add_argument("--estimate-memory", nargs="?", type=int, const=ALL_GPU_COUNTS, default=None,
                    metavar="N",
                    help="print the predicted memory per GPU of this strategy and its variants, "
@@ -236,6 +247,7 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
             raise UsageError(f"--image-size is the side of the square image in pixels, 16 to "
                              f"1024 (64: TinyImageNet's own, 224: ImageNet's), got "
                              f"{args.image_size}")
+    board.check_flags(args)
     if args.estimate_memory not in (None, ALL_GPU_COUNTS) and args.estimate_memory < 1:
         raise UsageError(f"--estimate-memory N: N is a number of GPUs, at least 1 (or none: "
                          f"1, 2, 4 and 8), got {args.estimate_memory}")

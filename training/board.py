@@ -1,0 +1,164 @@
+"""--tensorboard: rank 0 writes the run's curves where TensorBoard reads them. The other ranks
+write nothing.
+
+- every --tensorboard-every seconds (at most; never a host sync per step just for the log):
+  the step's training loss, the learning rate, images/s since the last point and the share of
+  the epoch so far spent waiting for data (``step/...``);
+- every epoch: the figures of the [METRIC] line, the same values (``epoch/...``);
+- at the start the run's configuration as text, at the end its hyperparameters with the final
+  metrics (TensorBoard's HPARAMS tab compares runs);
+- with --profile, the trace, where TensorBoard's profiler plugin looks for it.
+
+The x axis is the optimizer step over the whole run (epoch x steps per epoch + step), so a run
+resumed from a checkpoint continues its curves in the same directory: TensorBoard drops the
+points a killed run wrote after the checkpoint it resumes from (``purge_step``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from datetime import datetime
+from pathlib import Path
+
+from training.faults import UsageError
+
+#: The value of --tensorboard when a launcher set $RUN_DIR and the user said nothing: on, in
+#: $RUN_DIR/tensorboard, unless the tensorboard package is missing (then a note, and off).
+UNDER_LAUNCHER = "launcher-default"
+OFF = "off"
+EPOCH_KEYS = ("train_loss", "val_loss", "train_acc", "val_acc", "throughput_img_s",
+              "epoch_time_s", "data_wait_frac", "peak_mem_mib")
+HPARAM_KEYS = ("strategy", "model", "dataset", "world_size", "nodes", "gpus_per_node",
+               "per_gpu_batch", "global_batch", "amp", "image_size", "lr_peak", "lr_scaling",
+               "epochs")
+
+
+def default_flag() -> str | None:
+    """--tensorboard's default: on under the launchers (they export $RUN_DIR), else off."""
+    return UNDER_LAUNCHER if os.environ.get("RUN_DIR") else None
+
+
+def available() -> bool:
+    """Whether the tensorboard package (which torch.utils.tensorboard needs) is installed."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_flags(args) -> None:
+    """Before anything runs (flags.check_flags): --tensorboard asked for while the package is
+    missing is a one-line error, exit 2. (The launchers' default turns itself off with a note
+    instead: Board.)"""
+    if args.tensorboard not in (None, OFF, UNDER_LAUNCHER) and not available():
+        raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                         "(requirements.txt has it), or drop --tensorboard")
+    if not args.tensorboard_every >= 0:
+        raise UsageError(f"--tensorboard-every is in seconds, 0 (a point every step) or more, "
+                         f"got {args.tensorboard_every:g}")
+
+
+def log_dir(args, strategy: str, nodes: int, gpus_per_node: int) -> Path:
+    """Where this run writes: the flag's DIR; under the launchers $RUN_DIR/tensorboard; else
+    runs/tensorboard/<strategy>-<nodes>n<gpus>g-<time>."""
+    if args.tensorboard not in ("auto", UNDER_LAUNCHER):
+        return Path(args.tensorboard)
+    if os.environ.get("RUN_DIR"):
+        return Path(os.environ["RUN_DIR"]) / "tensorboard"
+    return Path("runs/tensorboard") / (f"{strategy}-{nodes}n{gpus_per_node}g-"
+                                       f"{datetime.now():%Y%m%d-%H%M%S}")
+
+
+class Board:
+    """Rank 0's TensorBoard writer for one run (a no-op on the other ranks and without
+    --tensorboard). ``first_step``: the global step the run starts at (a resumed run's)."""
+
+    def __init__(self, args, run_info: dict, steps: int, first_step: int, is_main: bool):
+        self.writer, self.steps = None, steps
+        if not is_main or args.tensorboard in (None, OFF):
+            return
+        if not available():  # only the launchers' default gets here without it
+            print("note: the tensorboard package is not installed, so this run writes no "
+                  "TensorBoard curves (pip install tensorboard; --tensorboard off hides this "
+                  "note)", flush=True)
+            return
+        from torch.utils.tensorboard import SummaryWriter
+        self.path = log_dir(args, run_info["strategy"], run_info["nodes"],
+                            run_info["gpus_per_node"])
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--tensorboard {self.path}: cannot create that folder "
+                             f"({e.strerror}): give a writable directory") from None
+        # purge_step: TensorBoard hides what a killed run wrote after its checkpoint, from the
+        # first step this run takes on (the checkpoint's own step, an epoch's end, stays)
+        self.writer = SummaryWriter(str(self.path), purge_step=first_step + 1 if first_step
+                                    else None)
+        self.every, self.profile = args.tensorboard_every, args.profile
+        self.images_per_step = run_info["global_batch"]
+        self.last = None  # (time, global step) of the last point
+        rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(vars(args).items()))
+        self.writer.add_text("config", "| flag | value |\n|---|---|\n" + rows, first_step)
+        print(f"tensorboard: writing to {self.path} (view: tensorboard --logdir "
+              f"{self.path.parent if args.tensorboard in ('auto', UNDER_LAUNCHER) else self.path})",
+              flush=True)
+
+    def step(self, epoch: int, done: int, loss, optimizer, meter) -> None:
+        """After a training step (``done`` steps of ``epoch`` taken): a point, if
+        --tensorboard-every seconds have passed since the last one. Reads the loss (one host
+        sync) only then."""
+        if self.writer is None:
+            return
+        now, step = time.perf_counter(), epoch * self.steps + done
+        if self.last is not None and now - self.last[0] < self.every:
+            return
+        w = self.writer
+        w.add_scalar("step/train_loss", loss.item(), step)
+        w.add_scalar("step/lr", optimizer.param_groups[0]["lr"], step)
+        if self.last is not None and self.last[1] < step and now > self.last[0]:
+            rate = (step - self.last[1]) * self.images_per_step / (now - self.last[0])
+            w.add_scalar("step/throughput_img_s", rate, step)
+        elapsed = now - meter.epoch_start
+        if elapsed > 0:
+            w.add_scalar("step/data_wait_frac", min(1.0, meter.wait_s / elapsed), step)
+        self.last = (now, step)
+
+    def epoch(self, metrics: dict) -> None:
+        """The epoch's [METRIC] figures, at the global step the epoch ends on."""
+        if self.writer is None:
+            return
+        step = metrics["epoch"] * self.steps
+        for key in EPOCH_KEYS:
+            self.writer.add_scalar(f"epoch/{key}", metrics[key], step)
+        for gpu, peak in enumerate(metrics["peak_mem_per_gpu_mib"]):
+            self.writer.add_scalar(f"epoch/peak_mem_mib_gpu{gpu}", peak, step)
+        self.writer.flush()
+        self.last = None  # the next epoch's first point starts the images/s clock again
+
+    def finish(self, metrics: dict) -> None:
+        """The hyperparameters with the final metrics (the HPARAMS tab), --profile's trace
+        beside the curves, and the files closed."""
+        if self.writer is None:
+            return
+        if metrics:
+            from torch.utils.tensorboard.summary import hparams
+            config = {k: metrics[k] for k in HPARAM_KEYS if k in metrics}
+            final = {f"epoch/{k}": metrics[k] for k in ("val_acc", "val_loss",
+                                                        "throughput_img_s", "peak_mem_mib")}
+            for summary in hparams(config, final):  # in this run's own directory
+                self.writer.file_writer.add_summary(summary)
+        trace = Path(self.profile or ".") / "profile_trace_rank0.json"
+        if self.profile is not None and trace.is_file():
+            # TensorBoard's PyTorch profiler plugin reads <run>/<worker>.pt.trace.json
+            shutil.copyfile(trace, self.path / f"{socket.gethostname()}.pt.trace.json")
+        self.close()
+
+    def close(self) -> None:
+        """Everything written reaches the disk (a run stopped for requeue, too)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
