@@ -410,16 +410,21 @@ def write_csv(rows: list, path: Path) -> None:
         writer.writerows(rows)
 
 
+def runs_with_logs(rows: list):
+    """(row, run directory) of every row whose run directory holds memory logs."""
+    for row in rows:
+        run_dir = Path(row["path"]) if row["path"] else None
+        if run_dir is not None and any((run_dir / d).is_dir() for d in ("gpu_memory",
+                                                                         "cpu_memory")):
+            yield row, run_dir
+
+
 def write_boards(rows: list) -> list:
     """--tensorboard: each run directory's memory logs as TensorBoard scalars in its
     tensorboard/ folder (analyze_memory.py --tensorboard RUN_DIR); a run it cannot write gets a
     note. Returns the folders written."""
     written = []
-    for row in rows:
-        run_dir = Path(row["path"]) if row["path"] else None
-        if run_dir is None or not any((run_dir / d).is_dir() for d in ("gpu_memory",
-                                                                        "cpu_memory")):
-            continue
+    for row, run_dir in runs_with_logs(rows):
         notes, problems = [], []
         logs = analyze_memory.collect_logs([run_dir], notes, problems)
         written += analyze_memory.write_boards(logs, notes, problems)
@@ -438,11 +443,7 @@ def write_timelines(rows: list, out_dir: Path) -> list:
     already noted; not how a CPU-only run's log was placed, which every CPU run would repeat;
     a run it cannot draw gets a note (its reason unless a note above already gives it)."""
     written = []
-    for row in rows:
-        run_dir = Path(row["path"]) if row["path"] else None
-        if run_dir is None or not any((run_dir / d).is_dir() for d in ("gpu_memory",
-                                                                        "cpu_memory")):
-            continue
+    for row, run_dir in runs_with_logs(rows):
         try:
             path = out_dir / f"timeline-{row['run']}.png"
             notes = []
