@@ -66,12 +66,15 @@ def uninterrupted(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("script", ["ddp_train.py", "fsdp_train.py"])
-def test_killed_after_first_checkpoint_resumes_to_same_weights(uninterrupted, tmp_path, script):
+@pytest.mark.parametrize("script,extra", [("ddp_train.py", []), ("fsdp_train.py", []),
+                                          ("ddp_train.py", ["--zero1"])])
+def test_killed_after_first_checkpoint_resumes_to_same_weights(uninterrupted, tmp_path, script,
+                                                               extra):
     """SIGKILL to the whole job after its first checkpoint, then a rerun: the same weights as
-    the uninterrupted DDP run (FSDP's equal DDP's)."""
+    the uninterrupted DDP run (FSDP's and ZeRO-1's equal DDP's; ZeRO-1's checkpoint gathers
+    every rank's part of the momentum first)."""
     ck = tmp_path / "ck"
-    args = RUN + ["--checkpoint-dir", str(ck), "--checkpoint-every", "3"]
+    args = RUN + extra + ["--checkpoint-dir", str(ck), "--checkpoint-every", "3"]
     proc = _start(_torchrun(script, args, 2))
     assert wait_for(lambda: checkpoint.list_checkpoints(ck) or proc.poll() is not None)
     _kill_job(proc)  # the whole job, as a node failure would
