@@ -393,10 +393,10 @@ def plot_timeline(run_dir, out_path=None, notes: list | None = None, logs: dict 
                          alignment_notes)
 
 
-def _runs(logs: dict, problems: list, what: str) -> list:
+def _runs(logs: dict, problems: list, what: str, flag: str) -> list:
     """(run_dir as the user spelled it, its logs) of each run directory (the folder above
     gpu_memory/ and cpu_memory/) of collect_logs' result; a log outside such a folder goes to
-    problems (what: the output it gets none of)."""
+    problems (what: the output it gets none of, by flag)."""
     runs = {}
     for key, attempts in logs.items():
         if key[1].name in LOG_DIRS:
@@ -405,8 +405,8 @@ def _runs(logs: dict, problems: list, what: str) -> list:
             continue
         for log in attempts:
             problems.append(_problem(BAD_INPUT, log["path"], f"not in a gpu_memory/ or "
-                                     f"cpu_memory/ folder, so no {what}; pass the run "
-                                     f"directory that holds those folders"))
+                                     f"cpu_memory/ folder, so no {what}; for {flag} pass the "
+                                     f"run directory that holds those folders"))
     return [runs[key] for key in sorted(runs)]
 
 
@@ -415,7 +415,7 @@ def write_timelines(logs: dict, notes: list, problems: list) -> list:
     written. A log outside a run directory and a timeline that cannot be written go to
     problems."""
     written = []
-    for run_dir, run_logs in _runs(logs, problems, "timeline (--plot)"):
+    for run_dir, run_logs in _runs(logs, problems, "timeline", "--plot"):
         try:
             plot_timeline(run_dir, run_dir / TIMELINE_NAME, notes, logs=run_logs)
             written.append(run_dir / TIMELINE_NAME)
@@ -430,7 +430,7 @@ def write_boards(logs: dict, notes: list, problems: list) -> list:
     """--tensorboard: each run directory's memory and utilisation samples as TensorBoard
     scalars in RUN_DIR/tensorboard (timeline.write_board); return the folders written."""
     written = []
-    for run_dir, run_logs in _runs(logs, problems, "TensorBoard scalars (--tensorboard)"):
+    for run_dir, run_logs in _runs(logs, problems, "TensorBoard scalars", "--tensorboard"):
         by_kind = {kind: [(node, a) for (k, _, node), a in run_logs.items() if k == kind]
                    for kind in (KIND_GPU, KIND_CPU)}
         try:
