@@ -98,6 +98,17 @@ def test_a_resumed_run_continues_its_curves_without_a_step_twice(tmp_path):
         [float(m["val_loss"]) for m in ms], rel=1e-6)
 
 
+def test_the_default_folder_of_a_run_with_checkpoints_is_found_again(tmp_path):
+    """Without the launchers, --tensorboard names the folder after the --checkpoint-dir, so
+    the resumed run writes on in it."""
+    args = FAST + ["--tensorboard", "--checkpoint-dir", "ck", "--log-every", "0"]
+    check_ok(run_script("ddp_train.py", args + ["--epochs", "1"], cwd=tmp_path))
+    check_ok(run_script("ddp_train.py", args + ["--epochs", "2"], cwd=tmp_path))
+    (board,) = (tmp_path / "runs" / "tensorboard").iterdir()
+    assert board.name == "ddp-1n1g-ck"
+    assert [s for s, _ in scalars(board)["epoch/val_loss"]] == [16, 32]
+
+
 def test_without_the_package_the_flag_says_so_and_exits_2():
     proc = subprocess.run([sys.executable, str(TESTS / "no_torch.py"), str(REPO / "ddp_train.py"),
                            *FAST, "--tensorboard"], capture_output=True, text=True, timeout=300,

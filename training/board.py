@@ -64,13 +64,15 @@ def check_flags(args) -> None:
 
 def log_dir(args, strategy: str, nodes: int, gpus_per_node: int) -> Path:
     """Where this run writes: the flag's DIR; under the launchers $RUN_DIR/tensorboard; else
-    runs/tensorboard/<strategy>-<nodes>n<gpus>g-<time>."""
+    runs/tensorboard/<strategy>-<nodes>n<gpus>g-<the --checkpoint-dir's name, so that a resumed
+    run finds its curves again, or the time>."""
     if args.tensorboard not in ("auto", UNDER_LAUNCHER):
         return Path(args.tensorboard)
     if os.environ.get("RUN_DIR"):
         return Path(os.environ["RUN_DIR"]) / "tensorboard"
-    return Path("runs/tensorboard") / (f"{strategy}-{nodes}n{gpus_per_node}g-"
-                                       f"{datetime.now():%Y%m%d-%H%M%S}")
+    name = (Path(args.checkpoint_dir).resolve().name if args.checkpoint_dir
+            else f"{datetime.now():%Y%m%d-%H%M%S}")
+    return Path("runs/tensorboard") / f"{strategy}-{nodes}n{gpus_per_node}g-{name}"
 
 
 class Board:

@@ -165,7 +165,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "per epoch the [METRIC] figures; the configuration and hyperparameters. "
                         "Default DIR: $RUN_DIR/tensorboard under the launchers, where it is on "
                         "unless --tensorboard off; else runs/tensorboard/<strategy>-<nodes>n"
-                        "<gpus>g-<time>")
+                        "<gpus>g-<the --checkpoint-dir's name, or the time>")
     g.add_argument("--tensorboard-every", type=float, default=5, metavar="SECONDS",
                    help="with --tensorboard: a per-step point at most this often (each reads "
                         "the loss from the device once); 0: every step")
