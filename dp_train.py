@@ -22,7 +22,6 @@ DataParallel splits into one chunk per GPU.
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import time
 
@@ -130,17 +129,11 @@ def memory_per_gpu(model: nn.Module, args, world: int, saved: memory.Saved,
     extras = 0
     if world > 1:
         image = math.prod(saved.input_shape) * 4  # fp32, as the loader hands it over
-        outputs = 2 * 4 * model_outputs(model, saved.input_shape)  # logits and their gradient
+        outputs = 2 * 4 * saved.outputs_per_image  # the logits and their gradient, fp32
         extras = args.batch_size * (world - 1) * image + args.batch_size * world * outputs \
             + grads
     return memory.Estimate(STRATEGY, variant, world, args.batch_size, saved, params, grads,
                            optimizer, buffers, extras, grads_at_peak=False)
-
-
-def model_outputs(model: nn.Module, input_shape: tuple) -> int:
-    """How many numbers the model returns per image (its classes)."""
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        return copy.deepcopy(model).cpu().eval()(torch.zeros(1, *input_shape)).numel()
 
 
 def train(args, env: distributed.DistEnv) -> int:

@@ -48,12 +48,14 @@ class Saved:
     largest_per_image: float
     input_shape: tuple
     amp: str
+    outputs_per_image: int  # the numbers the model returns per image (its classes)
 
 
 def count_saved(model: nn.Module, input_shape: tuple, batch: int, amp: str) -> tuple:
     """One forward of ``model`` (train mode, on the CPU) at ``batch``: (bytes of every tensor
     it saves for backward, each storage once, without parameters and buffers; bytes of the
-    largest one that holds images of this batch, not a weight cast by autocast). Under --amp
+    largest one that holds images of this batch, not a weight cast by autocast; the numbers
+    the model returns per image). Under --amp
     fp16 or bf16 the forward runs under CPU autocast in bf16: the same two bytes per element
     as fp16 on a GPU."""
     own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
@@ -71,8 +73,9 @@ def count_saved(model: nn.Module, input_shape: tuple, batch: int, amp: str) -> t
     with saved_tensors_hooks(pack, lambda tensor: tensor), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp != "off"):
         outputs = model(images)
+    per_image = outputs.numel() // batch
     del outputs  # frees the graph, and the storages with it
-    return sum(saved.values()), max(per_batch.values(), default=0)
+    return sum(saved.values()), max(per_batch.values(), default=0), per_image
 
 
 def is_cast_weight(tensor: torch.Tensor) -> bool:
@@ -89,9 +92,11 @@ def saved_for_backward(model: nn.Module, input_shape: tuple, amp: str) -> Saved:
     twin = copy.deepcopy(model).cpu().train()
     small, large = COUNT_BATCHES
     with torch.random.fork_rng(devices=[]):  # dropout draws, and the images above
-        (a, _), (b, top) = (count_saved(twin, input_shape, n, amp) for n in COUNT_BATCHES)
+        (a, _, _), (b, top, outputs) = (count_saved(twin, input_shape, n, amp)
+                                        for n in COUNT_BATCHES)
     per_image = (b - a) / (large - small)
-    return Saved(per_image, a - per_image * small, top / large, tuple(input_shape), amp)
+    return Saved(per_image, a - per_image * small, top / large, tuple(input_shape), amp,
+                 outputs)
 
 
 def param_bytes(params) -> int:
