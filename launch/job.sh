@@ -251,8 +251,21 @@ send_stop() {
     kill -s "$1" "$launch_pid" 2>/dev/null || true  # node.sh forwards it to the training
   fi
 }
+# Every node.sh has set its USR1 trap once it says "[node] running: ..." (at most 60 s waited:
+# node.sh ignores a USR1 until then, this only spares the sends that would be ignored).
 # shellcheck disable=SC2317
-forward_stop() {  # SIGNAL [later: the first send after 10 s, not now]
+nodes_ready() {
+  local waited=0 running
+  while [ "$waited" -lt 60 ] && kill -0 "$launch_pid" 2>/dev/null; do
+    running=$(tail -c +"$((log_size + 1))" "$RUN_DIR/train.log" | grep -o '\] running: ' | wc -l \
+      || true)
+    [ "$running" -lt "$nnodes" ] || return 0
+    sleep 1
+    waited=$((waited + 1))
+  done
+}
+# shellcheck disable=SC2317
+forward_stop() {  # SIGNAL [later: once every node.sh is running the training, not now]
   [ -z "$stop_signal" ] || return 0
   stop_signal=$1
   echo "job received SIG$1 at ${early_at:-$(date +%H:%M:%S)}: asking the training to checkpoint" \
@@ -264,6 +277,10 @@ forward_stop() {  # SIGNAL [later: the first send after 10 s, not now]
   [ "$1" = USR1 ] || return 0
   (
     trap - USR1 TERM
+    if [ "${2:-}" = later ]; then
+      nodes_ready
+      send_stop "$1"
+    fi
     while kill -0 "$launch_pid" 2>/dev/null; do
       sleep 10
       send_stop "$1"

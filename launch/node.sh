@@ -30,6 +30,9 @@
 # The script is one { } block, which bash reads whole before it runs any of it: bash reads a
 # script as it runs it, so an edit of this file while a job runs (hours) would otherwise
 # become the rest of that job.
+# Until the USR1 trap below is set, a USR1 is ignored, not fatal (it may reach this script while
+# it starts, on a loaded node seconds after srun): job.sh sends it again until the training stops.
+trap '' USR1
 {
 set -euo pipefail
 # shellcheck source=/dev/null  # launch/lib.sh, checked on its own

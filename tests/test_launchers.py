@@ -388,6 +388,32 @@ def test_a_stop_signal_before_the_training_starts_is_passed_on(tmp_path, when):
     assert "training exit code: 75 (after SIGUSR1)" in out
 
 
+def test_a_stop_signal_before_node_sh_is_ready_does_not_kill_it(tmp_path):
+    """A USR1 that job.sh kept (it came during the flag check) is passed on once every node.sh
+    says it is running the training, not after a fixed 10 s. Before, a node.sh that took longer
+    to start (on CI a loaded machine, here a slow `nproc`) died of it: srun's "task 0: User
+    defined signal 1", exit 138, and the job was never requeued (the Slurm requeue test, once)."""
+    slow = tmp_path / "slow-python"
+    slow.write_text(f"#!/bin/bash\nif [[ $1 == */check_args.py ]]; then echo checking > "
+                    f"{tmp_path}/checking; sleep 2; fi\nexec {sys.executable} \"$@\"\n")
+    slow.chmod(0o755)
+    bindir = tmp_path / "slowbin"
+    bindir.mkdir()
+    (bindir / "nproc").write_text(f"#!/bin/bash\nsleep 14\nexec {shutil.which('nproc')} \"$@\"\n")
+    (bindir / "nproc").chmod(0o755)
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs"), "PYTHON": str(slow)}
+    env["PATH"] = f"{bindir}{os.pathsep}{env['PATH']}"
+    proc = subprocess.Popen(["bash", str(LAUNCH / "local.sh"), "--", *REQUEUE_RUN],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert wait_for(lambda: (tmp_path / "checking").exists(), 60)
+    proc.send_signal(signal.SIGUSR1)  # to job.sh, before node.sh starts
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 75, out
+    assert "SIGUSR1 passed on to the training processes" in out
+    assert "training exit code: 75 (after SIGUSR1)" in out
+
+
 def test_a_stop_line_after_a_long_log_is_still_read(tmp_path):
     """job.sh reads this attempt's [STOP] line to tell a stop for requeue from a failure
     (torchrun reports its workers' exit 75 as 1). Before, `tail | grep -q` under pipefail
