@@ -251,12 +251,12 @@ send_stop() {
     kill -s "$1" "$launch_pid" 2>/dev/null || true  # node.sh forwards it to the training
   fi
 }
-# Every node.sh has set its USR1 trap once it says "[node] running: ..." (at most 60 s waited:
+# Every node.sh has set its USR1 trap once it says "[node] running: ..." (at most 30 s waited:
 # node.sh ignores a USR1 until then, this only spares the sends that would be ignored).
 # shellcheck disable=SC2317
 nodes_ready() {
   local waited=0 running
-  while [ "$waited" -lt 60 ] && kill -0 "$launch_pid" 2>/dev/null; do
+  while [ "$waited" -lt 30 ] && kill -0 "$launch_pid" 2>/dev/null; do
     running=$(tail -c +"$((log_size + 1))" "$RUN_DIR/train.log" | grep -o '\] running: ' | wc -l \
       || true)
     [ "$running" -lt "$nnodes" ] || return 0
