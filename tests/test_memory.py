@@ -138,7 +138,9 @@ inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's own 
 nbytes = lambda ts: sum(local(t).numel() * local(t).element_size() for t in ts)
 held = (nbytes(model.parameters()), nbytes(p.grad for p in model.parameters()),
         nbytes(s["momentum_buffer"] for s in inner.state.values()))
-print("rank", rank, "held", held, "expected", expected, flush=True)
+# one string: unbuffered (PYTHONUNBUFFERED), print writes each argument on its own, and the
+# two ranks' words interleave
+print(f"rank {{rank}} held {{held}} expected {{expected}}", flush=True)
 assert held == expected, (held, expected)
 if rank == 0:  # the estimate of a run is rank 0's
     assert (predicted.params, predicted.grads, predicted.optimizer) == held, predicted
