@@ -182,7 +182,7 @@ def memory_per_gpu(model: nn.Module, args, world: int, saved: memory.Saved,
     comm = in_flight + max(numel) * 4  # and the fp32 gradient of one block
     shards = memory.fsdp_shard_bytes(model.parameters(), world)
     params, grads, optimizer = shards, shards, shards if args.momentum else 0
-    buffers = memory.model_states(model, args.momentum)[3]
+    buffers = memory.param_bytes(model.buffers())  # whole on every rank
     host = 0
     if variant == "offload":
         host, params, grads, optimizer = params + grads + optimizer, 0, 0, 0

@@ -99,8 +99,9 @@ def saved_for_backward(model: nn.Module, input_shape: tuple, amp: str) -> Saved:
                  outputs)
 
 
-def param_bytes(params) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
+def param_bytes(tensors) -> int:
+    """Bytes of ``tensors`` (parameters, or buffers) as they are stored."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def shard_rows(rows: int, world: int, rank: int) -> int:
@@ -192,8 +193,7 @@ def model_states(model: nn.Module, momentum: float) -> tuple:
     gradients like the parameters, one SGD momentum buffer per parameter (none without
     momentum)."""
     params = param_bytes(model.parameters())
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    return params, params, params if momentum else 0, buffers
+    return params, params, params if momentum else 0, param_bytes(model.buffers())
 
 
 COLUMNS = (("params", "params"), ("grads", "grads"), ("optimizer", "optim"),
@@ -230,11 +230,11 @@ def print_estimates(estimates: list, model_name: str) -> None:
     for row in table(estimates):
         print0(row)
     print0(f"activations: {saved.per_image / MIB:.2f} MiB per image saved for backward, counted "
-          f"with saved-tensor hooks in two forwards on the CPU (batch {COUNT_BATCHES[0]} and "
-          f"{COUNT_BATCHES[1]}; linear in the batch)")
+           f"with saved-tensor hooks in two forwards on the CPU (batch {COUNT_BATCHES[0]} and "
+           f"{COUNT_BATCHES[1]}; linear in the batch)")
     print0("peak: every column left of it that is resident at once at the end of the forward"
-          + ("; * gradients are freed before each step and made during backward, as "
-             "activations are freed" if any(not e.grads_at_peak for e in estimates) else ""))
+           + ("; * gradients are freed before each step and made during backward, as "
+              "activations are freed" if any(not e.grads_at_peak for e in estimates) else ""))
     notes = dict.fromkeys(n for e in estimates for n in e.notes)
     for note in notes:
         print0(f"note: {note}")
