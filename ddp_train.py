@@ -30,8 +30,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from training import (checkpoint, common, contract, datautils, devices, distributed, flags,
-                      measure, memory, models)
+from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
+                      flags, measure, memory, models)
 from training.board import Board
 from training.common import print0
 from training.faults import end_process
@@ -104,15 +104,17 @@ def load_checkpoint(path, state: dict) -> dict:
 
 
 def build_optimizer(model: nn.Module, lr: float, args, device: torch.device):
-    """SGD with momentum; on CUDA without a GradScaler its fused step (one kernel for all
-    parameters). --zero1 (ZeRO stage 1): ZeroRedundancyOptimizer gives each rank 1/N of the
-    parameters; a rank keeps the momentum of its own only, steps them, and broadcasts the new
-    values to the other ranks."""
+    """SGD with momentum; on CUDA its fused step (one kernel for all parameters, and no host
+    sync with a GradScaler), its momentum made before the first step. --zero1 (ZeRO stage 1):
+    ZeroRedundancyOptimizer gives each rank 1/N of the parameters; a rank keeps the momentum of
+    its own only, steps them, and broadcasts the new values to the other ranks."""
     sgd = dict(lr=lr, momentum=args.momentum, weight_decay=args.weight_decay,
-               fused=flags.fused_sgd(device, args.amp))
+               fused=flags.fused_sgd(device))
     if args.zero1:
-        return ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, **sgd)
-    return torch.optim.SGD(model.parameters(), **sgd)
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, **sgd)
+        flags.start_momentum(zero.optim)  # the momentum of this rank's partition
+        return zero
+    return flags.start_momentum(torch.optim.SGD(model.parameters(), **sgd))
 
 
 def collectives_per_step(model: nn.Module, args) -> dict:
@@ -151,6 +153,7 @@ def train(args, env: distributed.DistEnv) -> int:
         return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
     device, backend = setup_distributed(args, env)
     flags.resolve_args(args, env, device)
+    cudagraph.check(args, device, STRATEGY)  # --cuda-graph where it cannot capture
     rank, world = env.rank, env.world_size
     is_main = rank == 0
     for line in common.provenance(args, env, device, backend):
@@ -189,11 +192,15 @@ def train(args, env: distributed.DistEnv) -> int:
     model = model.to(memory_format=layout)
     prepare = datautils.batch_finisher(data, layout)  # augmentation on the device, the layout
     # DDP: a full replica per process; backward all-reduces gradient buckets across ranks.
-    replica = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                  bucket_cap_mb=args.bucket_cap_mb,
-                  gradient_as_bucket_view=args.gradient_as_bucket_view,
-                  **{BUFFER_SYNC: args.broadcast_buffers},
-                  static_graph=args.static_graph)
+    # BatchNorm statistics are broadcast from rank 0 before every forward, unless there is no
+    # other rank. --cuda-graph: DDP is built on the stream its step will be captured on.
+    capture = cudagraph.StepCapture(args.cuda_graph, warmup=cudagraph.DDP_WARMUP_STEPS)
+    with capture.stream():
+        replica = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                      bucket_cap_mb=args.bucket_cap_mb,
+                      gradient_as_bucket_view=args.gradient_as_bucket_view,
+                      **{BUFFER_SYNC: args.broadcast_buffers and world > 1},
+                      static_graph=args.static_graph)
     step_model = torch.compile(replica) if args.compile else replica
 
     batch = args.batch_size  # one DataLoader batch: this process's share of the global batch
@@ -217,6 +224,21 @@ def train(args, env: distributed.DistEnv) -> int:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, flags.lr_factor(args, steps))
     dtype = flags.amp_dtype(args)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+
+    def train_step(images, labels):
+        """One optimizer step on this rank's batch: forward under autocast, loss, scaled
+        backward, the optimizer step. Returns (outputs, loss), still on the device."""
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype or torch.float32,
+                            enabled=dtype is not None):
+            outputs = step_model(images)
+            loss = criterion(outputs, labels)
+        # backward: DDP all-reduces (averages) each gradient bucket across all ranks
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        return outputs, loss
+    train_step = capture.wrap(train_step, optimizer)  # --cuda-graph: captured, then replayed
 
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     stop = checkpoint.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks
@@ -255,15 +277,7 @@ def train(args, env: distributed.DistEnv) -> int:
             if step >= steps:
                 break
             images = prepare(images, train=True)
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=dtype or torch.float32,
-                                enabled=dtype is not None):
-                outputs = step_model(images)
-                loss = criterion(outputs, labels)
-            # backward: DDP all-reduces (averages) each gradient bucket across all ranks
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+            outputs, loss = train_step(images, labels)  # forward, backward, optimizer step
             tb.step(epoch, step + 1, loss, optimizer, meter)  # its loss and lr, now and then
             scheduler.step()
             sums[0] += loss.detach().double() * labels.size(0)

@@ -30,8 +30,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DistributedSampler
 
-from training import (checkpoint, common, contract, datautils, devices, distributed, flags,
-                      measure, memory, models)
+from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
+                      flags, measure, memory, models)
 from training.board import Board
 from training.common import print0
 from training.faults import UsageError, end_process
@@ -89,6 +89,10 @@ def setup_devices(args, env: distributed.DistEnv):
                          f"DataParallel copies the module to every GPU at each step, and a "
                          f"compiled module's copies would all run GPU 0's compiled code; use "
                          f"ddp_train.py --compile (one process per GPU), or --gpus 1")
+    if args.cuda_graph and n > 1:
+        raise UsageError(f"--cuda-graph cannot capture DataParallel over {n} GPUs: it runs the "
+                         f"replicas in Python threads every step; use --gpus 1, or "
+                         f"ddp_train.py --cuda-graph (one process per GPU)")
     torch.backends.cudnn.benchmark = True  # as in ddp/fsdp: fixed shapes, fastest kernels
     return torch.device("cuda", 0), list(range(n))
 
@@ -141,6 +145,7 @@ def train(args, env: distributed.DistEnv) -> int:
         return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
     device, gpu_ids = setup_devices(args, env)
     flags.resolve_args(args, env, device)
+    cudagraph.check(args, device, STRATEGY)  # --cuda-graph where it cannot capture
     rank, world = 0, max(1, len(gpu_ids))  # no process group: one process, `world` GPUs
     is_main = True
     for line in common.provenance(args, env, device, "none (single process)"):
@@ -196,14 +201,33 @@ def train(args, env: distributed.DistEnv) -> int:
     criterion = nn.CrossEntropyLoss()
     steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
     lr = flags.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay,
-                                # CUDA without a GradScaler: one kernel for all parameters
-                                fused=flags.fused_sgd(device, args.amp))
+    # on CUDA fused: one kernel for all parameters, no host sync with a GradScaler; its
+    # momentum made now, so that an overflowing first fp16 step leaves none uninitialised
+    optimizer = flags.start_momentum(torch.optim.SGD(
+        model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay,
+        fused=flags.fused_sgd(device)))
     # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, flags.lr_factor(args, steps))
     dtype = flags.amp_dtype(args)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+
+    capture = cudagraph.StepCapture(args.cuda_graph)  # --cuda-graph: the step as one CUDA graph
+
+    def train_step(images, labels):
+        """One optimizer step on the whole batch: forward under autocast, loss, scaled
+        backward, the optimizer step. Returns (outputs, loss), still on the device."""
+        optimizer.zero_grad(set_to_none=True)
+        # forward: scatter the batch from GPU 0, replicate the model, gather on GPU 0
+        with torch.autocast(device.type, dtype=dtype or torch.float32,
+                            enabled=dtype is not None):
+            outputs = step_model(images)
+            loss = criterion(outputs, labels)
+        # backward: the replicas' gradients are summed into the master copy on GPU 0
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        return outputs, loss
+    train_step = capture.wrap(train_step, optimizer)  # --cuda-graph: captured, then replayed
 
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     stop = checkpoint.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks
@@ -242,16 +266,7 @@ def train(args, env: distributed.DistEnv) -> int:
             if step >= steps:
                 break
             images = prepare(images, train=True)
-            optimizer.zero_grad(set_to_none=True)
-            # forward: scatter the batch from GPU 0, replicate the model, gather on GPU 0
-            with torch.autocast(device.type, dtype=dtype or torch.float32,
-                                enabled=dtype is not None):
-                outputs = step_model(images)
-                loss = criterion(outputs, labels)
-            # backward: the replicas' gradients are summed into the master copy on GPU 0
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+            outputs, loss = train_step(images, labels)  # forward, backward, optimizer step
             tb.step(epoch, step + 1, loss, optimizer, meter)  # its loss and lr, now and then
             scheduler.step()
             sums[0] += loss.detach().double() * labels.size(0)

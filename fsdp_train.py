@@ -54,8 +54,8 @@ except ImportError:  # torch before 2.6: common.run() stops it with one sentence
 from torch.utils.data import DistributedSampler
 from torchvision.models.resnet import ResNet
 
-from training import (checkpoint, common, contract, datautils, devices, distributed, flags,
-                      measure, memory, models)
+from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
+                      flags, measure, memory, models)
 from training.board import Board
 from training.common import print0
 from training.faults import UsageError, end_process
@@ -243,6 +243,7 @@ def train(args, env: distributed.DistEnv) -> int:
         return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
     device, backend, mesh = setup_distributed(args, env)
     flags.resolve_args(args, env, device)
+    cudagraph.check(args, device, STRATEGY)  # --cuda-graph where it cannot capture
     rank, world = env.rank, env.world_size
     is_main = rank == 0
     for line in common.provenance(args, env, device, backend):
@@ -317,6 +318,24 @@ def train(args, env: distributed.DistEnv) -> int:
     # Without a fused optimizer, fp16 also costs a host sync per step (the scaler reads it).
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
+    def train_step(images, labels):
+        """One optimizer step on this rank's batch: forward under autocast, loss, scaled
+        backward, the optimizer step. Returns (outputs, loss), still on the device."""
+        optimizer.zero_grad(set_to_none=True)
+        # forward: each unit gathers its parameters from its shard group; full/hybrid free
+        # them after
+        with torch.autocast(device.type, dtype=dtype or torch.float32,
+                            enabled=dtype is not None):
+            outputs = step_model(images)
+            loss = criterion(outputs, labels)
+        # backward gathers the parameters again (full and hybrid resharded them after
+        # forward), then reduce-scatters the gradients: each rank keeps the averaged
+        # gradient of its own shard (hybrid then all-reduces it across the nodes)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)  # updates only this rank's shard
+        scaler.update()
+        return outputs, loss
+
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     stop = checkpoint.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks
     ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint)
@@ -354,19 +373,7 @@ def train(args, env: distributed.DistEnv) -> int:
             if step >= steps:
                 break
             images = prepare(images, train=True)
-            optimizer.zero_grad(set_to_none=True)
-            # forward: each unit gathers its parameters from its shard group; full/hybrid free
-            # them after
-            with torch.autocast(device.type, dtype=dtype or torch.float32,
-                                enabled=dtype is not None):
-                outputs = step_model(images)
-                loss = criterion(outputs, labels)
-            # backward gathers the parameters again (full and hybrid resharded them after
-            # forward), then reduce-scatters the gradients: each rank keeps the averaged
-            # gradient of its own shard (hybrid then all-reduces it across the nodes)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)  # updates only this rank's shard
-            scaler.update()
+            outputs, loss = train_step(images, labels)  # forward, backward, optimizer step
             tb.step(epoch, step + 1, loss, optimizer, meter)  # its loss and lr, now and then
             scheduler.step()
             sums[0] += loss.detach().double() * labels.size(0)

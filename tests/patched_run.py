@@ -115,6 +115,17 @@ def bug_at_step_3(out: Path) -> None:
     checkpoint.track_finite = track_finite
 
 
+def record_buffer_sync(out: Path) -> None:
+    """Each rank writes whether its DDP broadcasts the BatchNorm buffers before every forward."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    real = ddp.__init__
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        (out / f"buffer-sync-rank{RANK}.txt").write_text(str(self.will_sync_module_buffers()))
+    ddp.__init__ = init
+
+
 def old_torch(out: Path) -> None:
     """torch says it is 2.5.1, older than the floor in requirements.txt."""
     torch.__version__ = "2.5.1"

@@ -169,11 +169,17 @@ def test_step_breakdown_splits_the_step_into_parts_that_do_not_overlap():
         _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 80, 200, "kernel"),
         _x(measure.WAIT_LABEL, 300, 350, "user_annotation"),
         _x(measure.WAIT_LABEL, 120, 140, "user_annotation"),
-        _x("aten::addmm", 0, 400), {"ph": "i", "name": "marker", "ts": 5}]}
+        _x("aten::addmm", 0, 400), {"ph": "i", "name": "marker", "ts": 5},
+        # the host's launches: 3 kernels, a copy, a graph (2 steps: 2.5 a step); a sync is not one
+        _x("cudaLaunchKernel", 1, 2, "cuda_runtime"),
+        _x("cudaLaunchKernelExC", 3, 4, "cuda_runtime"),
+        _x("cuLaunchKernel", 5, 6, "cuda_driver"), _x("cudaMemcpyAsync", 7, 8, "cuda_runtime"),
+        _x("cudaGraphLaunch", 9, 10, "cuda_runtime"),
+        _x("cudaStreamSynchronize", 11, 12, "cuda_runtime")]}
     parts = measure.step_breakdown(gpu, steps=2, window_s=500e-6, gpu=True)
     assert parts == pytest.approx(dict(steps=2, step_ms=0.25, compute_ms=0.125,
                                        exposed_comm_ms=0.025, data_wait_ms=0.025,
-                                       other_ms=0.075, comm_ms=0.06))
+                                       other_ms=0.075, comm_ms=0.06, launches_per_step=2.5))
     # A CPU trace: the training thread's operators 0-100, a gloo all-reduce on its own thread
     # 90-220, a wait for data 200-250 with the loader's own operator inside (not compute),
     # the c10d launch (not compute). 1 step in 300 us.
@@ -184,7 +190,7 @@ def test_step_breakdown_splits_the_step_into_parts_that_do_not_overlap():
     parts = measure.step_breakdown(cpu, steps=1, window_s=300e-6, gpu=False)
     assert parts == pytest.approx(dict(steps=1, step_ms=0.3, compute_ms=0.1,
                                        exposed_comm_ms=0.1, data_wait_ms=0.05, other_ms=0.05,
-                                       comm_ms=0.13))
+                                       comm_ms=0.13, launches_per_step=0))
 
 
 def test_profile_writes_a_trace_and_a_step_breakdown_that_adds_up(tmp_path):

@@ -46,9 +46,10 @@ LATER_METRIC_KEYS = ("image_size",)
 #: Extra keys of the one ``[METRIC]`` line printed after the last epoch (``final=1``).
 FINAL_KEYS = ("final", "total_time_s")
 
-#: --profile's parts of one training step, in milliseconds (``steps``: how many were traced).
+#: --profile's parts of one training step, in milliseconds (``steps``: how many were traced),
+#: and the host's launches per step (kernels, copies, graphs: what a CUDA graph saves).
 PROFILE_KEYS = ("steps", "step_ms", "compute_ms", "exposed_comm_ms", "data_wait_ms", "other_ms",
-                "comm_ms")
+                "comm_ms", "launches_per_step")
 
 #: The keys every ``[MEMORY]`` line has, in order (sizes in MiB, per GPU, one process): the
 #: model states, what the strategy's communication holds, the activations saved for backward,

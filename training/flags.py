@@ -122,6 +122,15 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "H100), fp16 on older GPUs (V100), off on CPU")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model (first steps are slower while it compiles)")
+    g.add_argument("--cuda-graph", action="store_true",
+                   help="GPU: after a few eager steps (11 under DDP), capture the whole training "
+                        "step (forward, "
+                        "backward with its all-reduce, optimizer step) as one CUDA graph and "
+                        "replay it for every later batch: one launch a step instead of about a "
+                        "thousand, for when the GPU computes a step faster than Python launches "
+                        "it (small images or per-GPU batches on A100/H100-class GPUs). "
+                        "ddp_train.py, and dp_train.py on one GPU; not with --compile or "
+                        "ZeRO-1")
     g = parser.add_argument_group("run")
     g.add_argument("--num-workers", type=int, default=None,
                    help="DataLoader workers per process (default: from $SLURM_CPUS_PER_TASK "
@@ -233,6 +242,9 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
             Path(args.save_model).resolve() == Path(args.checkpoint_dir).resolve()):
         raise UsageError(f"--save-model {args.save_model} is the --checkpoint-dir: give it a "
                          f"file name, e.g. --save-model {Path(args.save_model) / 'model.pt'}")
+    if args.cuda_graph and args.compile:
+        raise UsageError("--cuda-graph and --compile each replace the eager step with their own "
+                         "graphs: drop one of them")
     if args.profile is not None and args.check:
         raise UsageError("--check is a preflight that trains nothing, so there is nothing for "
                          "--profile to trace: drop one of them")
@@ -349,14 +361,26 @@ def amp_dtype(args) -> torch.dtype | None:
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[args.amp]
 
 
-def fused_sgd(device: torch.device, amp: str) -> bool:
-    """Whether SGD takes its fused step: on CUDA, one kernel for all parameters, but only
-    without a GradScaler (--amp bf16 or off). With fp16, when a step's gradients overflow (common
-    at GradScaler's first scale, 65536), fused SGD has already made its momentum buffers with
-    torch.empty_like and its kernel returns early on the inf flag, so from the next step on the
-    momentum is uninitialised memory. The default (foreach) step is skipped whole instead, at
-    the cost of one host sync per step, when the scaler reads its inf flag."""
-    return device.type == "cuda" and amp != "fp16"
+def fused_sgd(device: torch.device) -> bool:
+    """Whether SGD takes its fused step: on CUDA, one kernel for all parameters. With fp16 too:
+    the GradScaler then hands the kernel its scale and inf flag as tensors, and the kernel
+    skips an overflowing step on the device, where the default (foreach) step costs a host
+    sync per step while the scaler reads the flag. Safe because start_momentum makes the
+    momentum buffers before the first step."""
+    return device.type == "cuda"
+
+
+def start_momentum(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make every momentum buffer now, as zeros. Fused SGD would otherwise make them at its
+    first step with torch.empty_like and, when that step overflows (common at the GradScaler's
+    first scale, 65536), return early on the inf flag: from the next step on the momentum would
+    be uninitialised memory. With dampening 0 a zero buffer's first update is the gradient
+    itself, which is what SGD's own first step sets, so the training is unchanged."""
+    for group in optimizer.param_groups:
+        if group["momentum"]:
+            for p in group["params"]:
+                optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+    return optimizer
 
 
 AMP_TEXT = {"fp16": "fp16 autocast with GradScaler", "bf16": "bf16 autocast, no GradScaler",
