@@ -3,6 +3,7 @@ the figures themselves are measured by hand, not in the tests)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -48,13 +49,37 @@ def test_gpu_check_runs_on_cpu_with_a_notice(tmp_path):
     assert "notice: no GPU visible" in out
     report = (tmp_path / "report.md").read_text()
     assert report in out
-    rows = dict(re.findall(r"^\| (ddp, synthetic on device|ddp, cache|fsdp full, cache|"
-                           r"dp, cache) \| \d+ \| off \| ([\d,]+) \|", report, re.M))
-    assert len(rows) == 4 and all(int(v.replace(",", "")) > 0 for v in rows.values()), report
-    assert report.count("skipped (CUDA only)") == 3
+    rows = re.findall(r"^\| (ddp, synthetic on device|fsdp full, synthetic on device|"
+                      r"dp \(one GPU\), synthetic on device|ddp, cache|ddp, JPEG folder) \| "
+                      r"64 \| \d+ \| off \| ([\d,]+) \| [\d.]+ \|", report, re.M)
+    assert len(rows) == 6 and all(int(v.replace(",", "")) > 0 for _, v in rows), report
+    assert report.count("skipped (CUDA only)") == 9
+    assert re.search(r"^\| ddp, synthetic on device \| 64 \| 8 \| off \| .* \| 0 \| ", report,
+                     re.M), "the profiled row counts the launches: none on a CPU"
     assert "test suite on this node: skipped: no GPU" in report  # never the suite inside itself
     assert "| 1.00x |" in report  # the ceiling row, against itself
     assert "torch " in report and "date: " in report
+    # the launchers on this machine: local.sh's CPU memory log, analyze_memory's summary
+    launcher = tmp_path / "report-launcher"
+    assert "[" in (launcher / "analyze_memory.txt").read_text()
+    assert list(launcher.glob("*.txt")) and (launcher / "timeline.png").is_file()
+    # one JSON line per row, written as each finished
+    lines = [json.loads(line) for line in (tmp_path / "report.jsonl").read_text().splitlines()]
+    assert len(lines) == len(re.findall(r"^\| ", report, re.M)) - 1  # all but the header
+    assert lines[0]["label"] == "ddp, synthetic on device" and lines[0]["img_s"] > 0
+
+
+def test_gpu_check_starts_no_row_it_has_no_time_for(tmp_path):
+    """--minutes: a row starts only with the time it needs left; each row's line is written
+    at once (here: all of them, none started), and the run says so instead of failing."""
+    out = run_bench("gpu_check.py", "--minutes", "0.1", "--out", str(tmp_path / "r.md"),
+                    timeout=300)
+    lines = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    started = [r for r in lines if "skipped" not in r]
+    assert not started, started
+    assert all(r["skipped"].startswith("not started: ") or r["skipped"] == "skipped (CUDA only)"
+               for r in lines)
+    assert "it needs about 45 s" in out and "FAILED" not in out
 
 
 def test_gpu_check_names_the_equivalence_test_that_failed(monkeypatch):
