@@ -201,7 +201,7 @@ def train(args, env: distributed.DistEnv) -> int:
                       gradient_as_bucket_view=args.gradient_as_bucket_view,
                       **{BUFFER_SYNC: args.broadcast_buffers and world > 1},
                       static_graph=args.static_graph)
-    step_model = torch.compile(replica) if args.compile else replica
+    step_model = torch.compile(replica, mode=args.compile) if args.compile else replica
 
     batch = args.batch_size  # one DataLoader batch: this process's share of the global batch
     # Each rank reads a disjoint shard of the training set; the permutation depends on

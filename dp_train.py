@@ -182,7 +182,7 @@ def train(args, env: distributed.DistEnv) -> int:
     prepare = datautils.batch_finisher(data, layout)  # augmentation on the device, the layout
     # DataParallel: the master copy lives on GPU 0 and is replicated to every GPU each step;
     # each replica runs in its own thread, so autocast is entered inside it.
-    inner = torch.compile(model) if args.compile else model
+    inner = torch.compile(model, mode=args.compile) if args.compile else model
     step_model = nn.DataParallel(AutocastForward(inner, device.type, flags.amp_dtype(args)),
                                  device_ids=gpu_ids or None)
 

@@ -288,7 +288,7 @@ def train(args, env: distributed.DistEnv) -> int:
     layout = models.memory_format(model, device)
     prepare = datautils.batch_finisher(data, layout)  # augmentation on the device, the layout
     model = apply_fsdp(model, mesh, args, device)
-    step_model = torch.compile(model) if args.compile else model
+    step_model = torch.compile(model, mode=args.compile) if args.compile else model
 
     batch = args.batch_size  # one DataLoader batch: this process's share of the global batch
     # Each rank reads a disjoint shard of the training set; the permutation depends on

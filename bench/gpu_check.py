@@ -42,6 +42,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import subprocess
@@ -133,7 +134,9 @@ def plan(which: str, gpu: bool) -> list:
         Row("ddp, cache held on device", big, args=["{data}", "{cache}", "--data-on-device"],
             needs_data=True),
         Row("ddp, JPEG folder", small, args=["{data}"], needs_data=True),
-    ]
+    ] + [Row(f"ddp --compile {mode}, synthetic on device", big, args=synth + ["--compile", mode],
+             cuda_only=True, need_s=300)
+         for mode in ("reduce-overhead", "max-autotune-no-cudagraphs")]
     rungs = [("dp", "dp_train.py", one_gpu), ("ddp", "ddp_train.py", []),
              ("ddp --zero1", "ddp_train.py", ["--zero1"]),
              ("fsdp grad-op", "fsdp_train.py", ["--sharding", "grad-op"]),
@@ -166,8 +169,11 @@ def run_training(row: Row, args: list, timeout: float) -> dict:
     """One training run: the second epoch's [METRIC] figures, the [MEMORY] prediction and the
     [PROFILE] launches per step, or the reason it failed."""
     cmd = [sys.executable, str(REPO / row.script), *args]
+    # --compile: torch logs each recompilation, to count those inside the timed epoch
+    env = dict(os.environ, TORCH_LOGS="recompiles") if "--compile" in args else None
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                              env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"no result within {timeout:.0f} s", "cmd": cmd}
     out = proc.stdout.splitlines()
@@ -186,7 +192,23 @@ def run_training(row: Row, args: list, timeout: float) -> dict:
             "peak": float(m["peak_mem_mib"]),
             "predicted": contract.number(found[contract.MEMORY_PREFIX].get("peak_mib")),
             "launches": contract.number(found[contract.PROFILE_PREFIX].get("launches_per_step")),
-            "cmd": cmd}
+            "recompiles_timed": recompiles_between(proc.stderr, float(m["train_start_unix"]),
+                                                   float(m["eval_start_unix"]))
+            if env else None, "cmd": cmd}
+
+
+def recompiles_between(log: str, start: float, end: float) -> int:
+    """How many "Recompiling function" lines of TORCH_LOGS=recompiles carry a time between
+    ``start`` and ``end`` (Unix seconds): torch's log prefix gives month, day and local time."""
+    count = 0
+    year = datetime.date.today().year
+    for match in re.finditer(r"^\S*[IWEV](\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+) .*Recompiling "
+                             r"function", log, re.M):
+        month, day, clock = match.groups()
+        when = datetime.datetime.strptime(f"{year}-{month}-{day} {clock}",
+                                          "%Y-%m-%d %H:%M:%S.%f").timestamp()
+        count += start <= when <= end
+    return count
 
 
 def _pytest(args: list, env: dict, timeout: float) -> tuple:
@@ -335,6 +357,9 @@ def report(results: list, head: list, gpu: bool, steps: int, tail: list) -> str:
                          f"| | | | | | |")
         if "text" in r:
             notes.append(f"{r['label']}: {r['text']}")
+        if r.get("recompiles_timed") is not None:
+            notes.append(f"{r['label']}, {r['batch']}: {r['recompiles_timed']} recompilation(s) "
+                         f"inside the timed epoch (TORCH_LOGS=recompiles)")
         if "summary" in r:
             notes += [f"{r['label']}: timeline.png {'drawn' if r['timeline'] else 'MISSING'}"]
             notes += [f"    {line}" for line in r["summary"]]

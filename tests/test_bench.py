@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, env_for_tests
 
 
@@ -96,3 +98,35 @@ def test_gpu_check_names_the_equivalence_test_that_failed(monkeypatch):
     assert text.startswith("1 failed, 2 passed in 55s (1 process(es) per run, NCCL); FAILED "
                            "tests/test_strategies.py::test_fsdp_ends_with_the_same_weights_as_"
                            "ddp[full] - AssertionError")
+
+
+def test_gpu_check_counts_the_recompilations_inside_the_timed_epoch():
+    """--compile rows run with TORCH_LOGS=recompiles; only those inside the second epoch's
+    training window (its [METRIC] clock times) count against the measurement."""
+    import datetime
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check
+    year = datetime.date.today().year
+    start = datetime.datetime(year, 11, 26, 12, 0, 10).timestamp()
+    log = "\n".join([
+        "[rank0]:V1126 12:00:05.100000 1 guards.py:5621] [0/1] [__recompiles] Recompiling "
+        "function forward in models.py:32",  # the first epoch's evaluation: before the window
+        "[rank0]:V1126 12:00:05.100000 1 guards.py:5621] [0/1] [__recompiles]     - 0/0: "
+        "GLOBAL_STATE changed: grad_mode",
+        "V1126 12:00:12.500000 1 guards.py:5621] [0/2] [__recompiles] Recompiling function "
+        "forward in models.py:32",  # inside
+        "V1126 12:00:30.000000 1 guards.py:5621] [0/3] [__recompiles] Recompiling function "
+        "forward in models.py:32"])  # the second evaluation: after
+    assert gpu_check.recompiles_between(log, start, start + 15) == 1
+    assert gpu_check.recompiles_between("", start, start + 15) == 0
+
+
+def test_compile_takes_a_mode():
+    from training import flags
+    import argparse
+    parser = flags.add_common_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--compile"]).compile == "default"
+    assert parser.parse_args(["--compile", "reduce-overhead"]).compile == "reduce-overhead"
+    assert parser.parse_args([]).compile is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--compile", "fastest"])
