@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
-                      flags, measure, memory, models)
+                      flags, measure, memory, models, simulate)
 from training.board import Board
 from training.common import print0
 from training.faults import end_process
@@ -105,7 +105,8 @@ def load_checkpoint(path, state: dict) -> dict:
 
 def build_optimizer(model: nn.Module, lr: float, args, device: torch.device):
     """SGD with momentum; on CUDA its fused step (one kernel for all parameters, and no host
-    sync with a GradScaler), its momentum made before the first step. --zero1 (ZeRO stage 1):
+    sync with a GradScaler, but for --zero1's, which the scaler steps through its unfused
+    path), its momentum made before the first step. --zero1 (ZeRO stage 1):
     ZeroRedundancyOptimizer gives each rank 1/N of the parameters; a rank keeps the momentum of
     its own only, steps them, and broadcasts the new values to the other ranks."""
     sgd = dict(lr=lr, momentum=args.momentum, weight_decay=args.weight_decay,
@@ -238,7 +239,10 @@ def train(args, env: distributed.DistEnv) -> int:
         scaler.step(optimizer)
         scaler.update()
         return outputs, loss
-    train_step = capture.wrap(train_step, optimizer)  # --cuda-graph: captured, then replayed
+    train_step = capture.wrap(train_step, optimizer, replica)  # --cuda-graph: captured, replayed
+    if args.simulate_world_size:  # rank 0 of N on the fake process group: its memory, no more
+        return simulate.report(train_step, replica, model, optimizer, train_loader, prepare,
+                               device, world)
 
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     stop = checkpoint.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks

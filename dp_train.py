@@ -66,6 +66,9 @@ class AutocastForward(nn.Module):
 
 def setup_devices(args, env: distributed.DistEnv):
     """No process group: one process, the GPUs it drives, or the CPU."""
+    if args.simulate_world_size:
+        raise UsageError("--simulate-world-size simulates the ranks of a process group, and "
+                         "DataParallel has none: use ddp_train.py or fsdp_train.py")
     if env.world_size > 1:  # torchrun --nproc-per-node 2, or srun with several tasks
         raise UsageError("dp_train.py is a single process that drives all GPUs itself: run it "
                          "with python, not torchrun --nproc-per-node > 1 or srun with several "

@@ -20,10 +20,11 @@ Run it (the shared flags and output lines of ddp_train.py; its own flag: --shard
              links, replicate across nodes, and all-reduce gradients between the replicas. Less
              traffic on the slower inter-node network; per-GPU memory like `full` on one node.
 
-Units: one per residual block of ResNet (its BatchNorm layers inside it), plus the root for
-the stem and the classifier: per block and step, one all-gather in forward (full and hybrid:
-another in backward) and one reduce-scatter. (A unit per BatchNorm layer, 53 in ResNet-50, would
-add about 160 small, latency-bound collectives per step.)
+Units: one per repeated block (shard_units: ResNet's residual blocks with their BatchNorm
+layers inside, ViT's encoder blocks, ...), plus the root for the stem and the classifier: per
+block and step, one all-gather in forward (full and hybrid: another in backward) and one
+reduce-scatter. (A unit per BatchNorm layer, 53 in ResNet-50, would add about 160 small,
+latency-bound collectives per step.)
 
 Mixed precision: the forward runs under autocast as in ddp_train.py, and gradients are
 reduced in fp32. A model without BatchNorm also gathers its parameters in the --amp dtype
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -55,7 +57,7 @@ from torch.utils.data import DistributedSampler
 from torchvision.models.resnet import ResNet
 
 from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
-                      flags, measure, memory, models)
+                      flags, measure, memory, models, simulate)
 from training.board import Board
 from training.common import print0
 from training.faults import UsageError, end_process
@@ -91,6 +93,9 @@ def setup_distributed(args, env: distributed.DistEnv):
     if args.offload and args.sharding != "full":
         raise UsageError(f"--offload works with --sharding full, not {args.sharding}: drop one "
                          f"of them")
+    if args.sharding == "hybrid" and env.source == "simulated":
+        raise UsageError("--simulate-world-size simulates one node's ranks: use --sharding full "
+                         "or grad-op (hybrid shards within a node the same way)")
     if args.sharding == "hybrid" and env.nodes * env.local_world_size != env.world_size:
         raise UsageError("--sharding hybrid needs the same number of processes on every node: "
                          "one torchrun --nproc-per-node, or srun --ntasks-per-node, for all")
@@ -114,16 +119,32 @@ def setup_distributed(args, env: distributed.DistEnv):
 
 
 def shard_units(model: nn.Module) -> list:
-    """The blocks that become FSDP units (each gathers and reduce-scatters on its own)."""
-    if isinstance(model, ResNet):  # every bottleneck (or basic) block of the four stages
-        return [block for stage in (model.layer1, model.layer2, model.layer3, model.layer4)
-                for block in stage]
-    if isinstance(model, (models.CifarCNN, models.MnistNet)):  # every layer with weights
-        return [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
-    units = []  # other torchvision models: the children of their top-level containers
-    for child in model.children():
-        units += list(child.children()) if isinstance(child, nn.Sequential) else [child]
-    return [u for u in units if any(True for _ in u.parameters())]
+    """The blocks that become FSDP units (each gathers and reduce-scatters on its own): the
+    modules that repeat. Walking down from the model, a module with weights whose class appears
+    at least twice among its siblings (one parent's children, seen through Sequential and
+    ModuleList containers) becomes a unit, whole; any other module is looked into. ResNet: its
+    bottleneck blocks; torchvision's ViT: its encoder blocks; ConvNeXt and Swin: their blocks;
+    the CIFAR-10 CNN and the MNIST net: each layer with weights. What no unit takes (a stem, a
+    classifier) stays with the root."""
+    units = []
+
+    def siblings(parent):
+        for child in parent.children():
+            if isinstance(child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+                yield from siblings(child)
+            else:
+                yield child
+
+    def walk(parent):
+        kids = list(siblings(parent))
+        repeats = Counter(type(kid) for kid in kids)
+        for kid in kids:
+            if repeats[type(kid)] >= 2 and any(True for _ in kid.parameters()):
+                units.append(kid)
+            else:
+                walk(kid)
+    walk(model)
+    return units
 
 
 def gather_dtype(model: nn.Module, args) -> torch.dtype | None:
@@ -335,6 +356,9 @@ def train(args, env: distributed.DistEnv) -> int:
         scaler.step(optimizer)  # updates only this rank's shard
         scaler.update()
         return outputs, loss
+    if args.simulate_world_size:  # rank 0 of N on the fake process group: its memory, no more
+        return simulate.report(train_step, model, model, optimizer, train_loader, prepare,
+                               device, world, args.offload, shard_units(model))
 
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     stop = checkpoint.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks

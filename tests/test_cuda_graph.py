@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import ON_CUDA, check_ok, run_script
-from training import cudagraph, flags
+from training import common, cudagraph, flags
 from training.faults import UsageError
 from test_gpu_path import run_patched
 from test_strategies import EQUIV
@@ -72,6 +72,8 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 123 * 2**20)
+    monkeypatch.setattr(common, "captured_peak_mib", {})
 
 
 def _model_and_step(calls: list):
@@ -131,8 +133,12 @@ def test_the_captured_step_warms_up_then_replays_each_batch_at_the_schedules_rat
     assert [tensor_lr for _, _, tensor_lr in calls] == [False, False, True, True, True]
     assert isinstance(optimizer.param_groups[0]["lr"], float)  # the scheduler's float again
     assert results[2][1] is results[4][1]  # the graph's own loss tensor, rewritten each replay
-    with pytest.raises(RuntimeError, match="every training batch must have the same size"):
-        captured(torch.zeros(2, 4), torch.tensor([0, 1]))
+    # a batch the loader cut short (unreadable images) is filled with repeats of its own
+    outputs, loss = captured(torch.full((2, 4), 7.0), torch.tensor([0, 1]))
+    assert outputs.shape == (2, 2) and calls[-1][1] == 7.0
+    assert common.captured_peak_mib == {None: 123.0}  # the captured step's peak is kept
+    with pytest.raises(RuntimeError, match=r"captured for batches of 3 x \(4,\), got \(4, 4\)"):
+        captured(torch.zeros(4, 4), torch.tensor([0, 1, 0, 1]))
 
 
 def test_a_capture_that_fails_is_one_sentence(fake_cuda):

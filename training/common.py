@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from training import contract, devices
+from training import contract, devices, distributed
 from training.distributed import DistEnv, dist_env
 from training.faults import (NonFiniteLoss, UsageError, catch_stop_signals, collective_failed,
                              crashed, exit_line, fail_cleanly, is_collective_failure,
@@ -35,10 +35,18 @@ from training.flags import AMP_TEXT, check_flags
 _rank = 0  # this process's rank, as run() found it
 
 
+_prefix = ""  # --simulate-world-size: every line says it is a simulation
+
+
 def print0(*values) -> None:
     """print on rank 0 only, flushed: logs are read with tail -f."""
     if _rank == 0:
-        print(*values, flush=True)
+        print(_prefix + " ".join(map(str, values)), flush=True)
+
+
+def set_print_prefix(prefix: str) -> None:
+    global _prefix
+    _prefix = prefix
 
 
 def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
@@ -62,6 +70,9 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         import torchvision
         devices.check_versions(torch.__version__, torchvision.__version__)  # the floor
         check_flags(args)  # before the watchdog and the process group use them
+        if args.simulate_world_size:  # rank 0 of N, on the fake process group
+            env = distributed.simulated(args.simulate_world_size, env)
+            set_print_prefix(f"simulation, rank 0 of {env.world_size}: ")
         start_watchdog(env, args.dist_timeout)  # ends this worker if orphaned or frozen
         rc = train(args, env)
         if dist.is_initialized():  # let every rank finish its last collective before any of
@@ -137,11 +148,19 @@ def reset_peak_memory(*devices: torch.device) -> None:
             pass
 
 
+# --cuda-graph: the peak of the captured step, per device. A replay allocates nothing (its
+# tensors live in the graph's own pool), so after the capture max_memory_allocated no longer
+# sees the step's activations; this floor keeps them in every later epoch's peak.
+captured_peak_mib: dict = {}
+
+
 def peak_memory_mib(device: torch.device) -> float:
-    """Peak memory since ``reset_peak_memory``: CUDA ``max_memory_allocated`` on a GPU, else the
-    peak RSS (VmHWM, or getrusage's whole-run figure where /proc is missing)."""
+    """Peak memory since ``reset_peak_memory``: CUDA ``max_memory_allocated`` on a GPU (at
+    least the captured step's, with --cuda-graph), else the peak RSS (VmHWM, or getrusage's
+    whole-run figure where /proc is missing)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+        return max(torch.cuda.max_memory_allocated(device) / 2**20,
+                   captured_peak_mib.get(device.index, 0.0))
     try:
         with open("/proc/self/status") as f:
             for line in f:

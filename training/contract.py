@@ -24,6 +24,7 @@ import math
 METRIC_PREFIX, STOP_PREFIX, EXIT_PREFIX = "[METRIC]", "[STOP]", "[EXIT]"
 PROFILE_PREFIX, BANDWIDTH_PREFIX = "[PROFILE]", "[BANDWIDTH]"
 MEMORY_PREFIX = "[MEMORY]"
+MEMORY_HELD_PREFIX = "[MEMORY-HELD]"  # --simulate-world-size: what rank 0 of N holds
 
 #: Keys of every ``[METRIC]`` line, in order. The final line adds ``FINAL_KEYS``.
 METRIC_KEYS = (
@@ -58,6 +59,12 @@ MEMORY_SIZE_KEYS = ("params_mib", "grads_mib", "optimizer_mib", "buffers_mib", "
                     "activations_mib", "comm_mib", "transient_mib", "host_mib", "peak_mib")
 MEMORY_KEYS = ("strategy", "variant", "world_size", "per_gpu_batch", "image_size",
                "amp") + MEMORY_SIZE_KEYS
+
+#: --simulate-world-size's ``[MEMORY-HELD]`` line: what rank 0 of N holds, counted from its live
+#: tensors (MiB; host_mib: --offload's share in host memory; units_in_flight: the most FSDP
+#: units gathered at once, "-" for DDP; peak_mib: torch.cuda.max_memory_allocated, "-" on CPU).
+MEMORY_HELD_KEYS = ("world_size", "params_mib", "grads_mib", "optimizer_mib", "host_mib",
+                    "units_in_flight", "peak_mib")
 
 #: The training scripts' --batch-size default (per GPU); launch/run_benchmarks.py plans with it.
 DEFAULT_BATCH_SIZE = 64

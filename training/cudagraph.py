@@ -20,6 +20,12 @@ How (PyTorch's "whole-network capture", in its CUDA semantics notes):
   without reading its inf flag.
 DDP must be built on the stream the step is captured on (``stream()``): it keeps each
 parameter's gradient accumulator, which runs on the stream it was made on.
+
+What changes: the step's memory lives in the graph's own pool, so the peak the scripts report
+is the captured step's (common.captured_peak_mib); a batch with fewer images (an unreadable
+image skipped on the folder path) is padded to the captured size with repeats of its own
+images; NCCL's watchdog does not time a collective inside a replay, so a dead peer is noticed
+at the next collective outside the graph (the epoch's metric reduction), not by the replay.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import contextlib
 
 import torch
 
+from training import common
 from training.common import print0
 from training.faults import UsageError
 
@@ -64,13 +71,25 @@ class StepCapture:
         self.enabled, self.warmup = enabled, warmup
         self.side = torch.cuda.Stream() if enabled else None
 
+    @contextlib.contextmanager
     def stream(self):
-        """Build DDP in this context: on the capture stream with --cuda-graph."""
-        return torch.cuda.stream(self.side) if self.enabled else contextlib.nullcontext()
+        """Build DDP in this context: on the capture stream with --cuda-graph, after the work
+        queued so far (the model's move to the device), and before any that follows."""
+        if not self.enabled:
+            yield
+            return
+        current = torch.cuda.current_stream()
+        self.side.wait_stream(current)
+        with torch.cuda.stream(self.side):
+            yield
+        current.wait_stream(self.side)
 
-    def wrap(self, step, optimizer):
-        """``step(images, labels) -> (outputs, loss)``, captured with --cuda-graph."""
-        return CapturedStep(step, optimizer, self.side, self.warmup) if self.enabled else step
+    def wrap(self, step, optimizer, ddp=None):
+        """``step(images, labels) -> (outputs, loss)``, captured with --cuda-graph. ``ddp``:
+        the DDP module, told after each replay what its own forward would have set."""
+        if not self.enabled:
+            return step
+        return CapturedStep(step, optimizer, self.side, self.warmup, ddp)
 
 
 class CapturedStep:
@@ -79,29 +98,52 @@ class CapturedStep:
     step's (outputs, loss): after the capture the graph's own tensors, rewritten by every
     replay, so they are read before the next step (the scripts add them to their sums)."""
 
-    def __init__(self, step, optimizer, side: torch.cuda.Stream, warmup: int):
+    def __init__(self, step, optimizer, side: torch.cuda.Stream, warmup: int, ddp=None):
         self.step, self.optimizer, self.side, self.warmup = step, optimizer, side, warmup
+        self.ddp = ddp
         self.eager_steps = 0
+        self.padded_note = False
+        self.batch = 0  # images per step, as captured
         self.graph = None
         self.images = self.labels = self.outputs = None
         self.lrs = []  # the learning rate of each parameter group, on the device
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor):
+        n = len(labels)
         if self.graph is None:
+            self.batch = max(self.batch, n)  # the full batch, as the warm-up saw it
             if self.eager_steps < self.warmup:
                 self.eager_steps += 1
                 return self._on_side_stream(images, labels)
+        images, labels = self._fill(images, labels)
+        if self.graph is None:
             self._capture(images, labels)
-        if images.shape != self.images.shape or labels.shape != self.labels.shape:
-            raise RuntimeError(f"--cuda-graph replays a step captured for batches of shape "
-                               f"{tuple(self.images.shape)}, got {tuple(images.shape)}: every "
-                               f"training batch must have the same size")
         self.images.copy_(images, non_blocking=True)
         self.labels.copy_(labels, non_blocking=True)
         for lr, group in zip(self.lrs, self.optimizer.param_groups):
             lr.fill_(group["lr"])  # the scheduler's rate for this step (a launch, no sync)
         self.graph.replay()
-        return self.outputs
+        if self.ddp is not None:  # as DDP's own forward with gradients sets it: the next
+            self.ddp.require_forward_param_sync = True  # forward (evaluation) syncs buffers
+        outputs, loss = self.outputs
+        return outputs[:n], loss
+
+    def _fill(self, images, labels):
+        """The batch at the captured size: one with fewer images (the loader skipped
+        unreadable ones) gets repeats of its own, so every rank replays the same graph."""
+        n = len(labels)
+        shape = tuple(self.images.shape[1:]) if self.images is not None else None
+        if n == 0 or n > self.batch or shape not in (None, tuple(images.shape[1:])):
+            raise RuntimeError(f"--cuda-graph replays a step captured for batches of "
+                               f"{self.batch} x {shape}, got {tuple(images.shape)}")
+        if n == self.batch:
+            return images, labels
+        if not self.padded_note:
+            print0(f"note: --cuda-graph: a batch of {n} images (the rest unreadable) is filled "
+                   f"to the captured {self.batch} with repeats of its own")
+            self.padded_note = True
+        index = torch.arange(self.batch, device=labels.device) % n
+        return images[index], labels[index]
 
     def _on_side_stream(self, images, labels):
         current = torch.cuda.current_stream()
@@ -126,13 +168,17 @@ class CapturedStep:
             # thread_local: the DataLoader's pin-memory thread may allocate while we capture
             with torch.cuda.graph(self.graph, stream=self.side, capture_error_mode="thread_local"):
                 self.outputs = self.step(self.images, self.labels)
-        except RuntimeError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        except RuntimeError as e:  # the first cause, not the capture's own ending error
+            cause = e.__context__ if isinstance(e.__context__, Exception) else e
+            first = (str(cause).strip() or type(cause).__name__).splitlines()[0]
             raise UsageError(f"--cuda-graph: capturing the training step failed ({first}); "
-                             f"drop --cuda-graph to train eagerly") from None
+                             f"drop --cuda-graph to train eagerly") from e
         finally:
             for group, rate in zip(groups, rates):  # schedulers and checkpoints see floats
                 group["lr"] = rate
         torch.cuda.current_stream().wait_stream(self.side)
+        # what the captured step holds at its peak, which no replay will allocate again
+        device = images.device.index
+        common.captured_peak_mib[device] = torch.cuda.max_memory_allocated(device) / 2**20
         print0(f"cuda graph: the training step was captured after {self.eager_steps} eager "
                f"steps; every later step replays it (one launch)")

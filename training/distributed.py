@@ -125,12 +125,26 @@ def gpu_index(visible: int, local_rank: int, local_world_size: int, source: str)
     return local_rank
 
 
+def simulated(world: int, env: DistEnv) -> DistEnv:
+    """--simulate-world-size: this one process as rank 0 of ``world``, all on one node."""
+    if env.world_size > 1:
+        raise UsageError(f"--simulate-world-size runs one process as rank 0 of "
+                         f"{world}: start it with python, not with {env.world_size} processes "
+                         f"(torchrun or srun)")
+    return DistEnv(0, 0, world, 1, "simulated", num_nodes=1)
+
+
 def init_process_group(backend: str, env: DistEnv, timeout_s: int) -> None:
     """Join the global process group (all ranks). A single process gets an in-memory store,
-    so `python script.py` needs no MASTER_ADDR/PORT and runs the same DDP/FSDP code path."""
+    so `python script.py` needs no MASTER_ADDR/PORT and runs the same DDP/FSDP code path.
+    --simulate-world-size: torch's fake process group, where rank 0 of N has no peers and every
+    collective returns at once, its tensors untouched."""
     from datetime import timedelta
     timeout = timedelta(seconds=timeout_s)
-    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
+    if env.source == "simulated":
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=env.world_size)
+    elif env.world_size == 1 and "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
     else:

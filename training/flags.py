@@ -191,6 +191,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="print the predicted memory per GPU of this strategy and its variants, "
                         "by component ([MEMORY] lines and a table) for N GPUs (no N: 1, 2, 4 "
                         "and 8), then exit: no GPU, no process group, no dataset needed")
+    g.add_argument("--simulate-world-size", type=int, default=None, metavar="N",
+                   help="ddp_train.py and fsdp_train.py, one process: run as rank 0 of N on "
+                        "torch's fake process group (collectives move no data, every shard and "
+                        "bucket has its real size), train 2 steps and print a [MEMORY-HELD] "
+                        "line, what this rank holds (parameters, gradients, optimizer state; "
+                        "peak_mib on a GPU), beside the [MEMORY] prediction for N GPUs. A "
+                        "memory check, not training: no accuracy, no checkpoint, no model")
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="save a checkpoint here at the end of every epoch (and every "
@@ -268,6 +275,18 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
                              f"1024 (64: TinyImageNet's own, 224: ImageNet's), got "
                              f"{args.image_size}")
     board.check_flags(args)
+    if args.simulate_world_size is not None:
+        if args.simulate_world_size < 2:
+            raise UsageError(f"--simulate-world-size N: N is the number of GPUs to simulate, at "
+                             f"least 2, got {args.simulate_world_size}")
+        clash = [flag for flag, on in (("--check", args.check), ("--profile", args.profile),
+                                       ("--checkpoint-dir", args.checkpoint_dir),
+                                       ("--save-model", args.save_model),
+                                       ("--cuda-graph", args.cuda_graph),
+                                       ("--estimate-memory", args.estimate_memory)) if on]
+        if clash:
+            raise UsageError(f"--simulate-world-size only measures the memory of rank 0 of N "
+                             f"(its collectives move no data): drop {' and '.join(clash)}")
     if args.estimate_memory not in (None, ALL_GPU_COUNTS) and args.estimate_memory < 1:
         raise UsageError(f"--estimate-memory N: N is a number of GPUs, at least 1 (or none: "
                          f"1, 2, 4 and 8), got {args.estimate_memory}")

@@ -251,7 +251,8 @@ class StepProfiler:
         self.out_dir = args.profile if is_main else None
         self.steps, self.device = steps, device
         # --cuda-graph: the eager steps, the capture and a first replay come before the window
-        self.after = self.AFTER + (cudagraph.DDP_WARMUP_STEPS if args.cuda_graph else 0)
+        self.graph = bool(args.cuda_graph)
+        self.after = self.AFTER + (cudagraph.DDP_WARMUP_STEPS if self.graph else 0)
 
     def epoch(self, batches, first_step: int):
         """Yield ``batches`` (``first_step``: the steps a resumed epoch already ran), tracing
@@ -276,7 +277,16 @@ class StepProfiler:
         n = self.steps - first_step
         if not self.out_dir or n < 1:
             return -1, -1
-        start = first_step + min(self.after, n // 3)
+        if self.graph:  # never the eager steps or the capture: they are not what runs
+            start = first_step + self.after
+            if start >= self.steps:
+                print0(f"note: --profile with --cuda-graph: this epoch's {n} step(s) end before "
+                       f"the capture and a first replay ({self.after} steps): nothing is "
+                       f"traced; epochs of {self.after + self.STEPS} steps or more are")
+                self.out_dir = None
+                return -1, -1
+        else:
+            start = first_step + min(self.after, n // 3)
         end = min(start + self.STEPS, self.steps)
         if (start - first_step, end - start) != (self.after, self.STEPS):
             print0(f"note: --profile: this epoch runs {n} step(s), so it traces {end - start} "
