@@ -70,15 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
 def setup_distributed(args, env: distributed.DistEnv):
     """Pick the device and backend, then join the process group (every rank takes part)."""
     if devices.use_gpu(args):  # --device, and whether this torch can run on the GPU
-        gpu = distributed.gpu_index(torch.cuda.device_count(), env.local_rank,
-                                    env.local_world_size, env.source)
+        visible = torch.cuda.device_count()
+        gpu = distributed.gpu_index(visible, env.local_rank, env.local_world_size, env.source,
+                                    args.share_gpus)
         device = torch.device("cuda", gpu)
         torch.cuda.set_device(device)  # before any CUDA work, so NCCL binds the right GPU
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels
-        backend = "nccl"
+        # NCCL: a GPU per rank; ranks that share one (--share-gpus) talk over gloo instead
+        shared = distributed.sharing_gpus(visible, env, args.share_gpus)
+        backend = "gloo" if shared else "nccl"
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        device, backend, shared = torch.device("cpu"), "gloo", False
     distributed.init_process_group(backend, env, args.dist_timeout)
+    if shared:
+        print0(*distributed.shared_gpu_lines(visible, env))
+        distributed.check_gloo_on_cuda(device, COLLECTIVES + ("broadcast",))
     return device, backend
 
 

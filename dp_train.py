@@ -66,6 +66,9 @@ class AutocastForward(nn.Module):
 
 def setup_devices(args, env: distributed.DistEnv):
     """No process group: one process, the GPUs it drives, or the CPU."""
+    if args.share_gpus:
+        raise UsageError("--share-gpus lets several processes share a GPU, and DataParallel is "
+                         "one process: use ddp_train.py or fsdp_train.py --share-gpus")
     if args.simulate_world_size:
         raise UsageError("--simulate-world-size simulates the ranks of a process group, and "
                          "DataParallel has none: use ddp_train.py or fsdp_train.py")

@@ -142,6 +142,16 @@ def plan(which: str, gpu: bool) -> list:
              ("fsdp grad-op", "fsdp_train.py", ["--sharding", "grad-op"]),
              ("fsdp full", "fsdp_train.py", ["--sharding", "full"]),
              ("fsdp full --offload", "fsdp_train.py", ["--offload"])]
+    # one GPU as rank 0 of 8 (--simulate-world-size): what each ZeRO rung leaves on a GPU of 8
+    at_8 = [Row(f"memory at 8 GPUs: {label}", small, script, synth + extra + (
+                [] if px == 64 else ["--image-size", str(px)]) + ["--simulate-world-size", "8"],
+                image=px, kind="held", need_s=40)
+            for px in (64, side) for label, script, extra in rungs[1:]]
+    speed.insert(speed.index(next(r for r in speed if r.kind == "tests")) + 1,
+                 Row("equivalence tests, 2 ranks sharing a GPU", 0, kind="shared tests",
+                     cuda_only=True, need_s=240))
+    after_224 = speed.index(next(r for r in speed if r.script == "fsdp_train.py")) + 1
+    speed[after_224:after_224] = at_8
     memory = [Row(f"memory: {label}", small, script, ["{data}", "{cache}"] + extra
                   + ([] if px == 64 else ["--image-size", str(px)]), image=px, needs_data=True)
               for px in (64, side) for label, script, extra in rungs]
@@ -159,8 +169,9 @@ def row_args(row: Row, model: str, steps: int, paths: dict) -> list:
             args += ["--data-cache", paths["cache"]]
         else:
             args.append(a.format(work=paths["profile"]))
-    if not row.needs_data:
-        args += ["--synthetic-size", str(row.batch * steps)]
+    if not row.needs_data:  # a simulated rank 0 of 8 reads 1/8 of the samples
+        ranks = 8 if "--simulate-world-size" in args else 1
+        args += ["--synthetic-size", str(row.batch * max(steps, 2) * ranks)]
     return ["--model", model, "--epochs", "2", "--max-steps-per-epoch", str(steps),
             "--batch-size", str(row.batch), "--log-every", "0"] + args
 
@@ -211,6 +222,30 @@ def recompiles_between(log: str, start: float, end: float) -> int:
     return count
 
 
+def run_held(row: Row, args: list, timeout: float) -> dict:
+    """--simulate-world-size: the [MEMORY] prediction and the [MEMORY-HELD] figures."""
+    cmd = [sys.executable, str(REPO / row.script), *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {timeout:.0f} s", "cmd": cmd}
+    found = {}
+    for prefix in (contract.MEMORY_PREFIX, contract.MEMORY_HELD_PREFIX):
+        parsed = [p for p, _ in filter(None, (contract.fields(line, prefix)
+                                              for line in proc.stdout.splitlines()))]
+        found[prefix] = parsed[0] if parsed else None
+    predicted, held = found[contract.MEMORY_PREFIX], found[contract.MEMORY_HELD_PREFIX]
+    if proc.returncode != 0 or not (predicted and held):
+        last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        return {"error": f"exit {proc.returncode}: {last[:200]}", "cmd": cmd}
+    states = ("params_mib", "grads_mib", "optimizer_mib", "host_mib")
+    return {"peak": contract.number(held["peak_mib"]) or 0.0,
+            "predicted": contract.number(predicted["peak_mib"]),
+            "states": " + ".join(f"{held[k]}" for k in states),
+            "predicted_states": " + ".join(f"{predicted[k]}" for k in states),
+            "units_in_flight": held["units_in_flight"], "amp": predicted["amp"], "cmd": cmd}
+
+
 def _pytest(args: list, env: dict, timeout: float) -> tuple:
     """(passed, pytest's last line, its FAILED/ERROR lines): which test failed, not only how
     many."""
@@ -225,18 +260,21 @@ def _pytest(args: list, env: dict, timeout: float) -> tuple:
     return proc.returncode == 0, lines[-1], failed[:10]
 
 
-def equivalence_tests(gpus: int, timeout: float) -> tuple:
+def equivalence_tests(gpus: int, timeout: float, shared: bool = False) -> tuple:
     """The suite's equivalence tests (marked cuda_ok), run on this machine's device (CUDA
-    here): the strategies against DDP, and --cuda-graph against the eager step."""
+    here): the strategies against DDP, and --cuda-graph against the eager step. ``shared``:
+    the strategies' tests at 2 ranks on however many GPUs there are (--share-gpus, gloo)."""
     if importlib.util.find_spec("pytest") is None:  # run as python -m pytest below
         return None, "skipped: pytest is not installed (pip install -r requirements-test.txt)"
-    nproc = 2 if gpus >= 2 else 1
+    nproc = 2 if gpus >= 2 or shared else 1
     # without DPT_TEST_DEVICE=cuda the tests hide the GPUs from their runs (tests/conftest.py)
-    env = dict(os.environ, DPT_TEST_NPROC=str(nproc), DPT_TEST_DEVICE="cuda")
-    passed, summary, failed = _pytest(
-        [str(REPO / "tests" / "test_cuda_graph.py"), str(REPO / "tests" / "test_strategies.py"),
-         "-m", "cuda_ok"], env, timeout)
-    return passed, "; ".join([f"{summary} ({nproc} process(es) per run, NCCL)"] + failed)
+    env = dict(os.environ, DPT_TEST_NPROC=str(nproc), DPT_TEST_DEVICE="cuda",
+               DPT_TEST_SHARE_GPUS="1" if shared else "0")
+    files = ([] if shared else [str(REPO / "tests" / "test_cuda_graph.py")]) + [
+        str(REPO / "tests" / "test_strategies.py")]
+    passed, summary, failed = _pytest(files + ["-m", "cuda_ok"], env, timeout)
+    how = "2 ranks sharing the GPU(s), gloo" if shared and gpus < 2 else "NCCL"
+    return passed, "; ".join([f"{summary} ({nproc} process(es) per run, {how})"] + failed)
 
 
 def whole_suite(timeout: float) -> tuple:
@@ -336,7 +374,7 @@ def report(results: list, head: list, gpu: bool, steps: int, tail: list) -> str:
                     "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     notes = []
     for r in results:
-        where = f"| {r['label']} | {r['image'] if r['kind'] == 'train' else ''} | " \
+        where = f"| {r['label']} | {r['image'] if r['kind'] in ('train', 'held') else ''} | " \
                 f"{r['batch'] or ''} |"
         if "img_s" in r:
             key = (r["batch"], r["image"])
@@ -348,6 +386,15 @@ def report(results: list, head: list, gpu: bool, steps: int, tail: list) -> str:
             launches = "" if r["launches"] is None else f"{r['launches']:,.0f}"
             lines.append(f"{where} {r['amp']} | {r['img_s']:,.0f} | {r['step_ms']:.1f} | "
                          f"{launches} | {r['peak']:,.0f} | {predicted} | {error} | {ratio} |")
+        elif "states" in r:  # --simulate-world-size: memory only
+            error = (f"{(r['predicted'] - r['peak']) / r['peak']:+.0%}"
+                     if gpu and r["peak"] and r["predicted"] else "n/a")
+            peak = f"{r['peak']:,.0f}" if r["peak"] else "n/a"  # on a CPU: none measured
+            lines.append(f"{where} {r['amp']} | | | | {peak} | {r['predicted'] or 0:,.0f} | "
+                         f"{error} | |")
+            notes.append(f"{r['label']}, {r['image']} px: held params + grads + optimizer + "
+                         f"host {r['states']} MiB, predicted {r['predicted_states']}; FSDP "
+                         f"units gathered at once: {r['units_in_flight']}")
         elif "skipped" in r:
             lines.append(f"{where} | {r['skipped']} | | | | | | |")
         elif "error" in r:
@@ -465,11 +512,14 @@ def main(argv=None) -> int:
             timeout = max(10.0, min(args.row_timeout, deadline - time.monotonic()))
             if "error" in result:
                 pass
-            elif row.kind == "tests":
-                passed, text = equivalence_tests(torch.cuda.device_count(), timeout)
+            elif row.kind in ("tests", "shared tests"):
+                passed, text = equivalence_tests(torch.cuda.device_count(), timeout,
+                                                 shared=row.kind == "shared tests")
                 result.update(passed=passed, text=text)
                 if passed is False:
                     result["error"] = "see below"
+            elif row.kind == "held":
+                result.update(run_held(row, row_args(row, model, steps, paths), timeout))
             elif row.kind == "launcher":
                 result.update(run_launcher(row, model, steps, work, keep, timeout))
             else:
@@ -481,7 +531,9 @@ def main(argv=None) -> int:
             f.write(json.dumps(result | {"cmd": " ".join(map(str, result.get("cmd", [])))})
                     + "\n")
         shown = (f"{result['img_s']:,.0f} img/s, {result['step_ms']:.1f} ms/step"
-                 if "img_s" in result else result.get("error") or result.get("skipped")
+                 if "img_s" in result else f"held {result['states']} MiB (params + grads + "
+                 f"optimizer + host), predicted {result['predicted_states']}"
+                 if "states" in result else result.get("error") or result.get("skipped")
                  or result.get("text") or "done")
         print(f"  {row.label}, {row.image} px, batch {row.batch}: {shown}", flush=True)
         if out:

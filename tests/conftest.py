@@ -19,6 +19,9 @@ import pytest
 # scripts do not stop for a job given GPUs it cannot use). DPT_TEST_DEVICE=cuda keeps the GPUs:
 # bench/gpu_check.py runs the strategy-equivalence tests on CUDA so.
 ON_CUDA = os.environ.get("DPT_TEST_DEVICE") == "cuda"
+# With DPT_TEST_SHARE_GPUS=1 (and DPT_TEST_DEVICE=cuda) runs of more processes than GPUs share
+# them (--share-gpus, over gloo) instead of being skipped: two ranks on one GPU.
+SHARE_GPUS = ON_CUDA and os.environ.get("DPT_TEST_SHARE_GPUS") == "1"
 if not ON_CUDA:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
@@ -84,7 +87,9 @@ def run_script(script: str, args=(), nproc: int | None = None, timeout: int = 60
     On the GPU (DPT_TEST_DEVICE=cuda) a run of more processes than GPUs is skipped: NCCL gives
     each process a GPU of its own."""
     if ON_CUDA and (nproc or 1) > _gpus():
-        pytest.skip(f"{nproc or 1} process(es) need as many GPUs; this machine has {_gpus()}")
+        if not SHARE_GPUS:
+            pytest.skip(f"{nproc or 1} process(es) need as many GPUs; this machine has {_gpus()}")
+        args = [*args, "--share-gpus"]
     if nproc is None:
         cmd = [sys.executable, str(REPO / script), *args]
     else:

@@ -55,7 +55,17 @@ def test_gpu_check_runs_on_cpu_with_a_notice(tmp_path):
                       r"dp \(one GPU\), synthetic on device|ddp, cache|ddp, JPEG folder) \| "
                       r"64 \| \d+ \| off \| ([\d,]+) \| [\d.]+ \|", report, re.M)
     assert len(rows) == 6 and all(int(v.replace(",", "")) > 0 for _, v in rows), report
-    assert report.count("skipped (CUDA only)") == 9
+    assert report.count("skipped (CUDA only)") == 12
+    # rank 0 of 8 for each ZeRO rung: what it holds beside what the memory model predicts
+    held = re.findall(r"^memory at 8 GPUs: (.*), 64 px: held params \+ grads \+ optimizer \+ "
+                      r"host ([\d.]+) \+ ([\d.]+) \+ ([\d.]+) \+ "
+                      r"([\d.]+) MiB, predicted ([\d.]+) \+ ([\d.]+) \+ ([\d.]+) \+ ([\d.]+);",
+                      report, re.M)
+    assert [h[0] for h in held] == ["ddp", "ddp --zero1", "fsdp grad-op", "fsdp full",
+                                    "fsdp full --offload"], report
+    for _, *figures in held:
+        got, want = [float(x) for x in figures[:4]], [float(x) for x in figures[4:]]
+        assert got == pytest.approx(want, abs=0.06), figures  # [MEMORY] has one decimal
     assert re.search(r"^\| ddp, synthetic on device \| 64 \| 8 \| off \| .* \| 0 \| ", report,
                      re.M), "the profiled row counts the launches: none on a CPU"
     assert "test suite on this node: skipped: no GPU" in report  # never the suite inside itself

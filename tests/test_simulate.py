@@ -112,3 +112,48 @@ def test_simulate_refuses_several_processes():
                                        "--simulate-world-size", "4"], nproc=2, timeout=300)
     assert proc.returncode != 0  # torchrun's own code for a worker's exit 2
     assert re.search(r"start it with python, not with 2 processes", proc.stderr)
+
+
+# ---- ranks that share a GPU (--share-gpus): gloo, round-robin
+@pytest.mark.parametrize("visible, local_rank, local_world, source, expected", [
+    (1, 1, 2, "torchrun", 0), (1, 0, 2, "torchrun", 0), (2, 3, 4, "torchrun", 1),
+    (2, 2, 3, "slurm", 0)])
+def test_shared_gpus_are_taken_round_robin(visible, local_rank, local_world, source, expected):
+    from training import distributed
+    assert distributed.gpu_index(visible, local_rank, local_world, source, share=True) == expected
+
+
+def test_ranks_share_gpus_only_when_asked_and_outnumbering_them():
+    from training import distributed
+    env = distributed.DistEnv(0, 0, 2, 2, "torchrun")
+    assert distributed.sharing_gpus(1, env, share=True)
+    assert not distributed.sharing_gpus(1, env, share=False)
+    assert not distributed.sharing_gpus(2, env, share=True)  # a GPU each: NCCL as usual
+    # srun tasks that each see one GPU (--gpus-per-task=1) have their own
+    assert not distributed.sharing_gpus(1, distributed.DistEnv(0, 0, 2, 2, "slurm"), True)
+    line = distributed.shared_gpu_lines(1, env)[0]
+    assert "2 processes share 1 GPU(s)" in line and "gloo" in line and "slow" in line
+
+
+def test_a_collective_gloo_lacks_for_cuda_tensors_is_one_sentence(monkeypatch):
+    from training import distributed
+    from training.faults import UsageError
+    import torch.distributed as dist
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    for op in ("all_reduce", "broadcast", "all_gather_into_tensor"):
+        monkeypatch.setattr(dist, op, lambda *a, **k: None)
+
+    def missing(*a, **k):
+        raise RuntimeError("ProcessGroupGloo::reduce_scatter: unsupported device type cuda")
+    monkeypatch.setattr(dist, "reduce_scatter_tensor", missing)
+    distributed.check_gloo_on_cuda("cpu", ("all_reduce", "broadcast"))  # DDP's: all there
+    with pytest.raises(UsageError, match=r"^--share-gpus: gloo in this torch has no "
+                                         r"reduce_scatter for CUDA tensors \(ProcessGroupGloo"
+                                         r".*\), which this strategy needs: start one process "
+                                         r"per GPU, without --share-gpus$"):
+        distributed.check_gloo_on_cuda("cpu", ("all_gather", "reduce_scatter", "all_reduce"))
+
+
+def test_share_gpus_is_for_process_groups():
+    proc = run_script("dp_train.py", ["--model", "cnn", "--share-gpus"], timeout=120)
+    assert proc.returncode == 2 and "DataParallel is one process" in proc.stderr

@@ -107,15 +107,19 @@ def dist_env() -> DistEnv:
     return DistEnv(0, 0, 1, 1, "single")
 
 
-def gpu_index(visible: int, local_rank: int, local_world_size: int, source: str) -> int:
+def gpu_index(visible: int, local_rank: int, local_world_size: int, source: str,
+              share: bool = False) -> int:
     """Which of the ``visible`` GPUs this process drives (a pure function of the layout).
 
     - One GPU visible to a process that srun started as its own task: srun --gpus-per-task=1
       or --gpu-bind gave each task its own GPU, always cuda:0 inside the task.
-    - Otherwise local rank i drives GPU i, so the node needs a GPU per local process.
+    - Otherwise local rank i drives GPU i, so the node needs a GPU per local process, unless
+      ``share`` (--share-gpus): then local rank i drives GPU i mod ``visible``.
     """
     if visible == 1 and (source == "slurm" or local_world_size == 1):
         return 0
+    if local_world_size > visible and share:
+        return local_rank % visible
     if local_world_size > visible:
         fix = (f"use --nproc-per-node {visible}" if source == "torchrun" else
                f"start {visible} task(s) per node, or give each task its own GPU with srun "
@@ -123,6 +127,45 @@ def gpu_index(visible: int, local_rank: int, local_world_size: int, source: str)
         raise UsageError(f"{local_world_size} processes were started on this node but only "
                          f"{visible} GPU(s) are visible: {fix} (or request more GPUs)")
     return local_rank
+
+
+def sharing_gpus(visible: int, env: DistEnv, share: bool) -> bool:
+    """Whether ranks of this node share GPUs: --share-gpus, and more local ranks than GPUs
+    (srun tasks that each see one GPU have one of their own)."""
+    return share and env.local_world_size > visible and not (
+        visible == 1 and env.source == "slurm")
+
+
+def shared_gpu_lines(visible: int, env: DistEnv) -> list:
+    """What the start-up says when ranks share GPUs, and why it is slow."""
+    return [f"note: --share-gpus: {env.local_world_size} processes share {visible} GPU(s) "
+            f"round-robin (local rank i on cuda:i mod {visible}); they talk over gloo, because "
+            f"NCCL refuses two ranks on one GPU, so every collective goes through host memory "
+            f"and the GPUs take turns: slow, for trying the multi-rank code paths on CUDA, not "
+            f"for timing"]
+
+
+def check_gloo_on_cuda(device, ops: tuple) -> None:
+    """Run each collective of ``ops`` once on a small CUDA tensor over gloo (every rank), so
+    that one this torch's gloo lacks for CUDA tensors is one sentence now, not a crash at the
+    first step."""
+    import torch
+    world = dist.get_world_size()
+    x = torch.ones(world * 2, device=device)
+    calls = {"all_reduce": lambda: dist.all_reduce(x.clone()),
+             "broadcast": lambda: dist.broadcast(x.clone(), src=0),
+             "all_gather": lambda: dist.all_gather_into_tensor(torch.empty(world * 2 * world,
+                                                                           device=device), x),
+             "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(2, device=device),
+                                                                  x)}
+    for op in ops:
+        try:
+            calls[op]()
+        except (RuntimeError, NotImplementedError) as e:
+            first = (str(e).strip() or type(e).__name__).splitlines()[0]
+            raise UsageError(f"--share-gpus: gloo in this torch has no {op} for CUDA tensors "
+                             f"({first[:160]}), which this strategy needs: start one process "
+                             f"per GPU, without --share-gpus") from None
 
 
 def simulated(world: int, env: DistEnv) -> DistEnv:

@@ -159,6 +159,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="auto: the GPUs torch sees, else the CPU, but a job given GPUs that "
                         "torch cannot use stops with the reason; cuda: GPUs or stop; cpu: train "
                         "on the CPU on purpose, even on a GPU node")
+    g.add_argument("--share-gpus", action="store_true",
+                   help="allow more processes per node than GPUs (ddp_train.py, fsdp_train.py): "
+                        "the ranks share the GPUs round-robin and talk over gloo (NCCL refuses "
+                        "two ranks on one GPU). Slow, every collective through host memory: for "
+                        "trying the multi-rank code paths with one GPU, not for timing")
     g.add_argument("--dist-timeout", type=int, default=600,
                    help="seconds a collective or the process-group start may wait for other "
                         "ranks before the run fails instead of hanging")
