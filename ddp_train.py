@@ -53,8 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bucket-cap-mb", type=flags.positive, default=25,
                    help="gradient bucket size: larger buckets mean fewer, bigger all-reduces")
     g.add_argument("--gradient-as-bucket-view", action=argparse.BooleanOptionalAction,
-                   default=True, help="gradients are views into the all-reduce buckets: saves one "
-                                      "gradient copy per step and one gradient set of memory")
+                   default=True, help="gradients are views into the all-reduce buckets, kept "
+                                      "across steps (zeroed, not set to None): backward adds "
+                                      "into the buckets in place, no copy into them per step, "
+                                      "and no second set of gradients in memory")
     g.add_argument("--broadcast-buffers", action=argparse.BooleanOptionalAction, default=True,
                    help="copy rank 0's BatchNorm running statistics to all ranks before every "
                         "forward; off: one broadcast less per step, each rank keeps its own")
@@ -235,7 +237,10 @@ def train(args, env: distributed.DistEnv) -> int:
     def train_step(images, labels):
         """One optimizer step on this rank's batch: forward under autocast, loss, scaled
         backward, the optimizer step. Returns (outputs, loss), still on the device."""
-        optimizer.zero_grad(set_to_none=True)
+        # --gradient-as-bucket-view: the gradients are zeroed, not dropped, so they stay views
+        # into DDP's buckets and backward adds into them in place; dropped (None), every
+        # backward would make new gradients and DDP copy each one into its bucket
+        optimizer.zero_grad(set_to_none=not args.gradient_as_bucket_view)
         with torch.autocast(device.type, dtype=dtype or torch.float32,
                             enabled=dtype is not None):
             outputs = step_model(images)

@@ -106,9 +106,11 @@ def setup_distributed(args, env: distributed.DistEnv):
         device = torch.device("cuda", gpu)
         torch.cuda.set_device(device)  # before any CUDA work, so NCCL binds the right GPU
         torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels
-        # NCCL: a GPU per rank; ranks that share one (--share-gpus) talk over gloo instead
+        # NCCL: a GPU per rank; ranks that share one (--share-gpus) talk over gloo instead.
+        # --offload: the gradient shards live on the CPU, and fp16's GradScaler all-reduces
+        # its inf check of them: a CPU backend beside NCCL carries that
         shared = distributed.sharing_gpus(visible, env, args.share_gpus)
-        backend = "gloo" if shared else "nccl"
+        backend = "gloo" if shared else "cpu:gloo,cuda:nccl" if args.offload else "nccl"
     else:
         device, backend, shared = torch.device("cpu"), "gloo", False
     distributed.init_process_group(backend, env, args.dist_timeout)

@@ -125,6 +125,9 @@ def plan(which: str, gpu: bool) -> list:
             synth + wide + ["--sharding", "full"], image=side, cuda_only=True),
         Row("fsdp full, synthetic on device", small, "fsdp_train.py",
             synth + ["--sharding", "full"]),
+        # offload's gradient shards on the CPU under fp16's GradScaler: gloo beside NCCL
+        Row("fsdp --offload fp16, synthetic on device", small, "fsdp_train.py",
+            synth + ["--offload", "--amp", "fp16"], cuda_only=True),
         Row("dp (one GPU), synthetic on device", small, "dp_train.py", synth + one_gpu),
         Row("ddp --compile, synthetic on device", big, args=synth + ["--compile"],
             cuda_only=True, need_s=240),

@@ -126,6 +126,27 @@ def record_buffer_sync(out: Path) -> None:
     ddp.__init__ = init
 
 
+def record_grad_storage(out: Path) -> None:
+    """Where the first parameter's gradient lives: as backward accumulates into it (its
+    post-accumulate hook) and as the optimizer reads it (DDP has made it a bucket view by
+    then), one line per step."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    real = ddp.__init__
+
+    def init(self, module, *args, **kwargs):
+        real(self, module, *args, **kwargs)
+        first = next(module.parameters())
+        log = out / f"grad-storage-rank{RANK}.txt"
+
+        def note(event):
+            with log.open("a") as f:
+                f.write(f"{event} {first.grad.data_ptr()}\n")
+        first.register_post_accumulate_grad_hook(lambda p: note("accumulated"))
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        register_optimizer_step_pre_hook(lambda *a: note("stepped"))
+    ddp.__init__ = init
+
+
 def old_torch(out: Path) -> None:
     """torch says it is 2.5.1, older than the floor in requirements.txt."""
     torch.__version__ = "2.5.1"

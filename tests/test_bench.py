@@ -55,7 +55,7 @@ def test_gpu_check_runs_on_cpu_with_a_notice(tmp_path):
                       r"dp \(one GPU\), synthetic on device|ddp, cache|ddp, JPEG folder) \| "
                       r"64 \| \d+ \| off \| ([\d,]+) \| [\d.]+ \|", report, re.M)
     assert len(rows) == 6 and all(int(v.replace(",", "")) > 0 for _, v in rows), report
-    assert report.count("skipped (CUDA only)") == 12
+    assert report.count("skipped (CUDA only)") == 13
     # rank 0 of 8 for each ZeRO rung: what it holds beside what the memory model predicts
     held = re.findall(r"^memory at 8 GPUs: (.*), 64 px: held params \+ grads \+ optimizer \+ "
                       r"host ([\d.]+) \+ ([\d.]+) \+ ([\d.]+) \+ "

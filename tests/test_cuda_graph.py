@@ -237,3 +237,21 @@ def test_ddp_broadcasts_buffers_only_when_there_is_another_rank(tmp_path):
                              nproc=nproc))
         said = {p.read_text() for p in out.glob("buffer-sync-rank*.txt")}
         assert said == {"False" if nproc == 1 else "True"}, (nproc, said)
+
+
+# ---- --gradient-as-bucket-view keeps its promise
+def test_gradients_stay_bucket_views_across_steps(tmp_path):
+    """With --gradient-as-bucket-view (the default) backward adds into DDP's buckets: from the
+    second step on, the gradient it accumulates into is the bucket view the optimizer reads.
+    Set to None by zero_grad, each backward made a new gradient that DDP then copied into its
+    bucket. (On the 2-core CPU the copy saved no measurable time: 1.005x wall over 6 pairs.)"""
+    check_ok(run_patched("record_grad_storage", tmp_path, "ddp_train.py",
+                         CPU + ["--max-steps-per-epoch", "3"], nproc=1))
+    events = [line.split() for line in (tmp_path / "grad-storage-rank0.txt").read_text()
+              .splitlines()]
+    steps = [(events[i][1], events[i + 1][1]) for i in range(0, len(events), 2)]
+    assert [e[0] for e in events] == ["accumulated", "stepped"] * 3, events
+    # DDP rebuilds its buckets after the first step; from then on backward adds into the
+    # bucket view the optimizer reads (before: a new gradient each step, copied into it)
+    assert [accumulated == stepped for accumulated, stepped in steps[1:]] == [True, True], steps
+    assert steps[2][0] == steps[1][1], steps  # the same bucket, step after step

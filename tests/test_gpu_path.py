@@ -305,3 +305,23 @@ def test_every_process_group_waits_for_dist_timeout_at_most(monkeypatch):
     checkpoint.StopRequest(45)  # the stop vote's gloo group
     assert [g["timeout"] for g in groups] == [timedelta(seconds=45)] * 2
     assert groups[1]["backend"] == "gloo"
+
+
+# ---- fsdp --offload on GPUs: the gradient shards live on the CPU, and fp16's GradScaler
+# all-reduces its inf check of them, so the process group carries a CPU backend beside NCCL
+@pytest.mark.parametrize("extra, backend", [
+    (["--offload"], "cpu:gloo,cuda:nccl"), (["--sharding", "full"], "nccl"),
+    (["--offload", "--share-gpus"], "gloo")])
+def test_fsdp_offload_gets_a_cpu_backend_beside_nccl(monkeypatch, extra, backend):
+    import fsdp_train
+    fake_gpus(monkeypatch, 1)
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(distributed, "init_process_group", lambda b, env, t: chosen.append(b))
+    monkeypatch.setattr(distributed, "check_gloo_on_cuda", lambda device, ops: None)
+    monkeypatch.setattr(fsdp_train, "init_device_mesh", lambda *a, **k: None)
+    monkeypatch.setattr(fsdp_train.devices, "use_gpu", lambda args: True)
+    args = fsdp_train.build_parser().parse_args(extra)
+    world = 2 if "--share-gpus" in extra else 1
+    fsdp_train.setup_distributed(args, distributed.DistEnv(0, 0, world, world, "torchrun"))
+    assert chosen == [backend]
