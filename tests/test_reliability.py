@@ -503,3 +503,44 @@ def test_a_full_disk_mid_run_is_one_sentence_and_keeps_the_last_checkpoint(small
                          timeout=300)
     check_ok(resumed)
     assert "Resumed from epoch 1, step " in resumed.stdout
+
+
+# ---- Odd environments: one sentence at once, exit 2 ----------------------------------------
+
+
+@pytest.mark.parametrize("given, says", [
+    ({"WORLD_SIZE": "2"}, "$WORLD_SIZE=2 is set but $RANK is not"),
+    ({"RANK": "1"}, "$RANK=1 is set but $WORLD_SIZE is not"),
+    ({"RANK": "5", "WORLD_SIZE": "2"}, "$RANK=5 does not fit $WORLD_SIZE=2 (ranks run from 0 "
+                                       "to 1)"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "$WORLD_SIZE=0 is not a number of processes"),
+])
+def test_rank_variables_that_do_not_fit_are_one_sentence(monkeypatch, capsys, given, says):
+    """Before: WORLD_SIZE or RANK alone trained one process silently; RANK=5 of 2 waited 30 s
+    for a rendezvous, then blamed a dead rank under pages of C++ frames."""
+    import ddp_train
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in given.items():
+        monkeypatch.setenv(k, v)
+    t0 = time.monotonic()
+    assert ddp_train.main(RUN) == 2
+    err = capsys.readouterr().err
+    assert time.monotonic() - t0 < 10
+    assert err.count("\n") == 1 and says in err and "torchrun sets them" in err, err
+
+
+def test_a_taken_master_port_is_named_with_exit_2():
+    """Before: rank 0's rendezvous store could not listen, which read as a failed collective
+    ("another rank probably died ... raise --dist-timeout"), exit 1."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_script("ddp_train.py", RUN, env={"RANK": "0", "WORLD_SIZE": "2",
+                                                    "MASTER_ADDR": "127.0.0.1",
+                                                    "MASTER_PORT": str(port)}, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"127.0.0.1:{port} is already taken by another program" in proc.stderr
+    assert "export another free MASTER_PORT" in proc.stderr
