@@ -544,3 +544,21 @@ def test_a_taken_master_port_is_named_with_exit_2():
     assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"127.0.0.1:{port} is already taken by another program" in proc.stderr
     assert "export another free MASTER_PORT" in proc.stderr
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\x00\xff\x1b[31mjunk\n", b"somehost\n"])
+def test_a_lock_that_names_no_process_is_stale(tmp_path, capsys, garbage):
+    """Before: an empty or damaged .lock refused the run for 60 s as "in use by another run
+    (host ?, pid ?)", with the garbage bytes in the sentence."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / faults.LOCK_FILE).write_bytes(garbage)
+    try:
+        faults.lock_checkpoint_dir(ck)
+        assert (ck / faults.LOCK_FILE).read_text().split()[1] == str(os.getpid())
+    finally:
+        faults.release_checkpoint_lock()
+    out = capsys.readouterr().out
+    assert f"taking over the lock of {ck}: its .lock names no process (empty or damaged)" in out
+    assert "junk" not in out and "\x1b" not in out and "somehost" not in out
+    assert not (ck / faults.LOCK_FILE).exists()
