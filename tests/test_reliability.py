@@ -562,3 +562,28 @@ def test_a_lock_that_names_no_process_is_stale(tmp_path, capsys, garbage):
     assert f"taking over the lock of {ck}: its .lock names no process (empty or damaged)" in out
     assert "junk" not in out and "\x1b" not in out and "somehost" not in out
     assert not (ck / faults.LOCK_FILE).exists()
+
+
+# ---- A file that is not a checkpoint says what it is --------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["random bytes", "--save-model file"])
+def test_resume_from_a_file_that_is_not_a_checkpoint_says_what_it_is(tmp_path, kind):
+    """Before: random bytes gave torch's "weights_only ... In PyTorch 2.6" hint, a --save-model
+    file "KeyError: 'model'", and the advice was to give another --checkpoint-dir."""
+    path = tmp_path / "thing.pt"
+    if kind == "random bytes":
+        path.write_bytes(os.urandom(4096))
+        says = f"--resume {path} is not a checkpoint: not a file that torch.save wrote"
+    else:
+        checkpoint.save_model({"fc.weight": torch.zeros(2, 3), "fc.bias": torch.zeros(2)}, path)
+        says = (f"--resume {path} is a model file from --save-model, not a checkpoint: it "
+                f"holds the weights only")
+    proc = run_script("ddp_train.py", RUN + ["--resume", str(path)], timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert says in line and "leave --resume out to start fresh" in line, line
+    assert "--checkpoint-dir" not in line.split("give --resume")[0], line
+    assert "weights_only" not in line.replace("weights_only=True))", "") and "KeyError" not in line
+    if kind == "--save-model file":
+        assert "model.load_state_dict(torch.load(PATH, weights_only=True))" in line
