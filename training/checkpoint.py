@@ -11,9 +11,9 @@ How each strategy saves and loads stays in its script (``save_checkpoint(path, s
 ``load_checkpoint(path, state)``): DDP and DataParallel write one file from rank 0, FSDP a
 sharded DCP folder from every rank. What this module adds is the same for all three: names
 that sort in training order, atomic writes, pruning to --keep-checkpoints, the newest usable
-checkpoint on resume, the random state of every rank, the steps a resumed epoch already ran,
-a stop at the same step on every rank after SIGUSR1/SIGTERM, and NaN/inf losses caught
-without a host sync per step.
+checkpoint on resume, the random state of every rank, the steps a resumed epoch already ran
+and their figures (so that its line covers the whole epoch), a stop at the same step on every
+rank after SIGUSR1/SIGTERM, and NaN/inf losses caught without a host sync per step.
 """
 
 from __future__ import annotations
@@ -555,6 +555,9 @@ class Checkpoints:
         self.dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
         self.metrics = {}  # the last finished epoch's (from the checkpoint, after a resume)
         self.steps = 0  # this run's steps per epoch, set by resume()
+        # a checkpoint inside an epoch: the figures of that epoch's steps before it
+        # (measure.epoch_so_far), for the resumed epoch's line; None at an epoch's start
+        self.earlier = None
 
     def resume(self, steps: int) -> tuple:
         """(epoch, step) to start from, on every rank: (0, 0) for a fresh start. ``steps``:
@@ -577,6 +580,7 @@ class Checkpoints:
         if _rank() < len(meta["rng"]):  # a rank the saved run did not have keeps its own seed
             set_rng_state(meta["rng"][_rank()])
         self.metrics = meta["metrics"]
+        self.earlier = meta.get("earlier") if meta["step"] else None
         saved_steps = meta.get("steps", steps)  # (checkpoints before it was saved: the same)
         # a mid-epoch checkpoint has steps left, and so must the resumed epoch
         step = min(round(meta["step"] * steps / saved_steps), steps - 1) if meta["step"] else 0
@@ -611,15 +615,16 @@ class Checkpoints:
         if self.enabled:
             self.save(epoch + 1, 0)
 
-    def save(self, epoch: int, step: int) -> None:
+    def save(self, epoch: int, step: int, earlier: dict | None = None) -> None:
         """Collective: every rank takes part (their RNG states are gathered into the file).
-        The caller has just checked the losses (LossWatch.check): no NaN reaches a file."""
+        The caller has just checked the losses (LossWatch.check): no NaN reaches a file.
+        ``earlier``: inside an epoch, its figures so far (measure.epoch_so_far)."""
         rngs = [rng_state()]
         if dist.is_available() and dist.is_initialized():
             rngs = [None] * dist.get_world_size()
             dist.all_gather_object(rngs, rng_state())
         meta = dict(epoch=epoch, step=step, steps=self.steps, metrics=self.metrics, rng=rngs,
-                    args=vars(self.args), world_size=len(rngs))
+                    args=vars(self.args), world_size=len(rngs), earlier=earlier)
         error = None
         try:
             self._save(self.dir / checkpoint_name(epoch, step), self.state, meta)
