@@ -78,6 +78,16 @@ def log_dir(args, strategy: str, nodes: int, gpus_per_node: int) -> Path:
     return Path("runs/tensorboard") / f"{strategy}-{nodes}n{gpus_per_node}g-{name}"
 
 
+def view_dir(path: Path, under_launcher: bool) -> Path:
+    """The folder to give `tensorboard --logdir` so that this run gets a name: TensorBoard names
+    each run by its folder below the logdir, and the logdir's own files become the run ".".
+    Under the launchers the runs directory, where the run is <job>/tensorboard beside the
+    other jobs; else the folder above the run's."""
+    if under_launcher:
+        return path.parent.parent
+    return path.parent if path.name else path.resolve().parent
+
+
 def set_aside_curves(path: Path) -> Path | None:
     """Move the training's event files (and --profile's trace) in ``path`` into
     ``path/superseded-<time>/``; return that folder, or None when there were none. The memory
@@ -131,8 +141,7 @@ class Board:
         rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(vars(args).items()))
         self.writer.add_text("config", "| flag | value |\n|---|---|\n" + rows, first_step)
         print(f"tensorboard: writing to {self.path} (view: tensorboard --logdir "
-              f"{self.path.parent if args.tensorboard in ('auto', UNDER_LAUNCHER) else self.path})",
-              flush=True)
+              f"{view_dir(self.path, args.tensorboard == UNDER_LAUNCHER)})", flush=True)
 
     def step(self, epoch: int, done: int, loss, optimizer, meter) -> None:
         """After a training step (``done`` steps of ``epoch`` taken): a point, if
