@@ -510,7 +510,8 @@ def main(argv=None) -> int:
         if args.tensorboard and (why := analyze_memory.missing_tensorboard()):
             raise UsageError(why)
         rows = read_inputs(args.paths)
-        if rows and all(r["status"] == UNREADABLE for r in rows):  # results.md would hold no number
+        # every run unreadable: results.md would hold no number, so there is nothing to write
+        if rows and all(r["status"] == UNREADABLE for r in rows):
             raise UsageError(rows[0]["detail"] if len(rows) == 1 else
                              f"none of the {len(rows)} runs can be read; the first: "
                              f"{rows[0]['detail']}")

@@ -311,7 +311,7 @@ _TORCH_SAVE_MAGIC = b"PK\x03\x04"
 def not_a_checkpoint(path) -> str | None:
     """What a file that failed to load as a checkpoint is instead, in a few words, or None
     when it looks like a checkpoint (of another script or --model: its own error says why).
-    Used only after a load failed, so reading the file a second time costs nothing usual."""
+    Called only after a load failed, so a run that resumes never reads its file twice."""
     import zipfile
     path = Path(path)
     if path.is_dir():
