@@ -419,7 +419,7 @@ def test_resume_at_a_larger_world_size_keeps_the_new_ranks_own_seed(monkeypatch,
     saved = checkpoint.rng_state()
     meta = dict(epoch=1, step=0, metrics={}, rng=[saved], args={"amp": "off"}, path="ck")
     monkeypatch.setattr(checkpoint, "_rank", lambda: rank)
-    monkeypatch.setattr(checkpoint, "load_newest", lambda candidates, load: meta)
+    monkeypatch.setattr(checkpoint, "load_newest", lambda candidates, load, explicit: meta)
     torch.manual_seed(flags.seed_for_rank(0, rank))  # as the script seeds each rank
     own = torch.get_rng_state()
     args = argparse.Namespace(checkpoint_dir=None, resume="auto", amp="off", dist_timeout=600)
