@@ -28,7 +28,8 @@ a note on stderr. An empty,
 zero-filled or unrecognised log is an error, never dropped.
 
 Exit status: 0 every input was summarised; 1 some were, but a path or file was bad (each named
-on stderr in one line); 2 nothing could be summarised, a bad command line, or a module of the
+on stderr in one line); 2 nothing could be summarised, a bad command line (--plot or
+--tensorboard of a log outside a run directory too, after its summary), or a module of the
 repository missing beside this file.
 
 collect_results.py imports summarize_paths (records keyed by GPU_KEYS / CPU_KEYS, and problems
@@ -82,6 +83,7 @@ KIND_GPU, KIND_CPU = "gpu", "cpu"
 # The kind of a problem (problems[i]["kind"]): callers branch on these, never on the message.
 NO_LOGS = "no_logs"        # a directory without any memory log (e.g. the loggers never ran)
 BAD_INPUT = "bad_input"    # a path or file that cannot be read or summarised
+BAD_USAGE = "bad_usage"    # a flag its inputs cannot serve: --plot of a log outside a run
 
 # Why a line was skipped (the keys of a file's skip Counter).
 SKIP_UNAVAILABLE = "[N/A]-like value"
@@ -404,7 +406,7 @@ def _runs(logs: dict, problems: list, what: str, flag: str) -> list:
             runs.setdefault(key[1].parent, (run_dir, {}))[1][key] = attempts
             continue
         for log in attempts:
-            problems.append(_problem(BAD_INPUT, log["path"], f"not in a gpu_memory/ or "
+            problems.append(_problem(BAD_USAGE, log["path"], f"not in a gpu_memory/ or "
                                      f"cpu_memory/ folder, so no {what}; for {flag} pass the "
                                      f"run directory that holds those folders"))
     return [runs[key] for key in sorted(runs)]
@@ -546,6 +548,8 @@ def main(argv=None) -> int:
         print(f"error: {problem['message']}", file=sys.stderr)
     if not problems:
         return 0
+    if any(p["kind"] == BAD_USAGE for p in problems):  # a bad command line, as argparse's
+        return 2
     return 1 if gpu_stats or cpu_stats else 2
 
 

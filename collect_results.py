@@ -37,8 +37,8 @@ bandwidth of its collectives; from those a weak-scaling model predicts 2 to 64 n
 run measured the bandwidth between nodes, the model assumes --inter-node-busbw.
 
 Exit status: 0 results written (failed runs are results too); 2 a bad path or flag, nothing to
-collect, the output cannot be written, or a module of the repository missing beside this file
-(one sentence naming the fix).
+collect (no run that can be read), the output cannot be written, or a module of the repository
+missing beside this file (one sentence naming the fix).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -358,6 +359,11 @@ def unreadable_row(run_dir: Path, err: OSError, plan: dict) -> dict:
 def read_study(top: Path) -> list:
     """The rows of a study directory (its run directories, and its planned runs without one),
     or of one run directory (its study.json, one level up, gives its scaling mode)."""
+    try:
+        os.listdir(top)
+    except PermissionError as err:  # nothing in it can be read: no results, not one "run"
+        raise UsageError(f"cannot read {top} ({err.strerror}): run as a user who may read it, "
+                         f"or make it readable (chmod -R a+rX {top})") from None
     single = is_run_dir(top)
     manifest = read_manifest(top.parent if single else top)
     dirs = [top] if single else sorted(d for d in top.iterdir() if is_run_dir(d))
@@ -505,6 +511,11 @@ def main(argv=None) -> int:
         if args.tensorboard and (why := analyze_memory.missing_tensorboard()):
             raise UsageError(why)
         rows = read_inputs(args.paths)
+        # every run unreadable: results.md would hold no number, so there is nothing to write
+        if rows and all(r["status"] == UNREADABLE for r in rows):
+            raise UsageError(rows[0]["detail"] if len(rows) == 1 else
+                             f"none of the {len(rows)} runs can be read; the first: "
+                             f"{rows[0]['detail']}")
         chosen = scaling.scale(rows)
         scaling.step_times(rows)
         models = scaling.predict(rows, chosen, args.inter_node_busbw, args.ring_latency_us)

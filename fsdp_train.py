@@ -389,6 +389,7 @@ def train(args, env: distributed.DistEnv) -> int:
         train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
         data.set_epoch(epoch)  # and new crops and flips (TinyImageNet's folder path)
         skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
+        earlier = ckpt.earlier if epoch == start_epoch else None  # and those steps' figures
         train_batches.skip = skip * batch
         epoch_lr = optimizer.param_groups[0]["lr"]  # at the first step this run takes in the epoch
         step_model.train()
@@ -415,7 +416,8 @@ def train(args, env: distributed.DistEnv) -> int:
             stopping = stop.at_step(epoch, step + 1, steps)  # the same step on every rank
             if ckpt.due(step + 1, steps) or (stopping and ckpt.enabled):
                 losses.check(epoch)  # a host sync and a vote: no NaN reaches a checkpoint
-                ckpt.save(epoch, step + 1)
+                ckpt.save(epoch, step + 1, measure.epoch_so_far(sums, t0, meter.wait_s, devices,
+                                                                earlier))
             if stopping:  # saved (with a --checkpoint-dir): exit, to be requeued
                 tb.close()
                 print0(stop.report(saved=ckpt.enabled))
@@ -434,10 +436,11 @@ def train(args, env: distributed.DistEnv) -> int:
         epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
         peaks = common.peak_memory_per_gpu(devices)  # collective: every rank's GPU
         metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
-            totals, epoch_time, data_wait, peaks, t0, train_time)
+            totals, epoch_time, data_wait, peaks, t0, train_time, earlier)
         print0(contract.format_epoch_line(metrics))
         print0(contract.format_metric_line(metrics))
-        datautils.report_skipped(metrics, (steps - skip) * global_batch, len(data.val))
+        datautils.report_skipped(metrics, (steps - skip) * global_batch
+                                 + measure.earlier_images(earlier), len(data.val))
         tb.epoch(metrics)  # the same figures as TensorBoard curves
         ckpt.end_epoch(epoch, metrics)  # the epoch's checkpoint, with its metrics
         if stop.at_epoch_end(epoch, args.epochs):  # a stop signal by the epoch's end

@@ -19,7 +19,9 @@
 #   NNODES           torchrun --nnodes ($SLURM_NNODES, else 1)
 #   RDZV_ENDPOINT    host:port of the c10d rendezvous; unset = torchrun --standalone
 #   RDZV_ID          rendezvous id ($SLURM_JOB_ID, else "local")
-#   NVIDIA_SMI, PSRECORD   logger commands (nvidia-smi, psrecord); a missing one is skipped
+#   NVIDIA_SMI, PSRECORD   logger commands (nvidia-smi, psrecord); a missing one is skipped.
+#                    PSRECORD unset: the psrecord of PYTHON's environment (PYTHON -m psrecord),
+#                    else the one on PATH
 #   OMP_NUM_THREADS  default: CPUs of the task (at most `nproc`) / workers on the node, >= 1
 #
 # Signals: SIGUSR1 (job.sh forwards Slurm's time-limit warning) is passed on to the training
@@ -88,7 +90,6 @@ shift
 : "${LOG_INTERVAL:=5}"
 : "${PYTHON:=python}"
 : "${NVIDIA_SMI:=nvidia-smi}"
-: "${PSRECORD:=psrecord}"
 node=${NODE_NAME:-${SLURMD_NODENAME:-$(hostname -s)}}
 read -ra python_cmd <<<"$PYTHON"
 nproc=${NPROC_PER_NODE:-$(gpus_on_node)}
@@ -221,14 +222,27 @@ echo "[$node] running: ${cmd[*]}"
 (trap '' USR1; exec "${cmd[@]}") &
 train_pid=$!
 
-if command -v "$PSRECORD" >/dev/null 2>&1; then
+# psrecord: $PSRECORD, else the one installed with the training's Python (PYTHON may name a
+# venv that is not on PATH), else the one on PATH.
+psrecord_cmd=()
+if [ -n "${PSRECORD:-}" ]; then
+  if command -v "$PSRECORD" >/dev/null 2>&1; then psrecord_cmd=("$PSRECORD"); fi
+elif "${python_cmd[@]}" -c 'import psrecord' >/dev/null 2>&1; then
+  psrecord_cmd=("${python_cmd[@]}" -m psrecord)
+elif command -v psrecord >/dev/null 2>&1; then
+  psrecord_cmd=(psrecord)
+fi
+if [ ${#psrecord_cmd[@]} -gt 0 ]; then
   # Its own messages go nowhere: only the log file belongs in the run directory.
-  (trap '' USR1; exec "$PSRECORD" "$train_pid" --include-children --interval "$LOG_INTERVAL" \
-    --log "$cpu_log") >/dev/null &
+  (trap '' USR1; exec "${psrecord_cmd[@]}" "$train_pid" --include-children \
+    --interval "$LOG_INTERVAL" --log "$cpu_log") >/dev/null &
   cpu_pid=$!
   echo "[$node] CPU memory log: $cpu_log (every ${LOG_INTERVAL}s)"
+elif [ -n "${PSRECORD:-}" ]; then
+  echo "[$node] PSRECORD=$PSRECORD not found: CPU memory logging skipped"
 else
-  echo "[$node] psrecord not found: CPU memory logging skipped (pip install psrecord)"
+  echo "[$node] psrecord is installed neither for $PYTHON nor on PATH: CPU memory logging" \
+    "skipped (install it with: $PYTHON -m pip install psrecord)"
 fi
 
 rc=0

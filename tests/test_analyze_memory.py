@@ -771,9 +771,10 @@ def test_cli_plot_bad_inputs_one_sentence_no_traceback(tmp_path):
     assert p.returncode == 2 and p.stdout == "" and "Traceback" not in p.stderr
     (line,) = p.stderr.splitlines()
     assert "does-not-exist-123" in line and "check the path" in line
-    # A log file outside a run directory: summarised, but no timeline, and why.
+    # A log file outside a run directory: summarised, but no timeline, and why; exit 2 like
+    # every other bad command line (was 1)
     p = run_cli("--plot", FIX / "gpu_memory_log.csv")
-    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stdout.startswith("[gpu_memory_log - GPU 0]")
     (line,) = p.stderr.splitlines()
     assert "no timeline; for --plot pass the run directory" in line

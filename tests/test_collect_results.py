@@ -869,3 +869,37 @@ def test_a_cpu_runs_peak_is_not_compared_with_the_prediction(tmp_path):
     assert code == 0 and rows["ddp-1n1g-1"]["memory_error"] == ""
     assert "| ddp, 1 node x 1 process | 2 | 2 | 2 | 0 | 0 | 4 | 0 | 0 | 0 | 10 | 410 (RSS) | n/a |" \
         in md
+
+
+def test_a_study_that_cannot_be_read_at_all_is_one_sentence_and_exit_2():
+    """Before: a study folder another user's, read with --out, gave "1 runs: 1 unreadable"
+    and exit 0, as if results had been written."""
+    import stat
+    import tempfile
+    top = Path(tempfile.mkdtemp(prefix="unreadable-"))  # not under pytest's root-only tmp dir
+    try:
+        shutil.copytree(STUDY, top / "plain")
+        shutil.copytree(STUDY, top / "study")
+        (top / "out").mkdir()
+        for p in [top, *top.rglob("*")]:
+            if not p.is_symlink():
+                p.chmod(p.stat().st_mode | stat.S_IROTH | stat.S_IWOTH
+                        | (stat.S_IXOTH if p.is_dir() else 0))
+        os.chmod(top / "study", 0o700)  # its owner's only
+        if os.geteuid() == 0:
+            cmd = [sys.executable, "-c", _AS_NOBODY, str(REPO), str(top / "plain"),
+                   str(top / "plain-out"), str(top / "study"), str(top / "out")]
+        else:
+            os.chmod(top / "study", 0)
+            cmd = [sys.executable, str(REPO / "collect_results.py"), str(top / "study"),
+                   "--out", str(top / "out")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert errors == [
+            f"error: cannot read {top / 'study'} (Permission denied): run as a user who may "
+            f"read it, or make it readable (chmod -R a+rX {top / 'study'})"], proc.stderr
+        assert " unreadable" not in proc.stdout and not list((top / "out").iterdir())
+    finally:
+        os.chmod(top / "study", 0o755)
+        shutil.rmtree(top, ignore_errors=True)

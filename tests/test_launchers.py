@@ -326,6 +326,35 @@ def test_node_sh_counts_the_gpus_nvidia_smi_lists(tmp_path, listed, visible, slu
     assert (res.returncode, res.stdout) == (0, expected + "\n"), res.stderr
 
 
+def test_node_sh_finds_psrecord_beside_the_training_python(tmp_path):
+    """PYTHON=/path/to/venv/bin/python with that venv off PATH: node.sh looked for psrecord on
+    PATH only and said "psrecord not found ... (pip install psrecord)", though the venv had it;
+    the job then had no CPU memory log."""
+    pytest.importorskip("psrecord")  # requirements-test.txt has it
+    script = tmp_path / "train.py"
+    script.write_text("import time\ntime.sleep(3)\n")
+    env = base_env(tmp_path) | {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable,
+                                "RUN_DIR": str(tmp_path / "run"), "NODE_NAME": "n1",
+                                "NVIDIA_SMI": "no-nvidia-smi-here"}
+    assert shutil.which("psrecord", path=env["PATH"]) is None  # only the venv has it
+    res = subprocess.run(["bash", str(LAUNCH / "node.sh"), "python", str(script)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert f"[n1] CPU memory log: {tmp_path / 'run' / 'cpu_memory' / 'n1.txt'}" in out
+    assert "Elapsed time" in (tmp_path / "run" / "cpu_memory" / "n1.txt").read_text()
+    # a Python without psrecord: the hint names that Python and is true
+    bare = tmp_path / "bare-python"
+    bare.write_text(f"#!/bin/bash\nexec {sys.executable} -S \"$@\"\n")  # no site-packages
+    bare.chmod(0o755)
+    res = subprocess.run(["bash", str(LAUNCH / "node.sh"), "python", str(script)],
+                         env=env | {"PYTHON": str(bare)}, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (f"[n1] psrecord is installed neither for {bare} nor on PATH: CPU memory logging "
+            f"skipped (install it with: {bare} -m pip install psrecord)") in res.stdout
+
+
 def test_local_sh_usr1_checkpoints_then_run_dir_resumes(tmp_path):
     """The stop path without Slurm: USR1 to the job script reaches the torchrun workers through
     node.sh (torchrun itself must survive it), they checkpoint into the run directory and the

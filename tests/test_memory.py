@@ -198,6 +198,8 @@ def test_estimate_memory_for_ddp_zero1_shards_the_optimizer_state():
 
 @pytest.mark.parametrize("args,message", [
     (["--estimate-memory", "0"], "--estimate-memory N: N is a number of GPUs, at least 1"),
+    # -1 was the internal "no N" and printed the whole table
+    (["--estimate-memory", "-1"], "--estimate-memory N: N is a number of GPUs, at least 1"),
     (["--image-size", "224", "--dataset", "cifar10"],
      "--image-size works with TinyImageNet and synthetic data only"),
     (["--image-size", "224", "--model", "cnn"], "--model cnn takes its dataset's fixed image"),

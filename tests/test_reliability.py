@@ -503,3 +503,87 @@ def test_a_full_disk_mid_run_is_one_sentence_and_keeps_the_last_checkpoint(small
                          timeout=300)
     check_ok(resumed)
     assert "Resumed from epoch 1, step " in resumed.stdout
+
+
+# ---- Odd environments: one sentence at once, exit 2 ----------------------------------------
+
+
+@pytest.mark.parametrize("given, says", [
+    ({"WORLD_SIZE": "2"}, "$WORLD_SIZE=2 is set but $RANK is not"),
+    ({"RANK": "1"}, "$RANK=1 is set but $WORLD_SIZE is not"),
+    ({"RANK": "5", "WORLD_SIZE": "2"}, "$RANK=5 does not fit $WORLD_SIZE=2 (ranks run from 0 "
+                                       "to 1)"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "$WORLD_SIZE=0 is not a number of processes"),
+])
+def test_rank_variables_that_do_not_fit_are_one_sentence(monkeypatch, capsys, given, says):
+    """Before: WORLD_SIZE or RANK alone trained one process silently; RANK=5 of 2 waited 30 s
+    for a rendezvous, then blamed a dead rank under pages of C++ frames."""
+    import ddp_train
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in given.items():
+        monkeypatch.setenv(k, v)
+    t0 = time.monotonic()
+    assert ddp_train.main(RUN) == 2
+    err = capsys.readouterr().err
+    assert time.monotonic() - t0 < 10
+    assert err.count("\n") == 1 and says in err and "torchrun sets them" in err, err
+
+
+def test_a_taken_master_port_is_named_with_exit_2():
+    """Before: rank 0's rendezvous store could not listen, which read as a failed collective
+    ("another rank probably died ... raise --dist-timeout"), exit 1."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_script("ddp_train.py", RUN, env={"RANK": "0", "WORLD_SIZE": "2",
+                                                    "MASTER_ADDR": "127.0.0.1",
+                                                    "MASTER_PORT": str(port)}, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"127.0.0.1:{port} is already taken by another program" in proc.stderr
+    assert "export another free MASTER_PORT" in proc.stderr
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\x00\xff\x1b[31mjunk\n", b"somehost\n"])
+def test_a_lock_that_names_no_process_is_stale(tmp_path, capsys, garbage):
+    """Before: an empty or damaged .lock refused the run for 60 s as "in use by another run
+    (host ?, pid ?)", with the garbage bytes in the sentence."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / faults.LOCK_FILE).write_bytes(garbage)
+    try:
+        faults.lock_checkpoint_dir(ck)
+        assert (ck / faults.LOCK_FILE).read_text().split()[1] == str(os.getpid())
+    finally:
+        faults.release_checkpoint_lock()
+    out = capsys.readouterr().out
+    assert f"taking over the lock of {ck}: its .lock names no process (empty or damaged)" in out
+    assert "junk" not in out and "\x1b" not in out and "somehost" not in out
+    assert not (ck / faults.LOCK_FILE).exists()
+
+
+# ---- A file that is not a checkpoint says what it is --------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["random bytes", "--save-model file"])
+def test_resume_from_a_file_that_is_not_a_checkpoint_says_what_it_is(tmp_path, kind):
+    """Before: random bytes gave torch's "weights_only ... In PyTorch 2.6" hint, a --save-model
+    file "KeyError: 'model'", and the advice was to give another --checkpoint-dir."""
+    path = tmp_path / "thing.pt"
+    if kind == "random bytes":
+        path.write_bytes(os.urandom(4096))
+        says = f"--resume {path} is not a checkpoint: not a file that torch.save wrote"
+    else:
+        checkpoint.save_model({"fc.weight": torch.zeros(2, 3), "fc.bias": torch.zeros(2)}, path)
+        says = (f"--resume {path} is a model file from --save-model, not a checkpoint: it "
+                f"holds the weights only")
+    proc = run_script("ddp_train.py", RUN + ["--resume", str(path)], timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert says in line and "leave --resume out to start fresh" in line, line
+    assert "--checkpoint-dir" not in line.split("give --resume")[0], line
+    assert "weights_only" not in line.replace("weights_only=True))", "") and "KeyError" not in line
+    if kind == "--save-model file":
+        assert "model.load_state_dict(torch.load(PATH, weights_only=True))" in line

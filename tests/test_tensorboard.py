@@ -109,6 +109,56 @@ def test_the_default_folder_of_a_run_with_checkpoints_is_found_again(tmp_path):
     assert [s for s, _ in scalars(board)["epoch/val_loss"]] == [16, 32]
 
 
+def test_a_fresh_start_gets_a_fresh_run_and_the_old_one_stays_readable(tmp_path):
+    """--resume never moved the old checkpoints aside but appended to the same TensorBoard
+    folder: every curve had its steps twice, going backwards."""
+    args = FAST + ["--epochs", "1", "--tensorboard", "--checkpoint-dir", "ck",
+                   "--tensorboard-every", "0", "--log-every", "0"]
+    check_ok(run_script("ddp_train.py", args, cwd=tmp_path))
+    fresh = run_script("ddp_train.py", args + ["--resume", "never", "--lr", "0.02"],
+                       cwd=tmp_path)
+    check_ok(fresh)
+    board = tmp_path / "runs" / "tensorboard" / "ddp-1n1g-ck"
+    (aside,) = board.glob("superseded-*")
+    assert f"moved the earlier run's TensorBoard curves in runs/tensorboard/ddp-1n1g-ck to " \
+           f"runs/tensorboard/ddp-1n1g-ck/{aside.name}" in fresh.stdout
+    new, old = scalars(board), scalars(aside)
+    for found in (new, old):  # each run's own: one point per step, none twice
+        assert [s for s, _ in found["step/train_loss"]] == list(range(1, 17))
+        assert [s for s, _ in found["epoch/val_loss"]] == [16]
+    assert [v for _, v in new["step/lr"]] == pytest.approx([0.02] * 16)
+    assert [v for _, v in old["step/lr"]] == pytest.approx([0.01] * 16)
+
+
+@pytest.mark.parametrize("flag, run_dir, logdir", [
+    ("{tmp}/boards/exp1", None, "{tmp}/boards"),  # was: --logdir {tmp}/boards/exp1, run "."
+    ("launcher-default", "{tmp}/runs/ddp-1n2g-42", "{tmp}/runs"),  # was: the run "tensorboard"
+    ("auto", None, "runs/tensorboard"),
+])
+def test_the_printed_command_gives_the_run_its_name(tmp_path, monkeypatch, capsys, flag,
+                                                    run_dir, logdir):
+    """Following the printed `tensorboard --logdir DIR` named the only run "." in every
+    dashboard: DIR held the run's event files themselves."""
+    import argparse
+    from training import board
+    monkeypatch.chdir(tmp_path)
+    if run_dir:
+        monkeypatch.setenv("RUN_DIR", run_dir.format(tmp=tmp_path))
+    else:
+        monkeypatch.delenv("RUN_DIR", raising=False)
+    args = argparse.Namespace(tensorboard=flag.format(tmp=tmp_path), tensorboard_every=5,
+                              profile=None, checkpoint_dir="ck")
+    info = dict(strategy="ddp", nodes=1, gpus_per_node=2, global_batch=32)
+    tb = board.Board(args, info, steps=4, first_step=0, is_main=True)
+    tb.close()
+    out = capsys.readouterr().out
+    assert f"(view: tensorboard --logdir {logdir.format(tmp=tmp_path)})" in out, out
+    # TensorBoard's own reader of a logdir names the run after its folder
+    runs = EventMultiplexer().AddRunsFromDirectory(str(tmp_path / logdir.format(tmp=tmp_path)))
+    expected = tb.path.resolve().relative_to((tmp_path / logdir.format(tmp=tmp_path)).resolve())
+    assert list(runs.Runs()) == [str(expected)] and str(expected) != "."
+
+
 def test_without_the_package_the_flag_says_so_and_exits_2():
     proc = subprocess.run([sys.executable, str(TESTS / "no_torch.py"), str(REPO / "ddp_train.py"),
                            *FAST, "--tensorboard"], capture_output=True, text=True, timeout=300,

@@ -11,7 +11,10 @@ write nothing.
 
 The x axis is the optimizer step over the whole run (epoch x steps per epoch + step), so a run
 resumed from a checkpoint continues its curves in the same directory: TensorBoard drops the
-points a killed run wrote after the checkpoint it resumes from (``purge_step``).
+points a killed run wrote after the checkpoint it resumes from (``purge_step``). A fresh start
+(--resume never, or no checkpoint yet) in a directory that holds an earlier run's curves first
+moves them into ``superseded-<time>/`` inside it, so the two never mix into one curve with
+steps twice and backwards, and the old run stays readable as a run of its own.
 """
 
 from __future__ import annotations
@@ -75,6 +78,33 @@ def log_dir(args, strategy: str, nodes: int, gpus_per_node: int) -> Path:
     return Path("runs/tensorboard") / f"{strategy}-{nodes}n{gpus_per_node}g-{name}"
 
 
+def view_dir(path: Path, under_launcher: bool) -> Path:
+    """The folder to give `tensorboard --logdir` so that this run gets a name: TensorBoard names
+    each run by its folder below the logdir, and the logdir's own files become the run ".".
+    Under the launchers the runs directory, where the run is <job>/tensorboard beside the
+    other jobs; else the folder above the run's."""
+    if under_launcher:
+        return path.parent.parent
+    return path.parent if path.name else path.resolve().parent
+
+
+def set_aside_curves(path: Path) -> Path | None:
+    """Move the training's event files (and --profile's trace) in ``path`` into
+    ``path/superseded-<time>/``; return that folder, or None when there were none. The memory
+    scalars of analyze_memory.py --tensorboard (``*.system``) stay: they are rewritten for every
+    attempt of the run directory at once."""
+    old = [p for p in path.glob("events.out.tfevents.*") if not p.name.endswith(".system")]
+    old += list(path.glob("*.pt.trace.json"))
+    if not old:
+        return None
+    import tempfile
+    aside = Path(tempfile.mkdtemp(prefix=f"superseded-{datetime.now():%Y%m%d-%H%M%S}-",
+                                  dir=path))
+    for p in old:
+        os.replace(p, aside / p.name)
+    return aside
+
+
 class Board:
     """Rank 0's TensorBoard writer for one run (a no-op on the other ranks and without
     --tensorboard). ``first_step``: the global step the run starts at (a resumed run's)."""
@@ -96,6 +126,11 @@ class Board:
         except OSError as e:
             raise UsageError(f"--tensorboard {self.path}: cannot create that folder "
                              f"({e.strerror}): give a writable directory") from None
+        aside = None if first_step else set_aside_curves(self.path)
+        if aside:
+            print(f"note: a fresh start: moved the earlier run's TensorBoard curves in "
+                  f"{self.path} to {aside} (TensorBoard shows it as a run of its own)",
+                  flush=True)
         # purge_step: TensorBoard hides what a killed run wrote after its checkpoint, from the
         # first step this run takes on (the checkpoint's own step, an epoch's end, stays)
         self.writer = SummaryWriter(str(self.path), purge_step=first_step + 1 if first_step
@@ -106,8 +141,7 @@ class Board:
         rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(vars(args).items()))
         self.writer.add_text("config", "| flag | value |\n|---|---|\n" + rows, first_step)
         print(f"tensorboard: writing to {self.path} (view: tensorboard --logdir "
-              f"{self.path.parent if args.tensorboard in ('auto', UNDER_LAUNCHER) else self.path})",
-              flush=True)
+              f"{view_dir(self.path, args.tensorboard == UNDER_LAUNCHER)})", flush=True)
 
     def step(self, epoch: int, done: int, loss, optimizer, meter) -> None:
         """After a training step (``done`` steps of ``epoch`` taken): a point, if

@@ -11,9 +11,9 @@ How each strategy saves and loads stays in its script (``save_checkpoint(path, s
 ``load_checkpoint(path, state)``): DDP and DataParallel write one file from rank 0, FSDP a
 sharded DCP folder from every rank. What this module adds is the same for all three: names
 that sort in training order, atomic writes, pruning to --keep-checkpoints, the newest usable
-checkpoint on resume, the random state of every rank, the steps a resumed epoch already ran,
-a stop at the same step on every rank after SIGUSR1/SIGTERM, and NaN/inf losses caught
-without a host sync per step.
+checkpoint on resume, the random state of every rank, the steps a resumed epoch already ran
+and their figures (so that its line covers the whole epoch), a stop at the same step on every
+rank after SIGUSR1/SIGTERM, and NaN/inf losses caught without a host sync per step.
 """
 
 from __future__ import annotations
@@ -267,9 +267,11 @@ def resume_candidates(args) -> list:
     return list_checkpoints(args.checkpoint_dir)
 
 
-def load_newest(candidates: list, load_one):
+def load_newest(candidates: list, load_one, explicit: bool = False):
     """Return ``load_one(path)`` for the newest candidate that loads, warning about each one
-    that does not. Checkpoints exist but none loads: a UsageError, never a silent fresh start."""
+    that does not. Checkpoints exist but none loads: a UsageError, never a silent fresh start.
+    ``explicit``: the one candidate is --resume PATH, and the sentence is about that flag."""
+    others = False  # a real checkpoint that failed to load (another script or --model)
     for i, path in enumerate(candidates):
         try:
             return load_one(path)
@@ -277,17 +279,79 @@ def load_newest(candidates: list, load_one):
             raise
         # BaseException: DCP's CheckpointException (a truncated shard) derives from it
         except BaseException as exc:  # truncated zip, bad pickle, missing DCP shard, ...
-            first = (str(exc).strip().splitlines() or [""])[0][:160]
-            print0(f"warning: checkpoint {path} is unusable ({exc.__class__.__name__}: "
-                   f"{first})" + ("; trying the previous one" if i + 1 < len(candidates) else ""))
+            what = not_a_checkpoint(path)
+            if explicit:
+                raise UsageError(_resume_path_error(path, what, exc)) from None
+            others = others or what is None
+            if what is None:
+                what = _first_line(exc)
+            print0(f"warning: checkpoint {path} is unusable ({what})"
+                   + ("; trying the previous one" if i + 1 < len(candidates) else ""))
     if candidates:
         which = (f"checkpoint {candidates[0]} could not" if len(candidates) == 1 else
                  f"none of the {len(candidates)} checkpoints in {candidates[0].parent} could")
-        raise UsageError(f"{which} be loaded (why is above): a checkpoint of another script "
-                         f"(fsdp_train.py writes folders, ddp_train.py and dp_train.py files) "
-                         f"or of another --model loads only with those; to start fresh, give "
-                         f"another --checkpoint-dir, or pass --resume never (it sets them aside)")
+        hint = (": a checkpoint of another script (fsdp_train.py writes folders, ddp_train.py "
+                "and dp_train.py files) or of another --model loads only with those" if others
+                else "")
+        raise UsageError(f"{which} be loaded (why is above){hint}; to start fresh, give "
+                         f"another --checkpoint-dir, or pass --resume never (it sets them "
+                         f"aside)")
     return None
+
+
+def _first_line(exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [""])[0][:160]
+    return f"{exc.__class__.__name__}: {first}"
+
+
+#: The first bytes of every file torch.save writes (a zip archive's first entry).
+_TORCH_SAVE_MAGIC = b"PK\x03\x04"
+
+
+def not_a_checkpoint(path) -> str | None:
+    """What a file that failed to load as a checkpoint is instead, in a few words, or None
+    when it looks like a checkpoint (of another script or --model: its own error says why).
+    Called only after a load failed, so a run that resumes never reads its file twice."""
+    import zipfile
+    path = Path(path)
+    if path.is_dir():
+        if (path / "meta.pt").exists() or (path / ".metadata").exists():
+            return None
+        return "not a checkpoint: a folder without the meta.pt of fsdp_train.py's checkpoints"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_TORCH_SAVE_MAGIC))
+    except OSError as exc:
+        return f"unreadable: {exc.strerror}"
+    if head != _TORCH_SAVE_MAGIC:
+        return "not a checkpoint: not a file that torch.save wrote"
+    if not zipfile.is_zipfile(path):
+        return "truncated or damaged: its end is missing"
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 (the load's own error is the one to report)
+        return None
+    if isinstance(saved, dict) and "model" not in saved and saved and all(
+            isinstance(v, torch.Tensor) for v in saved.values()):
+        return ("a model file from --save-model, not a checkpoint: it holds the weights only, "
+                "without the optimizer, epoch and random state a run resumes from")
+    if not (isinstance(saved, dict) and "model" in saved):
+        return "not a checkpoint: a file torch.save wrote, but not one of this toolkit's"
+    return None
+
+
+def _resume_path_error(path, what: str | None, exc: BaseException) -> str:
+    """The sentence for --resume PATH that does not load: what the file is, and what to give."""
+    fix = ("give --resume a checkpoint that a run with --checkpoint-dir wrote there "
+           "(ckpt-eNNNN-sNNNNNNN), or leave --resume out to start fresh")
+    if what is not None and what.startswith("a model file from --save-model"):
+        return (f"--resume {path} is {what}; use it with model.load_state_dict(torch.load(PATH, "
+                f"weights_only=True)) to evaluate or fine-tune it, and to resume a run {fix}")
+    if what is not None:
+        return f"--resume {path} is {what}; {fix}"
+    return (f"--resume {path} could not be loaded ({_first_line(exc)}): a checkpoint of "
+            f"another script (fsdp_train.py writes folders, ddp_train.py and dp_train.py files) "
+            f"or of another --model loads only with those; {fix}")
 
 
 def rng_state() -> dict:
@@ -491,6 +555,9 @@ class Checkpoints:
         self.dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
         self.metrics = {}  # the last finished epoch's (from the checkpoint, after a resume)
         self.steps = 0  # this run's steps per epoch, set by resume()
+        # a checkpoint inside an epoch: the figures of that epoch's steps before it
+        # (measure.epoch_so_far), for the resumed epoch's line; None at an epoch's start
+        self.earlier = None
 
     def resume(self, steps: int) -> tuple:
         """(epoch, step) to start from, on every rank: (0, 0) for a fresh start. ``steps``:
@@ -506,12 +573,14 @@ class Checkpoints:
                  for group in optimizer.param_groups]
         peak = list(scheduler.base_lrs)
         meta = load_newest(resume_candidates(self.args),
-                           lambda path: dict(self._load(path, self.state), path=path))
+                           lambda path: dict(self._load(path, self.state), path=path),
+                           explicit=self.args.resume not in ("auto", "never"))
         if not meta:
             return 0, 0
         if _rank() < len(meta["rng"]):  # a rank the saved run did not have keeps its own seed
             set_rng_state(meta["rng"][_rank()])
         self.metrics = meta["metrics"]
+        self.earlier = meta.get("earlier") if meta["step"] else None
         saved_steps = meta.get("steps", steps)  # (checkpoints before it was saved: the same)
         # a mid-epoch checkpoint has steps left, and so must the resumed epoch
         step = min(round(meta["step"] * steps / saved_steps), steps - 1) if meta["step"] else 0
@@ -546,15 +615,16 @@ class Checkpoints:
         if self.enabled:
             self.save(epoch + 1, 0)
 
-    def save(self, epoch: int, step: int) -> None:
+    def save(self, epoch: int, step: int, earlier: dict | None = None) -> None:
         """Collective: every rank takes part (their RNG states are gathered into the file).
-        The caller has just checked the losses (LossWatch.check): no NaN reaches a file."""
+        The caller has just checked the losses (LossWatch.check): no NaN reaches a file.
+        ``earlier``: inside an epoch, its figures so far (measure.epoch_so_far)."""
         rngs = [rng_state()]
         if dist.is_available() and dist.is_initialized():
             rngs = [None] * dist.get_world_size()
             dist.all_gather_object(rngs, rng_state())
         meta = dict(epoch=epoch, step=step, steps=self.steps, metrics=self.metrics, rng=rngs,
-                    args=vars(self.args), world_size=len(rngs))
+                    args=vars(self.args), world_size=len(rngs), earlier=earlier)
         error = None
         try:
             self._save(self.dir / checkpoint_name(epoch, step), self.state, meta)

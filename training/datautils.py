@@ -271,9 +271,19 @@ def find_fashion_mnist(root: Path) -> Path:
     """The folder that holds Fashion-MNIST's four IDX files (each gzipped or not): ``root``
     itself, or torchvision's layout below it (``root/FashionMNIST/raw``)."""
     names = [n for pair in FASHION_MNIST_FILES.values() for n in pair]
+    missing = {}  # folder: the files it lacks
     for folder in (root, root / "FashionMNIST" / "raw"):
-        if all(idx_file(folder, n) for n in names):
+        missing[folder] = [n for n in names if not idx_file(folder, n)]
+        if not missing[folder]:
             return folder
+    folder, lacks = min(missing.items(), key=lambda item: len(item[1]))
+    if len(lacks) < len(names):  # some are there: name the ones that are not
+        fix = ("reinstall the package: sudo apt-get install --reinstall dataset-fashion-mnist"
+               if folder == FASHION_MNIST_DIR else
+               f"put {'it' if len(lacks) == 1 else 'them'} there beside the others ('sudo "
+               f"apt-get install dataset-fashion-mnist' puts all four in {FASHION_MNIST_DIR})")
+        raise UsageError(f"Fashion-MNIST in {folder} lacks "
+                         f"{' and '.join(n + '(.gz)' for n in lacks)}: {fix}")
     how = ("install them with 'sudo apt-get install dataset-fashion-mnist' (they land in "
            f"{FASHION_MNIST_DIR}, read without --data-dir)" if root == FASHION_MNIST_DIR else
            f"put them in {root} (or drop --data-dir to read {FASHION_MNIST_DIR}, where 'sudo "

@@ -74,6 +74,23 @@ def _slurm_first_node() -> str:
                          f"export MASTER_ADDR=<first node> before srun") from None
 
 
+def _check_ranks(rank: int | None, world: int | None) -> None:
+    """RANK and WORLD_SIZE come together and fit each other. Alone, either one would train a
+    single process while the user meant several; a rank at or above the world size would wait
+    for a rendezvous that cannot complete, then blame a dead peer."""
+    both = ("export both, RANK from 0 to WORLD_SIZE - 1 in each process, or neither for one "
+            "process; torchrun sets them for you")
+    if rank is None or world is None:
+        given, missing = ("RANK", "WORLD_SIZE") if world is None else ("WORLD_SIZE", "RANK")
+        raise UsageError(f"${given}={os.environ[given]} is set but ${missing} is not: {both}")
+    if world < 1:
+        raise UsageError(f"$WORLD_SIZE={world} is not a number of processes (at least 1): "
+                         f"{both}")
+    if not 0 <= rank < world:
+        raise UsageError(f"$RANK={rank} does not fit $WORLD_SIZE={world} (ranks run from 0 to "
+                         f"{world - 1}): {both}")
+
+
 def dist_env() -> DistEnv:
     """Rank layout from torchrun (RANK/LOCAL_RANK/WORLD_SIZE) or, started by ``srun`` without
     torchrun, from SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS; one process otherwise.
@@ -82,11 +99,13 @@ def dist_env() -> DistEnv:
     20000 + job id % 20000 (the launchers use the same rule), so ``srun python ddp_train.py``
     works without extra exports.
     """
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        world = _int_env("WORLD_SIZE")
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        world = _int_env("WORLD_SIZE") if "WORLD_SIZE" in os.environ else None
+        rank = _int_env("RANK") if "RANK" in os.environ else None
+        _check_ranks(rank, world)
         local_world = (_int_env("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ
                        else world)
-        return DistEnv(_int_env("RANK"), _int_env("LOCAL_RANK") if "LOCAL_RANK" in os.environ
+        return DistEnv(rank, _int_env("LOCAL_RANK") if "LOCAL_RANK" in os.environ
                        else 0, world, local_world, "torchrun",  # its nodes: GROUP_WORLD_SIZE
                        _int_env("GROUP_WORLD_SIZE") if "GROUP_WORLD_SIZE" in os.environ else 0)
     # SLURM_STEP_ID is set inside an srun step, not in the batch script itself, where
@@ -195,8 +214,25 @@ def init_process_group(backend: str, env: DistEnv, timeout_s: int) -> None:
         if "MASTER_PORT" not in os.environ:
             raise UsageError("MASTER_PORT is not set: start with torchrun (which sets it) or "
                              "export MASTER_ADDR and MASTER_PORT")
-        dist.init_process_group(backend, init_method="env://", rank=env.rank,
-                                world_size=env.world_size, timeout=timeout)
+        try:
+            dist.init_process_group(backend, init_method="env://", rank=env.rank,
+                                    world_size=env.world_size, timeout=timeout)
+        except dist.DistNetworkError as err:
+            if not _address_in_use(err):
+                raise
+            addr, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+            raise UsageError(f"MASTER_ADDR:MASTER_PORT {addr}:{port} is already taken by "
+                             f"another program, so rank 0 cannot open the rendezvous there: "
+                             f"export another free MASTER_PORT (one that `ss -ltn` does not "
+                             f"list) in every process, or end the program that holds "
+                             f"{port}") from None
+
+
+def _address_in_use(err: Exception) -> bool:
+    """Rank 0's rendezvous store could not listen: its address and port are taken (errno
+    EADDRINUSE), which torch reports as a DistNetworkError like a lost peer."""
+    text = str(err).lower()
+    return "eaddrinuse" in text or "address already in use" in text
 
 
 def on_rank0(fn):

@@ -153,25 +153,38 @@ LOCK_STALE_S = 60    # ... so one untouched this long belongs to a run that is g
 _held_lock: Path | None = None
 
 
-def _lock_holder(path: Path) -> tuple:
+#: What a lock holds: "<host> <pid>", printable ASCII.
+_LOCK_RE = re.compile(r"([!-~]{1,255}) (\d{1,10})")
+
+
+def _lock_holder(path: Path, wait_for_writer: bool = True) -> tuple:
     """(who, alive) for an existing lock: alive while it is refreshed and, on this host, its
     process exists (a killed holder's lock is taken over at once, another host's after
-    LOCK_STALE_S)."""
+    LOCK_STALE_S). A lock that names no process (empty, or not "<host> <pid>": a crash or
+    another program wrote it) is stale at once; who is then None, and its bytes are never
+    printed. A fresh empty lock may be a holder between creating it and writing its line:
+    it gets a second look a moment later."""
     try:
-        text = path.read_text(errors="replace").strip()
+        text = path.read_bytes().decode("ascii", errors="replace").strip()
         age = time.time() - path.stat().st_mtime
     except FileNotFoundError:
         return "", False
-    host, _, pid = text.partition(" ")
+    m = _LOCK_RE.fullmatch(text)
+    if not m:
+        if not text and age < 1 and wait_for_writer:
+            time.sleep(1)
+            return _lock_holder(path, wait_for_writer=False)
+        return None, False
+    host, pid = m.groups()
     alive = age < LOCK_STALE_S
-    if alive and host == platform.node() and pid.isdigit():
+    if alive and host == platform.node():
         try:
             os.kill(int(pid), 0)
         except ProcessLookupError:
             alive = False
         except PermissionError:
             pass  # exists, another user's
-    return f"host {host or '?'}, pid {pid or '?'}", alive
+    return f"host {host}, pid {pid}", alive
 
 
 def _refresh_lock(path: Path, me: str) -> None:
@@ -203,7 +216,10 @@ def lock_checkpoint_dir(directory) -> None:
                 raise UsageError(f"--checkpoint-dir {directory} is in use by another run "
                                  f"({who}): wait for it to end or stop it, or choose another "
                                  f"--checkpoint-dir") from None
-            if who:
+            if who is None:
+                print(f"note: taking over the lock of {directory}: its {LOCK_FILE} names no "
+                      f"process (empty or damaged)", flush=True)
+            elif who:
                 print(f"note: taking over the lock of {directory} from a run that is gone "
                       f"({who})", flush=True)
             path.unlink(missing_ok=True)

@@ -23,7 +23,9 @@ from training.models import check_model, grey_channels, synthetic_shape
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")
 DATASETS = ("tinyimagenet", "cifar10", "mnist", "fashion-mnist", "synthetic")
-ALL_GPU_COUNTS = -1  # --estimate-memory without N: 1, 2, 4 and 8 GPUs
+# --estimate-memory without N: 1, 2, 4 and 8 GPUs. Not a number (nor a string, which argparse
+# would convert), so that no N typed on the command line (-1 was) can mean it.
+ALL_GPU_COUNTS = (1, 2, 4, 8)
 MAX_DIST_TIMEOUT = 86400  # seconds; far beyond it, gloo's and NCCL's own timers overflow
 DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_net",
                  "fashion-mnist": "mnist_net", "synthetic": "resnet50"}

@@ -26,21 +26,63 @@ import torch
 import torch.distributed as dist
 
 from training import cudagraph
-from training.common import print0, synchronize
+from training.common import all_reduce, peak_memory_per_gpu, print0, synchronize
 from training.contract import BANDWIDTH_PREFIX, PROFILE_KEYS, PROFILE_PREFIX, format_metric_line
 
 # --------------------------------------------------------------------------------------------
 # The epoch's figures
 # --------------------------------------------------------------------------------------------
 
+def epoch_so_far(sums: torch.Tensor, t0: float, wait_s: float, devices: list,
+                 earlier: dict | None) -> dict:
+    """Collective (every rank), at a checkpoint inside an epoch: the epoch's training figures
+    so far, which the checkpoint carries, so that the epoch resumed from it reports the whole
+    epoch and not only the steps after the checkpoint (a fourth of the images, a fourth of the
+    time: an outlier on every epoch chart). sums: this rank's [loss x n, correct, n]; t0: when
+    this process began the epoch; ``earlier``: what the checkpoint it resumed from carried."""
+    synchronize(*devices)
+    train = all_reduce(sums.clone()).tolist()
+    times = torch.tensor([time.perf_counter() - t0, wait_s], device=sums.device,
+                         dtype=torch.float64)
+    train_time, data_wait = all_reduce(times, dist.ReduceOp.MAX).tolist()
+    return with_earlier(dict(train_sums=train, train_time_s=train_time, data_wait_s=data_wait,
+                             peaks=peak_memory_per_gpu(devices)), earlier)
+
+
+def with_earlier(part: dict, earlier: dict | None) -> dict:
+    """The figures of an epoch's ``part`` joined to those of its ``earlier`` steps (before the
+    checkpoint it resumed from): sums and times add up, each GPU's peak is the larger (at
+    another world size, this run's GPUs are other GPUs: only this run's peaks count)."""
+    if not earlier:
+        return part
+    same_gpus = len(earlier["peaks"]) == len(part["peaks"])
+    return dict(train_sums=[a + b for a, b in zip(earlier["train_sums"], part["train_sums"])],
+                train_time_s=earlier["train_time_s"] + part["train_time_s"],
+                data_wait_s=earlier["data_wait_s"] + part["data_wait_s"],
+                peaks=[max(a, b) for a, b in zip(earlier["peaks"], part["peaks"])]
+                if same_gpus else part["peaks"])
+
+
+def earlier_images(earlier: dict | None) -> int:
+    """The training images of an epoch's steps before the checkpoint it resumed from."""
+    return int(earlier["train_sums"][2]) if earlier else 0
+
+
 def epoch_metrics(totals: list, epoch_time: float, data_wait: float, peaks: list, t0: float,
-                  train_time: float) -> dict:
+                  train_time: float, earlier: dict | None = None) -> dict:
     """The measured keys of an epoch's [METRIC] line. totals: the six sums reduced over all
     ranks (train loss x n, correct, n, then the same for validation), so each average is a sum
     divided by a count, never a mean of the ranks' means; epoch_time: the slowest rank's
     training time, data_wait: the longest any rank's loader kept it waiting, both in s; peaks:
     MiB per GPU; t0, train_time: this rank's perf_counter() when training started, and how
-    long it took."""
+    long it took. ``earlier``: the figures of the steps a resumed epoch ran before its
+    checkpoint (epoch_so_far), joined in so that the line covers the whole epoch."""
+    if earlier:
+        whole = with_earlier(dict(train_sums=totals[:3], train_time_s=epoch_time,
+                                  data_wait_s=data_wait, peaks=peaks), earlier)
+        totals = whole["train_sums"] + totals[3:]
+        epoch_time, data_wait, peaks = whole["train_time_s"], whole["data_wait_s"], \
+            whole["peaks"]
     t_loss, t_correct, t_n, v_loss, v_correct, v_n = totals
     now, clock = time.perf_counter(), time.time()
     return dict(

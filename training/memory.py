@@ -241,10 +241,10 @@ def print_estimates(estimates: list, model_name: str) -> None:
     print0(UNCOUNTED)
 
 
-def gpu_counts(flag: int) -> list:
+def gpu_counts(flag) -> list:
     """The GPU counts --estimate-memory N asks for: N, or 1, 2, 4 and 8."""
     from training.flags import ALL_GPU_COUNTS
-    return [1, 2, 4, 8] if flag == ALL_GPU_COUNTS else [flag]
+    return list(ALL_GPU_COUNTS) if flag == ALL_GPU_COUNTS else [flag]
 
 
 def estimate_only(args, memory_per_gpu, variants: tuple) -> int:
