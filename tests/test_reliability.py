@@ -587,3 +587,30 @@ def test_resume_from_a_file_that_is_not_a_checkpoint_says_what_it_is(tmp_path, k
     assert "weights_only" not in line.replace("weights_only=True))", "") and "KeyError" not in line
     if kind == "--save-model file":
         assert "model.load_state_dict(torch.load(PATH, weights_only=True))" in line
+
+
+def test_ranks_that_found_different_checkpoints_stop_before_training(tmp_path):
+    """Two ranks started by hand, each given its own --checkpoint-dir holding another epoch's
+    checkpoint (a node-local folder on each node). Before: each rank resumed its own, rank 0
+    at epoch 2 and rank 1 at epoch 3, and DDP trained on silently from different points."""
+    args = ["--model", "cnn", "--synthetic-size", "64", "--batch-size", "16", "--num-workers",
+            "0", "--amp", "off", "--log-every", "0"]
+    for name, epochs in (("a", "1"), ("b", "2")):
+        check_ok(run_script("ddp_train.py", args + ["--epochs", epochs, "--checkpoint-dir",
+                                                    str(tmp_path / name)]))
+    port = str(_free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, str(REPO / "ddp_train.py"), *args, "--epochs", "3",
+         "--checkpoint-dir", str(tmp_path / name), "--dist-timeout", "60"],
+        env=env_for_tests({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                           "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": port}),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank, name in enumerate("ab")]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    err = outs[0][1]
+    assert "the ranks found different checkpoints (rank 0: ckpt-e0001-s0000000; rank 1: " \
+           "ckpt-e0002-s0000000, ckpt-e0001-s0000000)" in err, err
+    assert "give every node the same, shared --checkpoint-dir" in err
+    assert not any("Epoch [" in out for out, _ in outs) and "Traceback" not in err

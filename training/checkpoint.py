@@ -268,25 +268,46 @@ def resume_candidates(args) -> list:
 
 
 def load_newest(candidates: list, load_one, explicit: bool = False):
-    """Return ``load_one(path)`` for the newest candidate that loads, warning about each one
-    that does not. Checkpoints exist but none loads: a UsageError, never a silent fresh start.
-    ``explicit``: the one candidate is --resume PATH, and the sentence is about that flag."""
+    """Return ``load_one(path)`` for the newest candidate that loads on every rank, warning
+    about each one that does not. Checkpoints exist but none loads: a UsageError, never a
+    silent fresh start. ``explicit``: the one candidate is --resume PATH, and the sentence is
+    about that flag.
+
+    Collective (every rank): the ranks first compare what they found (same_candidates), then
+    vote on each load, so that they all resume from the same checkpoint or none. A rank left
+    to itself could fall back to an older checkpoint alone (a read error, a shared folder that
+    lags on one node): its DDP replica would then diverge silently (DDP copies rank 0's weights
+    only when it is built), or its collectives no longer match and the job hangs."""
+    candidates = same_candidates(candidates)
     others = False  # a real checkpoint that failed to load (another script or --model)
     for i, path in enumerate(candidates):
+        result, failure, fatal = None, None, None
         try:
-            return load_one(path)
-        except (UsageError, KeyboardInterrupt, SystemExit):
+            result = load_one(path)
+        except UsageError as exc:
+            fatal = str(exc)
+        except (KeyboardInterrupt, SystemExit):
             raise
         # BaseException: DCP's CheckpointException (a truncated shard) derives from it
         except BaseException as exc:  # truncated zip, bad pickle, missing DCP shard, ...
+            failure = exc
+        raise_if_any_rank(fatal)  # every rank: a rank's sentence stops them all
+        what = None
+        if failure is not None:
             what = not_a_checkpoint(path)
             if explicit:
-                raise UsageError(_resume_path_error(path, what, exc)) from None
-            others = others or what is None
-            if what is None:
-                what = _first_line(exc)
-            print0(f"warning: checkpoint {path} is unusable ({what})"
-                   + ("; trying the previous one" if i + 1 < len(candidates) else ""))
+                what = _resume_path_error(path, what, failure)
+            else:
+                others = others or what is None
+                what = what or _first_line(failure)
+        failed = _every_rank(what)  # the vote: [(rank, why)] of the ranks that could not
+        if not failed:
+            return result
+        if explicit:
+            raise UsageError(failed[0][1])
+        ranks = ", ".join(str(rank) for rank, _ in failed)
+        print0(f"warning: checkpoint {path} is unusable (rank {ranks}: {failed[0][1]})"
+               + ("; trying the previous one" if i + 1 < len(candidates) else ""))
     if candidates:
         which = (f"checkpoint {candidates[0]} could not" if len(candidates) == 1 else
                  f"none of the {len(candidates)} checkpoints in {candidates[0].parent} could")
@@ -297,6 +318,38 @@ def load_newest(candidates: list, load_one, explicit: bool = False):
                          f"another --checkpoint-dir, or pass --resume never (it sets them "
                          f"aside)")
     return None
+
+
+def _every_rank(what: str | None) -> list:
+    """Collective: [(rank, what)] of every rank whose ``what`` is not None (one process: its
+    own)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return [(0, what)] if what else []
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, what)
+    return [(rank, w) for rank, w in enumerate(everyone) if w]
+
+
+def same_candidates(candidates: list) -> list:
+    """``candidates`` when every rank found the same checkpoints (by name, newest first);
+    otherwise one sentence on every rank, before anything is loaded: the ranks would resume
+    from different points. Collective."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return candidates
+    names = [str(path) for path in candidates]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, names)
+    if all(found == everyone[0] for found in everyone):
+        return candidates
+    differ = next(rank for rank, found in enumerate(everyone) if found != everyone[0])
+
+    def shown(found):
+        return ", ".join(Path(name).name for name in found[:3]) or "none"
+    raise UsageError(f"the ranks found different checkpoints (rank 0: {shown(everyone[0])}; "
+                     f"rank {differ}: {shown(everyone[differ])}) and would resume from "
+                     f"different points: give every node the same, shared --checkpoint-dir (a "
+                     f"node-local folder cannot resume a multi-node run; on a shared file "
+                     f"system that is still catching up, start again in a minute)")
 
 
 def _first_line(exc: BaseException) -> str:
