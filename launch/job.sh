@@ -137,6 +137,7 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   mapfile -t nodes <<<"$hostnames"
   nnodes=${SLURM_NNODES:-${#nodes[@]}}
   export MASTER_ADDR=${nodes[0]}
+  export PEER_ADDR=${nodes[1]:-}  # the master node's way to the others (gloo's interface)
   export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))  # differs for two jobs sharing a node
   export RDZV_ENDPOINT="$MASTER_ADDR:$MASTER_PORT" RDZV_ID=$SLURM_JOB_ID
 else

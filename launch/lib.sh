@@ -19,6 +19,24 @@ wait_for() {
 # exact names ("=ib0") and exclusions ("^lo,docker0"); gloo takes one exact name, of an
 # interface that exists. An exclusion, or a name that no interface of this node has, leaves the
 # choice to gloo.
+# route_ifname HOST: the interface this node's route to HOST leaves by, or nothing (HOST does
+# not resolve, no ip command, or the route is the loopback). gloo, left to itself, advertises the
+# address its own host name resolves to, which Debian and Ubuntu map to 127.0.1.1 in /etc/hosts:
+# the other nodes cannot reach that, and every multi-node run stops before its first step.
+route_ifname() {
+  local addr dev
+  addr=$(getent ahostsv4 "$1" 2>/dev/null | awk 'NR == 1 {print $1}')
+  [ -n "$addr" ] && command -v ip >/dev/null 2>&1 || return 0
+  dev=$(ip -o route get "$addr" 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p' | head -n 1)
+  if [ -n "$dev" ] && [ "$dev" != lo ]; then echo "$dev"; fi
+}
+
+# gloo_peer NODE MASTER OTHER: the host whose route gives NODE its gloo interface: the master,
+# or, on the master itself (whose own name may resolve to the loopback), another node.
+gloo_peer() {
+  if [ "$1" = "$2" ] || [ "$1" = "${2%%.*}" ]; then echo "$3"; else echo "$2"; fi
+}
+
 gloo_ifname() {
   local form=$1 exact="" want path name
   local -a wants

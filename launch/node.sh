@@ -116,7 +116,15 @@ elif [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then
   if [ -n "$gloo_if" ]; then export GLOO_SOCKET_IFNAME=$gloo_if; fi
   echo "[$node] gloo's interface: ${gloo_if:-gloo chooses (the address of the host name)}" \
     "(from NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME)"
+elif [ "${NNODES:-${SLURM_NNODES:-1}}" -gt 1 ] && [ -n "${MASTER_ADDR:-}" ]; then
+  # neither set: the interface of this node's route to the others (not the host name's address)
+  peer=$(gloo_peer "$node" "$MASTER_ADDR" "${PEER_ADDR:-}")
+  gloo_if=$(route_ifname "$peer")
+  if [ -n "$gloo_if" ]; then export GLOO_SOCKET_IFNAME=$gloo_if; fi
+  echo "[$node] gloo's interface: ${gloo_if:-gloo chooses (the address of the host name)}" \
+    "(the route to ${peer:-no other node})"
 fi
+echo "[$node] NCCL's interface: ${NCCL_SOCKET_IFNAME:-NCCL chooses (NCCL_SOCKET_IFNAME unset)}"
 
 cmd=("${python_cmd[@]}")
 if [ "$launcher" = torchrun ]; then

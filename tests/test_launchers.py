@@ -1057,3 +1057,33 @@ def test_slurm_stopped_rank_on_other_node_ends_the_job(slurm_lab, tmp_path):
             if job_state() not in running:
                 break
             time.sleep(0.25)
+
+
+@pytest.mark.parametrize("route, expected", [
+    ("10.0.0.7 dev ib0 src 10.0.0.4 uid 0 \\    cache", "ib0"),
+    ("10.0.0.7 via 10.0.0.1 dev eth1 src 10.0.0.4 uid 0", "eth1"),
+    ("local 127.0.1.1 dev lo table local src 127.0.0.1 uid 0", ""),  # the loopback: no use
+])
+def test_gloos_interface_is_the_route_to_another_node(tmp_path, route, expected):
+    """Neither GLOO_SOCKET_IFNAME nor NCCL_SOCKET_IFNAME set: gloo advertised the address its
+    host name resolves to, 127.0.1.1 on Debian and Ubuntu, and a 2-node run stopped before its
+    first step. node.sh now asks for the route to another node (getent and ip faked here)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "getent").write_text('#!/bin/sh\n[ "$2" = n2 ] && echo "10.0.0.7  STREAM n2"\n')
+    (fake / "ip").write_text(f'#!/bin/sh\necho "{route}"\n')
+    for tool in fake.iterdir():
+        tool.chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}:/usr/bin:/bin")
+    res = subprocess.run(["bash", "-c", f'source "{LAUNCH}/lib.sh"; route_ifname n2; '
+                          f'route_ifname nosuchnode'], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert (res.returncode, res.stdout, res.stderr) == (0, expected + "\n" if expected else "",
+                                                        "")
+
+
+@pytest.mark.parametrize("node, peer", [("n2", "n1"), ("n1", "n2")])
+def test_the_master_node_takes_the_route_to_another_node(node, peer):
+    res = subprocess.run(["bash", "-c", f'source "{LAUNCH}/lib.sh"; gloo_peer {node} n1 n2'],
+                         capture_output=True, text=True, timeout=60)
+    assert res.stdout == peer + "\n"
