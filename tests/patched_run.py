@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -145,6 +146,18 @@ def record_grad_storage(out: Path) -> None:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
         register_optimizer_step_pre_hook(lambda *a: note("stepped"))
     ddp.__init__ = init
+
+
+def slow_cache_build(out: Path) -> None:
+    """Each node's cache builder takes 8 s longer than it does (a first build of the whole
+    TinyImageNet takes minutes)."""
+    from training import tinyimagenet
+    real = tinyimagenet.prepare
+
+    def prepare(*args, **kwargs):
+        time.sleep(8)
+        return real(*args, **kwargs)
+    tinyimagenet.prepare = prepare
 
 
 def old_torch(out: Path) -> None:

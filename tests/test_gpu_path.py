@@ -325,3 +325,18 @@ def test_fsdp_offload_gets_a_cpu_backend_beside_nccl(monkeypatch, extra, backend
     world = 2 if "--share-gpus" in extra else 1
     fsdp_train.setup_distributed(args, distributed.DistEnv(0, 0, world, world, "torchrun"))
     assert chosen == [backend]
+
+
+def test_a_cache_build_longer_than_dist_timeout_is_waited_for(tiny_imagenet, tmp_path):
+    """Under plain torchrun, local rank 0 builds the decoded cache inside the process group
+    while the other ranks wait. Before: they waited in a collective bounded by --dist-timeout,
+    and a build longer than that killed them ("another rank probably died"). Now they wait on a
+    group of their own, as long as a build takes."""
+    root, _ = tiny_imagenet
+    proc = run_patched("slow_cache_build", tmp_path, "ddp_train.py",
+                       ["--data-dir", str(root), "--data-cache", str(tmp_path / "cache"),
+                        "--model", "resnet18", "--batch-size", "8", "--epochs", "1",
+                        "--max-steps-per-epoch", "1", "--num-workers", "0",
+                        "--dist-timeout", "3"])
+    check_ok(proc)
+    assert "Epoch [1/1]" in proc.stdout

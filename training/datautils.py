@@ -14,6 +14,7 @@ import gzip
 import math
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -392,10 +393,20 @@ class DeviceAugment:
         return (x - mean) / std
 
 
+CACHE_BUILD_WAIT = timedelta(hours=6)  # how long ranks wait for their node's cache builder
+
+
 def _cached_tinyimagenet(args, classes, train, val) -> DataBundle:
     """The memory-mapped cache that prepare_tinyimagenet.py writes. Where it is missing or
-    stale, local rank 0 of each node builds it (the others wait in the all_gather below)."""
+    stale, local rank 0 of each node builds it; the others wait in the all_gather below, on a
+    group of its own that waits as long as a build takes (up to CACHE_BUILD_WAIT), not
+    --dist-timeout, which a first build of the whole TinyImageNet can outlast."""
     error = None
+    wait = None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and \
+            dist.get_backend() != "fake":  # --simulate-world-size: no peer to wait for
+        # made by every rank before any build starts (making a group is itself a rendezvous)
+        wait = dist.new_group(backend="gloo", timeout=CACHE_BUILD_WAIT)
     if dist_env().local_rank == 0:  # one builder per node
         try:
             tinyimagenet.prepare(args.data_dir, args.data_cache, args.strict,
@@ -404,7 +415,8 @@ def _cached_tinyimagenet(args, classes, train, val) -> DataBundle:
                                          scanned=(classes, train, val))
         except UsageError as exc:
             error = str(exc)
-    raise_if_any_rank(error)  # every rank: wait for each node's builder, learn of its failure
+    # every rank: wait for each node's builder, learn of its failure
+    raise_if_any_rank(error, group=wait)
     directory = tinyimagenet.cache_dir(args.data_dir, args.data_cache)
     train_set = CachedSplit(directory / "train_u8.npy", directory / "train_labels.npy")
     val_set = CachedSplit(directory / "val_u8.npy", directory / "val_labels.npy")

@@ -253,13 +253,14 @@ def on_rank0(fn):
     return result
 
 
-def raise_if_any_rank(error: str | None) -> None:
+def raise_if_any_rank(error: str | None, group=None) -> None:
     """Collective (every rank calls it): each rank passes its own error sentence, or None, and
     every rank raises the first one as a UsageError, so no rank goes on while another stops.
-    Also the wait for the slowest rank. Without a process group: this rank's error only."""
+    Also the wait for the slowest rank (on ``group``, with its timeout; default: the run's
+    group and --dist-timeout). Without a process group: this rank's error only."""
     if dist.is_available() and dist.is_initialized():
         errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+        dist.all_gather_object(errors, error, group=group)
         error = next((e for e in errors if e), None)
     if error:
         raise UsageError(error)
