@@ -121,8 +121,9 @@ def plan(which: str, gpu: bool) -> list:
         # 224 px: what the seed trains on (on the CPU too slow to tell anything)
         Row(CEILING, small, args=synth + wide, image=side, cuda_only=True),
         Row(GRAPH, small, args=synth + wide + graph, image=side, cuda_only=True),
+        # profiled: where FSDP's step loses to DDP's on one GPU (the [PROFILE] breakdown)
         Row("fsdp full, synthetic on device", small, "fsdp_train.py",
-            synth + wide + ["--sharding", "full"], image=side, cuda_only=True),
+            synth + wide + ["--sharding", "full"] + profile, image=side, cuda_only=True),
         Row("fsdp full, synthetic on device", small, "fsdp_train.py",
             synth + ["--sharding", "full"]),
         # offload's gradient shards on the CPU under fp16's GradScaler: gloo beside NCCL
@@ -133,6 +134,8 @@ def plan(which: str, gpu: bool) -> list:
             cuda_only=True, need_s=240),
         Row("launchers: local.sh, its memory logs, analyze_memory.py --plot", small,
             kind="launcher", need_s=75),
+        Row("kill and resume: fsdp_train.py, 2 ranks sharing the GPU", 16, "fsdp_train.py",
+            kind="kill-resume", need_s=90),
         Row("ddp, cache", small, args=["{data}", "{cache}"], needs_data=True),
         Row("ddp, cache held on device", big, args=["{data}", "{cache}", "--data-on-device"],
             needs_data=True),
@@ -335,6 +338,62 @@ def run_launcher(row: Row, model: str, steps: int, work: Path, keep: Path | None
             "timeline": (run_dir / "timeline.png").is_file(), "cmd": cmd}
 
 
+def _descendants(pid: int) -> list:
+    """The processes below ``pid`` (Linux /proc): torchrun's workers, in sessions of their own."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def run_kill_resume(row: Row, work: Path, gpu: bool, timeout: float) -> dict:
+    """A 2-rank FSDP run (sharing the GPU) killed whole after its first checkpoint, as a node
+    failure would, then run again: it must resume from that checkpoint and finish."""
+    ckpt = work / "kill-resume"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    args = ["--model", "resnet18", "--synthetic-size", "320", "--batch-size", str(row.batch),
+            "--epochs", "2", "--num-workers", "0", "--log-every", "0", "--checkpoint-dir",
+            str(ckpt), "--checkpoint-every", "3"] + (["--share-gpus"] if gpu else [])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO / row.script), *args]
+    t0 = time.monotonic()
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    while not list(ckpt.glob("ckpt-*")) and first.poll() is None and \
+            time.monotonic() - t0 < timeout / 2:
+        time.sleep(0.5)
+    for pid in _descendants(first.pid) + [first.pid]:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    first.wait()
+    while any(Path(f"/proc/{pid}").exists() for pid in _descendants(first.pid)):
+        time.sleep(0.2)
+    saved = sorted(p.name for p in ckpt.glob("ckpt-*"))
+    if not saved:
+        return {"error": "no checkpoint before the kill", "cmd": cmd}
+    try:
+        again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
+                               timeout=max(10.0, timeout - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        return {"error": "the resumed run gave no result in time", "cmd": cmd}
+    resumed = [line for line in again.stdout.splitlines() if "Resumed from epoch" in line]
+    if again.returncode != 0 or not resumed:
+        last = (again.stderr.strip() or again.stdout.strip() or "no output").splitlines()[-1]
+        return {"error": f"resume: exit {again.returncode}: {last[:200]}", "cmd": cmd}
+    return {"passed": True, "text": f"killed after {saved[-1]}; {resumed[0].split(': ')[-1]}"
+                                    f", then finished", "cmd": cmd}
+
+
 def targets(results: list) -> list:
     """Issue 39's targets where their rows ran: (what, met, the figures)."""
     def rate(label, batch, image=64):
@@ -523,6 +582,8 @@ def main(argv=None) -> int:
                     result["error"] = "see below"
             elif row.kind == "held":
                 result.update(run_held(row, row_args(row, model, steps, paths), timeout))
+            elif row.kind == "kill-resume":
+                result.update(run_kill_resume(row, work, gpu, timeout))
             elif row.kind == "launcher":
                 result.update(run_launcher(row, model, steps, work, keep, timeout))
             else:

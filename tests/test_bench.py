@@ -75,6 +75,10 @@ def test_gpu_check_runs_on_cpu_with_a_notice(tmp_path):
     launcher = tmp_path / "report-launcher"
     assert "[" in (launcher / "analyze_memory.txt").read_text()
     assert list(launcher.glob("*.txt")) and (launcher / "timeline.png").is_file()
+    # a 2-rank FSDP run killed after its first checkpoint resumes from it and finishes
+    assert re.search(r"^\| kill and resume: fsdp_train.py, 2 ranks sharing the GPU \| +\| 16 \| "
+                     r"\| passed \|", report, re.M), report
+    assert "killed after ckpt-e0000-s0000003; Resumed from epoch 1, step 3" in report
     # one JSON line per row, written as each finished
     lines = [json.loads(line) for line in (tmp_path / "report.jsonl").read_text().splitlines()]
     assert len(lines) == len(re.findall(r"^\| ", report, re.M)) - 1  # all but the header
