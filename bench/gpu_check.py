@@ -75,7 +75,8 @@ class Row:
     cuda_only: bool = False
     needs_data: bool = False  # the TinyImageNet tree and its cache
     need_s: int = 45  # what the row takes on one GPU, about: it starts only with this much left
-    kind: str = "train"  # or "tests", "launcher"
+    kind: str = "train"  # or "held" (--simulate-world-size), "tests", "shared tests",
+    # "launcher", "kill-resume"
 
 
 def versions(gpu: bool) -> list:
@@ -182,9 +183,22 @@ def row_args(row: Row, model: str, steps: int, paths: dict) -> list:
             "--batch-size", str(row.batch), "--log-every", "0"] + args
 
 
+def _first(lines: list, prefix: str) -> dict | None:
+    """The key=value fields of the first ``prefix`` line among ``lines``, or None."""
+    return next((found for found, _ in filter(None, (contract.fields(line, prefix)
+                                                      for line in lines))), None)
+
+
+def _failure(proc: subprocess.CompletedProcess, what: str = "exit") -> str:
+    """A failed run in one line: its exit code and the last line it printed."""
+    last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+    return f"{what} {proc.returncode}: {last[:200]}"
+
+
 def run_training(row: Row, args: list, timeout: float) -> dict:
     """One training run: the second epoch's [METRIC] figures, the [MEMORY] prediction and the
-    [PROFILE] launches per step, or the reason it failed."""
+    [PROFILE] launches per step; a "held" row (--simulate-world-size): the [MEMORY] prediction
+    and the [MEMORY-HELD] figures; or the reason it failed."""
     cmd = [sys.executable, str(REPO / row.script), *args]
     # --compile: torch logs each recompilation, to count those inside the timed epoch
     env = dict(os.environ, TORCH_LOGS="recompiles") if "--compile" in args else None
@@ -194,21 +208,29 @@ def run_training(row: Row, args: list, timeout: float) -> dict:
     except subprocess.TimeoutExpired:
         return {"error": f"no result within {timeout:.0f} s", "cmd": cmd}
     out = proc.stdout.splitlines()
+    predicted = _first(out, contract.MEMORY_PREFIX) or {}
+    if row.kind == "held":
+        held = _first(out, contract.MEMORY_HELD_PREFIX)
+        if proc.returncode != 0 or not (predicted and held):
+            return {"error": _failure(proc), "cmd": cmd}
+        states = ("params_mib", "grads_mib", "optimizer_mib", "host_mib")
+        return {"peak": contract.number(held["peak_mib"]) or 0.0,
+                "predicted": contract.number(predicted["peak_mib"]),
+                "states": " + ".join(f"{held[k]}" for k in states),
+                "predicted_states": " + ".join(f"{predicted[k]}" for k in states),
+                "units_in_flight": held["units_in_flight"], "amp": predicted["amp"],
+                "cmd": cmd}
     rows = [m for m in map(contract.parse_metric_line, out) if m]
     if proc.returncode != 0 or not rows:
-        last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
-        return {"error": f"exit {proc.returncode}: {last[:200]}", "cmd": cmd}
+        return {"error": _failure(proc), "cmd": cmd}
     m = rows[-1]
-    found = {}
-    for prefix in (contract.MEMORY_PREFIX, contract.PROFILE_PREFIX):
-        parsed = [p for p, _ in filter(None, (contract.fields(line, prefix) for line in out))]
-        found[prefix] = parsed[0] if parsed else {}
+    profile = _first(out, contract.PROFILE_PREFIX) or {}
     steps = float(m["train_images"]) / float(m["global_batch"])
     return {"img_s": float(m["throughput_img_s"]), "amp": m["amp"],
             "step_ms": 1e3 * float(m["epoch_time_s"]) / steps, "steps": int(steps),
             "peak": float(m["peak_mem_mib"]),
-            "predicted": contract.number(found[contract.MEMORY_PREFIX].get("peak_mib")),
-            "launches": contract.number(found[contract.PROFILE_PREFIX].get("launches_per_step")),
+            "predicted": contract.number(predicted.get("peak_mib")),
+            "launches": contract.number(profile.get("launches_per_step")),
             "recompiles_timed": recompiles_between(proc.stderr, float(m["train_start_unix"]),
                                                    float(m["eval_start_unix"]))
             if env else None, "cmd": cmd}
@@ -226,30 +248,6 @@ def recompiles_between(log: str, start: float, end: float) -> int:
                                           "%Y-%m-%d %H:%M:%S.%f").timestamp()
         count += start <= when <= end
     return count
-
-
-def run_held(row: Row, args: list, timeout: float) -> dict:
-    """--simulate-world-size: the [MEMORY] prediction and the [MEMORY-HELD] figures."""
-    cmd = [sys.executable, str(REPO / row.script), *args]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return {"error": f"no result within {timeout:.0f} s", "cmd": cmd}
-    found = {}
-    for prefix in (contract.MEMORY_PREFIX, contract.MEMORY_HELD_PREFIX):
-        parsed = [p for p, _ in filter(None, (contract.fields(line, prefix)
-                                              for line in proc.stdout.splitlines()))]
-        found[prefix] = parsed[0] if parsed else None
-    predicted, held = found[contract.MEMORY_PREFIX], found[contract.MEMORY_HELD_PREFIX]
-    if proc.returncode != 0 or not (predicted and held):
-        last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
-        return {"error": f"exit {proc.returncode}: {last[:200]}", "cmd": cmd}
-    states = ("params_mib", "grads_mib", "optimizer_mib", "host_mib")
-    return {"peak": contract.number(held["peak_mib"]) or 0.0,
-            "predicted": contract.number(predicted["peak_mib"]),
-            "states": " + ".join(f"{held[k]}" for k in states),
-            "predicted_states": " + ".join(f"{predicted[k]}" for k in states),
-            "units_in_flight": held["units_in_flight"], "amp": predicted["amp"], "cmd": cmd}
 
 
 def _pytest(args: list, env: dict, timeout: float) -> tuple:
@@ -317,8 +315,7 @@ def run_launcher(row: Row, model: str, steps: int, work: Path, keep: Path | None
         return {"error": f"no result within {timeout:.0f} s", "cmd": cmd}
     run_dirs = sorted(glob.glob(str(runs / "gpu-check-*")))
     if proc.returncode != 0 or not run_dirs:
-        last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
-        return {"error": f"local.sh exit {proc.returncode}: {last[:200]}", "cmd": cmd}
+        return {"error": _failure(proc, "local.sh exit"), "cmd": cmd}
     run_dir = Path(run_dirs[-1])
     left = max(10.0, timeout - (time.monotonic() - t0))
     summary = subprocess.run([sys.executable, str(REPO / "analyze_memory.py"), "--plot",
@@ -388,8 +385,7 @@ def run_kill_resume(row: Row, work: Path, gpu: bool, timeout: float) -> dict:
         return {"error": "the resumed run gave no result in time", "cmd": cmd}
     resumed = [line for line in again.stdout.splitlines() if "Resumed from epoch" in line]
     if again.returncode != 0 or not resumed:
-        last = (again.stderr.strip() or again.stdout.strip() or "no output").splitlines()[-1]
-        return {"error": f"resume: exit {again.returncode}: {last[:200]}", "cmd": cmd}
+        return {"error": _failure(again, "resume: exit"), "cmd": cmd}
     return {"passed": True, "text": f"killed after {saved[-1]}; {resumed[0].split(': ')[-1]}"
                                     f", then finished", "cmd": cmd}
 
@@ -580,8 +576,6 @@ def main(argv=None) -> int:
                 result.update(passed=passed, text=text)
                 if passed is False:
                     result["error"] = "see below"
-            elif row.kind == "held":
-                result.update(run_held(row, row_args(row, model, steps, paths), timeout))
             elif row.kind == "kill-resume":
                 result.update(run_kill_resume(row, work, gpu, timeout))
             elif row.kind == "launcher":

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from training.common import print0
 from training.contract import REQUEUE_EXIT, STOP_LINE
-from training.distributed import on_rank0, raise_if_any_rank
+from training.distributed import every_rank, on_rank0, raise_if_any_rank
 from training.faults import NonFiniteLoss, StopSignals, UsageError, lock_checkpoint_dir
 
 # --------------------------------------------------------------------------------------------
@@ -291,7 +291,6 @@ def load_newest(candidates: list, load_one, explicit: bool = False):
         # BaseException: DCP's CheckpointException (a truncated shard) derives from it
         except BaseException as exc:  # truncated zip, bad pickle, missing DCP shard, ...
             failure = exc
-        raise_if_any_rank(fatal)  # every rank: a rank's sentence stops them all
         what = None
         if failure is not None:
             what = not_a_checkpoint(path)
@@ -300,7 +299,11 @@ def load_newest(candidates: list, load_one, explicit: bool = False):
             else:
                 others = others or what is None
                 what = what or _first_line(failure)
-        failed = _every_rank(what)  # the vote: [(rank, why)] of the ranks that could not
+        votes = every_rank((fatal, what))  # the vote: what each rank could not do
+        fatal = next((f for f, _ in votes if f), None)
+        if fatal:  # a rank's sentence stops them all
+            raise UsageError(fatal)
+        failed = [(rank, why) for rank, (_, why) in enumerate(votes) if why]
         if not failed:
             return result
         if explicit:
@@ -320,25 +323,11 @@ def load_newest(candidates: list, load_one, explicit: bool = False):
     return None
 
 
-def _every_rank(what: str | None) -> list:
-    """Collective: [(rank, what)] of every rank whose ``what`` is not None (one process: its
-    own)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return [(0, what)] if what else []
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, what)
-    return [(rank, w) for rank, w in enumerate(everyone) if w]
-
-
 def same_candidates(candidates: list) -> list:
-    """``candidates`` when every rank found the same checkpoints (by name, newest first);
+    """``candidates`` when every rank found the same checkpoints (the same paths, newest first);
     otherwise one sentence on every rank, before anything is loaded: the ranks would resume
     from different points. Collective."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return candidates
-    names = [str(path) for path in candidates]
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, names)
+    everyone = every_rank([str(path) for path in candidates])
     if all(found == everyone[0] for found in everyone):
         return candidates
     differ = next(rank for rank, found in enumerate(everyone) if found != everyone[0])
@@ -672,10 +661,7 @@ class Checkpoints:
         """Collective: every rank takes part (their RNG states are gathered into the file).
         The caller has just checked the losses (LossWatch.check): no NaN reaches a file.
         ``earlier``: inside an epoch, its figures so far (measure.epoch_so_far)."""
-        rngs = [rng_state()]
-        if dist.is_available() and dist.is_initialized():
-            rngs = [None] * dist.get_world_size()
-            dist.all_gather_object(rngs, rng_state())
+        rngs = every_rank(rng_state())
         meta = dict(epoch=epoch, step=step, steps=self.steps, metrics=self.metrics, rng=rngs,
                     args=vars(self.args), world_size=len(rngs), earlier=earlier)
         error = None

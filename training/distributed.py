@@ -253,14 +253,21 @@ def on_rank0(fn):
     return result
 
 
+def every_rank(value, group=None) -> list:
+    """Collective (every rank calls it): every rank's ``value`` (any picklable object), in rank
+    order, on ``group`` (default: the run's). Without a process group: [value]."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, value, group=group)
+    return everyone
+
+
 def raise_if_any_rank(error: str | None, group=None) -> None:
     """Collective (every rank calls it): each rank passes its own error sentence, or None, and
     every rank raises the first one as a UsageError, so no rank goes on while another stops.
     Also the wait for the slowest rank (on ``group``, with its timeout; default: the run's
     group and --dist-timeout). Without a process group: this rank's error only."""
-    if dist.is_available() and dist.is_initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error, group=group)
-        error = next((e for e in errors if e), None)
+    error = next((e for e in every_rank(error, group) if e), None)
     if error:
         raise UsageError(error)
