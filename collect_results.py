@@ -68,7 +68,7 @@ except ImportError:
 from reporting.scaling import (FAILED, MISSING, OK, PARTIAL,  # noqa: E402
                                REQUEUED, SKIPPED, STATUSES, UNREADABLE)
 from training.contract import (BANDWIDTH_PREFIX, MEMORY_PREFIX,  # noqa: E402
-                               METRIC_PREFIX, PROFILE_PREFIX, REQUEUE_EXIT)
+                               PROFILE_PREFIX, REQUEUE_EXIT)
 
 MANIFEST = "study.json"     # the study's plan, written by launch/run_benchmarks.py
 NO_GPU_LOG = "n/a (no GPU log)"
@@ -99,42 +99,18 @@ class UsageError(Exception):
 # Reading: a run directory -> one row
 # --------------------------------------------------------------------------------------------
 
-# The [METRIC] keys whose values must be numbers ("nan" is one); other keys are left as they are.
-NUMBER_KEYS = set(contract.METRIC_KEYS + contract.FINAL_KEYS) - set(contract.METRIC_TEXT_KEYS)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
 def read_log(path: Path) -> tuple:
     """The [METRIC] lines of a train.log as {key: text as logged}, in order, and the lines that
     mention [METRIC] but do not parse, as (line number, why, text): another rank's output glued
-    into the line, or a line cut off when the job was killed. Those are counted, never guessed."""
+    into the line, or a line cut off when the job was killed (contract.read_metric_line's rules).
+    Those are counted, never guessed."""
     lines, bad = [], []
     with open(path, encoding="utf-8", errors="replace") as f:
-        for number, text in enumerate(f, 1):
-            parsed = contract.fields(text, METRIC_PREFIX)
-            if parsed is None:
-                continue
-            pairs, stray = parsed
-            if not text.endswith("\n"):
-                why = "last line without its newline (the job was killed mid-write)"
-            elif stray:
-                why = f"text without '=' in it ({stray[0][:40]!r}: another process's output?)"
-            elif not pairs:
-                why = "no key=value after the tag"
-            elif bad_values := [f"{k}={v}" for k, v in pairs.items() if k in NUMBER_KEYS
-                                and not _is_number(v)]:
-                why = f"{bad_values[0][:40]!r} is not a number (a cut or garbled line?)"
+        for number, text, values, problem in contract.metric_lines(f):
+            if problem is None:
+                lines.append(values)
             else:
-                lines.append(pairs)
-                continue
-            bad.append((number, why, text.strip()))
+                bad.append((number, problem, text.strip()))
     return lines, bad
 
 
@@ -155,7 +131,7 @@ def read_explanations(path: Path) -> dict:
                 pairs = parsed[0]
                 if tag == MEMORY_PREFIX:
                     sizes = contract.MEMORY_SIZE_KEYS
-                    if all(_is_number(pairs.get(k, "")) for k in sizes):
+                    if all(contract.is_number(pairs.get(k, "")) for k in sizes):
                         found.update((f"predicted_{k}", pairs[k]) for k in sizes)
                         found["predicted_variant"] = pairs.get("variant", "")
                 elif tag == PROFILE_PREFIX:

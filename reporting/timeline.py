@@ -53,23 +53,25 @@ def find_training_logs(run_dir, notes: list) -> list:
 def read_phases(paths, notes: list) -> list:
     """The epochs of the [METRIC] lines in the files paths: dicts {"epoch", "train_start",
     "eval_start", "eval_end"} (clock times in seconds since 1970, None where missing), sorted by
-    train_start, each epoch once (the final line repeats the last one). Lines without
-    train_start_unix (older training scripts) give no phase."""
+    train_start, each epoch once (the final line repeats the last one). Only lines readable by
+    contract.read_metric_line's rules count; lines without train_start_unix (older training
+    scripts) give no phase."""
     phases = {}
     for path in paths:
         try:
-            text = Path(path).read_text(encoding="utf-8", errors="replace")
+            with open(path, encoding="utf-8", errors="replace") as f:
+                readable = [values for _, _, values, problem in contract.metric_lines(f)
+                            if problem is None]
         except OSError as e:
             notes.append(f"{path}: cannot be read ({e.strerror or e}); no epoch marks from it")
             continue
-        for line in text.splitlines():
-            fields = (contract.fields(line, METRIC_PREFIX) or ({},))[0]
-            if contract.number(fields.get("train_start_unix")) is None:
+        for values in readable:
+            if contract.number(values.get("train_start_unix")) is None:
                 continue
-            phase = {"epoch": fields.get("epoch", "?"),
-                     "train_start": contract.number(fields["train_start_unix"]),
-                     "eval_start": contract.number(fields.get("eval_start_unix")),
-                     "eval_end": contract.number(fields.get("eval_end_unix"))}
+            phase = {"epoch": values.get("epoch", "?"),
+                     "train_start": contract.number(values["train_start_unix"]),
+                     "eval_start": contract.number(values.get("eval_start_unix")),
+                     "eval_end": contract.number(values.get("eval_end_unix"))}
             phases[tuple(phase.values())] = phase
     return sorted(phases.values(), key=lambda p: p["train_start"])
 

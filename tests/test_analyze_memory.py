@@ -616,6 +616,26 @@ def test_metric_lines_are_parsed_generically_and_each_epoch_once():
         ("3", 1795501862.0, 1795501868.0, 1795501869.5)]
 
 
+
+def test_every_metric_reader_keeps_and_drops_the_same_lines(tmp_path):
+    """contract.read_metric_line's rules, for the timeline, results.csv and the benchmarks
+    alike: a line with another process's text glued in, a value of a number key that is not a
+    number, and a last line cut off without its newline are not read."""
+    values = dict.fromkeys(contract.METRIC_KEYS, 1.0)
+    values.update(strategy="ddp", model="cnn", dataset="synthetic", device="cpu", amp="off",
+                  lr_scaling="linear", peak_mem_per_gpu_mib="-", train_start_unix=1795501803.0)
+    good = contract.format_metric_line(values)
+    log = tmp_path / "train.log"
+    log.write_text("\n".join([good, good.replace("epoch=1 ", "epoch=2 10:12:41.902 "),
+                              good.replace("epoch=1 ", "epoch=x "),
+                              good.replace("epoch=1 ", "epoch=4 ")]), encoding="utf-8")
+    with open(log, encoding="utf-8") as f:
+        read = [(n, problem is None) for n, _, _, problem in contract.metric_lines(f)]
+    assert read == [(1, True), (2, False), (3, False), (4, False)]
+    assert [p["epoch"] for p in timeline.read_phases([log], [])] == ["1"]
+    parsed = [contract.parse_metric_line(line) for line in log.read_text().splitlines()]
+    assert [m is not None for m in parsed] == [True, False, False, True]  # no file: no cut
+
 def test_plot_timeline_panels_and_line_data(tmp_path, utc):
     run = _timeline_copy(tmp_path)
     notes = []

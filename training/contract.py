@@ -13,8 +13,10 @@ Every line a launcher or a parser reacts to is ``[TAG] key=value ...``:
 
 The training scripts write the epoch and ``[METRIC]`` lines, checkpoint.py the ``[STOP]`` line,
 faults.py the ``[EXIT]`` line, measure.py the ``[PROFILE]`` and ``[BANDWIDTH]`` lines; the
-parsers read them with ``fields`` (a value with ``number``). This module imports no torch, so
-the parsers run on a login node without it.
+parsers read them with ``fields`` (a value with ``number``). A ``[METRIC]`` line is read by one
+set of rules, ``read_metric_line``'s, whether a log's lines (``metric_lines``) or one line of
+output (``parse_metric_line``). This module imports no torch, so the parsers run on a login
+node without it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ LATER_METRIC_KEYS = ("image_size",)
 
 #: Extra keys of the one ``[METRIC]`` line printed after the last epoch (``final=1``).
 FINAL_KEYS = ("final", "total_time_s")
+
+#: The [METRIC] keys whose values must be numbers ("nan" is one): all but METRIC_TEXT_KEYS.
+METRIC_NUMBER_KEYS = frozenset(METRIC_KEYS + FINAL_KEYS) - frozenset(METRIC_TEXT_KEYS)
 
 #: --profile's parts of one training step, in milliseconds (``steps``: how many were traced),
 #: and the host's launches per step (kernels, copies, graphs: what a CUDA graph saves).
@@ -145,10 +150,55 @@ def number(text) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def parse_metric_line(line: str) -> dict | None:
-    """One complete ``[METRIC]`` line as {key: text}; None when the line is not one."""
+def is_number(text: str) -> bool:
+    """Whether text reads as a float ("nan" and "inf" do; number() says whether it is finite)."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def read_metric_line(line: str) -> tuple | None:
+    """A ``[METRIC]`` line read by the contract's rules: None when the line has no ``[METRIC]``
+    tag, else ``(values, problem)``. values is {key: text as logged}; problem is None for a
+    readable line, else a sentence saying why it is not one: text without "=" in it (another
+    process's output glued into the line), no key=value at all, or a value of a
+    METRIC_NUMBER_KEYS key that is not a number (a cut or garbled line)."""
     parsed = fields(line, METRIC_PREFIX)
-    required = [k for k in METRIC_KEYS if k not in LATER_METRIC_KEYS]
-    if parsed is None or parsed[1] or not all(k in parsed[0] for k in required):
+    if parsed is None:
         return None
-    return parsed[0]
+    values, stray = parsed
+    if stray:
+        return values, f"text without '=' in it ({stray[0][:40]!r}: another process's output?)"
+    if not values:
+        return values, "no key=value after the tag"
+    not_numbers = [f"{k}={v}" for k, v in values.items()
+                   if k in METRIC_NUMBER_KEYS and not is_number(v)]
+    if not_numbers:
+        return values, f"{not_numbers[0][:40]!r} is not a number (a cut or garbled line?)"
+    return values, None
+
+
+def metric_lines(lines):
+    """The ``[METRIC]`` lines of a log given as its lines with their newlines (an open file):
+    ``(line number, line, values, problem)`` for each, as read_metric_line says, where a last
+    line without its newline is a problem too (the job was killed while writing it)."""
+    for lineno, line in enumerate(lines, 1):
+        read = read_metric_line(line)
+        if read is None:
+            continue
+        values, problem = read
+        if not line.endswith("\n"):
+            problem = "last line without its newline (the job was killed mid-write)"
+        yield lineno, line, values, problem
+
+
+def parse_metric_line(line: str) -> dict | None:
+    """One complete ``[METRIC]`` line as {key: text}: readable by read_metric_line's rules and
+    with every METRIC_KEYS key (but LATER_METRIC_KEYS); None when the line is not one."""
+    read = read_metric_line(line)
+    required = [k for k in METRIC_KEYS if k not in LATER_METRIC_KEYS]
+    if read is None or read[1] is not None or not all(k in read[0] for k in required):
+        return None
+    return read[0]
