@@ -50,7 +50,8 @@ def best(rows: list) -> dict:
     return min(newest_first, key=lambda r: STATUSES.index(r["status"]))
 
 
-def _4(x: float) -> str:
+def four_decimals(x: float) -> str:
+    """x as results.csv writes a ratio or a time: at most four decimals, no trailing zeros."""
     return f"{x:.4f}".rstrip("0").rstrip(".")
 
 
@@ -82,11 +83,11 @@ def scale(rows: list) -> dict:
                 if base and row["status"] in HAS_METRICS and gpus(row) and num(
                         row, "throughput_img_s") is not None:
                     speedup = num(row, "throughput_img_s") / num(base, "throughput_img_s")
-                    row.update(baseline=base["run"], throughput_scaling=_4(speedup),
-                               parallel_efficiency=_4(speedup / gpus(row)))
+                    row.update(baseline=base["run"], throughput_scaling=four_decimals(speedup),
+                               parallel_efficiency=four_decimals(speedup / gpus(row)))
                     if num(row, "gpu0_avg_mib") is not None and num(base, "gpu0_avg_mib"):
-                        row["memory_avg_scaling"] = _4(num(row, "gpu0_avg_mib")
-                                                       / num(base, "gpu0_avg_mib"))
+                        row["memory_avg_scaling"] = four_decimals(
+                            num(row, "gpu0_avg_mib") / num(base, "gpu0_avg_mib"))
     return chosen
 
 
@@ -120,9 +121,9 @@ def step_times(rows: list) -> None:
         t, n, b = num(row, "epoch_time_s"), num(row, "train_images"), num(row, "global_batch")
         if row["status"] in HAS_METRICS and t and n and b:
             step = t * 1e3 * b / n
-            row["step_ms"] = _4(step)
+            row["step_ms"] = four_decimals(step)
             if num(row, "data_wait_frac") is not None:
-                row["data_wait_ms"] = _4(num(row, "data_wait_frac") * step)
+                row["data_wait_ms"] = four_decimals(num(row, "data_wait_frac") * step)
 
 
 def comm_ms(strategy: str, n: int, grad_bytes: float, busbw: dict, messages: dict,
@@ -251,8 +252,8 @@ def predict(rows: list, chosen: dict, inter_busbw: float = INTER_NODE_BUSBW_GBS,
             if gpus(row) > 1 and num(row, "step_ms"):
                 predicted = predict_step_ms(inputs, int(num(row, "nodes")),
                                             int(num(row, "gpus_per_node")))
-                row["predicted_step_ms"] = _4(predicted)
-                row["prediction_error"] = _4(predicted / num(row, "step_ms") - 1)
+                row["predicted_step_ms"] = four_decimals(predicted)
+                row["prediction_error"] = four_decimals(predicted / num(row, "step_ms") - 1)
     return models
 
 
