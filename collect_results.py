@@ -121,27 +121,40 @@ def read_explanations(path: Path) -> dict:
     largest message size measured ([BANDWIDTH] lines: busbw_<op>_gbs, and that size as
     grad_bytes), with the collectives of that kind per training step where the run counted
     them (messages_<op>)."""
+    readers = {MEMORY_PREFIX: _explain_memory, PROFILE_PREFIX: _explain_profile,
+               BANDWIDTH_PREFIX: _explain_bandwidth}
     found = {}
     with open(path, encoding="utf-8", errors="replace") as f:
         for text in f:
-            for tag in (MEMORY_PREFIX, PROFILE_PREFIX, BANDWIDTH_PREFIX):
+            if not text.endswith("\n"):  # a line cut off when the job was killed
+                continue
+            for tag, explain in readers.items():
                 parsed = contract.fields(text, tag + " ")
-                if parsed is None or not text.endswith("\n"):
-                    continue
-                pairs = parsed[0]
-                if tag == MEMORY_PREFIX:
-                    sizes = contract.MEMORY_SIZE_KEYS
-                    if all(contract.is_number(pairs.get(k, "")) for k in sizes):
-                        found.update((f"predicted_{k}", pairs[k]) for k in sizes)
-                        found["predicted_variant"] = pairs.get("variant", "")
-                elif tag == PROFILE_PREFIX:
-                    found.update((f"profile_{k}", v) for k, v in pairs.items() if k != "trace")
-                elif "op" in pairs and pairs.get("bytes", "").isdigit() and int(
-                        pairs["bytes"]) >= int(found.get("grad_bytes", 0)):
-                    found["grad_bytes"] = pairs["bytes"]
-                    found[f"busbw_{pairs['op']}_gbs"] = pairs.get("busbw_gbs", "")
-                    found[f"messages_{pairs['op']}"] = pairs.get("messages", "")
+                if parsed is not None:
+                    explain(parsed[0], found)
     return found
+
+
+def _explain_memory(pairs: dict, found: dict) -> None:
+    """A [MEMORY] line whose sizes are all numbers: the predicted memory per GPU."""
+    sizes = contract.MEMORY_SIZE_KEYS
+    if all(contract.is_number(pairs.get(k, "")) for k in sizes):
+        found.update((f"predicted_{k}", pairs[k]) for k in sizes)
+        found["predicted_variant"] = pairs.get("variant", "")
+
+
+def _explain_profile(pairs: dict, found: dict) -> None:
+    """A [PROFILE] line: the step's parts (its trace's file name is no figure)."""
+    found.update((f"profile_{k}", v) for k, v in pairs.items() if k != "trace")
+
+
+def _explain_bandwidth(pairs: dict, found: dict) -> None:
+    """A [BANDWIDTH] line: kept when its message size is at least the largest one so far."""
+    if "op" in pairs and pairs.get("bytes", "").isdigit() and int(
+            pairs["bytes"]) >= int(found.get("grad_bytes", 0)):
+        found["grad_bytes"] = pairs["bytes"]
+        found[f"busbw_{pairs['op']}_gbs"] = pairs.get("busbw_gbs", "")
+        found[f"messages_{pairs['op']}"] = pairs.get("messages", "")
 
 
 def read_job_env(path: Path) -> dict:
