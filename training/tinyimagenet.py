@@ -48,6 +48,10 @@ def _images_in(folder: Path) -> list:
     return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMG_EXTENSIONS)
 
 
+_HINT = ("give the tiny-imagenet-200 folder, which holds wnids.txt, train/ and val/ "
+         "(--data-dir, or prepare_tinyimagenet.py's first argument)")
+
+
 def scan_tinyimagenet(root) -> tuple:
     """Read TinyImageNet's ORIGINAL layout: classes from wnids.txt (sorted), train images from
     train/<wnid>/images/, val labels from val/val_annotations.txt (val/images/ is one flat
@@ -57,22 +61,31 @@ def scan_tinyimagenet(root) -> tuple:
     Returns (classes, train_samples, val_samples) with samples as (path, class index).
     """
     root = Path(root)
-    hint = ("give the tiny-imagenet-200 folder, which holds wnids.txt, train/ and val/ "
-            "(--data-dir, or prepare_tinyimagenet.py's first argument)")
     if not root.is_dir():
         what = "is a file, not a folder" if root.exists() else "does not exist"
-        raise UsageError(f"data dir {root} {what}: {hint}")
-    wnids_file = root / "wnids.txt"
+        raise UsageError(f"data dir {root} {what}: {_HINT}")
+    classes = _scan_classes(root / "wnids.txt")
+    index = {wnid: i for i, wnid in enumerate(classes)}
+    train = _scan_train(root / "train", classes, index)
+    val = _scan_val(root / "val", classes, index)
+    return classes, train, val
+
+
+def _scan_classes(wnids_file: Path) -> list:
+    """The class ids of wnids.txt, sorted."""
     if not wnids_file.is_file():
-        raise UsageError(f"{wnids_file} is missing: {hint}")
+        raise UsageError(f"{wnids_file} is missing: {_HINT}")
     classes = sorted({w.strip() for w in read_text_file(wnids_file).split() if w.strip()})
     if not classes:
         raise UsageError(f"{wnids_file} lists no class ids: restore it from the dataset archive")
-    index = {wnid: i for i, wnid in enumerate(classes)}
+    return classes
 
-    train_dir = root / "train"
+
+def _scan_train(train_dir: Path, classes: list, index: dict) -> list:
+    """The training samples: train/<wnid>/images/ (or train/<wnid>/) of every class, and no
+    folder of a class that wnids.txt does not list."""
     if not train_dir.is_dir():
-        raise UsageError(f"{train_dir} is missing: {hint}")
+        raise UsageError(f"{train_dir} is missing: {_HINT}")
     for d in sorted(p for p in train_dir.iterdir() if p.is_dir()):
         if d.name not in index:
             raise UsageError(f"train/{d.name} is not listed in wnids.txt: remove the folder "
@@ -84,43 +97,23 @@ def scan_tinyimagenet(root) -> tuple:
             folder = train_dir / wnid
         if not folder.is_dir():
             raise UsageError(f"no training folder for class {wnid} (expected "
-                             f"{train_dir / wnid / 'images'}): {hint}")
+                             f"{train_dir / wnid / 'images'}): {_HINT}")
         images = _images_in(folder)
         if not images:
             raise UsageError(f"{folder} holds no images: restore it from the dataset archive")
         train += [(str(p), index[wnid]) for p in images]
+    return train
 
-    val_dir = root / "val"
+
+def _scan_val(val_dir: Path, classes: list, index: dict) -> list:
+    """The validation samples, labelled by val_annotations.txt, else by a val/ folder already
+    split into one folder per class."""
     annotations = val_dir / "val_annotations.txt"
-    val = []
     if annotations.is_file():
-        images_dir = val_dir / "images"
-        for lineno, line in enumerate(read_text_file(annotations).splitlines(), 1):
-            parts = line.split()
-            if not parts:
-                continue
-            if len(parts) < 2:
-                raise UsageError(f"{annotations}:{lineno} is malformed (expected "
-                                 f"'<file> <wnid> ...'): restore it from the dataset archive")
-            name, wnid = parts[0], parts[1]
-            if wnid not in index:
-                raise UsageError(f"{annotations}:{lineno} names class {wnid}, which is not in "
-                                 f"wnids.txt: the data dir mixes two datasets; restore both "
-                                 f"files from the same archive")
-            path = images_dir / name
-            if not path.is_file():
-                raise UsageError(f"{annotations}:{lineno} names {path}, which does not exist: "
-                                 f"restore val/images/ from the dataset archive")
-            val.append((str(path), index[wnid]))
-        annotated = {Path(p).name for p, _ in val}
-        stray = [p.name for p in _images_in(images_dir) if p.name not in annotated] \
-            if images_dir.is_dir() else []
-        if stray:
-            raise UsageError(f"{len(stray)} image(s) in {images_dir} have no line in "
-                             f"{annotations} (first: {stray[0]}): restore both from the same "
-                             f"dataset archive")
+        val = _scan_annotated_val(annotations, val_dir / "images", index)
     elif val_dir.is_dir() and any((val_dir / w).is_dir() for w in classes):
-        for wnid in classes:  # already reorganised into one folder per class
+        val = []
+        for wnid in classes:
             folder = val_dir / wnid / "images" if (val_dir / wnid / "images").is_dir() \
                 else val_dir / wnid
             if folder.is_dir():
@@ -131,7 +124,38 @@ def scan_tinyimagenet(root) -> tuple:
                          f"it from the dataset archive")
     if not val:
         raise UsageError(f"{val_dir} holds no validation images: restore it from the archive")
-    return classes, train, val
+    return val
+
+
+def _scan_annotated_val(annotations: Path, images_dir: Path, index: dict) -> list:
+    """The samples of val/images/ with the labels of val_annotations.txt; every line must name
+    an existing image of a known class, and every image must have a line."""
+    val = []
+    for lineno, line in enumerate(read_text_file(annotations).splitlines(), 1):
+        parts = line.split()
+        if not parts:
+            continue
+        if len(parts) < 2:
+            raise UsageError(f"{annotations}:{lineno} is malformed (expected "
+                             f"'<file> <wnid> ...'): restore it from the dataset archive")
+        name, wnid = parts[0], parts[1]
+        if wnid not in index:
+            raise UsageError(f"{annotations}:{lineno} names class {wnid}, which is not in "
+                             f"wnids.txt: the data dir mixes two datasets; restore both "
+                             f"files from the same archive")
+        path = images_dir / name
+        if not path.is_file():
+            raise UsageError(f"{annotations}:{lineno} names {path}, which does not exist: "
+                             f"restore val/images/ from the dataset archive")
+        val.append((str(path), index[wnid]))
+    annotated = {Path(p).name for p, _ in val}
+    stray = [p.name for p in _images_in(images_dir) if p.name not in annotated] \
+        if images_dir.is_dir() else []
+    if stray:
+        raise UsageError(f"{len(stray)} image(s) in {images_dir} have no line in "
+                         f"{annotations} (first: {stray[0]}): restore both from the same "
+                         f"dataset archive")
+    return val
 
 
 # --------------------------------------------------------------------------------------------
