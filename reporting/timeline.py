@@ -166,7 +166,8 @@ def write_board(run_dir, gpu_logs: list, cpu_logs: list, notes: list) -> Path:
     each point at its sample's clock time (TensorBoard's Wall axis puts them beside the loss;
     their step is the seconds since the run's first sample). Written again from scratch on
     every call: the files of an earlier call are replaced."""
-    # TensorBoard's own writer: no torch needed on the login node
+    # TensorBoard's own writer, so no torch is needed on a login node; imported here because
+    # the tensorboard package is needed only for --tensorboard
     from tensorboard.compat.proto.event_pb2 import Event
     from tensorboard.compat.proto.summary_pb2 import Summary
     from tensorboard.summary.writer.event_file_writer import EventFileWriter

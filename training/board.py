@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -97,7 +98,6 @@ def set_aside_curves(path: Path) -> Path | None:
     old += list(path.glob("*.pt.trace.json"))
     if not old:
         return None
-    import tempfile
     aside = Path(tempfile.mkdtemp(prefix=f"superseded-{datetime.now():%Y%m%d-%H%M%S}-",
                                   dir=path))
     for p in old:
@@ -118,6 +118,7 @@ class Board:
                   "TensorBoard curves (pip install tensorboard; --tensorboard off hides this "
                   "note)", flush=True)
             return
+        # imported here: the tensorboard package it needs is optional (available() checked)
         from torch.utils.tensorboard import SummaryWriter
         self.path = log_dir(args, run_info["strategy"], run_info["nodes"],
                             run_info["gpus_per_node"])
@@ -181,7 +182,7 @@ class Board:
         if self.writer is None:
             return
         if metrics:
-            from torch.utils.tensorboard.summary import hparams
+            from torch.utils.tensorboard.summary import hparams  # optional, as in __init__
             config = {k: metrics[k] for k in HPARAM_KEYS if k in metrics}
             final = {f"epoch/{k}": metrics[k] for k in ("val_acc", "val_loss",
                                                         "throughput_img_s", "peak_mem_mib")}

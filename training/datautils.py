@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, default_collate
 
 from training import tinyimagenet
 from training.common import print0
@@ -72,7 +72,7 @@ class ImageList(Dataset):
 
     def __init__(self, samples, strict: bool = False, augment_seed=None,
                  size: int | None = None):
-        from torchvision import transforms as T
+        from torchvision import transforms as T  # imported here: it takes about 2 s
         self.samples, self.size = samples, size  # size: --image-size, resized after the crop
         self.targets = [label for _, label in samples]
         self.to_tensor, self.normalize = T.ToTensor(), T.Normalize(*NORMALIZE["tinyimagenet"])
@@ -154,7 +154,6 @@ def crop_and_flip(seed: int, epoch: int, index: int) -> tuple:
 
 def collate_skip_unreadable(batch):
     """default_collate without the samples ImageList could not read."""
-    from torch.utils.data import default_collate
     kept = [item for item in batch if item is not None]
     if not kept:
         raise DataError(f"all {len(batch)} images of a batch are unreadable: the data dir is "
@@ -204,6 +203,7 @@ def rank0_first(fn):
 
 
 def _torchvision_data(args, is_main: bool) -> DataBundle:
+    # torchvision is imported here, as it takes about 2 s: a synthetic run never needs it
     from torchvision import datasets, transforms as T
     root = Path(args.data_dir or "data")
     if root.is_file():
@@ -535,7 +535,6 @@ def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool
     first evaluation, a worker would share the trained model's memory copy-on-write, and the
     next training step would pay to copy every page it writes (0.3-0.65 s per run for ResNet-18
     on a 2-core CPU). The batches it prefetches now are dropped when evaluation starts."""
-    from torch.utils.data import BatchSampler, DataLoader
     if args.data_on_device:
         return DeviceResident(dataset, sampler, batch_size, drop_last, device)
     # The loader's own generator, for the seeds it draws for its workers at each epoch's

@@ -83,6 +83,7 @@ def check_model(name: str, shape: tuple) -> None:
                          f"synthetic), not {shown}: choose another --model")
     if name in ("cnn", "mnist_net"):
         return
+    # torchvision is imported here: it takes about 2 s, and cnn and mnist_net need none of it
     from torchvision import models
     if name not in models.list_models(module=models):
         raise UsageError(f"unknown --model {name!r}: use resnet50, cnn, mnist_net or a "
@@ -107,7 +108,7 @@ def build_model(name: str, num_classes: int, input_shape: tuple) -> nn.Module:
         return CifarCNN(num_classes)
     if name == "mnist_net":
         return MnistNet(num_classes)
-    from torchvision import models
+    from torchvision import models  # imported here, as in check_model
     # ResNets: each residual block starts as the identity (its last BatchNorm's weight at 0),
     # the initialisation of Goyal et al. (2017) that --lr-scaling follows. Without it, after a
     # few dozen steps BatchNorm's running statistics are still far from the batches' and

@@ -15,7 +15,9 @@ import hashlib
 import json
 import os
 import platform
+import signal
 import time
+from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
@@ -211,7 +213,7 @@ def load_rgb(path):
     another size and was resized (None when it had the right one). The folder path
     (datautils.ImageList) and the cache share it, so both treat an odd image the same way.
     Raises PIL's errors for a file that cannot be read."""
-    from PIL import Image
+    from PIL import Image  # imported here: runs on synthetic data or the cache never need it
     with Image.open(path) as img:  # some TinyImageNet images are greyscale
         rgb = img.convert("RGB")
     if rgb.size == (SIZE, SIZE):
@@ -239,7 +241,6 @@ def _decode_rgb(path):
 def _default_sigterm() -> None:
     """Pool workers: the pool ends them with SIGTERM, which a training process's forked
     children otherwise ignore (faults._child_signals)."""
-    import signal
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
@@ -248,7 +249,6 @@ def build_split(directory: Path, split: str, samples, checksum: str, strict: boo
     """Decode ``samples`` into {split}_u8.npy / {split}_labels.npy / {split}_meta.json,
     written under temporary names and renamed into place (meta last), so a reader never sees
     half a cache. A progress line every 10 s."""
-    from multiprocessing import get_context
     directory.mkdir(parents=True, exist_ok=True)
     tag = f".tmp-{platform.node()}-{os.getpid()}"
     t0 = last = time.perf_counter()
