@@ -190,7 +190,7 @@ def parse_gpu_lines(lines, skips: Counter) -> dict:
         extra = {key: contract.number(row.get(column))
                  for column, key in GPU_EXTRA_COLUMNS.items()}
         if (total.isdecimal() and int(used) > int(total)) or not 0 <= (extra["util"] or 0) <= 100:
-            skips[SKIP_IMPOSSIBLE] += 1  # a damaged line that still parses: not a sample
+            skips[SKIP_IMPOSSIBLE] += 1  # a damaged line that still parses is not a sample
             continue
         gpu = gpus.setdefault(int(index), {"used": [], "name": name, "total": None, "stamp": [],
                                            **{key: [] for key in GPU_EXTRA_COLUMNS.values()}})
@@ -222,7 +222,7 @@ def summarize_file(path, notes: list) -> tuple:
     """(kind, samples, skips) of one log file, samples as parse_gpu_lines or parse_cpu_lines
     return them; notes get its unreadable bytes and skipped lines. Raises LogError or OSError."""
     kind, lines, skips, bad = read_log(path)
-    if any(bad.values()):   # also when the file fails below: say why it looks bad
+    if any(bad.values()):   # say why the file looks bad, also when reading it fails below
         why = ("the node probably crashed while logging" if bad[BAD_NUL_END] or
                bad[BAD_NUL_INSIDE] else "the file is damaged or not all text")
         notes.append(f"{path}: ignored {' and '.join(f'{n} {k}' for k, n in bad.items() if n)} "
@@ -267,7 +267,7 @@ def _log_files(paths, problems: list):
             if Path(folder).name in LOG_DIRS:
                 found += [Path(folder) / f for f in sorted(files) if not f.startswith(".")]
         found = [path for path in found if path.is_file()]
-        yield from found    # after the whole walk: its errors come before the files' own
+        yield from found    # only after the whole walk, so its errors come before the files'
         if not found and len(problems) == n_problems:
             problems.append(_problem(NO_LOGS, p, "no nvidia-smi or psrecord logs found in this "
                                      "directory (searched recursively for gpu_memory/ and "
@@ -516,7 +516,7 @@ def print_results(args, gpu_stats: list, cpu_stats: list, problems: list,
         lines += [(_run_of(r), format_cpu_line(r)) for r in cpu_stats]
         runs = list(dict.fromkeys(run for run, _line in lines))
         for run in runs:
-            if len(runs) > 1:   # a study: the same node may serve several runs
+            if len(runs) > 1:   # in a study the same node may serve several runs
                 print(f"== {run} ==")
             print("\n".join(line for line_run, line in lines if line_run == run))
     for path in timelines:      # on stderr after --json/--csv, which own stdout
@@ -548,7 +548,7 @@ def main(argv=None) -> int:
         print(f"error: {problem['message']}", file=sys.stderr)
     if not problems:
         return 0
-    if any(p["kind"] == BAD_USAGE for p in problems):  # a bad command line, as argparse's
+    if any(p["kind"] == BAD_USAGE for p in problems):  # a bad command line exits 2, as argparse
         return 2
     return 1 if gpu_stats or cpu_stats else 2
 

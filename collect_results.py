@@ -178,7 +178,7 @@ def read_memory(run_dir: Path, node: str) -> tuple:
     gpu, cpu, notes = [], [], []
     if (run_dir / "gpu_memory").is_dir() or (run_dir / "cpu_memory").is_dir():
         gpu, cpu, problems = analyze_memory.summarize_paths([run_dir], notes)
-        notes += [p["message"] for p in problems]  # dicts: {"kind", "path", "message"}
+        notes += [p["message"] for p in problems]  # each problem is {"kind", "path", "message"}
     elif (run_dir / "memory_summary.json").is_file():
         try:
             summary = json.loads((run_dir / "memory_summary.json").read_text(encoding="utf-8"))
@@ -396,7 +396,9 @@ def read_inputs(paths: list) -> list:
 # --------------------------------------------------------------------------------------------
 
 def write_csv(rows: list, path: Path) -> None:
-    middle = {}  # the [METRIC] keys as logged: rows with a [METRIC] line first
+    # The [METRIC] keys in the order the training logged them; rows with a [METRIC] line
+    # come first, so their order wins.
+    middle = {}
     for row in sorted(rows, key=lambda r: not r["metric_lines"]):
         middle.update(dict.fromkeys(k for k in row if k not in HEAD + TAIL + NOT_COLUMNS))
     with open(path, "w", newline="", encoding="utf-8") as f:
@@ -446,7 +448,7 @@ def write_timelines(rows: list, out_dir: Path) -> list:
             analyze_memory.plot_timeline(run_dir, path, notes, alignment_notes=False)
             written.append(path)
             row["notes"] += [f"timeline: {n}" for n in notes if n not in row["notes"]]
-        except (analyze_memory.LogError, OSError) as e:  # the reason once: often a memory note
+        except (analyze_memory.LogError, OSError) as e:  # the reason is often a note already
             row["notes"].append("no timeline drawn" + ("" if str(e) in row["notes"] else f": {e}"))
     return written
 
@@ -489,7 +491,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out or (args.paths[0] if len(args.paths) == 1 else "."))
     try:
-        if not 50 <= args.dpi <= 600:  # 600: a 4200 x 2700 plot, past print quality
+        if not 50 <= args.dpi <= 600:  # 600 dpi makes a 4200 x 2700 plot, more than print needs
             raise UsageError(f"--dpi {args.dpi} is out of range: use 50 to 600 (default 100)")
         if not (args.inter_node_busbw > 0 and args.ring_latency_us >= 0):
             raise UsageError(f"--inter-node-busbw {args.inter_node_busbw:g} and "

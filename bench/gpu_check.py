@@ -585,7 +585,7 @@ def main(argv=None) -> int:
             result["seconds"] = round(time.monotonic() - t0, 1)
         failed = failed or "error" in result
         results.append(result)
-        with open(jsonl, "a") as f:  # at once: a run cut short keeps this row
+        with open(jsonl, "a") as f:  # written at once, so a run cut short keeps this row
             f.write(json.dumps(result | {"cmd": " ".join(map(str, result.get("cmd", [])))})
                     + "\n")
         shown = (f"{result['img_s']:,.0f} img/s, {result['step_ms']:.1f} ms/step"

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     times = {k: [] for k in variants}
     names = list(variants)
     for rnd in range(args.rounds):
-        k = rnd % len(names)  # rotate: no variant always runs last
+        k = rnd % len(names)  # rotate, so that no variant always runs last
         for name in names[k:] + names[:k]:
             model, opt = variants[name], opts[name]
             for i in range(args.steps):
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                     loss.backward()
                     opt.step()
                 common.synchronize(device)
-                if rnd > 0 and i > 0:  # round 0 and each round's first step: warm-up
+                if rnd > 0 and i > 0:  # round 0 and each round's first step are warm-up
                     times[name].append(time.perf_counter() - t)
     dist.destroy_process_group()
     bare = statistics.median(times["bare"])

@@ -47,7 +47,7 @@ def ddp_throughput(args, extra) -> float:
     if proc.returncode != 0:
         raise SystemExit(f"error: {' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
     rows = [m for m in map(contract.parse_metric_line, proc.stdout.splitlines()) if m]
-    return float(rows[-1]["throughput_img_s"])  # epoch 2: warm (cudnn autotune, caches)
+    return float(rows[-1]["throughput_img_s"])  # epoch 2: cudnn's autotuning and caches are warm
 
 
 def plain_throughput(args) -> float:

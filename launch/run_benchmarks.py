@@ -602,7 +602,7 @@ def study(args, train_args: list, argv: list) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     at = argv.index("--") if "--" in argv else len(argv)
-    args = build_parser().parse_args(argv[:at])  # ours; after the "--", the training's
+    args = build_parser().parse_args(argv[:at])  # ours; the flags after "--" are the training's
     try:
         return study(args, argv[at + 1:], argv)
     except StudyError as err:

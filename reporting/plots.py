@@ -34,6 +34,7 @@ BAR_PARTS = {
 
 
 def _pyplot():
+    # matplotlib is needed only for --plot, so it is imported when a picture is drawn
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -89,7 +90,7 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
                 ax.plot([p["gpus"] for p in pts], [p[column] for p in pts], s["line"],
                         label=s["label"], **look[s["group"]])
             for p in pts:
-                if p["partial"]:  # open marker: numbers of the last completed epoch
+                if p["partial"]:  # an open marker: the numbers are the last completed epoch's
                     ax.plot([p["gpus"]], [p[column]], linestyle="", markerfacecolor="white",
                             **look[s["group"]])
         for group, label, xs, ys in ideal if with_ideal else ():
@@ -98,7 +99,7 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
         ax.xaxis.set_major_locator(FixedLocator(sorted({p["gpus"] for p in shown})))
         ax.xaxis.set_major_formatter(plain)
         ax.xaxis.set_minor_locator(NullLocator())
-        if logy:  # plain numbers; the minor ticks labelled too when the range is narrow
+        if logy:  # label in plain numbers, the minor ticks too when the range is narrow
             ax.set_yscale("log")
             low, high = ax.get_ylim()
             ax.yaxis.set_major_formatter(plain)
@@ -129,7 +130,7 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
     a1.legend(fontsize=8)
     save(fig, "val_loss_acc.png", "Validation loss and accuracy (final epoch)")
 
-    gpu_log = any(p["gpu0_peak_mib"] is not None for p in shown)  # else: one panel
+    gpu_log = any(p["gpu0_peak_mib"] is not None for p in shown)  # without one, one panel
     fig, axes = plt.subplots(1, 1 + gpu_log, figsize=(7 + 5.5 * gpu_log, 4.5), squeeze=False)
     first, last = axes[0][0], axes[0][-1]
     if gpu_log:
@@ -151,7 +152,7 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
     ax.legend(fontsize=8)
     save(fig, "throughput.png", throughput_title(ideal))
 
-    drawn = [name for name in PLOTS if name != "memory_breakdown.png"]  # memory_plot's
+    drawn = [name for name in PLOTS if name != "memory_breakdown.png"]  # memory_plot draws it
     if not bars:  # no run with a step time (its [METRIC] line lacks the figures for one)
         return [name for name in drawn if name != "step_breakdown.png"]
     fig, ax = plt.subplots(figsize=(9, 1.5 + 0.4 * len(bars)))

@@ -371,12 +371,12 @@ def plot_data(chosen: dict) -> tuple:
         for (n, g), r in sorted(chosen[key].items()):
             if num(r, "step_ms") is None:
                 continue
-            if num(r, "profile_step_ms") is not None:  # --profile: the traced steps' parts
+            if num(r, "profile_step_ms") is not None:  # --profile traced the step's parts
                 parts = dict(compute=num(r, "profile_compute_ms") or 0.0,
                              exposed_comm=num(r, "profile_exposed_comm_ms") or 0.0,
                              data_wait=num(r, "profile_data_wait_ms") or 0.0,
                              other=num(r, "profile_other_ms") or 0.0)
-            else:  # the epoch's data wait, and the rest unexplained
+            else:  # only the epoch's data wait is known; the rest is left unexplained
                 wait = num(r, "data_wait_ms") or 0.0
                 parts = dict(data_wait=wait, unprofiled=max(0.0, num(r, "step_ms") - wait))
             unit = "process" if r.get("device") == "cpu" else "GPU"  # a CPU run has no GPUs
@@ -392,7 +392,7 @@ def memory_bars(chosen: dict) -> list:
     for label, r in memory_rows(chosen):
         parts = {k: num(r, f"predicted_{k}_mib") or 0.0 for k in MEMORY_PARTS}
         others = sum(v for k, v in parts.items() if k != "grads")
-        parts["grads"] = max(0.0, num(r, "predicted_peak_mib") - others)  # 0: not at the peak
+        parts["grads"] = max(0.0, num(r, "predicted_peak_mib") - others)  # 0 if freed by then
         measured = num(r, "peak_mem_mib") if r.get("device") == "cuda" else None
         bars.append((label, parts, measured))
     return bars

@@ -137,11 +137,12 @@ def comm_ms(strategy: str, n: int, grad_bytes: float, busbw: dict, messages: dic
         return 0.0
     ring = (n - 1) / n
     latency = latency_us / 1e3
-    if strategy == "ddp":  # the gradients all-reduced, bucket by bucket
+    if strategy == "ddp":  # DDP all-reduces the gradients, bucket by bucket
         return (2 * ring * grad_bytes / busbw["all_reduce"] / 1e6
                 + messages["all_reduce"] * 2 * (n - 1) * latency)
-    # fsdp: the parameters all-gathered for forward and, resharded after it (full), again for
-    # backward; the gradients reduce-scattered. One gather per scatter: grad-op keeps them.
+    # FSDP all-gathers the parameters for forward and, when it reshards them after forward
+    # (full), again for backward; it reduce-scatters the gradients. grad-op keeps the gathered
+    # parameters until backward, so it has one gather per scatter.
     gathers = messages["all_gather"] / messages["reduce_scatter"]
     return (gathers * ring * grad_bytes / busbw["all_gather"] / 1e6
             + ring * grad_bytes / busbw["reduce_scatter"] / 1e6
@@ -201,7 +202,7 @@ def model_inputs(key: tuple, configs: dict, inter_busbw: float = INTER_NODE_BUSB
     if all(num(source, f"messages_{op}") for op in ops):
         messages = {op: num(source, f"messages_{op}") for op in ops}
         counted = True
-    else:  # an older log: DDP's default buckets, one FSDP unit per bucket's worth
+    else:  # an older log has no counts: assume DDP's default buckets, one FSDP unit per bucket
         buckets = -(-grad_bytes // DDP_BUCKET_BYTES)
         messages = {"all_reduce": buckets} if strategy == "ddp" else {
             "all_gather": 2 * buckets, "reduce_scatter": buckets}

@@ -366,7 +366,7 @@ class DeviceAugment:
         self._cache = {}
 
     def _stats(self, device):
-        if device not in self._cache:  # made once per device: no copy in the training step
+        if device not in self._cache:  # made once per device, so the step copies nothing
             mean, std = self.mean_std
             self._cache[device] = (torch.tensor(mean, device=device).view(1, -1, 1, 1),
                                    torch.tensor(std, device=device).view(1, -1, 1, 1))
@@ -415,7 +415,7 @@ def _cached_tinyimagenet(args, classes, train, val) -> DataBundle:
                                          scanned=(classes, train, val))
         except UsageError as exc:
             error = str(exc)
-    # every rank: wait for each node's builder, learn of its failure
+    # every rank waits for each node's builder, and learns whether it failed
     raise_if_any_rank(error, group=wait)
     directory = tinyimagenet.cache_dir(args.data_dir, args.data_cache)
     train_set = CachedSplit(directory / "train_u8.npy", directory / "train_labels.npy")

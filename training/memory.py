@@ -91,7 +91,9 @@ def saved_for_backward(model: nn.Module, input_shape: tuple, amp: str) -> Saved:
     they were."""
     twin = copy.deepcopy(model).cpu().train()
     small, large = COUNT_BATCHES
-    with torch.random.fork_rng(devices=[]):  # dropout draws, and the images above
+    # Dropout and the random images draw from a forked generator, so the model's own random
+    # state stays as it was.
+    with torch.random.fork_rng(devices=[]):
         (a, _, _), (b, top, outputs) = (count_saved(twin, input_shape, n, amp)
                                         for n in COUNT_BATCHES)
     per_image = (b - a) / (large - small)
@@ -148,7 +150,7 @@ class Estimate:
     buffers: float
     comm: float
     host: float = 0.0  # kept in host memory instead (--offload)
-    grads_at_peak: bool = True  # False: set to None before each step, made during backward
+    grads_at_peak: bool = True  # False when they are freed before each step, made in backward
     notes: list = field(default_factory=list)
 
     @property
