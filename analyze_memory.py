@@ -44,6 +44,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 from collections import Counter
 from pathlib import Path
@@ -65,8 +66,12 @@ except ImportError:
 
 #: One GPU record (per node and GPU), in output order. attempts: how many log files (the first
 #: and its restarts); file: those files, joined by ";"; avg_util_pct: None without the column.
+#: busy_sm_mhz: the median SM clock of the samples in which the GPU was busy (utilisation above
+#: 0, or unknown), max_temp_c: the highest temperature; each None without its column. A GPU
+#: that holds the others back by throttling shows a lower clock and, often, a higher
+#: temperature than its neighbours.
 GPU_KEYS = ("node", "gpu", "name", "samples", "attempts", "peak_mib", "avg_mib", "mode_mib",
-            "total_mib", "avg_util_pct", "skipped_lines", "file")
+            "total_mib", "avg_util_pct", "busy_sm_mhz", "max_temp_c", "skipped_lines", "file")
 #: One CPU record (per node), in output order.
 CPU_KEYS = ("node", "samples", "attempts", "duration_s", "peak_rss_mb", "avg_rss_mb",
             "peak_cpu_pct", "avg_cpu_pct", "skipped_lines", "file")
@@ -75,7 +80,10 @@ CSV_KEYS = ("kind",) + GPU_KEYS + tuple(k for k in CPU_KEYS if k not in GPU_KEYS
 
 GPU_LINE = ("[{node} - GPU {gpu}] Peak = {peak_mib} MiB, Avg = {avg_mib:.2f} MiB, "
             "Mode = {mode_mib} MiB")
-GPU_UTIL_PART = ", Util avg = {avg_util_pct:.1f}%"    # when avg_util_pct is not None
+# Each part is added to GPU_LINE when its value is not None.
+GPU_LINE_PARTS = {"avg_util_pct": ", Util avg = {avg_util_pct:.1f}%",
+                  "busy_sm_mhz": ", SM clock (busy) = {busy_sm_mhz:.0f} MHz",
+                  "max_temp_c": ", Temp max = {max_temp_c:.0f} C"}
 CPU_LINE = ("[{node} - CPU] Peak RSS = {peak_rss_mb:.2f} MB, Avg RSS = {avg_rss_mb:.2f} MB, "
             "Peak CPU = {peak_cpu_pct:.1f}%, Avg CPU = {avg_cpu_pct:.1f}%")
 
@@ -99,7 +107,7 @@ BAD_UTF8 = "undecodable bytes (not UTF-8 text)"
 # logs add the columns below after them (header -> key of the per-GPU lists); others are ignored.
 GPU_COLUMNS = ("timestamp", "index", "name", "memory.used [MiB]", "memory.total [MiB]")
 GPU_EXTRA_COLUMNS = {"utilization.gpu [%]": "util", "power.draw [W]": "power_w",
-                     "clocks.current.sm [MHz]": "sm_mhz"}
+                     "clocks.current.sm [MHz]": "sm_mhz", "temperature.gpu": "temp_c"}
 LOG_DIRS = ("gpu_memory", "cpu_memory")
 TIMELINE_NAME = "timeline.png"      # what --plot writes in each run directory
 _RESTART_RE = re.compile(r"(?P<node>.+)\.restart(?P<attempt>\d+)")   # a file's stem
@@ -165,7 +173,7 @@ def read_log(path) -> tuple:
 
 def parse_gpu_lines(lines, skips: Counter) -> dict:
     """{index: {"used": [MiB], "name", "total": MiB or None, "stamp": [timestamp text],
-    "util": [% or None], "power_w": [...], "sm_mhz": [...]}} of an nvidia-smi log, one list
+    "util": [% or None], "power_w": [...], "sm_mhz": [...], "temp_c": [...]}} of an nvidia-smi log, one list
     entry per memory.used sample (an unreadable optional value is None and keeps the sample).
     Each header line sets the columns of the lines after it."""
     gpus, columns = {}, GPU_COLUMNS
@@ -322,12 +330,17 @@ def gpu_records(node: str, logs: list) -> list:
         gpus = [log["data"][index] for log in logs if index in log["data"]]
         used = [mib for gpu in gpus for mib in gpu["used"]]
         util = [pct for gpu in gpus for pct in gpu["util"] if pct is not None]
+        busy_clock = [mhz for gpu in gpus for mhz, pct in zip(gpu["sm_mhz"], gpu["util"])
+                      if mhz is not None and pct != 0]
+        temps = [c for gpu in gpus for c in gpu["temp_c"] if c is not None]
         records.append({
             "node": node, "gpu": index, "name": gpus[0]["name"], "samples": len(used),
             "attempts": len(logs), "peak_mib": max(used),
             "avg_mib": _round(sum(used) / len(used), 2), "mode_mib": _mode(Counter(used)),
             "total_mib": max((gpu["total"] for gpu in gpus if gpu["total"]), default=None),
             "avg_util_pct": _round(math.fsum(util) / len(util), 1) if util else None,
+            "busy_sm_mhz": statistics.median(busy_clock) if busy_clock else None,
+            "max_temp_c": max(temps, default=None),
             "skipped_lines": sum(log["skipped"] for log in logs),
             "file": ";".join(str(log["path"]) for log in logs),
         })
@@ -447,8 +460,9 @@ def write_boards(logs: dict, notes: list, problems: list) -> list:
 # ---- Command line
 
 def format_gpu_line(record: dict) -> str:
-    line = GPU_LINE.format(**record)
-    return line + (GPU_UTIL_PART.format(**record) if record.get("avg_util_pct") is not None else "")
+    return GPU_LINE.format(**record) + "".join(
+        part.format(**record) for key, part in GPU_LINE_PARTS.items()
+        if record.get(key) is not None)
 
 
 def format_cpu_line(record: dict) -> str:

@@ -216,9 +216,10 @@ prepare_cache "$@"
 if command -v "$NVIDIA_SMI" >/dev/null 2>&1; then
   smi_interval=${LOG_INTERVAL%.*}  # nvidia-smi -l takes whole seconds
   [ "${smi_interval:-0}" -ge 1 ] 2>/dev/null || smi_interval=1
-  # Memory columns first (analyze_memory.py's summary), then utilisation, power, SM clock.
+  # Memory columns first (analyze_memory.py's summary), then utilisation, power, SM clock and
+  # temperature (a throttling GPU: a lower clock, a higher temperature than its neighbours).
   (trap '' USR1; exec "$NVIDIA_SMI" \
-    --query-gpu=timestamp,index,name,memory.used,memory.total,utilization.gpu,power.draw,clocks.sm \
+    --query-gpu=timestamp,index,name,memory.used,memory.total,utilization.gpu,power.draw,clocks.sm,temperature.gpu \
     --format=csv,nounits -l "$smi_interval") >"$gpu_log" &
   gpu_pid=$!
   echo "[$node] GPU memory log: $gpu_log (every ${smi_interval}s)"

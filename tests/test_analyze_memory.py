@@ -531,8 +531,10 @@ TIMELINE_RUN = FIX / "timeline_run"
 # 16764.67; util 0, 95, 91 | 0, 98, 92 -> 376 / 6 = 62.67 -> 62.7.
 # n2 GPU 0 (no utilisation column): 0, 18000, 18000, 19000 -> 13750.00, the line of old.
 EXPECTED_TIMELINE_GPU_LINES = [
-    "[n1 - GPU 0] Peak = 26532 MiB, Avg = 19142.50 MiB, Mode = 26532 MiB, Util avg = 55.1%",
-    "[n1 - GPU 1] Peak = 26532 MiB, Avg = 16764.67 MiB, Mode = 26532 MiB, Util avg = 62.7%",
+    "[n1 - GPU 0] Peak = 26532 MiB, Avg = 19142.50 MiB, Mode = 26532 MiB, Util avg = 55.1%, "
+    "SM clock (busy) = 1980 MHz",
+    "[n1 - GPU 1] Peak = 26532 MiB, Avg = 16764.67 MiB, Mode = 26532 MiB, Util avg = 62.7%, "
+    "SM clock (busy) = 1980 MHz",
     "[n2 - GPU 0] Peak = 19000 MiB, Avg = 13750.00 MiB, Mode = 18000 MiB",
 ]
 RUN_START = 1795501800.101      # the first sample: n1.csv, GPU 0, 06:30:00.101
@@ -576,6 +578,26 @@ def test_utilisation_average_in_the_summary_line():
     assert [tuple(r) for r in gpu] == [am.GPU_KEYS] * 3
     assert any("n1.csv: skipped 2 line(s) ([N/A]-like value: 1, incomplete last line: 1)" in n
                for n in notes)
+
+
+def test_clock_and_temperature_name_a_throttling_gpu(tmp_path):
+    """node.sh's newest query adds temperature.gpu: the GPU line gives each GPU's median SM
+    clock while busy (idle samples, utilisation 0, left out) and its highest temperature."""
+    log = tmp_path / "n1.csv"
+    header = ("timestamp, index, name, memory.used [MiB], memory.total [MiB], "
+              "utilization.gpu [%], power.draw [W], clocks.current.sm [MHz], temperature.gpu\n")
+    rows = ["2026/11/24 06:30:00.1, 0, H100, 0, 81559, 0, 70, 345, 35",
+            "2026/11/24 06:30:00.2, 1, H100, 0, 81559, 0, 70, 345, 36",
+            "2026/11/24 06:30:05.1, 0, H100, 9000, 81559, 98, 650, 1980, 62",
+            "2026/11/24 06:30:05.2, 1, H100, 9000, 81559, 99, 700, 1410, 87",
+            "2026/11/24 06:30:10.1, 0, H100, 9000, 81559, 97, 640, 1980, 64",
+            "2026/11/24 06:30:10.2, 1, H100, 9000, 81559, 99, 700, 1395, 88"]
+    log.write_text(header + "\n".join(rows) + "\n")
+    gpu, _cpu, problems = am.summarize_paths([log])
+    assert problems == []
+    assert [(r["busy_sm_mhz"], r["max_temp_c"]) for r in gpu] == [(1980, 64), (1402.5, 88)]
+    assert am.format_gpu_line(gpu[1]).endswith(
+        "Util avg = 66.0%, SM clock (busy) = 1402 MHz, Temp max = 88 C")
 
 
 def test_old_logs_keep_exactly_the_old_line():
