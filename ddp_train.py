@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
-                      flags, measure, memory, models, simulate)
+                      flags, lossguard, measure, memory, models, schedule, simulate, stopping)
 from training.board import Board
 from training.common import print0
 from training.faults import end_process
@@ -90,13 +90,28 @@ def setup_distributed(args, env: distributed.DistEnv):
     return device, backend
 
 
+def build_optimizer(model: nn.Module, lr: float, args, device: torch.device):
+    """SGD with momentum; on CUDA its fused step (one kernel for all parameters, and no host
+    sync with a GradScaler, but for --zero1's, which the scaler steps through its unfused
+    path), its momentum made before the first step. --zero1 (ZeRO stage 1):
+    ZeroRedundancyOptimizer gives each rank 1/N of the parameters; a rank keeps the momentum of
+    its own only, steps them, and broadcasts the new values to the other ranks."""
+    sgd = dict(lr=lr, momentum=args.momentum, weight_decay=args.weight_decay,
+               fused=schedule.fused_sgd(device))
+    if args.zero1:
+        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, **sgd)
+        schedule.start_momentum(zero.optim)  # the momentum of this rank's partition
+        return zero
+    return schedule.start_momentum(torch.optim.SGD(model.parameters(), **sgd))
+
+
 def save_checkpoint(path, state: dict, meta: dict) -> None:
     """DDP: every replica has the same weights, so rank 0 alone writes one file (with
     --no-broadcast-buffers, its BatchNorm statistics are rank 0's). --zero1: every rank first
     sends rank 0 its part of the optimizer state (a collective)."""
     if isinstance(state["optimizer"], ZeroRedundancyOptimizer):
         state["optimizer"].consolidate_state_dict(to=0)
-    if dist.get_rank() == 0:
+    if distributed.rank_and_world()[0] == 0:
         checkpoint.atomic_save({name: obj.state_dict() for name, obj in state.items()} | meta, path)
 
 
@@ -111,59 +126,13 @@ def load_checkpoint(path, state: dict) -> dict:
     return saved
 
 
-def build_optimizer(model: nn.Module, lr: float, args, device: torch.device):
-    """SGD with momentum; on CUDA its fused step (one kernel for all parameters, and no host
-    sync with a GradScaler, but for --zero1's, which the scaler steps through its unfused
-    path), its momentum made before the first step. --zero1 (ZeRO stage 1):
-    ZeroRedundancyOptimizer gives each rank 1/N of the parameters; a rank keeps the momentum of
-    its own only, steps them, and broadcasts the new values to the other ranks."""
-    sgd = dict(lr=lr, momentum=args.momentum, weight_decay=args.weight_decay,
-               fused=flags.fused_sgd(device))
-    if args.zero1:
-        zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, **sgd)
-        flags.start_momentum(zero.optim)  # the momentum of this rank's partition
-        return zero
-    return flags.start_momentum(torch.optim.SGD(model.parameters(), **sgd))
-
-
-def collectives_per_step(model: nn.Module, args) -> dict:
-    """What one training step sends, for the scaling model's latency term (collect_results.py):
-    one all-reduce per gradient bucket of --bucket-cap-mb."""
-    grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # fp32 gradients
-    return {"all_reduce": math.ceil(grad_bytes / (args.bucket_cap_mb * 2**20))}
-
-
-# the rows --estimate-memory prints; memory_variant(args): the row of a run with these flags
-MEMORY_VARIANTS = ("-", "zero1")
-
-
-def memory_variant(args) -> str:
-    return "zero1" if args.zero1 else "-"
-
-
-def memory_per_gpu(model: nn.Module, args, world: int, saved: memory.Saved,
-                   variant: str) -> memory.Estimate:
-    """One GPU's memory under DDP: a whole replica (parameters, gradients, momentum) on every
-    GPU, whatever the world size, plus the gradient buckets the all-reduce sends, which hold
-    the gradients themselves with --gradient-as-bucket-view. zero1: the momentum of this
-    rank's partition only (the largest partition: the GPU that fills first)."""
-    params, grads, optimizer, buffers = memory.model_states(model, args.momentum)
-    if variant == "zero1" and args.momentum:
-        parts = memory.zero1_partition(list(model.parameters()), world)
-        optimizer = max(memory.param_bytes(part) for part in parts)
-    buckets = 0 if args.gradient_as_bucket_view else grads
-    return memory.Estimate(STRATEGY, variant, world, args.batch_size, saved, params, grads,
-                           optimizer, buffers, comm=buckets,
-                           grads_at_peak=args.gradient_as_bucket_view)
-
-
 def train(args, env: distributed.DistEnv) -> int:
     if args.estimate_memory is not None:  # a prediction only: no GPU, no process group
         return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
     device, backend = setup_distributed(args, env)
     flags.resolve_args(args, env, device)
     cudagraph.check(args, device, STRATEGY)  # --cuda-graph where it cannot capture
-    rank, world = env.rank, env.world_size
+    rank, world = distributed.rank_and_world()  # the process group's, now that it is up
     is_main = rank == 0
     for line in common.provenance(args, env, device, backend):
         print0(line)
@@ -171,7 +140,7 @@ def train(args, env: distributed.DistEnv) -> int:
         why = "--device cpu" if args.device == "cpu" else "no GPU visible"
         print0(f"note: {why}: training on CPU with the gloo backend")
 
-    data = datautils.build_data(args, is_main)
+    data = datautils.build_data(args)
     checkpoint.check_writable(args.save_model)
     global_batch = args.batch_size * world
     datautils.describe(data, global_batch, f"{args.batch_size} per process x {world}")
@@ -185,7 +154,7 @@ def train(args, env: distributed.DistEnv) -> int:
         print0(memory_per_gpu(model, args, world, saved, memory_variant(args)).line())
     model = model.to(device)
     checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
-    grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # fp32 gradients
+    grad_bytes = memory.param_bytes(model.parameters())  # fp32 gradients, as the parameters
     if args.check:
         measure.collective_check(device, world, grad_bytes, COLLECTIVES)
         print0("preflight OK: data, batch size, devices and checkpoint dir")
@@ -196,10 +165,10 @@ def train(args, env: distributed.DistEnv) -> int:
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
     # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
     # the same crop as rank 0's i-th sample at every step).
-    torch.manual_seed(flags.seed_for_rank(args.seed, rank))
+    torch.manual_seed(distributed.seed_for_rank(args.seed, rank))
     layout = models.memory_format(model, device)  # channels_last on CUDA: faster convolutions
     model = model.to(memory_format=layout)
-    prepare = datautils.batch_finisher(data, layout)  # augmentation on the device, the layout
+    prepare = datautils.batch_finisher(data, layout)  # augments on the device, sets the layout
     # DDP: a full replica per process; backward all-reduces gradient buckets across ranks.
     # BatchNorm statistics are broadcast from rank 0 before every forward, unless there is no
     # other rank. --cuda-graph: DDP is built on the stream its step will be captured on.
@@ -227,10 +196,10 @@ def train(args, env: distributed.DistEnv) -> int:
 
     criterion = nn.CrossEntropyLoss()
     steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
-    lr = flags.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
+    lr = schedule.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
     optimizer = build_optimizer(model, lr, args, device)  # SGD; --zero1: its state sharded
     # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, flags.lr_factor(args, steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_factor(args, steps))
     dtype = flags.amp_dtype(args)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
@@ -256,12 +225,12 @@ def train(args, env: distributed.DistEnv) -> int:
                                device, world)
 
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-    stop = checkpoint.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks
+    stop = stopping.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks
     ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint)
-    start_epoch, start_step = ckpt.resume(steps)
-    losses = checkpoint.LossWatch(device, scaler)  # NaN/inf losses, without a sync per step
+    start_epoch, resume_step = ckpt.resume(steps)
+    losses = lossguard.LossWatch(device, scaler)  # NaN/inf losses, without a sync per step
 
-    devices = [device]  # the device(s) this process drives: for the clock and peak memory
+    local_devices = [device]  # the GPU (or CPU) this process drives: its clock, its peak
     meter = measure.StepMeter(args, steps, global_batch)  # progress, data wait
     profiler = measure.StepProfiler(args, steps, device)  # --profile: a window of steps
     # what every [METRIC] line of this run says about the run; each epoch adds its figures
@@ -270,83 +239,121 @@ def train(args, env: distributed.DistEnv) -> int:
                     per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
                     image_size=data.input_shape[-1], epochs=args.epochs, lr_peak=lr,
                     lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs)
-    tb = Board(args, run_info, steps, start_epoch * steps + start_step, is_main)  # --tensorboard
-    start = time.perf_counter()
-    for epoch in range(start_epoch, args.epochs):
-        train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
-        data.set_epoch(epoch)  # and new crops and flips (TinyImageNet's folder path)
-        skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
-        earlier = ckpt.earlier if epoch == start_epoch else None  # and those steps' figures
-        train_batches.skip = skip * batch
-        epoch_lr = optimizer.param_groups[0]["lr"]  # at the first step this run takes in the epoch
-        step_model.train()
-        # [loss x n, correct, n] of this rank, kept on the device: no host sync per step
-        sums = torch.zeros(3, device=device, dtype=torch.float64)
-        common.reset_peak_memory(*devices)  # this epoch's peak, not the whole run's
-        common.synchronize(*devices)
-        t0 = time.perf_counter()
-        # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
-        # adds up the time spent waiting for the loader
-        batches = meter.epoch(datautils.to_device(train_loader, device), epoch, skip)
-        batches = profiler.epoch(batches, skip)
-        for step, (images, labels) in enumerate(batches, start=skip):
-            if step >= steps:
-                break
-            images = prepare(images, train=True)
-            outputs, loss = train_step(images, labels)  # forward, backward, optimizer step
-            tb.step(epoch, step + 1, loss, optimizer, meter)  # its loss and lr, now and then
-            scheduler.step()
-            sums[0] += loss.detach().double() * labels.size(0)
-            sums[1] += (outputs.argmax(1) == labels).sum()
-            sums[2] += labels.size(0)
-            losses.track(loss, step)  # counted on the device: no host sync here
-            stopping = stop.at_step(epoch, step + 1, steps)  # the same step on every rank
-            if ckpt.due(step + 1, steps) or (stopping and ckpt.enabled):
-                losses.check(epoch)  # a host sync and a vote: no NaN reaches a checkpoint
-                ckpt.save(epoch, step + 1, measure.epoch_so_far(sums, t0, meter.wait_s, devices,
-                                                                earlier))
-            if stopping:  # saved (with a --checkpoint-dir): exit, to be requeued
-                tb.close()
-                print0(stop.report(saved=ckpt.enabled))
-                return contract.REQUEUE_EXIT
-        common.synchronize(*devices)
-        train_time = time.perf_counter() - t0
-        losses.check(epoch)  # a host sync and a vote of all ranks, once per epoch
+    # --tensorboard; the with block closes its files however the run ends
+    with Board(args, run_info, steps, start_epoch * steps + resume_step) as tb:
+        start = time.perf_counter()
+        for epoch in range(start_epoch, args.epochs):
+            train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
+            data.set_epoch(epoch)  # and new crops and flips (TinyImageNet's folder path)
+            # the steps a resumed epoch already ran (0 in every other epoch), and their figures
+            start_step = resume_step if epoch == start_epoch else 0
+            earlier = ckpt.earlier if epoch == start_epoch else None
+            train_batches.skip_samples = start_step * batch  # the same steps, in samples
+            epoch_lr = optimizer.param_groups[0]["lr"]  # at this run's first step of the epoch
+            step_model.train()
+            # [loss x n, correct, n] of this rank, kept on the device: no host sync per step
+            sums = torch.zeros(3, device=device, dtype=torch.float64)
+            measure.reset_peak_memory(*local_devices)  # this epoch's peak, not the whole run's
+            measure.synchronize(*local_devices)
+            t0 = time.perf_counter()
+            # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
+            # adds up the time spent waiting for the loader
+            batches = meter.epoch(datautils.to_device(train_loader, device), epoch, start_step)
+            batches = profiler.epoch(batches, start_step)
+            for step, (images, labels) in enumerate(batches, start=start_step):
+                if step >= steps:
+                    break
+                images = prepare(images, train=True)
+                outputs, loss = train_step(images, labels)  # forward, backward, optimizer step
+                # TensorBoard: the loss and the learning rate, every --tensorboard-every s
+                tb.step(epoch, step + 1, loss, optimizer, meter)
+                scheduler.step()
+                sums[0] += loss.detach().double() * labels.size(0)
+                sums[1] += (outputs.argmax(1) == labels).sum()
+                sums[2] += labels.size(0)
+                losses.track(loss, step)  # counted on the device: no host sync here
+                stop_now = stop.at_step(epoch, step + 1, steps)  # the same step on every rank
+                if ckpt.due(step + 1, steps, stopping=stop_now):  # or at once, to stop
+                    losses.check(epoch)  # a host sync and a vote: no NaN reaches a checkpoint
+                    ckpt.save(epoch, step + 1, measure.epoch_so_far(
+                        sums, t0, meter.wait_s, local_devices, earlier))
+                if stop_now:  # checkpointed (with a --checkpoint-dir): exit, to be requeued
+                    raise stop.requeue(saved=ckpt.enabled)
+            measure.synchronize(*local_devices)
+            train_time = time.perf_counter() - t0
+            losses.check(epoch)  # a host sync and a vote of all ranks, once per epoch
 
-        val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
+            val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
 
-        # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. The host
-        # syncs here (each .tolist()) happen once per epoch, never per step.
-        totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
-        # the slowest rank sets the pace; data wait: the rank its loader kept waiting longest
-        times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
-        epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
-        peaks = common.peak_memory_per_gpu(devices)  # collective: every rank's GPU
-        metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
-            totals, epoch_time, data_wait, peaks, t0, train_time, earlier)
-        print0(contract.format_epoch_line(metrics))
-        print0(contract.format_metric_line(metrics))
-        datautils.report_skipped(metrics, (steps - skip) * global_batch
-                                 + measure.earlier_images(earlier), len(data.val))
-        tb.epoch(metrics)  # the same figures as TensorBoard curves
-        ckpt.end_epoch(epoch, metrics)  # the epoch's checkpoint, with its metrics
-        if stop.at_epoch_end(epoch, args.epochs):  # a stop signal by the epoch's end
-            tb.close()
-            print0(stop.report(saved=ckpt.enabled))
-            return contract.REQUEUE_EXIT
-    stop.finish()
-
-    total_time = time.perf_counter() - start
-    if args.save_model and is_main:
-        checkpoint.save_model(model.state_dict(), args.save_model)  # unwrapped, on the CPU
-        print0(f"saved model state_dict to {args.save_model}")
-    tb.finish(ckpt.metrics)  # hyperparameters and final metrics, --profile's trace
+            # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. The host
+            # syncs here (each .tolist()) happen once per epoch, never per step.
+            totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
+            # the slowest rank sets the pace; data wait: the rank its loader kept waiting longest
+            times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
+            epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
+            peaks = measure.peak_memory_per_gpu(local_devices)  # collective: every rank's GPU
+            metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
+                totals, epoch_time, data_wait, peaks, t0, train_time, earlier)
+            print0(contract.format_epoch_line(metrics))
+            print0(contract.format_metric_line(metrics))
+            datautils.report_unreadable_images(
+                metrics, (steps - start_step) * global_batch + measure.earlier_images(earlier),
+                len(data.val))
+            tb.epoch(metrics)  # the same figures as TensorBoard curves
+            ckpt.end_epoch(epoch, metrics)  # the epoch's checkpoint, with its metrics
+            if stop.at_epoch_end(epoch, args.epochs):  # a stop signal by the epoch's end
+                raise stop.requeue(saved=ckpt.enabled)
+        stop.finish()
+        total_time = time.perf_counter() - start
+        if args.save_model and is_main:
+            checkpoint.save_model(model.state_dict(), args.save_model)  # unwrapped, on the CPU
+            print0(f"saved model state_dict to {args.save_model}")
+        # TensorBoard: the hyperparameters beside the final metrics, and --profile's trace
+        tb.finish(ckpt.metrics)
     measure.print_final(ckpt.metrics, total_time, trained=start_epoch < args.epochs)
     return 0
 
 
 def main(argv=None) -> int:
     return common.run(train, build_parser(), argv)
+
+
+# --------------------------------------------------------------------------------------------
+# What the strategy predicts about itself: the memory of one GPU (--estimate-memory and the
+# [MEMORY] line, which collect_results.py sets beside the measured peak) and the collectives
+# of one step (the scaling model's latency term)
+# --------------------------------------------------------------------------------------------
+
+
+def collectives_per_step(model: nn.Module, args) -> dict:
+    """What one training step sends, for the scaling model's latency term (collect_results.py):
+    one all-reduce per gradient bucket of --bucket-cap-mb."""
+    grad_bytes = memory.param_bytes(model.parameters())  # fp32 gradients, as the parameters
+    return {"all_reduce": math.ceil(grad_bytes / (args.bucket_cap_mb * 2**20))}
+
+
+# the rows --estimate-memory prints; memory_variant(args): the row of a run with these flags
+MEMORY_VARIANTS = ("-", "zero1")
+
+
+def memory_variant(args) -> str:
+    return "zero1" if args.zero1 else "-"
+
+
+def memory_per_gpu(model: nn.Module, args, world: int, saved: memory.Saved,
+                   variant: str) -> memory.Estimate:
+    """One GPU's memory under DDP: a whole replica (parameters, gradients, momentum) on every
+    GPU, whatever the world size, plus the gradient buckets the all-reduce sends, which hold
+    the gradients themselves with --gradient-as-bucket-view. zero1: the momentum of this
+    rank's partition only (the largest partition: the GPU that fills first)."""
+    params, grads, optimizer, buffers = memory.model_states(model, args.momentum)
+    if variant == "zero1" and args.momentum:
+        parts = memory.zero1_partition(list(model.parameters()), world)
+        optimizer = max(memory.param_bytes(part) for part in parts)
+    buckets = 0 if args.gradient_as_bucket_view else grads
+    return memory.Estimate(STRATEGY, variant, world, args.batch_size, saved, params, grads,
+                           optimizer, buffers, comm=buckets,
+                           grads_at_peak=args.gradient_as_bucket_view)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.utils.data import DistributedSampler
 
 from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
-                      flags, measure, memory, models)
+                      flags, lossguard, measure, memory, models, schedule, stopping)
 from training.board import Board
 from training.common import print0
 from training.faults import UsageError, end_process
@@ -48,20 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gpus", type=flags.positive_int, default=None,
                    help="number of GPUs to use (default: all visible)")
     return parser
-
-
-class AutocastForward(nn.Module):
-    """Enter autocast inside forward: DataParallel runs each replica in its own thread, and
-    autocast's dtype is per thread (outside, a bf16 choice would reach replicas as fp16)."""
-
-    def __init__(self, module: nn.Module, device_type: str, dtype):
-        super().__init__()
-        self.module, self.device_type, self.dtype = module, device_type, dtype
-
-    def forward(self, x):
-        with torch.autocast(self.device_type, dtype=self.dtype or torch.float32,
-                            enabled=self.dtype is not None):
-            return self.module(x)
 
 
 def setup_devices(args, env: distributed.DistEnv):
@@ -103,6 +89,20 @@ def setup_devices(args, env: distributed.DistEnv):
     return torch.device("cuda", 0), list(range(n))
 
 
+class AutocastForward(nn.Module):
+    """Enter autocast inside forward: DataParallel runs each replica in its own thread, and
+    autocast's dtype is per thread (outside, a bf16 choice would reach replicas as fp16)."""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype):
+        super().__init__()
+        self.module, self.device_type, self.dtype = module, device_type, dtype
+
+    def forward(self, x):
+        with torch.autocast(self.device_type, dtype=self.dtype or torch.float32,
+                            enabled=self.dtype is not None):
+            return self.module(x)
+
+
 def save_checkpoint(path, state: dict, meta: dict) -> None:
     """DataParallel: one process, one file; the master weights live on GPU 0."""
     checkpoint.atomic_save({name: obj.state_dict() for name, obj in state.items()} | meta, path)
@@ -117,6 +117,196 @@ def load_checkpoint(path, state: dict) -> dict:
         if saved[name]:
             obj.load_state_dict(saved[name])
     return saved
+
+
+def train(args, env: distributed.DistEnv) -> int:
+    if args.estimate_memory is not None:  # a prediction only: no GPU, no process group
+        return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
+    device, gpu_ids = setup_devices(args, env)
+    flags.resolve_args(args, env, device)
+    cudagraph.check(args, device, STRATEGY)  # --cuda-graph where it cannot capture
+    rank, world = 0, max(1, len(gpu_ids))  # no process group: one process, `world` GPUs
+    is_main = True
+    for line in common.provenance(args, env, device, "none (single process)"):
+        print0(line)
+    if device.type == "cpu":
+        why = "--device cpu" if args.device == "cpu" else "no GPU visible"
+        print0(f"note: {why}: DataParallel runs on the CPU as a single device")
+    else:
+        print0(f"DataParallel over GPUs {gpu_ids} (scatter from and gather on GPU 0)")
+
+    data = datautils.build_data(args)
+    checkpoint.check_writable(args.save_model)
+    global_batch = args.batch_size * world
+    datautils.describe(data, global_batch, f"{args.batch_size} per GPU x {world}")
+    print0(f"global batch: {global_batch} = {args.batch_size} per GPU x {world} GPU(s), one "
+           f"DataLoader batch split by DataParallel")
+
+    torch.manual_seed(args.seed)
+    model = models.build_model(args.model, data.num_classes, data.input_shape)
+    if is_main:  # the predicted memory per GPU, which collect_results.py sets beside the peak
+        saved = memory.saved_for_backward(model, data.input_shape, args.amp)
+        print0(memory_per_gpu(model, args, world, saved, memory_variant(args)).line())
+    model = model.to(device)
+    checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
+    if args.check:
+        print0(f"check: no process group (DataParallel is one process); {world} device(s): "
+               f"{gpu_ids or ['cpu']}")
+        print0("preflight OK: data, batch size, devices and checkpoint dir")
+        return 0
+    # From here on, randomness is this process's own (crops, flips, dropout, loader workers).
+    torch.manual_seed(distributed.seed_for_rank(args.seed, rank))
+    layout = models.memory_format(model, device)  # channels_last on CUDA: faster convolutions
+    model = model.to(memory_format=layout)
+    prepare = datautils.batch_finisher(data, layout)  # augments on the device, sets the layout
+    # DataParallel: the master copy lives on GPU 0 and is replicated to every GPU each step;
+    # each replica runs in its own thread, so autocast is entered inside it.
+    inner = torch.compile(model, mode=args.compile) if args.compile else model
+    step_model = nn.DataParallel(AutocastForward(inner, device.type, flags.amp_dtype(args)),
+                                 device_ids=gpu_ids or None)
+
+    batch = global_batch  # one DataLoader batch: the global batch, which DataParallel splits
+    # The same sampler as the other scripts at world size 1: the same shuffling order.
+    train_sampler = DistributedSampler(data.train, num_replicas=1, rank=0, shuffle=True,
+                                       seed=args.seed, drop_last=True)
+    train_batches = checkpoint.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
+    val_sampler = DistributedSampler(data.val, num_replicas=1, rank=0, shuffle=False)
+    train_loader = datautils.make_loader(data.train, train_batches, batch, args, device,
+                                         drop_last=True)
+    val_loader = datautils.make_loader(data.val, val_sampler, batch, args, device,
+                                       start_now=True, val=True)
+    val_real = datautils.real_samples(val_sampler)
+
+    criterion = nn.CrossEntropyLoss()
+    steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
+    lr = schedule.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
+    # on CUDA fused: one kernel for all parameters, no host sync with a GradScaler; its
+    # momentum made now, so that an overflowing first fp16 step leaves none uninitialised
+    optimizer = schedule.start_momentum(torch.optim.SGD(
+        model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay,
+        fused=schedule.fused_sgd(device)))
+    # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_factor(args, steps))
+    dtype = flags.amp_dtype(args)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+
+    capture = cudagraph.StepCapture(args.cuda_graph)  # --cuda-graph: the step as one CUDA graph
+
+    def train_step(images, labels):
+        """One optimizer step on the whole batch: forward under autocast, loss, scaled
+        backward, the optimizer step. Returns (outputs, loss), still on the device."""
+        optimizer.zero_grad(set_to_none=True)
+        # forward: scatter the batch from GPU 0, replicate the model, gather on GPU 0
+        with torch.autocast(device.type, dtype=dtype or torch.float32,
+                            enabled=dtype is not None):
+            outputs = step_model(images)
+            loss = criterion(outputs, labels)
+        # backward: the replicas' gradients are summed into the master copy on GPU 0
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        return outputs, loss
+    train_step = capture.wrap(train_step, optimizer)  # --cuda-graph: captured, then replayed
+
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    stop = stopping.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks
+    ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint)
+    start_epoch, resume_step = ckpt.resume(steps)
+    losses = lossguard.LossWatch(device, scaler)  # NaN/inf losses, without a sync per step
+
+    local_devices = [torch.device("cuda", i) for i in gpu_ids] or [device]  # GPU 0 holds the most
+    meter = measure.StepMeter(args, steps, global_batch)  # progress, data wait
+    profiler = measure.StepProfiler(args, steps, device)  # --profile: a window of steps
+    # what every [METRIC] line of this run says about the run; each epoch adds its figures
+    run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
+                    world_size=world, nodes=1, gpus_per_node=world,
+                    per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
+                    image_size=data.input_shape[-1], epochs=args.epochs, lr_peak=lr,
+                    lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs)
+    # --tensorboard; the with block closes its files however the run ends
+    with Board(args, run_info, steps, start_epoch * steps + resume_step) as tb:
+        start = time.perf_counter()
+        for epoch in range(start_epoch, args.epochs):
+            train_sampler.set_epoch(epoch)  # reshuffle: a new permutation every epoch
+            data.set_epoch(epoch)  # and new crops and flips (TinyImageNet's folder path)
+            # the steps a resumed epoch already ran (0 in every other epoch), and their figures
+            start_step = resume_step if epoch == start_epoch else 0
+            earlier = ckpt.earlier if epoch == start_epoch else None
+            train_batches.skip_samples = start_step * batch  # the same steps, in samples
+            epoch_lr = optimizer.param_groups[0]["lr"]  # at this run's first step of the epoch
+            step_model.train()
+            # [loss x n, correct, n] of the epoch, kept on the device: no host sync per step
+            sums = torch.zeros(3, device=device, dtype=torch.float64)
+            measure.reset_peak_memory(*local_devices)  # this epoch's peak, not the whole run's
+            measure.synchronize(*local_devices)
+            t0 = time.perf_counter()
+            # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
+            # adds up the time spent waiting for the loader
+            batches = meter.epoch(datautils.to_device(train_loader, device), epoch, start_step)
+            batches = profiler.epoch(batches, start_step)
+            for step, (images, labels) in enumerate(batches, start=start_step):
+                if step >= steps:
+                    break
+                images = prepare(images, train=True)
+                outputs, loss = train_step(images, labels)  # forward, backward, optimizer step
+                # TensorBoard: the loss and the learning rate, every --tensorboard-every s
+                tb.step(epoch, step + 1, loss, optimizer, meter)
+                scheduler.step()
+                sums[0] += loss.detach().double() * labels.size(0)
+                sums[1] += (outputs.argmax(1) == labels).sum()
+                sums[2] += labels.size(0)
+                losses.track(loss, step)  # counted on the device: no host sync here
+                stop_now = stop.at_step(epoch, step + 1, steps)  # the same step on every rank
+                if ckpt.due(step + 1, steps, stopping=stop_now):  # or at once, to stop
+                    losses.check(epoch)  # a host sync and a vote: no NaN reaches a checkpoint
+                    ckpt.save(epoch, step + 1, measure.epoch_so_far(
+                        sums, t0, meter.wait_s, local_devices, earlier))
+                if stop_now:  # checkpointed (with a --checkpoint-dir): exit, to be requeued
+                    raise stop.requeue(saved=ckpt.enabled)
+            measure.synchronize(*local_devices)
+            train_time = time.perf_counter() - t0
+            losses.check(epoch)  # a host sync and a vote of all ranks, once per epoch
+
+            val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
+
+            # Metrics: sums of (loss x n, correct, n), then divide; one process, so all_reduce has
+            # nothing to reduce. The host syncs here (each .tolist()) happen once per epoch.
+            totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
+            # one process: its own training time and the time its loader kept it waiting
+            times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
+            epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
+            peaks = measure.peak_memory_per_gpu(local_devices)  # each GPU this process drives
+            metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
+                totals, epoch_time, data_wait, peaks, t0, train_time, earlier)
+            print0(contract.format_epoch_line(metrics))
+            print0(contract.format_metric_line(metrics))
+            datautils.report_unreadable_images(
+                metrics, (steps - start_step) * global_batch + measure.earlier_images(earlier),
+                len(data.val))
+            tb.epoch(metrics)  # the same figures as TensorBoard curves
+            ckpt.end_epoch(epoch, metrics)  # the epoch's checkpoint, with its metrics
+            if stop.at_epoch_end(epoch, args.epochs):  # a stop signal by the epoch's end
+                raise stop.requeue(saved=ckpt.enabled)
+        stop.finish()
+        total_time = time.perf_counter() - start
+        if args.save_model and is_main:
+            checkpoint.save_model(model.state_dict(), args.save_model)  # unwrapped, on the CPU
+            print0(f"saved model state_dict to {args.save_model}")
+        # TensorBoard: the hyperparameters beside the final metrics, and --profile's trace
+        tb.finish(ckpt.metrics)
+    measure.print_final(ckpt.metrics, total_time, trained=start_epoch < args.epochs)
+    return 0
+
+
+def main(argv=None) -> int:
+    return common.run(train, build_parser(), argv)
+
+
+# --------------------------------------------------------------------------------------------
+# What the strategy predicts about itself: the memory of one GPU (--estimate-memory and the
+# [MEMORY] line, which collect_results.py sets beside the measured peak). DataParallel has no
+# collectives to count: its GPUs are driven by one process.
+# --------------------------------------------------------------------------------------------
 
 
 # the rows --estimate-memory prints; memory_variant(args): the row of a run with these flags
@@ -144,189 +334,6 @@ def memory_per_gpu(model: nn.Module, args, world: int, saved: memory.Saved,
             + grads
     return memory.Estimate(STRATEGY, variant, world, args.batch_size, saved, params, grads,
                            optimizer, buffers, extras, grads_at_peak=False)
-
-
-def train(args, env: distributed.DistEnv) -> int:
-    if args.estimate_memory is not None:  # a prediction only: no GPU, no process group
-        return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
-    device, gpu_ids = setup_devices(args, env)
-    flags.resolve_args(args, env, device)
-    cudagraph.check(args, device, STRATEGY)  # --cuda-graph where it cannot capture
-    rank, world = 0, max(1, len(gpu_ids))  # no process group: one process, `world` GPUs
-    is_main = True
-    for line in common.provenance(args, env, device, "none (single process)"):
-        print0(line)
-    if device.type == "cpu":
-        why = "--device cpu" if args.device == "cpu" else "no GPU visible"
-        print0(f"note: {why}: DataParallel runs on the CPU as a single device")
-    else:
-        print0(f"DataParallel over GPUs {gpu_ids} (scatter from and gather on GPU 0)")
-
-    data = datautils.build_data(args, is_main)
-    checkpoint.check_writable(args.save_model)
-    global_batch = args.batch_size * world
-    datautils.describe(data, global_batch, f"{args.batch_size} per GPU x {world}")
-    print0(f"global batch: {global_batch} = {args.batch_size} per GPU x {world} GPU(s), one "
-           f"DataLoader batch split by DataParallel")
-
-    torch.manual_seed(args.seed)
-    model = models.build_model(args.model, data.num_classes, data.input_shape)
-    if is_main:  # the predicted memory per GPU, which collect_results.py sets beside the peak
-        saved = memory.saved_for_backward(model, data.input_shape, args.amp)
-        print0(memory_per_gpu(model, args, world, saved, memory_variant(args)).line())
-    model = model.to(device)
-    checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
-    if args.check:
-        print0(f"check: no process group (DataParallel is one process); {world} device(s): "
-               f"{gpu_ids or ['cpu']}")
-        print0("preflight OK: data, batch size, devices and checkpoint dir")
-        return 0
-    # From here on, randomness is this process's own (crops, flips, dropout, loader workers).
-    torch.manual_seed(flags.seed_for_rank(args.seed, rank))
-    layout = models.memory_format(model, device)  # channels_last on CUDA: faster convolutions
-    model = model.to(memory_format=layout)
-    prepare = datautils.batch_finisher(data, layout)  # augmentation on the device, the layout
-    # DataParallel: the master copy lives on GPU 0 and is replicated to every GPU each step;
-    # each replica runs in its own thread, so autocast is entered inside it.
-    inner = torch.compile(model, mode=args.compile) if args.compile else model
-    step_model = nn.DataParallel(AutocastForward(inner, device.type, flags.amp_dtype(args)),
-                                 device_ids=gpu_ids or None)
-
-    batch = global_batch  # one DataLoader batch: the global batch, which DataParallel splits
-    # The same sampler as the other scripts at world size 1: the same shuffling order.
-    train_sampler = DistributedSampler(data.train, num_replicas=1, rank=0, shuffle=True,
-                                       seed=args.seed, drop_last=True)
-    train_batches = checkpoint.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
-    val_sampler = DistributedSampler(data.val, num_replicas=1, rank=0, shuffle=False)
-    train_loader = datautils.make_loader(data.train, train_batches, batch, args, device,
-                                         drop_last=True)
-    val_loader = datautils.make_loader(data.val, val_sampler, batch, args, device,
-                                       start_now=True, val=True)
-    val_real = datautils.real_samples(val_sampler)
-
-    criterion = nn.CrossEntropyLoss()
-    steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
-    lr = flags.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
-    # on CUDA fused: one kernel for all parameters, no host sync with a GradScaler; its
-    # momentum made now, so that an overflowing first fp16 step leaves none uninitialised
-    optimizer = flags.start_momentum(torch.optim.SGD(
-        model.parameters(), lr=lr, momentum=args.momentum, weight_decay=args.weight_decay,
-        fused=flags.fused_sgd(device)))
-    # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, flags.lr_factor(args, steps))
-    dtype = flags.amp_dtype(args)
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-
-    capture = cudagraph.StepCapture(args.cuda_graph)  # --cuda-graph: the step as one CUDA graph
-
-    def train_step(images, labels):
-        """One optimizer step on the whole batch: forward under autocast, loss, scaled
-        backward, the optimizer step. Returns (outputs, loss), still on the device."""
-        optimizer.zero_grad(set_to_none=True)
-        # forward: scatter the batch from GPU 0, replicate the model, gather on GPU 0
-        with torch.autocast(device.type, dtype=dtype or torch.float32,
-                            enabled=dtype is not None):
-            outputs = step_model(images)
-            loss = criterion(outputs, labels)
-        # backward: the replicas' gradients are summed into the master copy on GPU 0
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        return outputs, loss
-    train_step = capture.wrap(train_step, optimizer)  # --cuda-graph: captured, then replayed
-
-    state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-    stop = checkpoint.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks
-    ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint)
-    start_epoch, start_step = ckpt.resume(steps)
-    losses = checkpoint.LossWatch(device, scaler)  # NaN/inf losses, without a sync per step
-
-    devices = [torch.device("cuda", i) for i in gpu_ids] or [device]  # GPU 0 holds the most
-    meter = measure.StepMeter(args, steps, global_batch)  # progress, data wait
-    profiler = measure.StepProfiler(args, steps, device)  # --profile: a window of steps
-    # what every [METRIC] line of this run says about the run; each epoch adds its figures
-    run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
-                    world_size=world, nodes=1, gpus_per_node=world,
-                    per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
-                    image_size=data.input_shape[-1], epochs=args.epochs, lr_peak=lr,
-                    lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs)
-    tb = Board(args, run_info, steps, start_epoch * steps + start_step, is_main)  # --tensorboard
-    start = time.perf_counter()
-    for epoch in range(start_epoch, args.epochs):
-        train_sampler.set_epoch(epoch)  # reshuffle: a new permutation every epoch
-        data.set_epoch(epoch)  # and new crops and flips (TinyImageNet's folder path)
-        skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
-        earlier = ckpt.earlier if epoch == start_epoch else None  # and those steps' figures
-        train_batches.skip = skip * batch
-        epoch_lr = optimizer.param_groups[0]["lr"]  # at the first step this run takes in the epoch
-        step_model.train()
-        # [loss x n, correct, n] of the epoch, kept on the device: no host sync per step
-        sums = torch.zeros(3, device=device, dtype=torch.float64)
-        common.reset_peak_memory(*devices)  # this epoch's peak, not the whole run's
-        common.synchronize(*devices)
-        t0 = time.perf_counter()
-        # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
-        # adds up the time spent waiting for the loader
-        batches = meter.epoch(datautils.to_device(train_loader, device), epoch, skip)
-        batches = profiler.epoch(batches, skip)
-        for step, (images, labels) in enumerate(batches, start=skip):
-            if step >= steps:
-                break
-            images = prepare(images, train=True)
-            outputs, loss = train_step(images, labels)  # forward, backward, optimizer step
-            tb.step(epoch, step + 1, loss, optimizer, meter)  # its loss and lr, now and then
-            scheduler.step()
-            sums[0] += loss.detach().double() * labels.size(0)
-            sums[1] += (outputs.argmax(1) == labels).sum()
-            sums[2] += labels.size(0)
-            losses.track(loss, step)  # counted on the device: no host sync here
-            stopping = stop.at_step(epoch, step + 1, steps)  # the same step on every rank
-            if ckpt.due(step + 1, steps) or (stopping and ckpt.enabled):
-                losses.check(epoch)  # a host sync and a vote: no NaN reaches a checkpoint
-                ckpt.save(epoch, step + 1, measure.epoch_so_far(sums, t0, meter.wait_s, devices,
-                                                                earlier))
-            if stopping:  # saved (with a --checkpoint-dir): exit, to be requeued
-                tb.close()
-                print0(stop.report(saved=ckpt.enabled))
-                return contract.REQUEUE_EXIT
-        common.synchronize(*devices)
-        train_time = time.perf_counter() - t0
-        losses.check(epoch)  # a host sync and a vote of all ranks, once per epoch
-
-        val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
-
-        # Metrics: sums of (loss x n, correct, n), then divide; one process, so all_reduce has
-        # nothing to reduce. The host syncs here (each .tolist()) happen once per epoch.
-        totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
-        # one process: its own training time and the time its loader kept it waiting
-        times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
-        epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
-        peaks = common.peak_memory_per_gpu(devices)  # each GPU this process drives
-        metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
-            totals, epoch_time, data_wait, peaks, t0, train_time, earlier)
-        print0(contract.format_epoch_line(metrics))
-        print0(contract.format_metric_line(metrics))
-        datautils.report_skipped(metrics, (steps - skip) * global_batch
-                                 + measure.earlier_images(earlier), len(data.val))
-        tb.epoch(metrics)  # the same figures as TensorBoard curves
-        ckpt.end_epoch(epoch, metrics)  # the epoch's checkpoint, with its metrics
-        if stop.at_epoch_end(epoch, args.epochs):  # a stop signal by the epoch's end
-            tb.close()
-            print0(stop.report(saved=ckpt.enabled))
-            return contract.REQUEUE_EXIT
-    stop.finish()
-
-    total_time = time.perf_counter() - start
-    if args.save_model and is_main:
-        checkpoint.save_model(model.state_dict(), args.save_model)  # unwrapped, on the CPU
-        print0(f"saved model state_dict to {args.save_model}")
-    tb.finish(ckpt.metrics)  # hyperparameters and final metrics, --profile's trace
-    measure.print_final(ckpt.metrics, total_time, trained=start_epoch < args.epochs)
-    return 0
-
-
-def main(argv=None) -> int:
-    return common.run(train, build_parser(), argv)
 
 
 if __name__ == "__main__":

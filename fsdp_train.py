@@ -57,7 +57,7 @@ from torch.utils.data import DistributedSampler
 from torchvision.models.resnet import ResNet
 
 from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
-                      flags, measure, memory, models, simulate)
+                      flags, lossguard, measure, memory, models, schedule, simulate, stopping)
 from training.board import Board
 from training.common import print0
 from training.faults import UsageError, end_process
@@ -174,6 +174,258 @@ def apply_fsdp(model: nn.Module, mesh, args, device: torch.device) -> nn.Module:
     return model
 
 
+def save_checkpoint(path, state: dict, meta: dict) -> None:
+    """FSDP: every rank writes its own shards with torch.distributed.checkpoint (DCP) into one
+    folder, rank 0 adds the small rest (scheduler, scaler, every rank's RNG state, epoch and
+    step), then renames the folder into place (it appears complete or not at all).
+    Collective: every rank takes part. DCP can load it back at another world size."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    rank, _ = distributed.rank_and_world()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(state["model"], state["optimizer"])  # this rank's shards
+    try:
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
+        if rank == 0:
+            small = {name: state[name].state_dict() for name in ("scheduler", "scaler")}
+            checkpoint.atomic_save(small | meta, tmp / "meta.pt")
+            checkpoint.replace_checkpoint(tmp, path)
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # half a checkpoint
+        # A full disk: for DCP's shards every rank sees it (DCP gathers the writers' errors),
+        # for rank 0's meta.pt atomic_save raises a UsageError.
+        if isinstance(exc, UsageError) or checkpoint.disk_full(exc):
+            raise checkpoint.disk_full_error(path) from None
+        raise
+    # Checkpoints.save then waits, in its vote, until every rank (and rank 0's rename) is done.
+
+
+def load_checkpoint(path, state: dict) -> dict:
+    """Collective. Each rank reads the pieces of the saved shards it now owns, whatever world
+    size wrote them (DCP reshards on load)."""
+    # weights_only: the small state holds only tensors and plain values, so loading it cannot
+    # run code.
+    meta = torch.load(Path(path) / "meta.pt", map_location="cpu", weights_only=True)
+    model_sd, optim_sd = get_state_dict(state["model"], state["optimizer"])
+    shards = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(shards, checkpoint_id=path)
+    set_state_dict(state["model"], state["optimizer"], model_state_dict=shards["model"],
+                   optim_state_dict=shards["optimizer"])
+    for name in ("scheduler", "scaler"):
+        # A run without fp16 saved its disabled GradScaler as an empty dict: keep the new one.
+        if meta[name]:
+            state[name].load_state_dict(meta[name])
+    return meta
+
+
+def train(args, env: distributed.DistEnv) -> int:
+    if args.estimate_memory is not None:  # a prediction only: no GPU, no process group
+        return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
+    device, backend, mesh = setup_distributed(args, env)
+    flags.resolve_args(args, env, device)
+    cudagraph.check(args, device, STRATEGY)  # --cuda-graph where it cannot capture
+    rank, world = distributed.rank_and_world()  # the process group's, now that it is up
+    is_main = rank == 0
+    for line in common.provenance(args, env, device, backend):
+        print0(line)
+    if device.type == "cpu":
+        why = "--device cpu" if args.device == "cpu" else "no GPU visible"
+        print0(f"note: {why}: training on CPU with the gloo backend")
+    print0(f"sharding: {args.sharding} over mesh {tuple(mesh.shape)} "
+           f"{mesh.mesh_dim_names}")
+
+    data = datautils.build_data(args)
+    checkpoint.check_writable(args.save_model)
+    global_batch = args.batch_size * world
+    datautils.describe(data, global_batch, f"{args.batch_size} per process x {world}")
+    print0(f"global batch: {global_batch} = {args.batch_size} per process x {world} processes")
+
+    # Same seed on every rank: identical full weights before sharding, so each rank keeps
+    # its slice of the same model.
+    torch.manual_seed(args.seed)
+    model = models.build_model(args.model, data.num_classes, data.input_shape)
+    if is_main:  # the predicted memory per GPU, which collect_results.py sets beside the peak
+        saved = memory.saved_for_backward(model, data.input_shape, args.amp)
+        shards = mesh.shape[-1]  # the world size; hybrid: the GPUs of one node
+        print0(memory_per_gpu(model, args, shards, saved, memory_variant(args)).line())
+    model = model.to(device)
+    checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
+    grad_bytes = memory.param_bytes(model.parameters())  # fp32 gradients, as the parameters
+    if args.check:
+        measure.collective_check(device, world, grad_bytes, COLLECTIVES)
+        print0("preflight OK: data, batch size, devices and checkpoint dir")
+        return 0
+    if args.profile and world > 1:  # the bandwidth the step's collectives get
+        measure.bandwidth(device, world, [grad_bytes], COLLECTIVES,
+                          collectives_per_step(model, args))
+    # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
+    # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
+    # the same crop as rank 0's i-th sample at every step).
+    torch.manual_seed(distributed.seed_for_rank(args.seed, rank))
+    # The batches go channels_last on CUDA, but not the weights: FSDP2 shards contiguous
+    # parameters only (a channels_last conv weight raises NotImplementedError). cuDNN still
+    # picks its channels_last kernels from the inputs.
+    layout = models.memory_format(model, device)
+    prepare = datautils.batch_finisher(data, layout)  # augments on the device, sets the layout
+    model = apply_fsdp(model, mesh, args, device)
+    step_model = torch.compile(model, mode=args.compile) if args.compile else model
+
+    batch = args.batch_size  # one DataLoader batch: this process's share of the global batch
+    # Each rank reads a disjoint shard of the training set; the permutation depends on
+    # (seed, epoch) only, so all ranks agree on it. drop_last keeps the shards equal.
+    train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True,
+                                       seed=args.seed, drop_last=True)
+    train_batches = checkpoint.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
+    val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
+    train_loader = datautils.make_loader(data.train, train_batches, batch, args, device,
+                                         drop_last=True)
+    val_loader = datautils.make_loader(data.val, val_sampler, batch, args, device,
+                                       start_now=True, val=True)
+    val_real = datautils.real_samples(val_sampler)
+
+    criterion = nn.CrossEntropyLoss()
+    steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
+    lr = schedule.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
+    # The optimizer sees the sharded parameters: its momentum buffers are sharded too. (No
+    # fused=True here: DTensor has no fused SGD kernel; the foreach one is the default.)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_factor(args, steps))
+    dtype = flags.amp_dtype(args)
+    # Each rank checks only its gradient shard for inf/NaN; with FSDP2's DTensor gradients the
+    # plain GradScaler all-reduces that verdict, so every rank skips (or takes) the same steps.
+    # Without a fused optimizer, fp16 also costs a host sync per step (the scaler reads it).
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+
+    def train_step(images, labels):
+        """One optimizer step on this rank's batch: forward under autocast, loss, scaled
+        backward, the optimizer step. Returns (outputs, loss), still on the device."""
+        optimizer.zero_grad(set_to_none=True)
+        # forward: each unit gathers its parameters from its shard group; full/hybrid free
+        # them after
+        with torch.autocast(device.type, dtype=dtype or torch.float32,
+                            enabled=dtype is not None):
+            outputs = step_model(images)
+            loss = criterion(outputs, labels)
+        # backward gathers the parameters again (full and hybrid resharded them after
+        # forward), then reduce-scatters the gradients: each rank keeps the averaged
+        # gradient of its own shard (hybrid then all-reduces it across the nodes)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)  # updates only this rank's shard
+        scaler.update()
+        return outputs, loss
+    if args.simulate_world_size:  # rank 0 of N on the fake process group: its memory, no more
+        return simulate.report(train_step, model, model, optimizer, train_loader, prepare,
+                               device, world, args.offload, shard_units(model))
+
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    stop = stopping.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks
+    ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint)
+    start_epoch, resume_step = ckpt.resume(steps)
+    losses = lossguard.LossWatch(device, scaler)  # NaN/inf losses, without a sync per step
+
+    local_devices = [device]  # the GPU (or CPU) this process drives: its clock, its peak
+    meter = measure.StepMeter(args, steps, global_batch)  # progress, data wait
+    profiler = measure.StepProfiler(args, steps, device)  # --profile: a window of steps
+    # what every [METRIC] line of this run says about the run; each epoch adds its figures
+    run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
+                    world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
+                    per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
+                    image_size=data.input_shape[-1], epochs=args.epochs, lr_peak=lr,
+                    lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs)
+    # --tensorboard; the with block closes its files however the run ends
+    with Board(args, run_info, steps, start_epoch * steps + resume_step) as tb:
+        start = time.perf_counter()
+        for epoch in range(start_epoch, args.epochs):
+            train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
+            data.set_epoch(epoch)  # and new crops and flips (TinyImageNet's folder path)
+            # the steps a resumed epoch already ran (0 in every other epoch), and their figures
+            start_step = resume_step if epoch == start_epoch else 0
+            earlier = ckpt.earlier if epoch == start_epoch else None
+            train_batches.skip_samples = start_step * batch  # the same steps, in samples
+            epoch_lr = optimizer.param_groups[0]["lr"]  # at this run's first step of the epoch
+            step_model.train()
+            # [loss x n, correct, n] of this rank, kept on the device: no host sync per step
+            sums = torch.zeros(3, device=device, dtype=torch.float64)
+            measure.reset_peak_memory(*local_devices)  # this epoch's peak, not the whole run's
+            measure.synchronize(*local_devices)
+            t0 = time.perf_counter()
+            # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
+            # adds up the time spent waiting for the loader
+            batches = meter.epoch(datautils.to_device(train_loader, device), epoch, start_step)
+            batches = profiler.epoch(batches, start_step)
+            for step, (images, labels) in enumerate(batches, start=start_step):
+                if step >= steps:
+                    break
+                images = prepare(images, train=True)
+                outputs, loss = train_step(images, labels)  # forward, backward, optimizer step
+                # TensorBoard: the loss and the learning rate, every --tensorboard-every s
+                tb.step(epoch, step + 1, loss, optimizer, meter)
+                scheduler.step()
+                sums[0] += loss.detach().double() * labels.size(0)
+                sums[1] += (outputs.argmax(1) == labels).sum()
+                sums[2] += labels.size(0)
+                losses.track(loss, step)  # counted on the device: no host sync here
+                stop_now = stop.at_step(epoch, step + 1, steps)  # the same step on every rank
+                if ckpt.due(step + 1, steps, stopping=stop_now):  # or at once, to stop
+                    losses.check(epoch)  # a host sync and a vote: no NaN reaches a checkpoint
+                    ckpt.save(epoch, step + 1, measure.epoch_so_far(
+                        sums, t0, meter.wait_s, local_devices, earlier))
+                if stop_now:  # checkpointed (with a --checkpoint-dir): exit, to be requeued
+                    raise stop.requeue(saved=ckpt.enabled)
+            measure.synchronize(*local_devices)
+            train_time = time.perf_counter() - t0
+            losses.check(epoch)  # a host sync and a vote of all ranks, once per epoch
+
+            val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
+
+            # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. The host
+            # syncs here (each .tolist()) happen once per epoch, never per step.
+            totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
+            # the slowest rank sets the pace; data wait: the rank its loader kept waiting longest
+            times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
+            epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
+            peaks = measure.peak_memory_per_gpu(local_devices)  # collective: every rank's GPU
+            metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
+                totals, epoch_time, data_wait, peaks, t0, train_time, earlier)
+            print0(contract.format_epoch_line(metrics))
+            print0(contract.format_metric_line(metrics))
+            datautils.report_unreadable_images(
+                metrics, (steps - start_step) * global_batch + measure.earlier_images(earlier),
+                len(data.val))
+            tb.epoch(metrics)  # the same figures as TensorBoard curves
+            ckpt.end_epoch(epoch, metrics)  # the epoch's checkpoint, with its metrics
+            if stop.at_epoch_end(epoch, args.epochs):  # a stop signal by the epoch's end
+                raise stop.requeue(saved=ckpt.enabled)
+        stop.finish()
+        total_time = time.perf_counter() - start
+        if args.save_model:
+            # collective: every rank sends its shards; rank 0 receives the full tensors on CPU
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                        cpu_offload=True))
+            if is_main:
+                checkpoint.save_model(full, args.save_model)
+                print0(f"saved full (unsharded) model state_dict to {args.save_model}")
+        # TensorBoard: the hyperparameters beside the final metrics, and --profile's trace
+        tb.finish(ckpt.metrics)
+    measure.print_final(ckpt.metrics, total_time, trained=start_epoch < args.epochs)
+    return 0
+
+
+def main(argv=None) -> int:
+    return common.run(train, build_parser(), argv)
+
+
+# --------------------------------------------------------------------------------------------
+# What the strategy predicts about itself: the memory of one GPU (--estimate-memory and the
+# [MEMORY] line, which collect_results.py sets beside the measured peak) and the collectives
+# of one step (the scaling model's latency term)
+# --------------------------------------------------------------------------------------------
+
+
 def collectives_per_step(model: nn.Module, args) -> dict:
     """What one training step sends, for the scaling model's latency term (collect_results.py):
     per unit (the blocks and the root) an all-gather for forward and, after a reshard (full,
@@ -220,250 +472,6 @@ def memory_per_gpu(model: nn.Module, args, world: int, saved: memory.Saved,
     return memory.Estimate(STRATEGY, variant, world, args.batch_size, saved, params, grads,
                            optimizer, buffers, comm, host=host, grads_at_peak=False,
                            notes=notes)
-
-
-def save_checkpoint(path, state: dict, meta: dict) -> None:
-    """FSDP: every rank writes its own shards with torch.distributed.checkpoint (DCP) into one
-    folder, rank 0 adds the small rest (scheduler, scaler, every rank's RNG state, epoch and
-    step), then renames the folder into place (it appears complete or not at all).
-    Collective: every rank takes part. DCP can load it back at another world size."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
-    dist.barrier()
-    model_sd, optim_sd = get_state_dict(state["model"], state["optimizer"])  # this rank's shards
-    try:
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
-        if dist.get_rank() == 0:
-            small = {name: state[name].state_dict() for name in ("scheduler", "scaler")}
-            checkpoint.atomic_save(small | meta, tmp / "meta.pt")
-            checkpoint.replace_checkpoint(tmp, path)
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # half a checkpoint
-        # A full disk: for DCP's shards every rank sees it (DCP gathers the writers' errors),
-        # for rank 0's meta.pt atomic_save raises a UsageError.
-        if isinstance(exc, UsageError) or checkpoint.disk_full(exc):
-            raise checkpoint.disk_full_error(path) from None
-        raise
-    # Checkpoints.save then waits, in its vote, until every rank (and rank 0's rename) is done.
-
-
-def load_checkpoint(path, state: dict) -> dict:
-    """Collective. Each rank reads the pieces of the saved shards it now owns, whatever world
-    size wrote them (DCP reshards on load)."""
-    # weights_only: the small state holds only tensors and plain values, so loading it cannot
-    # run code.
-    meta = torch.load(Path(path) / "meta.pt", map_location="cpu", weights_only=True)
-    model_sd, optim_sd = get_state_dict(state["model"], state["optimizer"])
-    shards = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(shards, checkpoint_id=path)
-    set_state_dict(state["model"], state["optimizer"], model_state_dict=shards["model"],
-                   optim_state_dict=shards["optimizer"])
-    for name in ("scheduler", "scaler"):
-        # A run without fp16 saved its disabled GradScaler as an empty dict: keep the new one.
-        if meta[name]:
-            state[name].load_state_dict(meta[name])
-    return meta
-
-
-def train(args, env: distributed.DistEnv) -> int:
-    if args.estimate_memory is not None:  # a prediction only: no GPU, no process group
-        return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
-    device, backend, mesh = setup_distributed(args, env)
-    flags.resolve_args(args, env, device)
-    cudagraph.check(args, device, STRATEGY)  # --cuda-graph where it cannot capture
-    rank, world = env.rank, env.world_size
-    is_main = rank == 0
-    for line in common.provenance(args, env, device, backend):
-        print0(line)
-    if device.type == "cpu":
-        why = "--device cpu" if args.device == "cpu" else "no GPU visible"
-        print0(f"note: {why}: training on CPU with the gloo backend")
-    print0(f"sharding: {args.sharding} over mesh {tuple(mesh.shape)} "
-           f"{mesh.mesh_dim_names}")
-
-    data = datautils.build_data(args, is_main)
-    checkpoint.check_writable(args.save_model)
-    global_batch = args.batch_size * world
-    datautils.describe(data, global_batch, f"{args.batch_size} per process x {world}")
-    print0(f"global batch: {global_batch} = {args.batch_size} per process x {world} processes")
-
-    # Same seed on every rank: identical full weights before sharding, so each rank keeps
-    # its slice of the same model.
-    torch.manual_seed(args.seed)
-    model = models.build_model(args.model, data.num_classes, data.input_shape)
-    if is_main:  # the predicted memory per GPU, which collect_results.py sets beside the peak
-        saved = memory.saved_for_backward(model, data.input_shape, args.amp)
-        shards = mesh.shape[-1]  # the world size; hybrid: the GPUs of one node
-        print0(memory_per_gpu(model, args, shards, saved, memory_variant(args)).line())
-    model = model.to(device)
-    checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
-    grad_bytes = sum(p.numel() * 4 for p in model.parameters())  # fp32 gradients
-    if args.check:
-        measure.collective_check(device, world, grad_bytes, COLLECTIVES)
-        print0("preflight OK: data, batch size, devices and checkpoint dir")
-        return 0
-    if args.profile and world > 1:  # the bandwidth the step's collectives get
-        measure.bandwidth(device, world, [grad_bytes], COLLECTIVES,
-                          collectives_per_step(model, args))
-    # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
-    # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
-    # the same crop as rank 0's i-th sample at every step).
-    torch.manual_seed(flags.seed_for_rank(args.seed, rank))
-    # The batches go channels_last on CUDA, but not the weights: FSDP2 shards contiguous
-    # parameters only (a channels_last conv weight raises NotImplementedError). cuDNN still
-    # picks its channels_last kernels from the inputs.
-    layout = models.memory_format(model, device)
-    prepare = datautils.batch_finisher(data, layout)  # augmentation on the device, the layout
-    model = apply_fsdp(model, mesh, args, device)
-    step_model = torch.compile(model, mode=args.compile) if args.compile else model
-
-    batch = args.batch_size  # one DataLoader batch: this process's share of the global batch
-    # Each rank reads a disjoint shard of the training set; the permutation depends on
-    # (seed, epoch) only, so all ranks agree on it. drop_last keeps the shards equal.
-    train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True,
-                                       seed=args.seed, drop_last=True)
-    train_batches = checkpoint.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
-    val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
-    train_loader = datautils.make_loader(data.train, train_batches, batch, args, device,
-                                         drop_last=True)
-    val_loader = datautils.make_loader(data.val, val_sampler, batch, args, device,
-                                       start_now=True, val=True)
-    val_real = datautils.real_samples(val_sampler)
-
-    criterion = nn.CrossEntropyLoss()
-    steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
-    lr = flags.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
-    # The optimizer sees the sharded parameters: its momentum buffers are sharded too. (No
-    # fused=True here: DTensor has no fused SGD kernel; the foreach one is the default.)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay)
-    # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, flags.lr_factor(args, steps))
-    dtype = flags.amp_dtype(args)
-    # Each rank checks only its gradient shard for inf/NaN; with FSDP2's DTensor gradients the
-    # plain GradScaler all-reduces that verdict, so every rank skips (or takes) the same steps.
-    # Without a fused optimizer, fp16 also costs a host sync per step (the scaler reads it).
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-
-    def train_step(images, labels):
-        """One optimizer step on this rank's batch: forward under autocast, loss, scaled
-        backward, the optimizer step. Returns (outputs, loss), still on the device."""
-        optimizer.zero_grad(set_to_none=True)
-        # forward: each unit gathers its parameters from its shard group; full/hybrid free
-        # them after
-        with torch.autocast(device.type, dtype=dtype or torch.float32,
-                            enabled=dtype is not None):
-            outputs = step_model(images)
-            loss = criterion(outputs, labels)
-        # backward gathers the parameters again (full and hybrid resharded them after
-        # forward), then reduce-scatters the gradients: each rank keeps the averaged
-        # gradient of its own shard (hybrid then all-reduces it across the nodes)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)  # updates only this rank's shard
-        scaler.update()
-        return outputs, loss
-    if args.simulate_world_size:  # rank 0 of N on the fake process group: its memory, no more
-        return simulate.report(train_step, model, model, optimizer, train_loader, prepare,
-                               device, world, args.offload, shard_units(model))
-
-    state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-    stop = checkpoint.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks
-    ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint)
-    start_epoch, start_step = ckpt.resume(steps)
-    losses = checkpoint.LossWatch(device, scaler)  # NaN/inf losses, without a sync per step
-
-    devices = [device]  # the device(s) this process drives: for the clock and peak memory
-    meter = measure.StepMeter(args, steps, global_batch)  # progress, data wait
-    profiler = measure.StepProfiler(args, steps, device)  # --profile: a window of steps
-    # what every [METRIC] line of this run says about the run; each epoch adds its figures
-    run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
-                    world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
-                    per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
-                    image_size=data.input_shape[-1], epochs=args.epochs, lr_peak=lr,
-                    lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs)
-    tb = Board(args, run_info, steps, start_epoch * steps + start_step, is_main)  # --tensorboard
-    start = time.perf_counter()
-    for epoch in range(start_epoch, args.epochs):
-        train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
-        data.set_epoch(epoch)  # and new crops and flips (TinyImageNet's folder path)
-        skip = start_step if epoch == start_epoch else 0  # steps a resumed epoch already ran
-        earlier = ckpt.earlier if epoch == start_epoch else None  # and those steps' figures
-        train_batches.skip = skip * batch
-        epoch_lr = optimizer.param_groups[0]["lr"]  # at the first step this run takes in the epoch
-        step_model.train()
-        # [loss x n, correct, n] of this rank, kept on the device: no host sync per step
-        sums = torch.zeros(3, device=device, dtype=torch.float64)
-        common.reset_peak_memory(*devices)  # this epoch's peak, not the whole run's
-        common.synchronize(*devices)
-        t0 = time.perf_counter()
-        # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
-        # adds up the time spent waiting for the loader
-        batches = meter.epoch(datautils.to_device(train_loader, device), epoch, skip)
-        batches = profiler.epoch(batches, skip)
-        for step, (images, labels) in enumerate(batches, start=skip):
-            if step >= steps:
-                break
-            images = prepare(images, train=True)
-            outputs, loss = train_step(images, labels)  # forward, backward, optimizer step
-            tb.step(epoch, step + 1, loss, optimizer, meter)  # its loss and lr, now and then
-            scheduler.step()
-            sums[0] += loss.detach().double() * labels.size(0)
-            sums[1] += (outputs.argmax(1) == labels).sum()
-            sums[2] += labels.size(0)
-            losses.track(loss, step)  # counted on the device: no host sync here
-            stopping = stop.at_step(epoch, step + 1, steps)  # the same step on every rank
-            if ckpt.due(step + 1, steps) or (stopping and ckpt.enabled):
-                losses.check(epoch)  # a host sync and a vote: no NaN reaches a checkpoint
-                ckpt.save(epoch, step + 1, measure.epoch_so_far(sums, t0, meter.wait_s, devices,
-                                                                earlier))
-            if stopping:  # saved (with a --checkpoint-dir): exit, to be requeued
-                tb.close()
-                print0(stop.report(saved=ckpt.enabled))
-                return contract.REQUEUE_EXIT
-        common.synchronize(*devices)
-        train_time = time.perf_counter() - t0
-        losses.check(epoch)  # a host sync and a vote of all ranks, once per epoch
-
-        val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
-
-        # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. The host
-        # syncs here (each .tolist()) happen once per epoch, never per step.
-        totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
-        # the slowest rank sets the pace; data wait: the rank its loader kept waiting longest
-        times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
-        epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
-        peaks = common.peak_memory_per_gpu(devices)  # collective: every rank's GPU
-        metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
-            totals, epoch_time, data_wait, peaks, t0, train_time, earlier)
-        print0(contract.format_epoch_line(metrics))
-        print0(contract.format_metric_line(metrics))
-        datautils.report_skipped(metrics, (steps - skip) * global_batch
-                                 + measure.earlier_images(earlier), len(data.val))
-        tb.epoch(metrics)  # the same figures as TensorBoard curves
-        ckpt.end_epoch(epoch, metrics)  # the epoch's checkpoint, with its metrics
-        if stop.at_epoch_end(epoch, args.epochs):  # a stop signal by the epoch's end
-            tb.close()
-            print0(stop.report(saved=ckpt.enabled))
-            return contract.REQUEUE_EXIT
-    stop.finish()
-
-    total_time = time.perf_counter() - start
-    if args.save_model:
-        # collective: every rank sends its shards; rank 0 receives the full tensors on CPU
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                    cpu_offload=True))
-        if is_main:
-            checkpoint.save_model(full, args.save_model)
-            print0(f"saved full (unsharded) model state_dict to {args.save_model}")
-    tb.finish(ckpt.metrics)  # hyperparameters and final metrics, --profile's trace
-    measure.print_final(ckpt.metrics, total_time, trained=start_epoch < args.epochs)
-    return 0
-
-
-def main(argv=None) -> int:
-    return common.run(train, build_parser(), argv)
 
 
 if __name__ == "__main__":

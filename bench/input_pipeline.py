@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from torch.utils.data import DistributedSampler  # noqa: E402
 
-from training import common, datautils, faults  # noqa: E402
+from training import datautils, faults, measure  # noqa: E402
 
 
 def rate(loader, seconds: float, warmup: int = 2) -> float:
@@ -64,9 +64,9 @@ def main(argv=None) -> int:
                               strict=False, num_workers=cpus, data_cache=None, seed=0,
                               data_on_device=False)
     try:
-        folder = datautils.build_data(args, True)
+        folder = datautils.build_data(args)
         args.data_cache = a.cache_dir
-        cached = datautils.build_data(args, True)  # builds the cache on first use
+        cached = datautils.build_data(args)  # builds the cache on first use
     except faults.UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -94,12 +94,12 @@ def main(argv=None) -> int:
     u8 = u8.to(device)
     for _ in range(3):
         cached.device_augment(u8, train=True)
-    common.synchronize(device)
+    measure.synchronize(device)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < a.seconds / 2:
         cached.device_augment(u8, train=True)
         n += u8.shape[0]
-    common.synchronize(device)
+    measure.synchronize(device)
     aug_rate = n / (time.perf_counter() - t0)
 
     print(f"folder: {folder_rates[best_w]:.0f} img/s")

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from training import checkpoint, common, flags, models  # noqa: E402
+from training import flags, lossguard, measure, models, stopping  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     y = torch.randint(0, classes, (args.batch_size,), device=device)
     criterion = torch.nn.CrossEntropyLoss()
     scaler = torch.amp.GradScaler(device.type, enabled=False)  # as in an fp32 run
-    stop = checkpoint.StopRequest()
+    stop = stopping.StopRequest()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     correct = torch.zeros((), device=device, dtype=torch.float64)
     bad = torch.zeros((), device=device, dtype=torch.int64)
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         for name in names[k:] + names[:k]:
             model, opt = variants[name], opts[name]
             for i in range(args.steps):
-                common.synchronize(device)
+                measure.synchronize(device)
                 t = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
                 out = model(x)
@@ -81,12 +81,12 @@ def main(argv=None) -> int:
                     scaler.update()
                     loss_sum += loss.detach().double() * y.size(0)
                     correct += (out.argmax(1) == y).sum()
-                    checkpoint.track_finite(loss, i, bad, first_bad)
+                    lossguard.track_finite(loss, i, bad, first_bad)
                     stop.should_stop()
                 else:
                     loss.backward()
                     opt.step()
-                common.synchronize(device)
+                measure.synchronize(device)
                 if rnd > 0 and i > 0:  # round 0 and each round's first step are warm-up
                     times[name].append(time.perf_counter() - t)
     dist.destroy_process_group()

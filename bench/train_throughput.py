@@ -32,9 +32,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from training import common  # noqa: E402
-
-from training import contract, datautils, flags, models  # noqa: E402
+from training import contract, datautils, flags, measure, models, schedule  # noqa: E402
 
 
 def ddp_throughput(args, extra) -> float:
@@ -62,9 +60,9 @@ def plain_throughput(args) -> float:
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     d = flags.add_common_args(argparse.ArgumentParser()).parse_args([])  # ddp_train's SGD
-    opt = flags.start_momentum(torch.optim.SGD(model.parameters(), lr=d.lr, momentum=d.momentum,
+    opt = schedule.start_momentum(torch.optim.SGD(model.parameters(), lr=d.lr, momentum=d.momentum,
                                                weight_decay=d.weight_decay,
-                                               fused=flags.fused_sgd(device)))
+                                               fused=schedule.fused_sgd(device)))
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     data = datautils.SyntheticImages(args.batch_size * args.steps, shape, classes, 0, "train")
@@ -72,7 +70,7 @@ def plain_throughput(args) -> float:
                                     True, device)  # as ddp_train.py --data-on-device
     model.train()
     for epoch in range(2):
-        common.synchronize(device)
+        measure.synchronize(device)
         t0, n = time.perf_counter(), 0
         for x, y in batches:
             if device.type == "cuda":
@@ -85,7 +83,7 @@ def plain_throughput(args) -> float:
             scaler.step(opt)
             scaler.update()
             n += y.size(0)
-        common.synchronize(device)
+        measure.synchronize(device)
         seconds = time.perf_counter() - t0
     return n / seconds  # the second epoch
 

@@ -20,8 +20,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from training import checkpoint  # noqa: E402  (the module objects the script will import too)
-from training import datautils  # noqa: E402
+from training import datautils  # noqa: E402  (the module objects the script will import too)
+from training import lossguard, stopping  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
 
@@ -29,13 +29,13 @@ RANK = int(os.environ.get("RANK", "0"))
 def nan_on_rank1(out: Path) -> None:
     """Rank 1 alone records a non-finite loss at step index 2 (its gradients stay finite, so
     the other ranks see nothing wrong): only a vote can stop every rank together."""
-    real = checkpoint.track_finite
+    real = lossguard.track_finite
 
     def track_finite(loss, step, bad_steps, first_bad):
         if RANK == 1 and step == 2:
             loss = torch.full_like(loss, float("nan"))
         real(loss, step, bad_steps, first_bad)
-    checkpoint.track_finite = track_finite
+    lossguard.track_finite = track_finite
 
 
 def record_augment(out: Path) -> None:
@@ -94,26 +94,26 @@ def usr1_at_an_epochs_last_step(out: Path) -> None:
     """SIGUSR1 arrives as the last step of epoch $STOP_EPOCH (0-based, default 0) ends; one
     process, so the step sees it at once."""
     import signal
-    real = checkpoint.StopRequest.at_step
+    real = stopping.StopRequest.at_step
     stop_epoch = int(os.environ.get("STOP_EPOCH", "0"))
 
     def at_step(self, epoch, done, steps):
         if epoch == stop_epoch and done == steps:
             os.kill(os.getpid(), signal.SIGUSR1)
         return real(self, epoch, done, steps)
-    checkpoint.StopRequest.at_step = at_step
+    stopping.StopRequest.at_step = at_step
 
 
 def bug_at_step_3(out: Path) -> None:
     """A bug: the main process raises a plain ValueError at the fourth training step, while
     its DataLoader workers are alive."""
-    real = checkpoint.track_finite
+    real = lossguard.track_finite
 
     def track_finite(loss, step, bad_steps, first_bad):
         if step == 3:
             raise ValueError("a bug planted by the test")
         real(loss, step, bad_steps, first_bad)
-    checkpoint.track_finite = track_finite
+    lossguard.track_finite = track_finite
 
 
 def record_buffer_sync(out: Path) -> None:

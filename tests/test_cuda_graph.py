@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import ON_CUDA, check_ok, run_script
-from training import common, cudagraph, flags
+from training import cudagraph, schedule
 from training.faults import UsageError
 from test_gpu_path import run_patched
 from test_strategies import EQUIV
@@ -73,14 +73,14 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(torch.cuda, "graph", fake_capture)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 123 * 2**20)
-    monkeypatch.setattr(common, "captured_peak_mib", {})
+    monkeypatch.setattr(cudagraph, "captured_peak_mib", {})
 
 
 def _model_and_step(calls: list):
     """A linear model and its step, which records each real run: (lr it used, first input)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    optimizer = flags.start_momentum(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9,
+    optimizer = schedule.start_momentum(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9,
                                                      fused=True))
     out = {}
 
@@ -136,7 +136,7 @@ def test_the_captured_step_warms_up_then_replays_each_batch_at_the_schedules_rat
     # a batch the loader cut short (unreadable images) is filled with repeats of its own
     outputs, loss = captured(torch.full((2, 4), 7.0), torch.tensor([0, 1]))
     assert outputs.shape == (2, 2) and calls[-1][1] == 7.0
-    assert common.captured_peak_mib == {None: 123.0}  # the captured step's peak is kept
+    assert cudagraph.captured_peak_mib == {None: 123.0}  # the captured step's peak is kept
     with pytest.raises(RuntimeError, match=r"captured for batches of 3 x \(4,\), got \(4, 4\)"):
         captured(torch.zeros(4, 4), torch.tensor([0, 1, 0, 1]))
 
@@ -196,7 +196,7 @@ def test_the_scripts_make_the_momentum_before_the_first_step():
     optimizer = ddp_train.build_optimizer(model, 0.1, args, torch.device("cpu"))
     buffers = [optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
     assert all(torch.equal(b, torch.zeros_like(b)) for b in buffers)
-    assert flags.fused_sgd(torch.device("cuda")) and not flags.fused_sgd(torch.device("cpu"))
+    assert schedule.fused_sgd(torch.device("cuda")) and not schedule.fused_sgd(torch.device("cpu"))
 
 
 def test_an_overflow_on_step_1_leaves_fused_sgds_momentum_finite_and_its_weights_foreachs():
@@ -208,7 +208,7 @@ def test_an_overflow_on_step_1_leaves_fused_sgds_momentum_finite_and_its_weights
         torch.manual_seed(0)
         weights = torch.nn.Parameter(torch.randn(1000))
         sgd = torch.optim.SGD([weights], lr=0.1, momentum=0.9, weight_decay=5e-4, fused=fused)
-        optimizer = flags.start_momentum(sgd) if fused else sgd
+        optimizer = schedule.start_momentum(sgd) if fused else sgd
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
         for i in range(4):
             optimizer.zero_grad()

@@ -82,7 +82,7 @@ def damaged(tiny_imagenet, tmp_path_factory):
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_unreadable_val_images_leave_count_and_sums_exact(damaged, world):
     data_dir, model = damaged
-    val = datautils.build_data(_args(data_dir), True).val
+    val = datautils.build_data(_args(data_dir)).val
     for n in (37, 40):  # 37 is padded at every world size above 1, 40 at 3
         subset = datautils.ImageList(val.samples[:n])
         want = _truth(model, subset)
@@ -99,9 +99,9 @@ def test_cache_path_still_counts_each_val_image_once(damaged, tmp_path, on_devic
     """The cache leaves unreadable images out when it is built: its batches (and
     --data-on-device's) carry no survivors mask, and evaluate() counts them as before."""
     data_dir, model = damaged
-    want = _truth(model, datautils.build_data(_args(data_dir), True).val)
+    want = _truth(model, datautils.build_data(_args(data_dir)).val)
     args = _args(data_dir, cache=str(tmp_path / "c"), on_device=on_device)
-    data = datautils.build_data(args, True)
+    data = datautils.build_data(args)
     assert len(data.val) == 35
     prepare = datautils.batch_finisher(data, models.memory_format(model, CPU))
     got = _all_ranks(model, data.val, 3, 8, args, prepare)
@@ -130,7 +130,7 @@ def test_script_reports_exact_val_metrics_with_an_unreadable_image(tiny_imagenet
     model = models.build_model("squeezenet1_1", 4, (3, 64, 64))
     model.load_state_dict(torch.load(weights, weights_only=True))
     loss_sum, correct, count = _truth(model.eval(),
-                                      datautils.build_data(_args(data_dir), True).val).tolist()
+                                      datautils.build_data(_args(data_dir)).val).tolist()
     assert count == 40 - len(drop) - len(unreadable)
     assert int(m["val_images"]) == count
     assert float(m["val_loss"]) == pytest.approx(loss_sum / count, rel=1e-4)

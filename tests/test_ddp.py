@@ -319,9 +319,9 @@ def test_cache_and_folder_paths_give_the_same_pixels_and_labels(tiny_imagenet, t
                               data_on_device=False,
                               strict=False, num_workers=1, data_cache=str(tmp_path / "c"),
                               seed=0)
-    cached = datautils.build_data(args, True)
+    cached = datautils.build_data(args)
     args.data_cache = None
-    folder = datautils.build_data(args, True)
+    folder = datautils.build_data(args)
     assert cached.train.targets == folder.train.targets
     assert cached.val.targets == folder.val.targets
     norm = cached.device_augment
@@ -387,7 +387,7 @@ def test_started_loader_drops_its_early_batches(tiny_imagenet, tmp_path, cached)
                               data_on_device=False,
                               strict=False, num_workers=1, seed=0,
                               data_cache=str(tmp_path / "c") if cached else None)
-    data = datautils.build_data(args, True)
+    data = datautils.build_data(args)
     sampler = DistributedSampler(data.val, num_replicas=1, rank=0, shuffle=False)
     loader = datautils.make_loader(data.val, sampler, 7, args, torch.device("cpu"),
                                 start_now=True)

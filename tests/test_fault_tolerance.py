@@ -414,13 +414,13 @@ def test_resume_at_a_larger_world_size_keeps_the_new_ranks_own_seed(monkeypatch,
     rank 1 (which the saved run did not have) keeps the seed the script gave it. Rank 0's
     saved state on rank 1 too would give both ranks the same crops and flips."""
     import argparse
-    from training import flags
+    from training import distributed
     torch.manual_seed(0)
     saved = checkpoint.rng_state()
     meta = dict(epoch=1, step=0, metrics={}, rng=[saved], args={"amp": "off"}, path="ck")
-    monkeypatch.setattr(checkpoint, "_rank", lambda: rank)
+    monkeypatch.setattr(checkpoint, "rank_and_world", lambda: (rank, 2))
     monkeypatch.setattr(checkpoint, "load_newest", lambda candidates, load, explicit: meta)
-    torch.manual_seed(flags.seed_for_rank(0, rank))  # as the script seeds each rank
+    torch.manual_seed(distributed.seed_for_rank(0, rank))  # as the script seeds each rank
     own = torch.get_rng_state()
     args = argparse.Namespace(checkpoint_dir=None, resume="auto", amp="off", dist_timeout=600)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)

@@ -14,11 +14,9 @@ import torch
 
 from conftest import FAST, REPO, check_ok, env_for_tests, fake_gpus, metrics, run_script
 
-from training import common
-
 from training import distributed
 
-from training import faults, flags
+from training import faults, flags, measure, stopping
 
 PATCHED = REPO / "tests" / "patched_run.py"
 
@@ -60,10 +58,10 @@ def test_ranks_loader_workers_have_different_seeds(tiny_imagenet, tmp_path):
 
 
 def test_seed_for_rank_is_distinct_and_stable():
-    seeds = [flags.seed_for_rank(0, r) for r in range(64)]
+    seeds = [distributed.seed_for_rank(0, r) for r in range(64)]
     assert len(set(seeds)) == 64
-    assert seeds == [flags.seed_for_rank(0, r) for r in range(64)]
-    assert flags.seed_for_rank(1, 0) != seeds[0]
+    assert seeds == [distributed.seed_for_rank(0, r) for r in range(64)]
+    assert distributed.seed_for_rank(1, 0) != seeds[0]
 
 
 # ---- 2. a NaN on one rank stops every rank at once, with one message
@@ -154,14 +152,14 @@ def test_dp_turns_on_cudnn_benchmark(monkeypatch):
 # ---- 6. each epoch reports its own peak
 def test_peak_memory_is_reset_per_epoch():
     cpu = torch.device("cpu")
-    common.reset_peak_memory(cpu)
-    before = common.peak_memory_mib(cpu)
+    measure.reset_peak_memory(cpu)
+    before = measure.peak_memory_mib(cpu)
     big = torch.ones(300 * 2**20 // 4)  # 300 MiB, touched
     del big
-    peak = common.peak_memory_mib(cpu)
+    peak = measure.peak_memory_mib(cpu)
     assert peak > before + 250
-    common.reset_peak_memory(cpu)
-    assert common.peak_memory_mib(cpu) < peak - 250
+    measure.reset_peak_memory(cpu)
+    assert measure.peak_memory_mib(cpu) < peak - 250
 
 
 # ---- 8. bf16 needs compute capability 8.0; the default follows the GPU
@@ -285,7 +283,7 @@ def test_every_strategy_saves_its_model_through_save_model(script):
 @pytest.mark.parametrize("script", ["ddp_train.py", "dp_train.py"])
 def test_the_scripts_choose_fused_sgd_on_cuda_and_make_the_momentum_first(script):
     text = (REPO / script).read_text()
-    assert "fused=flags.fused_sgd(device))" in text and "flags.start_momentum(" in text
+    assert "fused=schedule.fused_sgd(device))" in text and "schedule.start_momentum(" in text
 
 
 # ---- every collective of a run gives up after --dist-timeout: NCCL's watchdog (the process
@@ -293,16 +291,16 @@ def test_the_scripts_choose_fused_sgd_on_cuda_and_make_the_momentum_first(script
 def test_every_process_group_waits_for_dist_timeout_at_most(monkeypatch):
     from datetime import timedelta
     import torch.distributed as dist
-    from training import checkpoint
     groups = []
     monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: groups.append(kw))
     monkeypatch.setattr(dist, "new_group", lambda *a, **kw: groups.append(kw))
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(faults.StopSignals, "training", faults.StopSignals.training)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(stopping.StopSignals, "training", stopping.StopSignals.training)
     monkeypatch.setenv("MASTER_PORT", "29999")
     distributed.init_process_group("nccl", distributed.DistEnv(0, 0, 2, 2, "torchrun"), 45)
-    checkpoint.StopRequest(45)  # the stop vote's gloo group
+    stopping.StopRequest(45)  # the stop vote's gloo group
     assert [g["timeout"] for g in groups] == [timedelta(seconds=45)] * 2
     assert groups[1]["backend"] == "gloo"
 

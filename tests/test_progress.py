@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, check_ok, env_for_tests, metrics, run_script
 
 
-from training import contract, flags, measure
+from training import contract, measure, schedule
 
 PATCHED = REPO / "tests" / "patched_run.py"
 PROGRESS_RE = re.compile(
@@ -114,15 +114,15 @@ def test_lr_scaling_rules():
     import argparse
     args = argparse.Namespace(lr=0.1, base_batch=256, lr_scaling="linear", warmup_epochs=0,
                               step_size=30, gamma=0.1)
-    assert flags.peak_lr(args, 8192) == 0.1 * 32  # Goyal et al.: 8k batch, 3.2
+    assert schedule.peak_lr(args, 8192) == 0.1 * 32  # Goyal et al.: 8k batch, 3.2
     args.lr_scaling = "sqrt"
-    assert abs(flags.peak_lr(args, 1024) - 0.2) < 1e-12
+    assert abs(schedule.peak_lr(args, 1024) - 0.2) < 1e-12
     args.lr_scaling = "none"
-    assert flags.peak_lr(args, 8192) == 0.1
-    factor = flags.lr_factor(args, steps=100)
+    assert schedule.peak_lr(args, 8192) == 0.1
+    factor = schedule.lr_factor(args, steps=100)
     assert factor(0) == 1.0 and abs(factor(3000) - 0.1) < 1e-12
     args.warmup_epochs = 0.25  # 25 steps
-    factor = flags.lr_factor(args, steps=100)
+    factor = schedule.lr_factor(args, steps=100)
     assert [factor(s) for s in (0, 11, 24, 25)] == [1 / 25, 12 / 25, 1.0, 1.0]
 
 
@@ -255,7 +255,7 @@ def test_first_progress_line_comes_within_seconds_when_steps_are_slow(monkeypatc
     monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
     args = argparse.Namespace(log_every=30, epochs=1, profile=None)
     meter = measure.StepMeter(args, steps=20, images_per_step=128)
-    for _ in meter.epoch(range(20), epoch=0, first_step=0):
+    for _ in meter.epoch(range(20), epoch=0, start_step=0):
         clock[0] += 6.0  # the step
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("progress")]
     steps = [int(PROGRESS_RE.match(line).group(3)) for line in lines]

@@ -53,7 +53,7 @@ def _one_line_error(proc, *fragments):
 
 
 def test_the_package_reads_as_published():
-    data = datautils.build_data(_args(), True)
+    data = datautils.build_data(_args())
     assert (len(data.train), len(data.val), data.num_classes) == (60000, 10000, 10)
     assert data.input_shape == (1, 28, 28)
     for split, per_class in ((data.train, 6000), (data.val, 1000)):  # balanced classes
@@ -76,14 +76,14 @@ def test_torchvisions_layout_unzipped_reads_the_same(tmp_path):
     for n in NAMES:
         with gzip.open(FOLDER / f"{n}.gz") as src:
             (raw / n).write_bytes(src.read())
-    ours = datautils.build_data(_args(tmp_path), True)
+    ours = datautils.build_data(_args(tmp_path))
     assert torch.equal(ours.val.images, read_image_file(str(raw / "t10k-images-idx3-ubyte")))
     assert torch.equal(ours.train.labels, read_label_file(str(raw / "train-labels-idx1-ubyte")))
-    assert torch.equal(ours.train.images, datautils.build_data(_args(), True).train.images)
+    assert torch.equal(ours.train.images, datautils.build_data(_args()).train.images)
 
 
 def test_a_three_channel_model_gets_the_grey_channel_repeated():
-    data = datautils.build_data(_args(model="resnet18"), True)
+    data = datautils.build_data(_args(model="resnet18"))
     image, _ = data.train[3]
     assert data.input_shape == (3, 28, 28) and image.shape == (3, 28, 28)
     assert torch.equal(image[0], image[1]) and torch.equal(image[0], image[2])

@@ -21,7 +21,7 @@ import torch
 import pytest
 
 
-from training import checkpoint, contract, faults, flags, tinyimagenet
+from training import checkpoint, contract, devices, faults, tinyimagenet
 from conftest import REPO, check_ok, env_for_tests, metrics, read_until, run_script, wait_for
 
 RUN = ["--model", "cnn", "--synthetic-size", "320", "--batch-size", "16", "--epochs", "2",
@@ -291,7 +291,7 @@ def test_amp_on_cpu_warns_once():
                                                                    "1"], nproc=2)
     check_ok(proc)
     assert proc.stderr.count("--amp bf16 on a CPU") == 1
-    assert flags.cpu_amp_note("bf16", flags.cpu_flags()) in proc.stderr
+    assert devices.cpu_amp_note("bf16", devices.cpu_flags()) in proc.stderr
     quiet = run_script("ddp_train.py", RUN + ["--epochs", "1"])
     assert "on a CPU" not in quiet.stderr
 
@@ -305,7 +305,7 @@ def test_amp_on_cpu_warns_once():
 ])
 def test_the_amp_note_on_a_cpu_says_what_is_true_for_that_cpu(amp, cpu, says):
     """It said bf16 trains many times slower; on a CPU with AVX512-BF16 it ran 1.5x faster."""
-    assert flags.cpu_amp_note(amp, cpu).startswith(says)
+    assert devices.cpu_amp_note(amp, cpu).startswith(says)
 
 
 def test_stop_signal_on_rank_1_only_is_named_by_rank_0(tmp_path):
@@ -431,8 +431,8 @@ def test_a_killed_loader_worker_ends_the_job_in_seconds(tmp_path):
     try:
         read_until(proc, "Epoch [1/")
         rank1 = next(w for w in _workers(proc) if w.environ().get("RANK") == "1")
-        def loaders():  # the forked loader workers, not the watchdog (python -c)
-            return [c for c in rank1.children() if "-c" not in c.cmdline()]
+        def loaders():  # the forked loader workers, not the watchdog (python -m training.watchdog)
+            return [c for c in rank1.children() if "training.watchdog" not in c.cmdline()]
         assert wait_for(loaders, 30), "rank 1 has no loader worker"
         loaders = loaders()
         t0 = time.monotonic()

@@ -149,7 +149,7 @@ def test_the_printed_command_gives_the_run_its_name(tmp_path, monkeypatch, capsy
     args = argparse.Namespace(tensorboard=flag.format(tmp=tmp_path), tensorboard_every=5,
                               profile=None, checkpoint_dir="ck")
     info = dict(strategy="ddp", nodes=1, gpus_per_node=2, global_batch=32)
-    tb = board.Board(args, info, steps=4, first_step=0, is_main=True)
+    tb = board.Board(args, info, steps=4, start_global_step=0)
     tb.close()
     out = capsys.readouterr().out
     assert f"(view: tensorboard --logdir {logdir.format(tmp=tmp_path)})" in out, out

@@ -27,6 +27,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from training.distributed import rank_and_world
 from training.faults import UsageError
 
 #: The value of --tensorboard when a launcher set $RUN_DIR and the user said nothing: on, in
@@ -107,11 +108,13 @@ def set_aside_curves(path: Path) -> Path | None:
 
 class Board:
     """Rank 0's TensorBoard writer for one run (a no-op on the other ranks and without
-    --tensorboard). ``first_step``: the global step the run starts at (a resumed run's)."""
+    --tensorboard). ``start_global_step``: the global step the run starts at (a resumed run's,
+    counted over all epochs). A context manager: ``with Board(...) as tb:`` closes the files
+    however the run ends (finished, stopped for a requeue, failed)."""
 
-    def __init__(self, args, run_info: dict, steps: int, first_step: int, is_main: bool):
+    def __init__(self, args, run_info: dict, steps: int, start_global_step: int):
         self.writer, self.steps = None, steps
-        if not is_main or args.tensorboard in (None, OFF):
+        if rank_and_world()[0] != 0 or args.tensorboard in (None, OFF):
             return
         if not available():  # only the launchers' default gets here without it
             print("note: the tensorboard package is not installed, so this run writes no "
@@ -127,20 +130,20 @@ class Board:
         except OSError as e:
             raise UsageError(f"--tensorboard {self.path}: cannot create that folder "
                              f"({e.strerror}): give a writable directory") from None
-        aside = None if first_step else set_aside_curves(self.path)
+        aside = None if start_global_step else set_aside_curves(self.path)
         if aside:
             print(f"note: a fresh start: moved the earlier run's TensorBoard curves in "
                   f"{self.path} to {aside} (TensorBoard shows it as a run of its own)",
                   flush=True)
         # purge_step: TensorBoard hides what a killed run wrote after its checkpoint, from the
         # first step this run takes on (the checkpoint's own step, an epoch's end, stays)
-        self.writer = SummaryWriter(str(self.path), purge_step=first_step + 1 if first_step
-                                    else None)
+        self.writer = SummaryWriter(str(self.path), purge_step=start_global_step + 1
+                                    if start_global_step else None)
         self.every, self.profile = args.tensorboard_every, args.profile
         self.images_per_step = run_info["global_batch"]
         self.last = None  # (time, global step) of the last point
         rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(vars(args).items()))
-        self.writer.add_text("config", "| flag | value |\n|---|---|\n" + rows, first_step)
+        self.writer.add_text("config", "| flag | value |\n|---|---|\n" + rows, start_global_step)
         print(f"tensorboard: writing to {self.path} (view: tensorboard --logdir "
               f"{view_dir(self.path, args.tensorboard == UNDER_LAUNCHER)})", flush=True)
 
@@ -192,6 +195,12 @@ class Board:
         if self.profile is not None and trace.is_file():
             # TensorBoard's PyTorch profiler plugin reads <run>/<worker>.pt.trace.json
             shutil.copyfile(trace, self.path / f"{socket.gethostname()}.pt.trace.json")
+        self.close()
+
+    def __enter__(self) -> "Board":
+        return self
+
+    def __exit__(self, *exc) -> None:
         self.close()
 
     def close(self) -> None:

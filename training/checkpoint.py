@@ -1,37 +1,36 @@
-"""Checkpoints, resume and a clean stop, as three objects the training loop calls by name:
-
-- ``Checkpoints``: resume() once, due() after every step (--checkpoint-every), save(), and
-  end_epoch() for the epoch's own checkpoint;
-- ``StopRequest``: after SIGUSR1/SIGTERM, at_step() and at_epoch_end() are True on every rank
-  at the same point (a vote without a host sync), report() says what happened;
-- ``LossWatch``: NaN/inf losses counted on the device at every step (track) and checked by a
-  vote of all ranks before each checkpoint and at each epoch's end (check).
+"""Checkpoints and resume, as one object the training loop calls by name: ``Checkpoints``
+resumes once (resume), decides after every step whether a checkpoint is due (due: every
+--checkpoint-every steps, or now, when the run stops for a requeue), saves one (save) and
+takes the epoch's own (end_epoch).
 
 How each strategy saves and loads stays in its script (``save_checkpoint(path, state, meta)``,
 ``load_checkpoint(path, state)``): DDP and DataParallel write one file from rank 0, FSDP a
 sharded DCP folder from every rank. What this module adds is the same for all three: names
 that sort in training order, atomic writes, pruning to --keep-checkpoints, the newest usable
-checkpoint on resume, the random state of every rank, the steps a resumed epoch already ran
-and their figures (so that its line covers the whole epoch), a stop at the same step on every
-rank after SIGUSR1/SIGTERM, and NaN/inf losses caught without a host sync per step.
+checkpoint on resume, the random state of every rank, and the steps a resumed epoch already
+ran with their figures (so that its line covers the whole epoch). The stop for a requeue is
+stopping.py's, the NaN guard before each checkpoint lossguard.py's.
 """
 
 from __future__ import annotations
 
+import errno
+import itertools
 import os
+import random
 import re
 import shutil
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from training.common import print0
-from training.contract import REQUEUE_EXIT, STOP_LINE
-from training.distributed import every_rank, on_rank0, raise_if_any_rank
-from training.faults import NonFiniteLoss, StopSignals, UsageError, lock_checkpoint_dir
+from training.distributed import every_rank, on_rank0, raise_if_any_rank, rank_and_world
+from training.faults import UsageError, lock_checkpoint_dir
+from training.schedule import place_schedule
 
 # --------------------------------------------------------------------------------------------
 # Checkpoint files: names, atomic writes, pruning
@@ -165,7 +164,6 @@ def atomic_save(obj, path) -> None:
 def disk_full(exc: BaseException) -> bool:
     """Did a write fail for want of space (a full file system, a quota)? torch.save reports
     it as a RuntimeError ("file write failed"), DCP wraps it in its CheckpointException."""
-    import errno
     while exc is not None:
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
@@ -354,7 +352,6 @@ def not_a_checkpoint(path) -> str | None:
     """What a file that failed to load as a checkpoint is instead, in a few words, or None
     when it looks like a checkpoint (of another script or --model: its own error says why).
     Called only after a load failed, so a run that resumes never reads its file twice."""
-    import zipfile
     path = Path(path)
     if path.is_dir():
         if (path / "meta.pt").exists() or (path / ".metadata").exists():
@@ -398,7 +395,6 @@ def _resume_path_error(path, what: str | None, exc: BaseException) -> str:
 
 def rng_state() -> dict:
     """This process's random state (torch CPU and current CUDA device, Python)."""
-    import random
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -406,7 +402,6 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    import random
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
@@ -414,173 +409,26 @@ def set_rng_state(state: dict) -> None:
 
 
 class SkipFirst(torch.utils.data.Sampler):
-    """Wrap a (Distributed)Sampler and skip the first ``skip`` indices of the next epoch, so a
-    run resumed mid-epoch does not see the batches it already trained on."""
+    """Wrap a (Distributed)Sampler and skip the first ``skip_samples`` indices of the next
+    epoch (the samples of the steps a resumed epoch already ran, counted in samples, not
+    steps), so a run resumed mid-epoch does not see the batches it already trained on."""
 
     def __init__(self, sampler):
-        self.sampler, self.skip = sampler, 0
+        self.sampler, self.skip_samples = sampler, 0
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
 
     def __iter__(self):
-        import itertools
-        return itertools.islice(iter(self.sampler), self.skip, None)
+        return itertools.islice(iter(self.sampler), self.skip_samples, None)
 
     def __len__(self):
-        return max(0, len(self.sampler) - self.skip)
-
-
-# --------------------------------------------------------------------------------------------
-# Stop at the same step on every rank; NaN/inf losses without a sync per step
-# --------------------------------------------------------------------------------------------
-
-
-class StopRequest:
-    """SIGUSR1 (Slurm's warning before the time limit) or SIGTERM (preemption) asks the run to
-    checkpoint at the next step boundary and exit with REQUEUE_EXIT. The signals are caught
-    from the start (catch_stop_signals); a USR1 that came during start-up counts here.
-
-    Ranks receive the signal at slightly different times, or only some of them do, so they
-    vote: every step each rank contributes the number of the signal it got (0: none) to an
-    all-reduce (MAX) on a CPU (gloo) group, started without waiting; the result is read one
-    step later, when it has long arrived. All ranks therefore stop after the same step, name
-    the same signal, and no GPU sync is added to the step.
-    """
-
-    def __init__(self, timeout_s: int | None = None):
-        self.signum = 0  # agreed by the vote
-        self.where = (1, 0)  # (epoch, step) of the last at_step or at_epoch_end, 1-based epoch
-        self._buf = torch.zeros(1, dtype=torch.int32)
-        self._work = None
-        self._group = None
-        if dist.is_initialized() and dist.get_world_size() > 1:  # a gloo group for the vote,
-            # whatever the training backend; it waits as long as the run's collectives
-            # (--dist-timeout), not gloo's default of 30 minutes
-            from datetime import timedelta
-            self._group = dist.new_group(backend="gloo", timeout=None if timeout_s is None
-                                         else timedelta(seconds=timeout_s))
-        StopSignals.training = True
-
-    @property
-    def signame(self) -> str:
-        import signal
-        return signal.Signals(self.signum).name if self.signum else "stop request"
-
-    def at_step(self, epoch: int, done: int, steps: int) -> bool:
-        """Every rank, after step ``done`` (1-based) of ``steps`` of ``epoch``: True on every
-        rank at the same step when a stop signal came. A signal at the epoch's last step waits
-        for at_epoch_end, after the epoch's metrics: a checkpoint taken here would resume into
-        an epoch with no step left to run."""
-        self.where = (epoch + 1, done)
-        return done < steps and self.should_stop()
-
-    def at_epoch_end(self, epoch: int, epochs: int) -> bool:
-        """Every rank, after ``epoch``'s metrics: True when a stop signal came by its end and
-        more epochs were to come (after the last epoch the run just ends, its work done)."""
-        self.where = (epoch + 2, 0)
-        return epoch + 1 < epochs and self.should_stop()
-
-    def report(self, saved: bool) -> str:
-        """What rank 0 prints as the run stops: a sentence, then the [STOP] line for job.sh."""
-        epoch, step = self.where
-        if saved:
-            text = (f"{self.signame}: checkpoint saved at epoch {epoch}, step {step}; exiting "
-                    f"with code {REQUEUE_EXIT} to be requeued")
-        else:
-            text = (f"{self.signame}: stopping without a checkpoint (no --checkpoint-dir); "
-                    f"exiting with code {REQUEUE_EXIT}")
-        return text + "\n" + STOP_LINE.format(signal=self.signame, epoch=epoch, step=step,
-                                              saved=int(saved), code=REQUEUE_EXIT)
-
-    def should_stop(self) -> bool:
-        """Call once per step on every rank; True on all ranks at the same step."""
-        if self._group is None:
-            self.signum = StopSignals.signum
-            return bool(self.signum)
-        if self._work is not None:
-            self._work.wait()
-            self.signum = int(self._buf.item())
-        agreed = bool(self.signum)
-        self._buf.fill_(StopSignals.signum)
-        self._work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self._group,
-                                     async_op=True)
-        return agreed
-
-    def finish(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-
-
-def check_finite(bad_steps: torch.Tensor, first_bad: torch.Tensor, epoch: int, scaler) -> None:
-    """Host sync, called only before a checkpoint and at the end of an epoch, on every rank.
-
-    The ranks vote first (one all-reduce, every rank of the group): a NaN seen on rank 1 alone
-    stops every rank here, with the same message, instead of rank 1 raising while the others
-    wait in their next collective until --dist-timeout. With fp16, a few non-finite losses are
-    overflows that GradScaler skips; it is fatal once the scale has collapsed below 1 (the
-    overflow never goes away). Otherwise any non-finite loss is fatal."""
-    never = torch.full_like(first_bad, -2**62)
-    verdict = torch.stack([bad_steps, torch.where(first_bad >= 0, -first_bad, never)])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)  # most bad steps; earliest bad step
-    bad, neg_first = verdict.tolist()
-    if bad == 0:
-        return
-    if scaler.is_enabled() and scaler.get_scale() >= 1.0:
-        return
-    raise NonFiniteLoss(f"the loss became NaN or inf at epoch {epoch + 1}, step "
-                        f"{-neg_first + 1}; nothing was saved after the last good "
-                        f"checkpoint: lower --lr or check the data, then resume from it")
-
-
-def track_finite(loss, step: int, bad_steps, first_bad) -> None:
-    """Device-side bookkeeping of non-finite losses: no host sync in the training step."""
-    bad = ~torch.isfinite(loss.detach())
-    bad_steps += bad.to(bad_steps.dtype)
-    first_bad.copy_(torch.where(bad & (first_bad < 0), torch.full_like(first_bad, step),
-                                first_bad))
-
-
-class LossWatch:
-    """NaN and inf losses, counted on the device at every step (``track``: no host sync in the
-    step) and checked by a vote of all ranks before each checkpoint and at each epoch's end
-    (``check``: raises NonFiniteLoss on every rank together)."""
-
-    def __init__(self, device: torch.device, scaler):
-        self.scaler = scaler
-        self.bad_steps = torch.zeros((), device=device, dtype=torch.int64)
-        self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)
-
-    def track(self, loss, step: int) -> None:
-        track_finite(loss, step, self.bad_steps, self.first_bad)
-
-    def check(self, epoch: int) -> None:
-        """A host sync and a vote (every rank)."""
-        check_finite(self.bad_steps, self.first_bad, epoch, self.scaler)
-        self.bad_steps.zero_()
-        self.first_bad.fill_(-1)
+        return max(0, len(self.sampler) - self.skip_samples)
 
 
 # --------------------------------------------------------------------------------------------
 # Checkpoints: resume, save, prune
 # --------------------------------------------------------------------------------------------
-
-
-def place_schedule(optimizer, scheduler, peak: list, position: int) -> None:
-    """Set the per-step LambdaLR schedule to optimizer step ``position`` (0-based, counted
-    in this run's steps per epoch), with this run's peak learning rate: the learning rate an
-    uninterrupted run with this layout would use there."""
-    scheduler.base_lrs = list(peak)
-    scheduler.last_epoch = position
-    for group, base, factor in zip(optimizer.param_groups, peak, scheduler.lr_lambdas):
-        group["initial_lr"] = base
-        group["lr"] = base * factor(position)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class Checkpoints:
@@ -619,8 +467,9 @@ class Checkpoints:
                            explicit=self.args.resume not in ("auto", "never"))
         if not meta:
             return 0, 0
-        if _rank() < len(meta["rng"]):  # a rank the saved run did not have keeps its own seed
-            set_rng_state(meta["rng"][_rank()])
+        rank, _ = rank_and_world()
+        if rank < len(meta["rng"]):  # a rank the saved run did not have keeps its own seed
+            set_rng_state(meta["rng"][rank])
         self.metrics = meta["metrics"]
         self.earlier = meta.get("earlier") if meta["step"] else None
         saved_steps = meta.get("steps", steps)  # (checkpoints before it was saved: the same)
@@ -644,11 +493,12 @@ class Checkpoints:
         """A --checkpoint-dir was given."""
         return self.dir is not None
 
-    def due(self, done: int, steps: int) -> bool:
-        """A checkpoint after step ``done`` of ``steps`` (--checkpoint-every; the epoch's end
-        has its own)."""
+    def due(self, done: int, steps: int, stopping: bool = False) -> bool:
+        """Whether to checkpoint after step ``done`` of ``steps``: every --checkpoint-every
+        steps (the epoch's end has its own), and at once when the run is ``stopping`` for a
+        requeue. Never without a --checkpoint-dir."""
         every = self.args.checkpoint_every
-        return self.enabled and bool(every) and done % every == 0 and done < steps
+        return self.enabled and (stopping or (bool(every) and done % every == 0 and done < steps))
 
     def end_epoch(self, epoch: int, metrics: dict) -> None:
         """Every rank, after ``epoch``'s losses were checked and its metrics reduced: the
@@ -659,7 +509,8 @@ class Checkpoints:
 
     def save(self, epoch: int, step: int, earlier: dict | None = None) -> None:
         """Collective: every rank takes part (their RNG states are gathered into the file).
-        The caller has just checked the losses (LossWatch.check): no NaN reaches a file.
+        The caller has just checked the losses (lossguard.LossWatch.check): no NaN reaches a
+        file.
         ``earlier``: inside an epoch, its figures so far (measure.epoch_so_far)."""
         rngs = every_rank(rng_state())
         meta = dict(epoch=epoch, step=step, steps=self.steps, metrics=self.metrics, rng=rngs,
@@ -671,6 +522,6 @@ class Checkpoints:
             error = str(exc)
         # every rank waits here until the checkpoint is complete, and learns whether it is
         raise_if_any_rank(error)
-        if _rank() == 0:
+        if rank_and_world()[0] == 0:
             prune_checkpoints(self.dir, self.args.keep_checkpoints)
 

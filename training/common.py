@@ -1,14 +1,16 @@
 """What every training script does around its own lesson: ``run(train, parser)``, which each
 script's main() calls (flags, rank layout, stop signals, watchdog, exit codes), ``print0``,
-the evaluation pass (every validation sample counted exactly once), the metric reduction,
-memory statistics and the provenance lines a run starts with.
+the evaluation pass (every validation sample counted exactly once), the metric reduction and
+the provenance lines a run starts with.
 
 dp_train.py, ddp_train.py and fsdp_train.py each keep inline what a strategy *is* (process
 group, model wrapper, sampler, training step, metric reduction, saving). The flags are in
 flags.py, the rank layout in distributed.py, the output lines and exit codes in contract.py,
 the models in models.py, the data in datautils.py, checkpoints in checkpoint.py, what
-happens when something goes wrong in faults.py, and what a run measures about itself beyond
-the metrics (progress, data wait, --profile, --check's bandwidth) in measure.py. Importing
+happens when something goes wrong in faults.py, the stop for a requeue in stopping.py, the
+NaN guard in lossguard.py, the learning-rate schedule in schedule.py, and what a run measures
+about itself beyond the metrics (progress, data wait, peak memory, --profile, --check's
+bandwidth) in measure.py. Importing
 this module has no side effects.
 """
 
@@ -17,22 +19,19 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import resource
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from training import contract, devices, distributed
-from training.distributed import DistEnv, dist_env
-from training.faults import (NonFiniteLoss, UsageError, catch_stop_signals, collective_failed,
-                             crashed, exit_line, fail_cleanly, is_collective_failure,
-                             start_watchdog)
+from training import contract, devices, distributed, watchdog
+from training.distributed import DistEnv, dist_env, rank_and_world
+from training.faults import (UsageError, collective_failed, crashed, exit_line, fail_cleanly,
+                             is_collective_failure)
 from training.flags import AMP_TEXT, check_flags
-
-
-_rank = 0  # this process's rank, as run() found it
+from training.lossguard import NonFiniteLoss
+from training.stopping import Requeue, catch_stop_signals
 
 
 _prefix = ""  # --simulate-world-size: every line says it is a simulation
@@ -40,7 +39,7 @@ _prefix = ""  # --simulate-world-size: every line says it is a simulation
 
 def print0(*values) -> None:
     """print on rank 0 only, flushed: logs are read with tail -f."""
-    if _rank == 0:
+    if rank_and_world()[0] == 0:
         print(_prefix + " ".join(map(str, values)), flush=True)
 
 
@@ -53,11 +52,10 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
     """What every training script does around its ``train(args, env)``, so each script keeps
     only the lesson: parse the flags; find the rank layout (torchrun, srun or one process);
     catch the stop signals from the start; start the watchdog; map what went wrong to an exit
-    code (2: a problem the user can fix, contract.NONFINITE_EXIT: NaN loss, 1: a collective
-    failed or any other error, after its traceback, 130: Ctrl-C); and, once every
-    rank has finished, the last barrier and the process group's teardown. Returns the exit
-    code for end_process."""
-    global _rank
+    code (2: a problem the user can fix, contract.NONFINITE_EXIT: NaN loss,
+    contract.REQUEUE_EXIT: stopped for a requeue, 1: a collective failed or any other error,
+    after its traceback, 130: Ctrl-C); and, once every rank has finished, the last barrier and
+    the process group's teardown. Returns the exit code for end_process."""
     try:
         args = parser.parse_args(argv)
     except SystemExit as done:  # argparse's error (2), or --help (0)
@@ -65,18 +63,25 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
     env = None
     try:
         env = dist_env()
-        _rank = env.rank
-        catch_stop_signals(env.rank)  # from the start: a signal is never lost
+        distributed.set_layout(env)  # who prints, until the process group answers it
+        catch_stop_signals()  # from the start: a signal is never lost
         import torchvision
         devices.check_versions(torch.__version__, torchvision.__version__)  # the floor
         check_flags(args)  # before the watchdog and the process group use them
         if args.simulate_world_size:  # rank 0 of N, on the fake process group
             env = distributed.simulated(args.simulate_world_size, env)
+            distributed.set_layout(env)
             set_print_prefix(f"simulation, rank 0 of {env.world_size}: ")
-        start_watchdog(env, args.dist_timeout)  # ends this worker if orphaned or frozen
-        rc = train(args, env)
-        if dist.is_initialized():  # let every rank finish its last collective before any of
-            dist.barrier()  # them tears gloo/NCCL down (else: an abort at exit)
+        watchdog.start(env, args.dist_timeout)  # ends this worker if orphaned or frozen
+        try:
+            rc = train(args, env)
+        except Requeue as stop:  # every rank, after the same step; checkpointed if it could
+            print0(stop)
+            rc = contract.REQUEUE_EXIT
+        # Let every rank finish its last collective before any of them tears gloo or NCCL
+        # down; without this barrier a process can abort at exit.
+        if distributed.is_distributed():
+            dist.barrier()
         return rc
     except UsageError as err:
         return exit_line(fail_cleanly(err, env), env)
@@ -95,8 +100,9 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
                   file=sys.stderr, flush=True)
         return 130
     finally:
-        if dist.is_initialized():
+        if distributed.is_distributed():
             dist.destroy_process_group()
+        distributed.set_layout(None)  # the run is over: nobody is any rank any more
 
 
 @torch.no_grad()
@@ -134,68 +140,12 @@ def evaluate(model, loader, device, dtype, n_real: int, prepare=None) -> torch.T
     return sums
 
 
-def reset_peak_memory(*devices: torch.device) -> None:
-    """Start a new peak on each device, so each epoch reports its own: the CUDA allocator's on a
-    GPU, the peak RSS on a CPU (Linux: 5 into /proc/self/clear_refs; elsewhere the run's)."""
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            continue
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
-
-
-# --cuda-graph: the peak of the captured step, per device. A replay allocates nothing (its
-# tensors live in the graph's own pool), so after the capture max_memory_allocated no longer
-# sees the step's activations; this floor keeps them in every later epoch's peak.
-captured_peak_mib: dict = {}
-
-
-def peak_memory_mib(device: torch.device) -> float:
-    """Peak memory since ``reset_peak_memory``: CUDA ``max_memory_allocated`` on a GPU (at
-    least the captured step's, with --cuda-graph), else the peak RSS (VmHWM, or getrusage's
-    whole-run figure where /proc is missing)."""
-    if device.type == "cuda":
-        return max(torch.cuda.max_memory_allocated(device) / 2**20,
-                   captured_peak_mib.get(device.index, 0.0))
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """``dist.all_reduce`` in place over every rank (a collective: all ranks call it). Without
     a process group it does nothing: DataParallel's one process holds every GPU's numbers."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if rank_and_world()[1] > 1:
         dist.all_reduce(tensor, op=op)
     return tensor
-
-
-def peak_memory_per_gpu(devices: list) -> list:
-    """The peak (MiB) of every GPU of the run, in rank order: this process's ``devices`` (DDP
-    and FSDP: its one GPU; DataParallel: all of them), gathered from every rank."""
-    local = torch.tensor([peak_memory_mib(d) for d in devices], dtype=torch.float64,
-                         device=devices[0])
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return local.tolist()
-    everyone = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, local)  # collective: every rank's peaks
-    return torch.cat(everyone).tolist()
-
-
-def synchronize(*devices: torch.device) -> None:
-    """Wait for the devices' queued work, so the clock measures work done, not work queued."""
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
 
 def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:

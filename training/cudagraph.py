@@ -22,10 +22,11 @@ DDP must be built on the stream the step is captured on (``stream()``): it keeps
 parameter's gradient accumulator, which runs on the stream it was made on.
 
 What changes: the step's memory lives in the graph's own pool, so the peak the scripts report
-is the captured step's (common.captured_peak_mib); a batch with fewer images (an unreadable
-image skipped on the folder path) is padded to the captured size with repeats of its own
-images; NCCL's watchdog does not time a collective inside a replay, so a dead peer is noticed
-at the next collective outside the graph (the epoch's metric reduction), not by the replay.
+is the captured step's (``captured_peak_mib``, which measure.peak_memory_mib reads); a batch
+with fewer images (an unreadable image skipped on the folder path) is padded to the captured
+size with repeats of its own images; NCCL's watchdog does not time a collective inside a
+replay, so a dead peer is noticed at the next collective outside the graph (the epoch's
+metric reduction), not by the replay.
 """
 
 from __future__ import annotations
@@ -34,9 +35,14 @@ import contextlib
 
 import torch
 
-from training import common
 from training.common import print0
 from training.faults import UsageError
+
+# --cuda-graph: the peak of the captured step, per device. A replay allocates nothing (its
+# tensors live in the graph's own pool), so after the capture max_memory_allocated no longer
+# sees the step's activations; this floor keeps them in every later epoch's peak.
+captured_peak_mib: dict = {}
+
 
 # Eager steps before the capture: 3 in PyTorch's whole-network example; DDP needs at least 11
 # (its first 10 iterations time themselves with CUDA events that a capture cannot hold).
@@ -179,6 +185,6 @@ class CapturedStep:
         torch.cuda.current_stream().wait_stream(self.side)
         # what the captured step holds at its peak, which no replay will allocate again
         device = images.device.index
-        common.captured_peak_mib[device] = torch.cuda.max_memory_allocated(device) / 2**20
+        captured_peak_mib[device] = torch.cuda.max_memory_allocated(device) / 2**20
         print0(f"cuda graph: the training step was captured after {self.eager_steps} eager "
                f"steps; every later step replays it (one launch)")

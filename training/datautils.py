@@ -3,7 +3,7 @@ uint8 cache of prepare_tinyimagenet.py), CIFAR-10, MNIST, Fashion-MNIST (from it
 files, e.g. Debian's dataset-fashion-mnist package) and built-in synthetic data; the
 loaders that feed the training loop; and the copy of each batch to the device.
 
-``build_data(args, is_main)`` returns the datasets (a DataBundle), ``make_loader`` the loader
+``build_data(args)`` returns the datasets (a DataBundle), ``make_loader`` the loader
 over a sampler that the strategy chose, ``to_device`` and ``batch_finisher`` finish each batch
 on the device.
 """
@@ -23,11 +23,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset, default_collate
 
-from training import tinyimagenet
+from training import stopping, tinyimagenet
 from training.common import print0
-from training.distributed import dist_env, on_rank0, raise_if_any_rank
-from training.faults import DataError, UsageError, ignore_stop_signals
-from training.flags import input_shape, seed_for_rank
+from training.distributed import (dist_env, on_rank0, raise_if_any_rank, rank_and_world,
+                                  seed_for_rank)
+from training.faults import DataError, UsageError
+from training.flags import input_shape
 from training.models import grey_channels
 
 # --------------------------------------------------------------------------------------------
@@ -197,12 +198,12 @@ class SyntheticImages(Dataset):
 def rank0_first(fn):
     """Run ``fn`` (e.g. a download) on rank 0 while the other ranks wait, then on the others."""
     result = on_rank0(fn)
-    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+    if rank_and_world()[0] != 0:
         return fn()
     return result
 
 
-def _torchvision_data(args, is_main: bool) -> DataBundle:
+def _torchvision_data(args) -> DataBundle:
     # torchvision is imported here, as it takes about 2 s: a synthetic run never needs it
     from torchvision import datasets, transforms as T
     root = Path(args.data_dir or "data")
@@ -230,7 +231,7 @@ def _torchvision_data(args, is_main: bool) -> DataBundle:
                              f"{root}") from None
 
     # rank 0 downloads (once per shared file system), the others read what it wrote
-    train, val = rank0_first(lambda: load(download=is_main))
+    train, val = rank0_first(lambda: load(download=rank_and_world()[0] == 0))
     return DataBundle(train, val, 10, shape, args.dataset,
                       f"{args.dataset} at {root}: {len(train)} train / {len(val)} val, 10 classes")
 
@@ -403,8 +404,8 @@ def _cached_tinyimagenet(args, classes, train, val) -> DataBundle:
     --dist-timeout, which a first build of the whole TinyImageNet can outlast."""
     error = None
     wait = None
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and \
-            dist.get_backend() != "fake":  # --simulate-world-size: no peer to wait for
+    # (--simulate-world-size's fake process group has no peer to wait for)
+    if rank_and_world()[1] > 1 and dist.get_backend() != "fake":
         # made by every rank before any build starts (making a group is itself a rendezvous)
         wait = dist.new_group(backend="gloo", timeout=CACHE_BUILD_WAIT)
     if dist_env().local_rank == 0:  # one builder per node
@@ -434,7 +435,7 @@ def resized(args) -> str:
     return f", resized from 64x64 to {args.image_size}x{args.image_size}"
 
 
-def build_data(args, is_main: bool) -> DataBundle:
+def build_data(args) -> DataBundle:
     """Train and val datasets for ``args.dataset``. Downloads (CIFAR-10, MNIST) run on rank 0
     first; call after the process group exists."""
     if args.dataset == "synthetic":
@@ -460,7 +461,7 @@ def build_data(args, is_main: bool) -> DataBundle:
                           f"val, {len(classes)} classes{resized(args)}")
     if args.dataset == "fashion-mnist":
         return _fashion_mnist(args)
-    return _torchvision_data(args, is_main)
+    return _torchvision_data(args)
 
 
 def describe(data: DataBundle, global_batch: int, made_of: str) -> None:
@@ -483,7 +484,7 @@ def real_samples(sampler) -> int:
     return len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))
 
 
-def report_skipped(metrics: dict, train_expected: int, val_total: int) -> None:
+def report_unreadable_images(metrics: dict, train_expected: int, val_total: int) -> None:
     """End-of-epoch count of images dropped because they could not be read (metrics: the
     epoch's, with the images counted over all ranks)."""
     skipped_train = train_expected - metrics["train_images"]
@@ -540,9 +541,9 @@ def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool
     # The loader's own generator, for the seeds it draws for its workers at each epoch's
     # start: from the global random state, those draws would shift it, and a run resumed
     # mid-epoch (which starts its loader at once) would drop out and augment differently.
-    generator = torch.Generator().manual_seed(seed_for_rank(args.seed, dist_env().rank))
+    generator = torch.Generator().manual_seed(seed_for_rank(args.seed, rank_and_world()[0]))
     kw = dict(num_workers=args.num_workers, pin_memory=device.type == "cuda",
-              worker_init_fn=ignore_stop_signals, generator=generator,
+              worker_init_fn=stopping.ignore_stop_signals, generator=generator,
               persistent_workers=args.num_workers > 0)
     if args.num_workers > 0:
         kw["prefetch_factor"] = 4

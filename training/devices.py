@@ -215,3 +215,31 @@ def use_gpu(args) -> bool:
         raise UsageError(f"--device cuda, but torch sees no GPU: {why_no_gpu(init_warning)}; "
                          f"or use --device auto or cpu")
     return False
+
+
+def cpu_flags() -> set:
+    """The instruction-set flags of this CPU (Linux's /proc/cpuinfo; elsewhere none known)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def cpu_amp_note(amp: str, flags: set) -> str:
+    """What --amp fp16 or bf16 does to a CPU run, for this CPU. Measured on a 2-core AMD EPYC
+    VM with AVX512-BF16 and AMX, the CIFAR-10 CNN at 2 ranks: fp16 about 16x slower than
+    fp32, bf16 1.5x faster (1,118-1,190 against 779-790 img/s)."""
+    if amp == "fp16":
+        return ("warning: --amp fp16 on a CPU trains many times slower than --amp off (16x "
+                "measured: CPUs have few fast fp16 kernels); use --amp off, or --amp bf16 on a "
+                "CPU with avx512_bf16 or amx_bf16")
+    fast = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    if fast:
+        return (f"note: --amp bf16 on a CPU with {' and '.join(fast)}: its bf16 kernels can be "
+                f"faster than fp32 (1.5x measured for the CIFAR-10 CNN); the loss differs "
+                f"slightly from --amp off")
+    return ("warning: --amp bf16 on a CPU without bf16 instructions (avx512_bf16, amx_bf16): "
+            "its bf16 kernels are emulated and can be several times slower than --amp off; "
+            "compare both, or use --amp off here")

@@ -3,7 +3,8 @@
 torchrun describes the layout in RANK / WORLD_SIZE / LOCAL_RANK and friends; ``srun`` without
 torchrun in SLURM_PROCID / SLURM_NTASKS and the node list. ``dist_env`` reads either into one
 ``DistEnv``; ``gpu_index`` picks this rank's GPU; ``init_process_group`` joins the others;
-``on_rank0`` and ``raise_if_any_rank`` make every rank act on what one rank found.
+``on_rank0`` and ``raise_if_any_rank`` make every rank act on what one rank found. Once the
+group is up, ``rank_and_world()`` is the one answer to "which rank am I, how many are we".
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import os
 import re
 import subprocess
 from dataclasses import dataclass
+from datetime import timedelta
 
+import numpy as np
+import torch
 import torch.distributed as dist
 
 from training.faults import UsageError
@@ -168,8 +172,7 @@ def check_gloo_on_cuda(device, ops: tuple) -> None:
     """Run each collective of ``ops`` once on a small CUDA tensor over gloo (every rank), so
     that one this torch's gloo lacks for CUDA tensors is one sentence now, not a crash at the
     first step."""
-    import torch
-    world = dist.get_world_size()
+    _, world = rank_and_world()
     x = torch.ones(world * 2, device=device)
     calls = {"all_reduce": lambda: dist.all_reduce(x.clone()),
              "broadcast": lambda: dist.broadcast(x.clone(), src=0),
@@ -201,7 +204,6 @@ def init_process_group(backend: str, env: DistEnv, timeout_s: int) -> None:
     so `python script.py` needs no MASTER_ADDR/PORT and runs the same DDP/FSDP code path.
     --simulate-world-size: torch's fake process group, where rank 0 of N has no peers and every
     collective returns at once, its tensors untouched."""
-    from datetime import timedelta
     timeout = timedelta(seconds=timeout_s)
     if env.source == "simulated":
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -235,14 +237,41 @@ def _address_in_use(err: Exception) -> bool:
     return "eaddrinuse" in text or "address already in use" in text
 
 
+_layout: DistEnv | None = None  # this process's place, as common.run() found it
+
+
+def set_layout(env: DistEnv | None) -> None:
+    """Record where this process sits (common.run(), once dist_env() has read it), so that
+    rank_and_world() can answer before the process group is up; None when the run is over."""
+    global _layout
+    _layout = env
+
+
+def is_distributed() -> bool:
+    """Whether this process is in a process group: not DataParallel's one process, nor a run
+    before the group is up (--estimate-memory never starts one)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world() -> tuple:
+    """(this process's rank, the number of ranks): the process group's once it is up, before
+    that the layout common.run() recorded (set_layout), else (0, 1): one process. The one way
+    the code asks it; the launcher's variables are read once, by dist_env()."""
+    if is_distributed():
+        return dist.get_rank(), dist.get_world_size()
+    if _layout is not None:
+        return _layout.rank, _layout.world_size
+    return 0, 1
+
+
 def on_rank0(fn):
     """Run ``fn`` on rank 0 only while the other ranks wait; a UsageError there is raised on
     every rank (through a broadcast), so nobody waits forever. Without a process group
     (DataParallel) it simply runs ``fn``."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return fn()
     result, box = None, [None]  # box: rank 0's error, if any
-    if dist.get_rank() == 0:
+    if rank_and_world()[0] == 0:
         try:
             result = fn()
         except UsageError as exc:
@@ -256,7 +285,7 @@ def on_rank0(fn):
 def every_rank(value, group=None) -> list:
     """Collective (every rank calls it): every rank's ``value`` (any picklable object), in rank
     order, on ``group`` (default: the run's). Without a process group: [value]."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_distributed():
         return [value]
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, value, group=group)
@@ -271,3 +300,12 @@ def raise_if_any_rank(error: str | None, group=None) -> None:
     error = next((e for e in every_rank(error, group) if e), None)
     if error:
         raise UsageError(error)
+
+
+def seed_for_rank(seed: int, rank: int) -> int:
+    """The seed of one rank's own randomness: crops, flips, dropout, DataLoader workers.
+
+    Model init uses ``seed`` itself on every rank (identical weights). Everything drawn after
+    it must differ between ranks, or rank r's i-th sample gets the same crop as rank 0's i-th
+    sample at every step; it stays reproducible from (seed, rank)."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])

@@ -1,27 +1,30 @@
 """What a run does when something goes wrong, so that a multi-node job never hangs and never
 loses work. The training scripts meet it in two places: ``UsageError`` (a problem the user can
-fix: one sentence, exit code 2) and ``end_process`` (the exit). common.run() starts the rest:
+fix: one sentence, exit code 2) and ``end_process`` (the exit). common.run() uses the rest:
 
-- the stop signals: SIGUSR1 (Slurm's warning before the time limit) and SIGTERM (preemption)
-  are caught from the first line, and checkpoint.StopRequest turns them into a checkpoint;
-- the watchdog beside every worker: it ends a worker whose launcher is gone or that has shown
-  no sign of life for --dist-timeout;
 - a failed collective (a peer died, a timeout) becomes one sentence and exit code 1;
+- any other error becomes one sentence (after its traceback, when it is a bug) and exit code 1;
 - under torchrun, which reports any failed worker as 1, a worker's own code is an [EXIT] line;
-- the lock of a checkpoint dir, so two runs never write and resume from the same checkpoints.
+- the lock of a checkpoint dir, so two runs never write and resume from the same checkpoints;
+- the exit itself, which releases that lock and stops this rank's child processes.
 
-Importing this module has no side effects; of this project it imports contract.py only.
+The neighbours in the same trade: stopping.py turns SIGUSR1/SIGTERM into a checkpoint and a
+requeue, watchdog.py ends a worker whose launcher is gone or that froze, and lossguard.py
+catches a loss that became NaN or inf. Importing this module has no side effects; of this
+project it imports contract.py only.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import platform
 import re
-import subprocess
+import signal
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -30,7 +33,7 @@ import torch.distributed as dist
 from training import contract
 
 # --------------------------------------------------------------------------------------------
-# Errors a user can fix, and a loss that is not a number
+# Errors a user can fix
 # --------------------------------------------------------------------------------------------
 
 
@@ -58,10 +61,6 @@ def fail_cleanly(err: UsageError, rank_env=None) -> int:
     else:  # a silent rank that exits first makes torchrun stop the node's other ranks (SIGTERM):
         time.sleep(2)  # give local rank 0 the moment it needs to print the same error
     return 2
-
-
-class NonFiniteLoss(Exception):
-    """The loss became NaN/inf in a way GradScaler does not absorb."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,7 +127,6 @@ def crashed(err: Exception, rank_env) -> int:
               f"killer: lower --num-workers or --batch-size, or ask for more memory",
               file=sys.stderr, flush=True)
         return 1
-    import traceback
     traceback.print_exception(err)
     print(f"error: rank {rank}: the run stopped on an unexpected {err.__class__.__name__} "
           f"({first}): the traceback above shows where", file=sys.stderr, flush=True)
@@ -254,10 +252,10 @@ def end_process(code: int) -> None:
     flushed. Some torch releases (2.15 on CPU/gloo) can abort in a C++ destructor during
     teardown ("terminate called without an active exception", SIGABRT) after the process
     group is destroyed, turning a finished run into a failed job."""
-    import multiprocessing
-    import signal
     release_checkpoint_lock()
-    if threading.current_thread() is threading.main_thread():  # (else: the SIGTERM thread)
+    # A signal handler can be set only from the main thread; end_process also runs in the
+    # thread that watches the stop signals (a SIGTERM during start-up), which skips this.
+    if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the DataLoader's would raise below
     for child in multiprocessing.active_children():
         child.kill()  # the run is over; a loader worker ignores SIGTERM (_child_signals)
@@ -265,164 +263,3 @@ def end_process(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-# --------------------------------------------------------------------------------------------
-# Stop signals (SIGUSR1 before the time limit, SIGTERM on preemption)
-# --------------------------------------------------------------------------------------------
-
-
-class StopSignals:
-    """SIGUSR1 (Slurm's warning before the time limit) and SIGTERM (preemption), caught from
-    the first line of main(). Once training runs, StopRequest turns them into a checkpoint and
-    REQUEUE_EXIT; before that a SIGTERM ends the process at once, saying so."""
-    signum = 0          # the last stop signal received
-    training = False    # set by StopRequest: from now on a signal is handled at a step
-    rank = 0
-    installed = False
-
-
-def ignore_stop_signals(worker_id=None) -> None:
-    """Slurm and torchrun send SIGTERM (and job.sh SIGUSR1) to every process of the job, the
-    DataLoader workers too: those must live on while their rank saves its stop checkpoint.
-    Also a DataLoader worker_init_fn, because torch installs its own SIGTERM handler there.
-    As a worker ignores SIGTERM, it asks the kernel for a SIGKILL when its parent dies, so it
-    never outlives a rank that was killed or crashed."""
-    import signal
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
-    if worker_id is not None:
-        die_with_parent()
-
-
-def die_with_parent() -> None:
-    """Linux's PR_SET_PDEATHSIG: this process gets SIGKILL when the thread that forked it
-    ends (the rank's main thread, which starts the DataLoader workers). Elsewhere a no-op:
-    the loader's own check of its parent ends the worker within seconds."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-    import signal
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the parent died before the request: nobody would send it
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _child_signals() -> None:
-    """In a forked DataLoader or cache worker: no wakeup pipe (its signals are not the run's),
-    and the stop signals ignored; the worker ends with its parent."""
-    import signal
-    signal.set_wakeup_fd(-1)
-    ignore_stop_signals()
-
-
-def _watch_signals(read_end: int) -> None:
-    import signal
-    while True:
-        for signum in os.read(read_end, 64):
-            if signum not in (signal.SIGUSR1, signal.SIGTERM):
-                continue
-            StopSignals.signum = signum
-            if signum == signal.SIGTERM and not StopSignals.training:
-                if StopSignals.rank == 0:
-                    print("SIGTERM during start-up, before the first training step: stopping "
-                          "now (nothing to checkpoint yet)", file=sys.stderr, flush=True)
-                end_process(128 + signum)
-
-
-def catch_stop_signals(rank: int) -> None:
-    """Python runs a signal handler in the main thread only, between two bytecodes: a main
-    thread blocked in the process-group start or a collective would hold a SIGTERM back for
-    up to --dist-timeout. So the handler does nothing, and the signal's number reaches a
-    thread at once through the wakeup pipe (signal.set_wakeup_fd), which acts on it."""
-    import signal
-    StopSignals.rank = rank
-    if StopSignals.installed:
-        return
-    StopSignals.installed = True
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)
-    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: None)
-    os.register_at_fork(after_in_child=_child_signals)
-    threading.Thread(target=_watch_signals, args=(read_end,), daemon=True).start()
-
-
-# --------------------------------------------------------------------------------------------
-# The watchdog: a worker never outlives its launcher, a frozen rank never holds the job
-# --------------------------------------------------------------------------------------------
-
-
-_WATCHDOG = r"""
-import os, select, signal, sys, time
-worker, launcher, timeout, rank = map(int, sys.argv[1:])
-last = time.monotonic()
-for sig in (signal.SIGUSR1, signal.SIGTERM):  # sent to the whole job: the worker acts on them
-    signal.signal(sig, signal.SIG_IGN)
-
-def parent_and_state(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[1]), fields[0]
-    except (OSError, ValueError, IndexError):
-        return None, "X"
-
-def end(reason):
-    print(f"error: rank {rank}: {reason}: ending it (pid {worker}) so that the job ends on "
-          f"every node", file=sys.stderr, flush=True)
-    try:
-        os.kill(worker, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    sys.exit(0)
-
-while True:
-    if select.select([0], [], [], 1.0)[0]:
-        if not os.read(0, 4096):
-            sys.exit(0)  # the worker closed its end: it has exited
-        last = time.monotonic()
-    parent, state = parent_and_state(worker)
-    if state in "XZ":
-        sys.exit(0)
-    if launcher and parent != launcher:
-        end(f"its launcher (torchrun, pid {launcher}) is gone")
-    if time.monotonic() - last > timeout:
-        end(f"no sign of life for {timeout} s ({'stopped' if state == 'T' else 'hung'})")
-"""
-
-
-def start_watchdog(env, timeout_s: int) -> None:
-    """A small process beside each worker of a multi-process run that ends the worker when
-    (a) its launcher is gone: torchrun starts workers in their own session, so a SIGKILLed
-    torchrun would leave them training on as orphans, writing checkpoints; or (b) it has
-    shown no sign of life for ``timeout_s`` (--dist-timeout): a stopped or hung rank, which
-    its peers give up on after the same time, would otherwise keep its node's torchrun
-    waiting forever. The worker's sign of life is a byte a thread writes to a pipe every
-    second; the watchdog leaves by itself when the worker ends."""
-    by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # set by torchrun for its workers
-    if not by_torchrun and not (env.source == "slurm" and env.world_size > 1):
-        return
-    launcher = os.getppid() if by_torchrun else 0
-    read_end, write_end = os.pipe()
-    silence = max(timeout_s, 10)  # well above the 1 s beat, even for a tiny --dist-timeout
-    subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(launcher),
-                      str(silence), str(env.rank)], stdin=read_end, close_fds=True)
-    os.close(read_end)
-    os.set_blocking(write_end, False)
-
-    def beat():
-        while True:
-            try:
-                os.write(write_end, b".")
-            except BlockingIOError:
-                pass
-            except OSError:
-                return
-            time.sleep(1)
-    threading.Thread(target=beat, daemon=True).start()

@@ -1,7 +1,8 @@
 """The flags every training script shares: their definitions (``add_common_args``), their
 checks (``check_flags``: one sentence naming the fix), their resolved defaults
-(``resolve_args``: workers, precision, learning rate), the learning-rate schedule
-(``lr_factor``) and each rank's seed.
+(``resolve_args``: workers, precision, paths). What the flags then drive lives with its
+job: the learning-rate schedule and the optimizer's settings in schedule.py, each rank's seed
+in distributed.py, what --amp does on this CPU in devices.py.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from training import board, contract
+from training import board, contract, devices
 from training.distributed import DistEnv
 from training.faults import UsageError
 from training.models import check_model, grey_channels, synthetic_shape
@@ -341,7 +341,7 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
     elif args.amp is None:
         args.amp = "off"
     elif args.amp != "off" and env.rank == 0:  # autocast on a CPU: it depends on the CPU
-        print(cpu_amp_note(args.amp, cpu_flags()), file=sys.stderr, flush=True)
+        print(devices.cpu_amp_note(args.amp, devices.cpu_flags()), file=sys.stderr, flush=True)
     if args.num_workers is None:
         args.num_workers = _default_workers(env)
         if device.type == "cuda":  # with 0, reading and pinning a batch delays every step
@@ -363,86 +363,9 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
                              f"writable directory")
 
 
-def cpu_flags() -> set:
-    """The instruction-set flags of this CPU (Linux's /proc/cpuinfo; elsewhere none known)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((ln for ln in f if ln.startswith("flags")), "")
-    except OSError:
-        return set()
-    return set(line.partition(":")[2].split())
-
-
-def cpu_amp_note(amp: str, flags: set) -> str:
-    """What --amp fp16 or bf16 does to a CPU run, for this CPU. Measured on a 2-core AMD EPYC
-    VM with AVX512-BF16 and AMX, the CIFAR-10 CNN at 2 ranks: fp16 about 16x slower than
-    fp32, bf16 1.5x faster (1,118-1,190 against 779-790 img/s)."""
-    if amp == "fp16":
-        return ("warning: --amp fp16 on a CPU trains many times slower than --amp off (16x "
-                "measured: CPUs have few fast fp16 kernels); use --amp off, or --amp bf16 on a "
-                "CPU with avx512_bf16 or amx_bf16")
-    fast = sorted(flags & {"avx512_bf16", "amx_bf16"})
-    if fast:
-        return (f"note: --amp bf16 on a CPU with {' and '.join(fast)}: its bf16 kernels can be "
-                f"faster than fp32 (1.5x measured for the CIFAR-10 CNN); the loss differs "
-                f"slightly from --amp off")
-    return ("warning: --amp bf16 on a CPU without bf16 instructions (avx512_bf16, amx_bf16): "
-            "its bf16 kernels are emulated and can be several times slower than --amp off; "
-            "compare both, or use --amp off here")
-
-
 def amp_dtype(args) -> torch.dtype | None:
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[args.amp]
 
 
-def fused_sgd(device: torch.device) -> bool:
-    """Whether SGD takes its fused step: on CUDA, one kernel for all parameters. With fp16 too:
-    the GradScaler then hands the kernel its scale and inf flag as tensors, and the kernel
-    skips an overflowing step on the device, where the default (foreach) step costs a host
-    sync per step while the scaler reads the flag. Safe because start_momentum makes the
-    momentum buffers before the first step."""
-    return device.type == "cuda"
-
-
-def start_momentum(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Make every momentum buffer now, as zeros. Fused SGD would otherwise make them at its
-    first step with torch.empty_like and, when that step overflows (common at the GradScaler's
-    first scale, 65536), return early on the inf flag: from the next step on the momentum would
-    be uninitialised memory. With dampening 0 a zero buffer's first update is the gradient
-    itself, which is what SGD's own first step sets, so the training is unchanged."""
-    for group in optimizer.param_groups:
-        if group["momentum"]:
-            for p in group["params"]:
-                optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-    return optimizer
-
-
 AMP_TEXT = {"fp16": "fp16 autocast with GradScaler", "bf16": "bf16 autocast, no GradScaler",
             "off": "off (fp32)"}
-
-
-def peak_lr(args, global_batch: int) -> float:
-    """--lr scaled to the global batch by --lr-scaling, relative to --base-batch."""
-    ratio = global_batch / args.base_batch
-    return args.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[args.lr_scaling]
-
-
-def lr_factor(args, steps: int):
-    """The learning rate at optimizer step ``s`` (0-based, counted over the whole run) is
-    peak_lr x lr_factor(s): a linear warm-up, (s + 1) / W for the first W = --warmup-epochs x
-    steps, then a step decay, x --gamma every --step-size epochs (torch's StepLR)."""
-    warmup = max(1, round(args.warmup_epochs * steps)) if args.warmup_epochs else 0
-
-    def factor(s: int) -> float:
-        ramp = min(1.0, (s + 1) / warmup) if warmup else 1.0
-        return ramp * args.gamma ** (s // steps // args.step_size)
-    return factor
-
-
-def seed_for_rank(seed: int, rank: int) -> int:
-    """The seed of one rank's own randomness: crops, flips, dropout, DataLoader workers.
-
-    Model init uses ``seed`` itself on every rank (identical weights). Everything drawn after
-    it must differ between ranks, or rank r's i-th sample gets the same crop as rank 0's i-th
-    sample at every step; it stays reproducible from (seed, rank)."""
-    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0])

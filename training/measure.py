@@ -2,7 +2,8 @@
 line, the time spent waiting for data, a profile of a few steps (--profile) and the bandwidth of
 the collectives (--check). Each answers a question a user asks of a running job:
 
-- "how fast, how good, how much memory?": ``epoch_metrics``, from the sums reduced over ranks;
+- "how fast, how good, how much memory?": ``epoch_metrics``, from the sums reduced over ranks,
+  and the peak memory of every GPU (``reset_peak_memory``, ``peak_memory_per_gpu``);
 - "is my job alive, and when does it end?": ``StepMeter`` prints rank 0's progress line;
 - "is the loader keeping up?": ``StepMeter.wait_s``, the epoch's ``data_wait_frac``;
 - "where does a step's time go?": ``StepProfiler`` (--profile) traces a few steps with
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -26,8 +28,65 @@ import torch
 import torch.distributed as dist
 
 from training import cudagraph
-from training.common import all_reduce, peak_memory_per_gpu, print0, synchronize
+from training.common import all_reduce, print0
 from training.contract import BANDWIDTH_PREFIX, PROFILE_KEYS, PROFILE_PREFIX, format_metric_line
+from training.distributed import rank_and_world
+
+# --------------------------------------------------------------------------------------------
+# The clock and the peak memory
+# --------------------------------------------------------------------------------------------
+
+
+def reset_peak_memory(*devices: torch.device) -> None:
+    """Start a new peak on each device, so each epoch reports its own: the CUDA allocator's on a
+    GPU, the peak RSS on a CPU (Linux: 5 into /proc/self/clear_refs; elsewhere the run's)."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            continue
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory since ``reset_peak_memory``: CUDA ``max_memory_allocated`` on a GPU (at
+    least the captured step's, with --cuda-graph), else the peak RSS (VmHWM, or getrusage's
+    whole-run figure where /proc is missing)."""
+    if device.type == "cuda":
+        return max(torch.cuda.max_memory_allocated(device) / 2**20,
+                   cudagraph.captured_peak_mib.get(device.index, 0.0))
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def peak_memory_per_gpu(devices: list) -> list:
+    """The peak (MiB) of every GPU of the run, in rank order: this process's ``devices`` (DDP
+    and FSDP: its one GPU; DataParallel: all of them), gathered from every rank."""
+    local = torch.tensor([peak_memory_mib(d) for d in devices], dtype=torch.float64,
+                         device=devices[0])
+    world = rank_and_world()[1]
+    if world == 1:
+        return local.tolist()
+    everyone = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(everyone, local)  # collective: every rank's peaks
+    return torch.cat(everyone).tolist()
+
+
+def synchronize(*devices: torch.device) -> None:
+    """Wait for the devices' queued work, so the clock measures work done, not work queued."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
 
 # --------------------------------------------------------------------------------------------
 # The epoch's figures
@@ -143,32 +202,32 @@ class StepMeter:
         self.epoch_wall = 0.0  # one whole epoch (training, evaluation, saving), once known
         self.wait_s = 0.0
 
-    def epoch(self, batches, epoch: int, first_step: int):
-        """Yield ``batches``; ``first_step``: the steps a resumed epoch already ran."""
+    def epoch(self, batches, epoch: int, start_step: int):
+        """Yield ``batches``; ``start_step``: the steps a resumed epoch already ran."""
         now = time.perf_counter()
         if hasattr(self, "epoch_start"):
             self.epoch_wall = now - self.epoch_start
         self.epoch_start, self.wait_s = now, 0.0
         self.next_line = now + min(self.every, self.FIRST_WITHIN)
-        it, done, first_line = iter(batches), first_step, True
+        it, done, first_line = iter(batches), start_step, True
         while True:
             t = time.perf_counter()
             batch = next(it, None)
             self.wait_s += time.perf_counter() - t  # host time blocked on the loader
             if batch is None:
                 return
-            if (first_line and done - first_step == self.FIRST_AFTER) or t >= self.next_line:
-                self._line(epoch, done, first_step, t)
+            if (first_line and done - start_step == self.FIRST_AFTER) or t >= self.next_line:
+                self._line(epoch, done, start_step, t)
                 first_line = False
             yield batch
             done += 1
 
-    def _line(self, epoch: int, done: int, first_step: int, now: float) -> None:
+    def _line(self, epoch: int, done: int, start_step: int, now: float) -> None:
         self.next_line = now + self.every
         if self.every <= 0 or done >= self.steps:
             return
         elapsed = now - self.epoch_start
-        per_step = elapsed / max(1, done - first_step)
+        per_step = elapsed / max(1, done - start_step)
         eta_epoch = (self.steps - done) * per_step
         # the rest of the run: this epoch's steps and its evaluation (what a whole epoch took
         # beyond its steps, once one is known), then the remaining epochs
@@ -176,7 +235,7 @@ class StepMeter:
         eta_run = eta_epoch + evaluation + (self.epochs - epoch - 1) * max(
             self.epoch_wall, self.steps * per_step)
         print0(f"progress: epoch {epoch + 1}/{self.epochs}, step {done}/{self.steps} | "
-               f"{(done - first_step) * self.images_per_step / elapsed:.1f} img/s | elapsed "
+               f"{(done - start_step) * self.images_per_step / elapsed:.1f} img/s | elapsed "
                f"{_clock(now - self.start)} | ETA epoch {_clock(eta_epoch)}, run "
                f"{_clock(eta_run)}" + ("" if self.epoch_wall else " + evaluation"))
 
@@ -289,18 +348,17 @@ class StepProfiler:
     AFTER, STEPS = 3, 5  # skip 3 steps (warm-up), trace 5
 
     def __init__(self, args, steps: int, device: torch.device):
-        is_main = not dist.is_initialized() or dist.get_rank() == 0
-        self.out_dir = args.profile if is_main else None
+        self.out_dir = args.profile if rank_and_world()[0] == 0 else None
         self.steps, self.device = steps, device
         # --cuda-graph: the eager steps, the capture and a first replay come before the window
         self.graph = bool(args.cuda_graph)
         self.after = self.AFTER + (cudagraph.DDP_WARMUP_STEPS if self.graph else 0)
 
-    def epoch(self, batches, first_step: int):
-        """Yield ``batches`` (``first_step``: the steps a resumed epoch already ran), tracing
+    def epoch(self, batches, start_step: int):
+        """Yield ``batches`` (``start_step``: the steps a resumed epoch already ran), tracing
         this epoch's window of steps, if it has one."""
-        start, end = self._window(first_step)
-        it, done, profile = iter(batches), first_step, None
+        start, end = self._window(start_step)
+        it, done, profile = iter(batches), start_step, None
         while True:
             if done == start:
                 profile = _Trace(self.out_dir, self.device, end - start)
@@ -314,13 +372,13 @@ class StepProfiler:
             yield batch
             done += 1
 
-    def _window(self, first_step: int) -> tuple:
+    def _window(self, start_step: int) -> tuple:
         """(first, end) step of this epoch's window; (-1, -1): none."""
-        n = self.steps - first_step
+        n = self.steps - start_step
         if not self.out_dir or n < 1:
             return -1, -1
         if self.graph:  # never the eager steps or the capture: they are not what runs
-            start = first_step + self.after
+            start = start_step + self.after
             if start >= self.steps:
                 print0(f"note: --profile with --cuda-graph: this epoch's {n} step(s) end before "
                        f"the capture and a first replay ({self.after} steps): nothing is "
@@ -328,11 +386,11 @@ class StepProfiler:
                 self.out_dir = None
                 return -1, -1
         else:
-            start = first_step + min(self.after, n // 3)
+            start = start_step + min(self.after, n // 3)
         end = min(start + self.STEPS, self.steps)
-        if (start - first_step, end - start) != (self.after, self.STEPS):
+        if (start - start_step, end - start) != (self.after, self.STEPS):
             print0(f"note: --profile: this epoch runs {n} step(s), so it traces {end - start} "
-                   f"after {start - first_step} warm-up step(s), not {self.STEPS} after "
+                   f"after {start - start_step} warm-up step(s), not {self.STEPS} after "
                    f"{self.after}: a longer epoch gives steadier figures")
         return start, end
 
@@ -368,7 +426,6 @@ class _Trace:
                f"{parts['data_wait_ms']:.1f} + other {parts['other_ms']:.1f} (communication "
                f"{parts['comm_ms']:.1f} ms, {hidden:.0%} of it hidden behind compute); open "
                f"{self.path} in https://ui.perfetto.dev")
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,7 +485,7 @@ def collective_check(device: torch.device, world: int, grad_bytes: int,
     allocation at four message sizes up to the model's gradient size, one ``[BANDWIDTH]``
     line each (bus bandwidth as nccl-tests report it: compare it with the fabric's nominal
     figure; a slow node or a wrong network interface shows here). Every rank takes part."""
-    rank = dist.get_rank()
+    rank = rank_and_world()[0]
     probe = torch.full((4,), float(rank + 1), device=device)
     dist.all_reduce(probe)
     expected = world * (world + 1) / 2

@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from training import contract, datautils, memory
-from training.common import print0, synchronize
+from training.common import print0
+from training.measure import synchronize
 
 STEPS = 2
 
