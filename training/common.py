@@ -150,7 +150,7 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:
     """Lines logged once at start by rank 0: versions, devices, layout, resolved arguments."""
-    import torchvision
+    import torchvision  # imported here: it takes about 2 s, and only this line names it
     cuda = torch.version.cuda or "n/a"
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "n/a"
     if device.type == "cuda":

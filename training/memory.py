@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from training import contract
+from training import contract, flags, models
 from training.common import print0
 
 MIB = 2**20
@@ -245,15 +245,13 @@ def print_estimates(estimates: list, model_name: str) -> None:
 
 def gpu_counts(flag) -> list:
     """The GPU counts --estimate-memory N asks for: N, or 1, 2, 4 and 8."""
-    from training.flags import ALL_GPU_COUNTS
-    return list(ALL_GPU_COUNTS) if flag == ALL_GPU_COUNTS else [flag]
+    return list(flags.ALL_GPU_COUNTS) if flag == flags.ALL_GPU_COUNTS else [flag]
 
 
 def estimate_only(args, memory_per_gpu, variants: tuple) -> int:
     """--estimate-memory: the model built on the CPU, its activations counted once, then one
     estimate per variant and GPU count from the script's ``memory_per_gpu``. No GPU, no process
     group, no dataset."""
-    from training import flags, models
     shape, classes = flags.input_shape(args)
     if args.amp is None:  # what a GPU run picks (both 16-bit types save the same bytes)
         args.amp = "bf16"

@@ -240,7 +240,7 @@ def _decode_rgb(path):
 
 def _default_sigterm() -> None:
     """Pool workers: the pool ends them with SIGTERM, which a training process's forked
-    children otherwise ignore (faults._child_signals)."""
+    children otherwise ignore (stopping._child_signals)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
