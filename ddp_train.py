@@ -32,6 +32,7 @@ from torch.utils.data import DistributedSampler
 
 from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
                       flags, measure, memory, models, simulate)
+from training import stragglers
 from training.board import Board
 from training.common import print0
 from training.faults import end_process
@@ -229,6 +230,7 @@ def train(args, env: distributed.DistEnv) -> int:
     steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
     lr = flags.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
     optimizer = build_optimizer(model, lr, args, device)  # SGD; --zero1: its state sharded
+    ranks = stragglers.watch_ddp(replica, optimizer, device, args)  # who waits for whom
     # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, flags.lr_factor(args, steps))
     dtype = flags.amp_dtype(args)
@@ -285,6 +287,7 @@ def train(args, env: distributed.DistEnv) -> int:
         common.reset_peak_memory(*devices)  # this epoch's peak, not the whole run's
         common.synchronize(*devices)
         t0 = time.perf_counter()
+        ranks.start_epoch()  # this epoch's waits for the other ranks
         # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
         # adds up the time spent waiting for the loader
         batches = meter.epoch(datautils.to_device(train_loader, device), epoch, skip)
@@ -311,6 +314,7 @@ def train(args, env: distributed.DistEnv) -> int:
                 return contract.REQUEUE_EXIT
         common.synchronize(*devices)
         train_time = time.perf_counter() - t0
+        spread = ranks.end_epoch(epoch + 1, train_time, meter.wait_s)  # collective
         losses.check(epoch)  # a host sync and a vote of all ranks, once per epoch
 
         val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
@@ -324,8 +328,10 @@ def train(args, env: distributed.DistEnv) -> int:
         peaks = common.peak_memory_per_gpu(devices)  # collective: every rank's GPU
         metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
             totals, epoch_time, data_wait, peaks, t0, train_time, earlier)
+        metrics |= spread  # slowest_rank, rank_spread
         print0(contract.format_epoch_line(metrics))
         print0(contract.format_metric_line(metrics))
+        ranks.report()  # the straggler line, if a rank held the others back; [RANKS]
         datautils.report_skipped(metrics, (steps - skip) * global_batch
                                  + measure.earlier_images(earlier), len(data.val))
         tb.epoch(metrics)  # the same figures as TensorBoard curves

@@ -32,6 +32,7 @@ from torch.utils.data import DistributedSampler
 
 from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
                       flags, measure, memory, models)
+from training import stragglers
 from training.board import Board
 from training.common import print0
 from training.faults import UsageError, end_process
@@ -250,6 +251,7 @@ def train(args, env: distributed.DistEnv) -> int:
                     per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
                     image_size=data.input_shape[-1], epochs=args.epochs, lr_peak=lr,
                     lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs)
+    ranks = stragglers.DeviceClocks(step_model.module, devices)  # each device's compute
     tb = Board(args, run_info, steps, start_epoch * steps + start_step, is_main)  # --tensorboard
     start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
@@ -265,6 +267,7 @@ def train(args, env: distributed.DistEnv) -> int:
         common.reset_peak_memory(*devices)  # this epoch's peak, not the whole run's
         common.synchronize(*devices)
         t0 = time.perf_counter()
+        ranks.start_epoch()  # this epoch's waits for the other ranks
         # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
         # adds up the time spent waiting for the loader
         batches = meter.epoch(datautils.to_device(train_loader, device), epoch, skip)
@@ -291,6 +294,7 @@ def train(args, env: distributed.DistEnv) -> int:
                 return contract.REQUEUE_EXIT
         common.synchronize(*devices)
         train_time = time.perf_counter() - t0
+        spread = ranks.end_epoch(epoch + 1, train_time, meter.wait_s)  # collective
         losses.check(epoch)  # a host sync and a vote of all ranks, once per epoch
 
         val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
@@ -304,8 +308,10 @@ def train(args, env: distributed.DistEnv) -> int:
         peaks = common.peak_memory_per_gpu(devices)  # each GPU this process drives
         metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
             totals, epoch_time, data_wait, peaks, t0, train_time, earlier)
+        metrics |= spread  # slowest_rank, rank_spread
         print0(contract.format_epoch_line(metrics))
         print0(contract.format_metric_line(metrics))
+        ranks.report()  # the straggler line, if a rank held the others back; [RANKS]
         datautils.report_skipped(metrics, (steps - skip) * global_batch
                                  + measure.earlier_images(earlier), len(data.val))
         tb.epoch(metrics)  # the same figures as TensorBoard curves

@@ -1,0 +1,239 @@
+"""Which rank holds the others back (training/stragglers.py): the analysis on made-up figures,
+the [RANKS] line, and real 2- and 3-rank runs on the CPU in which one rank is slowed from
+outside (paused with SIGSTOP for 80 ms of every 100 ms, then resumed with SIGCONT) and must be named, while the
+same run unslowed names nobody."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from training import contract, stragglers
+from conftest import REPO, check_ok, env_for_tests, metrics
+
+STRAGGLER_RE = re.compile(r"^straggler: epoch (\d+): (rank|device) (\d+) on (\S+) \((\S+)\) is "
+                          r"(\d+)% slower than the median .* went to its (loader|own compute)",
+                          re.M)
+# enough steps per epoch that a 100 ms stop cycle is felt many times over
+RUN = ["--model", "cnn", "--synthetic-size", "768", "--batch-size", "16", "--epochs", "2",
+       "--num-workers", "0", "--amp", "off", "--device", "cpu", "--log-every", "0"]
+
+
+def rank(**kw) -> dict:
+    return dict(dict(own_s=1.0, compute_s=0.9, data_s=0.1, wait_s=0.2, node="n0",
+                     device="cpu"), **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# The analysis
+# --------------------------------------------------------------------------------------------
+
+def test_balanced_ranks_name_nobody_but_report_the_spread():
+    found = stragglers.analyse([rank(own_s=1.0), rank(own_s=1.05), rank(own_s=0.98)])
+    assert found["straggler"] is None
+    assert found["slowest_rank"] == 1
+    assert found["rank_spread"] == pytest.approx(1.05)
+
+
+def test_slow_compute_is_named_with_its_cause():
+    ranks = [rank(), rank(own_s=1.5, compute_s=1.4, node="n1", device="cuda:1"), rank(),
+             rank(own_s=1.02)]
+    found = stragglers.analyse(ranks)
+    s = found["straggler"]
+    assert (found["slowest_rank"], s["rank"], s["cause"]) == (1, 1, "compute")
+    assert found["rank_spread"] == pytest.approx(1.5 / 1.01)
+    line = stragglers.straggler_line(3, found, ranks)
+    assert STRAGGLER_RE.match(line).groups() == ("3", "rank", "1", "n1", "cuda:1", "49",
+                                                 "own compute")
+
+
+def test_slow_loader_is_named_as_data():
+    ranks = [rank(), rank(own_s=1.4, compute_s=0.9, data_s=0.5), rank()]
+    s = stragglers.analyse(ranks)["straggler"]
+    assert (s["rank"], s["cause"]) == (1, "data")
+    assert "its loader (data wait)" in stragglers.straggler_line(1, stragglers.analyse(ranks),
+                                                                 ranks)
+
+
+def test_ten_percent_is_the_line():
+    assert stragglers.analyse([rank(own_s=1.0), rank(own_s=1.099)])["straggler"] is None
+    # two ranks: the median is their mean, so 1.0 vs 1.3 is 13% above it
+    assert stragglers.analyse([rank(own_s=1.0), rank(own_s=1.3)])["straggler"]["rank"] == 1
+
+
+def test_one_rank_is_never_a_straggler():
+    found = stragglers.analyse([rank()])
+    assert (found["slowest_rank"], found["rank_spread"], found["straggler"]) == (0, 1.0, None)
+
+
+def test_ranks_line_round_trips_and_rejects_cut_lines():
+    ranks = [rank(own_s=1.23456, node="gpu-node 1", device="cuda:0:NVIDIA H100"),
+             rank(own_s=2.0, node="gpu-node2")]
+    line = contract.format_ranks_line(4, ranks)
+    assert line.startswith("[RANKS] epoch=4 own_s=1.235,2.000 ")
+    epoch, back = contract.parse_ranks_line("rank0: " + line)
+    assert epoch == "4" and [r["own_s"] for r in back] == [1.235, 2.0]
+    assert back[0]["node"] == "gpu-node_1" and back[0]["device"] == "cuda:0:NVIDIA_H100"
+    assert contract.parse_ranks_line(line.replace("own_s=1.235,2.000", "own_s=1.235")) is None
+    assert contract.parse_ranks_line(line.rsplit(" ", 1)[0]) is None  # cut: no device=
+    assert contract.parse_ranks_line("[METRIC] epoch=1") is None
+
+
+def test_metric_line_without_the_spread_still_formats_as_nan():
+    """A checkpoint written before slowest_rank existed resumes and prints its final line."""
+    m = {k: 1 for k in contract.METRIC_KEYS if k not in ("slowest_rank", "rank_spread")}
+    line = contract.format_metric_line(m)
+    assert "slowest_rank=nan rank_spread=nan" in line
+
+
+def test_host_spans_add_up_and_reset():
+    spans = stragglers.Spans(torch.device("cpu"))
+    spans.open()
+    time.sleep(0.02)
+    spans.close()
+    spans.close()  # nothing open: nothing added
+    assert 0.015 < spans.seconds() < 0.5
+    spans.reset()
+    assert spans.seconds() == 0.0
+
+
+def test_dataparallel_devices_are_its_ranks(monkeypatch):
+    """DataParallel's per-device path, without GPUs: each device's compute (the spans its
+    hooks time) against the one process's training time and data wait."""
+    clocks = stragglers.DeviceClocks(torch.nn.Linear(2, 2), [torch.device("cpu")])
+    assert clocks.figures(2.0, 0.5) == [dict(own_s=2.0, compute_s=1.5, data_s=0.5, wait_s=0.0,
+                                             node=clocks.node, device="cpu")]
+
+    class Fixed:  # a device's spans, as CUDA events would sum them
+        def __init__(self, s):
+            self.s = s
+
+        def seconds(self):
+            return self.s
+
+    monkeypatch.setattr(stragglers, "device_name", lambda d: f"cuda:{d.index}")
+    clocks.compute = {0: Fixed(1.0), 1: Fixed(1.6), 2: Fixed(1.05)}
+    ranks = clocks.figures(2.0, 0.2)
+    assert [r["wait_s"] for r in ranks] == pytest.approx([0.8, 0.2, 0.75])
+    found = stragglers.analyse(ranks)
+    assert found["straggler"]["rank"] == 1 and found["straggler"]["device"] == "cuda:1"
+    assert "device 1 on" in stragglers.straggler_line(1, found, ranks, clocks.what)
+
+
+# --------------------------------------------------------------------------------------------
+# Real runs: one rank slowed from outside
+# --------------------------------------------------------------------------------------------
+
+def _descendants(pid: int) -> list:
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for kid in children.get(todo.pop(), []):
+            found.append(kid)
+            todo.append(kid)
+    return found
+
+
+def _rank_pid(torchrun: int, rank: int) -> int | None:
+    for pid in _descendants(torchrun):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
+def _slow_down(torchrun: subprocess.Popen, rank: int, done: threading.Event,
+               stopped_s=0.08, every_s=0.1) -> None:
+    """Pause ``rank`` (a child of torchrun) for stopped_s of every every_s until done."""
+    pid = None
+    while pid is None and not done.is_set():
+        pid = _rank_pid(torchrun.pid, rank)
+        time.sleep(0.05)
+    while not done.is_set():
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stopped_s)
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                return
+        time.sleep(every_s - stopped_s)
+
+
+def run_ranks(script: str, nproc: int, slow_rank: int | None = None, extra=()) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(REPO / script), *RUN, *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env_for_tests(), cwd=REPO)
+    done = threading.Event()
+    slower = threading.Thread(target=_slow_down, args=(proc, slow_rank, done), daemon=True) \
+        if slow_rank is not None else None
+    if slower:
+        slower.start()
+    try:
+        out, err = proc.communicate(timeout=120)
+    finally:
+        done.set()
+        if slower:
+            slower.join()
+    check_ok(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+    return out
+
+
+def _last_epoch(out: str) -> tuple:
+    """The last epoch's [METRIC] line and its per-rank figures."""
+    last = [m for m in metrics(out) if "final" not in m][-1]
+    ranks = [contract.parse_ranks_line(l) for l in out.splitlines() if l.startswith("[RANKS]")]
+    return last, ranks[-1][1]
+
+
+@pytest.mark.parametrize("script", ["ddp_train.py", "fsdp_train.py"])
+def test_a_slowed_rank_is_named(script):
+    out = run_ranks(script, 2, slow_rank=1)
+    last, ranks = _last_epoch(out)
+    named = STRAGGLER_RE.findall(out)
+    assert named and named[-1][:3] == (last["epoch"], "rank", "1"), out
+    assert named[-1][6] == "own compute"
+    assert last["slowest_rank"] == "1" and float(last["rank_spread"]) > 1.2
+    # the fast rank waited for it in the collectives; the slow one hardly did
+    assert ranks[0]["wait_s"] > ranks[1]["wait_s"]
+
+
+@pytest.mark.parametrize("script", ["ddp_train.py", "fsdp_train.py"])
+def test_an_unslowed_run_names_nobody(script):
+    out = run_ranks(script, 2)
+    last, _ = _last_epoch(out)
+    assert not STRAGGLER_RE.findall(out), out
+    assert last["slowest_rank"] in ("0", "1") and float(last["rank_spread"]) < 1.10
+
+
+def test_three_ranks_figures_add_up_to_each_ranks_step_time():
+    """compute + data + wait is each rank's training time; the slowest rank's is the epoch's."""
+    out = run_ranks("ddp_train.py", 3)
+    last, ranks = _last_epoch(out)
+    assert len(ranks) == 3
+    epoch_time = float(last["epoch_time_s"])
+    for r in ranks:
+        assert r["own_s"] == pytest.approx(r["compute_s"] + r["data_s"], abs=2e-3)
+        assert r["compute_s"] > 0 and r["wait_s"] > 0
+        assert r["own_s"] + r["wait_s"] == pytest.approx(epoch_time, rel=0.05, abs=0.02)
