@@ -1,7 +1,9 @@
 """Which rank holds the others back (training/stragglers.py): the analysis on made-up figures,
-the [RANKS] line, and real 2- and 3-rank runs on the CPU in which one rank is slowed from
-outside (paused with SIGSTOP for 80 ms of every 100 ms, then resumed with SIGCONT) and must be named, while the
-same run unslowed names nobody."""
+the [RANKS] line, the reports (results.md, the timeline, TensorBoard), and real 2- and 3-rank
+runs on the CPU in which one rank is slowed from outside (paused with SIGSTOP for 80 ms of
+every 100 ms, then resumed with SIGCONT) and must be named, while the same run unslowed names
+nobody. The unslowed runs share the machine's cores with whatever else runs there: a rank the
+scheduler starves is a real straggler, so on a busy machine they can name one."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ STRAGGLER_RE = re.compile(r"^straggler: epoch (\d+): (rank|device) (\d+) on (\S+
 # enough steps per epoch that a 100 ms stop cycle is felt many times over
 RUN = ["--model", "cnn", "--synthetic-size", "768", "--batch-size", "16", "--epochs", "2",
        "--num-workers", "0", "--amp", "off", "--device", "cpu", "--log-every", "0"]
+SLOWED = ["--synthetic-size", "384"]  # a slowed rank's run: fewer steps, each 5 times longer
 
 
 def rank(**kw) -> dict:
@@ -209,7 +212,7 @@ def _last_epoch(out: str) -> tuple:
 
 @pytest.mark.parametrize("script", ["ddp_train.py", "fsdp_train.py"])
 def test_a_slowed_rank_is_named(script):
-    out = run_ranks(script, 2, slow_rank=1)
+    out = run_ranks(script, 2, slow_rank=1, extra=SLOWED)
     last, ranks = _last_epoch(out)
     named = STRAGGLER_RE.findall(out)
     assert named and named[-1][:3] == (last["epoch"], "rank", "1"), out
@@ -220,11 +223,21 @@ def test_a_slowed_rank_is_named(script):
 
 
 @pytest.mark.parametrize("script", ["ddp_train.py", "fsdp_train.py"])
-def test_an_unslowed_run_names_nobody(script):
-    out = run_ranks(script, 2)
+def test_an_unslowed_run_names_nobody(script, tmp_path):
+    board = tmp_path / "tb"
+    out = run_ranks(script, 2, extra=["--tensorboard", str(board)])
     last, _ = _last_epoch(out)
-    assert not STRAGGLER_RE.findall(out), out
+    # the last epoch: the first one's warm-up (lazy initialisation, the first steps) is not
+    # the same work on every rank
+    assert not [n for n in STRAGGLER_RE.findall(out) if n[0] == last["epoch"]], out
     assert last["slowest_rank"] in ("0", "1") and float(last["rank_spread"]) < 1.10
+    # TensorBoard gets the spread of every epoch, as the [METRIC] lines say it
+    pytest.importorskip("tensorboard", reason="tensorboard is in requirements.txt")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(board))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("epoch/rank_spread")] == pytest.approx(
+        [float(m["rank_spread"]) for m in metrics(out) if "final" not in m], rel=1e-6)
 
 
 def test_three_ranks_figures_add_up_to_each_ranks_step_time():
@@ -237,3 +250,98 @@ def test_three_ranks_figures_add_up_to_each_ranks_step_time():
         assert r["own_s"] == pytest.approx(r["compute_s"] + r["data_s"], abs=2e-3)
         assert r["compute_s"] > 0 and r["wait_s"] > 0
         assert r["own_s"] + r["wait_s"] == pytest.approx(epoch_time, rel=0.05, abs=0.02)
+
+
+# --------------------------------------------------------------------------------------------
+# The reports: results.md's per-rank table, the scaling table's flag, the timeline, TensorBoard
+# --------------------------------------------------------------------------------------------
+
+def _metric(epoch: int, spread: float, slowest: int, **kw) -> dict:
+    return dict(strategy="ddp", model="cnn", dataset="synthetic", device="cpu", world_size=2,
+                nodes=1, gpus_per_node=2, per_gpu_batch=16, global_batch=32, amp="off",
+                image_size=32, epoch=epoch, epochs=2, lr=0.01, lr_peak=0.01,
+                lr_scaling="none", warmup_epochs=0, train_loss=2.3, train_acc=10.0,
+                val_loss=2.3, val_acc=10.0, train_images=256, val_images=64,
+                epoch_time_s=2.0, throughput_img_s=128.0, peak_mem_mib=700.0,
+                peak_mem_per_gpu_mib=[700.0, 690.0], data_wait_frac=0.01,
+                train_start_unix=1795500000.0 + 10 * epoch,
+                eval_start_unix=1795500005.0 + 10 * epoch,
+                eval_end_unix=1795500006.0 + 10 * epoch, slowest_rank=slowest,
+                rank_spread=spread) | kw
+
+
+def _run_dir(top: Path, name: str, world: int, spread: float, slow: int) -> Path:
+    """A finished 2-epoch run's directory whose log has [METRIC] and [RANKS] lines, as a
+    training script writes them (with torchrun's "rank0:"-free output and a progress line)."""
+    run = top / name
+    run.mkdir(parents=True)
+    (run / "job.env").write_text(f"JOB_NAME={name}\nEXIT_CODE=0\nSTRATEGY=ddp\n"
+                                 f"WORLD_SIZE={world}\nNODES=1\n")
+    text = ["progress: epoch 1/2, step 3/8 | 470.0 img/s | elapsed 0:00 | ETA epoch 0:00"]
+    for epoch in (1, 2):
+        ranks = [rank(own_s=1.0, compute_s=0.95, data_s=0.05, wait_s=1.0, node=f"node{i}",
+                      device=f"cuda:{i}") for i in range(world)]
+        ranks[slow] = dict(ranks[slow], own_s=spread, compute_s=spread - 0.05, wait_s=0.1)
+        m = _metric(epoch, spread, slow, world_size=world, gpus_per_node=world,
+                    global_batch=16 * world, throughput_img_s=100.0 * world / spread,
+                    peak_mem_per_gpu_mib=[700.0] * world)
+        text += [contract.format_metric_line(m), contract.format_ranks_line(epoch, ranks)]
+    text.append(contract.format_metric_line(m | {"total_time_s": 5.0}, final=True))
+    (run / "train.log").write_text("\n".join(text) + "\n")
+    return run
+
+
+def test_results_md_shows_and_flags_a_run_held_back_by_one_rank(tmp_path):
+    import collect_results
+    import csv
+    study = tmp_path / "study"
+    _run_dir(study, "ddp-1n1g", 1, 1.0, 0)
+    _run_dir(study, "ddp-1n2g", 2, 1.02, 1)  # balanced: no table, no flag
+    _run_dir(study, "ddp-1n4g", 4, 1.6, 2)   # rank 2 held the others back
+    out = tmp_path / "out"
+    assert collect_results.main([str(study), "--out", str(out)]) == 0
+    md = (out / "results.md").read_text()
+    with open(out / "results.csv", newline="") as f:
+        rows = {r["run"]: r for r in csv.DictReader(f)}
+    assert rows["ddp-1n4g"]["rank_spread"] == "1.6" and rows["ddp-1n4g"]["slowest_rank"] == "2"
+    assert rows["ddp-1n4g"]["straggler"].startswith("straggler: rank 2 took 1.60× the median")
+    assert rows["ddp-1n2g"]["straggler"] == "" and rows["ddp-1n2g"]["rank_spread"] == "1.02"
+    # the scaling table's row of the held-back run says its efficiency is the straggler's
+    table_row = next(l for l in md.splitlines() if l.startswith("| 4 GPUs, 1 Node"))
+    assert "| 62% | ok: straggler: rank 2 took 1.60× the median rank's own time, so this " \
+           "efficiency is the straggler's, not the strategy's |" in table_row
+    assert "straggler" not in next(l for l in md.splitlines()
+                                   if l.startswith("| 2 GPUs, 1 Node"))
+    section = md[md.index("## Runs held back by one rank"):md.index("## Notes")]
+    assert "### ddp-1n4g" in section and "ddp-1n2g" not in section
+    assert "| **2** | **node2** | **cuda:2** | **1.60** | **1.55** | **0.05** | **0.10** | " \
+           "**1.60×** |" in section
+    assert "| 0 | node0 | cuda:0 | 1.00 | 0.95 | 0.05 | 1.00 | 1.00× |" in section
+
+
+def test_a_log_without_ranks_lines_reads_as_before(tmp_path):
+    """Logs written before [RANKS] and rank_spread existed: no flag, no table, no error."""
+    from reporting import stragglers as report_stragglers
+    assert report_stragglers.read_ranks(tmp_path / "missing.log") == {}
+    row = dict(run="old", path=str(tmp_path), epoch="2")
+    report_stragglers.flag([row])
+    assert "straggler" not in row and report_stragglers.ranks_markdown([row]) == []
+    cut = contract.format_ranks_line(1, [rank(), rank()])
+    (tmp_path / "train.log").write_text(cut[:-20])  # killed mid-write
+    assert report_stragglers.read_ranks(tmp_path / "train.log") == {}
+
+
+def test_the_timeline_marks_the_slow_rank(tmp_path):
+    pytest.importorskip("matplotlib")
+    from reporting import plots, timeline
+    run = _run_dir(tmp_path, "ddp-1n4g", 4, 1.45, 3)
+    phases = timeline.read_phases([run / "train.log"], [])
+    assert [p["slow"] for p in phases] == ["rank 3 +45%", "rank 3 +45%"]
+    from matplotlib.figure import Figure
+    ax = Figure().subplots()
+    plots._mark_phases(ax, phases, phases[0]["train_start"], with_labels=True)
+    marks = [t.get_text() for t in ax.texts if t.get_gid() == "straggler"]
+    assert marks == [" rank 3 +45%", " rank 3 +45%"]
+    balanced = _run_dir(tmp_path, "balanced", 2, 1.05, 1)
+    assert [p["slow"] for p in timeline.read_phases([balanced / "train.log"], [])] == [None,
+                                                                                       None]

@@ -159,6 +159,10 @@ def parse_metric_line(line: str) -> dict | None:
     return parsed[0]
 
 
+#: A rank whose own time is more than this over the median rank's is named a straggler (the
+#: training's straggler line, results.md's per-rank tables, the timeline's mark).
+SLOW_RANK_SPREAD = 1.10
+
 #: The ``[RANKS]`` line: per epoch, each rank's seconds of own time (compute + data), compute,
 #: data wait and wait for the other ranks in collectives, its node and device; every value
 #: holds one entry per rank (DataParallel: per device), in rank order, joined by ",".

@@ -47,7 +47,7 @@ from training.common import print0
 from training.distributed import every_rank
 
 #: A rank whose own time is this much above the median rank's is named.
-SLOW_FACTOR = 1.10
+SLOW_FACTOR = contract.SLOW_RANK_SPREAD
 
 #: Unread CUDA event pairs kept before the finished ones are folded into a sum (no sync).
 FOLD_AFTER = 256
