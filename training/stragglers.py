@@ -234,7 +234,7 @@ def watch_ddp(replica, optimizer, device: torch.device, args) -> RankClock:
 
 def _fsdp_groups(unit) -> list:
     """The parameter groups FSDP2 made for ``unit`` (torch 2.9: one; later: a list)."""
-    state = unit._get_fsdp_state()
+    state = unit._get_fsdp_state() if hasattr(unit, "_get_fsdp_state") else None
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
         group = getattr(state, "_fsdp_param_group", None)
@@ -250,11 +250,17 @@ def watch_fsdp(units: list, device: torch.device) -> RankClock:
     these collectives, so this is where a fast rank waits for a slow one. Private methods of
     FSDP's parameter groups (torch 2.9 to 2.14): a group without them is left untimed."""
     clock = RankClock(device)
+    timed = 0
     for unit in units:
         for group in _fsdp_groups(unit):
             for name in ("unshard", "wait_for_unshard", "post_backward"):
                 if callable(getattr(group, name, None)):
                     setattr(group, name, _timed(getattr(group, name), clock.waits))
+                    timed += 1
+    if not timed:
+        print0(f"note: this torch ({torch.__version__}) hides FSDP's parameter groups: the "
+               f"waits for other ranks are not measured, each rank's whole training time "
+               f"counts as its own")
     return clock
 
 
