@@ -124,12 +124,41 @@ def test_dataparallel_devices_are_its_ranks(monkeypatch):
             return self.s
 
     monkeypatch.setattr(stragglers, "device_name", lambda d: f"cuda:{d.index}")
-    clocks.compute = {0: Fixed(1.0), 1: Fixed(1.6), 2: Fixed(1.05)}
+    clocks.compute = {torch.device("cuda", i): Fixed(s) for i, s in enumerate((1.0, 1.6, 1.05))}
     ranks = clocks.figures(2.0, 0.2)
     assert [r["wait_s"] for r in ranks] == pytest.approx([0.8, 0.2, 0.75])
     found = stragglers.analyse(ranks)
     assert found["straggler"]["rank"] == 1 and found["straggler"]["device"] == "cuda:1"
     assert "device 1 on" in stragglers.straggler_line(1, found, ranks, clocks.what)
+
+
+def test_dataparallel_hooks_time_each_replicas_forward_and_backward():
+    """The hooks DataParallel copies onto its replicas, on the CPU (host clocks stand in for a
+    GPU's events): forward, then backward up to the first layer's gradient, on each replica's
+    own device; a replica's parameters are the copies it computes with."""
+    cpu = torch.device("cpu")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 4))
+    clocks = stragglers.DeviceClocks(model, [cpu])
+    assert clocks.compute == {}  # one device: nothing to compare, no hooks
+    spans, calls = stragglers.Spans(cpu), []
+    for name in ("open", "close"):
+        method = getattr(spans, name)
+        setattr(spans, name, lambda method=method, name=name: (calls.append(name), method()))
+    clocks.compute = {cpu: spans}
+    clocks.watch(model)
+    model(torch.randn(256, 64)).sum().backward()
+    assert calls == ["open", "close", "open", "close"]  # forward, then backward
+    assert spans.opened is None and spans.seconds() > 0
+    forward_only = stragglers.Spans(cpu)
+    clocks.compute = {cpu: forward_only}
+    with torch.no_grad():
+        model(torch.randn(256, 64))
+    assert forward_only.opened is None and 0 < forward_only.seconds() < spans.seconds() * 2
+    # a replica (DataParallel's copy) has empty _parameters and its copies elsewhere
+    copy = torch.nn.Linear(2, 2)
+    copy._former_parameters = dict(weight=torch.ones(2, 2, requires_grad=True))
+    copy._parameters = {}
+    assert [p.shape for p in stragglers._replica_parameters(copy)] == [(2, 2)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -246,14 +246,15 @@ def watch_fsdp(units: list, device: torch.device) -> RankClock:
     """FSDP2: the time each unit's parameter group spends in FSDP's unshard (issuing the
     all-gather, which blocks on gloo) and its wait for it, in forward and backward, and in its
     post-backward (the gradients' reduce-scatter, which blocks on gloo; on a GPU it runs on
-    FSDP's own stream and this span is only its launch): every rank takes part in each of
+    FSDP's own stream, and the compute stream waits for it here and at the end of backward,
+    in finalize_backward, also timed): every rank takes part in each of
     these collectives, so this is where a fast rank waits for a slow one. Private methods of
     FSDP's parameter groups (torch 2.9 to 2.14): a group without them is left untimed."""
     clock = RankClock(device)
     timed = 0
     for unit in units:
         for group in _fsdp_groups(unit):
-            for name in ("unshard", "wait_for_unshard", "post_backward"):
+            for name in ("unshard", "wait_for_unshard", "post_backward", "finalize_backward"):
                 if callable(getattr(group, name, None)):
                     setattr(group, name, _timed(getattr(group, name), clock.waits))
                     timed += 1
@@ -276,37 +277,51 @@ def _timed(method, spans: Spans):
 
 class DeviceClocks(RankClock):
     """DataParallel: one process, its devices are its "ranks". On GPUs, CUDA events on each
-    replica's device around its forward and its backward give each device's compute; what is
-    left of the training time is the wait for the slowest device (scatter, gather, and the
-    host); the loader's wait is the one process's, the same for every device. On the CPU:
-    one device, its whole training time is its own."""
+    replica's device give its compute: its forward (forward pre-hook to forward hook, which
+    DataParallel copies onto each replica) and its backward (from the gradient of its output to
+    that of its first parameter, the last one backward computes). What is left of the training
+    time is the device's wait for the slowest one (scatter, gather, the host); the loader's wait
+    is the one process's, the same for every device. On the CPU: one device, its whole training
+    time is its own."""
 
     what = "device"
 
     def __init__(self, module, devices: list):
         super().__init__(devices[0])
-        self.devices = devices
         # one device is never a straggler (and a --cuda-graph capture takes no timed events)
-        self.compute = {d.index: Spans(d) for d in devices if d.type == "cuda"} \
+        self.compute = {d: Spans(d) for d in devices if d.type == "cuda"} \
             if len(devices) > 1 else {}
         if self.compute:
-            # DataParallel copies these hooks onto each replica, which runs on its own device
-            module.register_forward_pre_hook(lambda m, *_: self._open(m))
-            module.register_forward_hook(lambda m, *_: self._close(m))
-            module.register_full_backward_pre_hook(lambda m, *_: self._open(m))
-            module.register_full_backward_hook(lambda m, *_: self._close(m))
+            self.watch(module)
 
-    def _spans(self, module) -> Spans | None:
-        param = next(module.parameters(), None)
-        return self.compute.get(param.device.index) if param is not None else None
+    def watch(self, module) -> None:
+        module.register_forward_pre_hook(self._forward_starts)
+        module.register_forward_hook(self._forward_ends)
 
-    def _open(self, module) -> None:
-        if (spans := self._spans(module)) is not None:
+    def _spans(self, args) -> Spans | None:
+        """The spans of the device a replica's inputs are on."""
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        return self.compute.get(tensor.device) if tensor is not None else None
+
+    def _forward_starts(self, module, args) -> None:
+        if (spans := self._spans(args)) is not None:
             spans.open()
 
-    def _close(self, module) -> None:
-        if (spans := self._spans(module)) is not None:
-            spans.close()
+    def _forward_ends(self, module, args, output) -> None:
+        spans = self._spans(args)
+        if spans is None:
+            return
+        spans.close()
+        first = next(_replica_parameters(module), None)
+        if isinstance(output, torch.Tensor) and output.requires_grad and first is not None \
+                and first.requires_grad:
+            def backward_starts(grad):  # the gradient of this replica's output
+                spans.open()
+
+            def backward_ends(grad):  # that of its first layer: its backward is done
+                spans.close()
+            output.register_hook(backward_starts)
+            first.register_hook(backward_ends)
 
     def start_epoch(self) -> None:
         for spans in self.compute.values():
@@ -316,9 +331,17 @@ class DeviceClocks(RankClock):
         if not self.compute:
             return super().figures(train_time, data_wait)
         rows = []
-        for index, spans in self.compute.items():
+        for device, spans in self.compute.items():
             compute = spans.seconds()
             rows.append(dict(own_s=compute + data_wait, compute_s=compute, data_s=data_wait,
                              wait_s=max(0.0, train_time - data_wait - compute), node=self.node,
-                             device=device_name(torch.device("cuda", index))))
+                             device=device_name(device)))
         return rows
+
+
+def _replica_parameters(module):
+    """The parameters of a module in order; of a DataParallel replica, the copies it computes
+    with (kept in _former_parameters: a replica's _parameters are empty)."""
+    for m in module.modules():
+        yield from (p for p in (getattr(m, "_former_parameters", None) or m._parameters).values()
+                    if p is not None)
