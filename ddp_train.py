@@ -230,7 +230,6 @@ def train(args, env: distributed.DistEnv) -> int:
     steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
     lr = flags.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
     optimizer = build_optimizer(model, lr, args, device)  # SGD; --zero1: its state sharded
-    ranks = stragglers.watch_ddp(replica, optimizer, device, args)  # who waits for whom
     # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, flags.lr_factor(args, steps))
     dtype = flags.amp_dtype(args)
@@ -272,6 +271,7 @@ def train(args, env: distributed.DistEnv) -> int:
                     per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
                     image_size=data.input_shape[-1], epochs=args.epochs, lr_peak=lr,
                     lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs)
+    ranks = stragglers.watch_ddp(replica, optimizer, device, args)  # who waits for whom
     tb = Board(args, run_info, steps, start_epoch * steps + start_step, is_main)  # --tensorboard
     start = time.perf_counter()
     for epoch in range(start_epoch, args.epochs):
