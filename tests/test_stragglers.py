@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from training import contract, stragglers
-from conftest import REPO, check_ok, env_for_tests, metrics
+from conftest import REPO, check_ok, env_for_tests, metrics, run_script
 
 STRAGGLER_RE = re.compile(r"^straggler: epoch (\d+): (rank|device) (\d+) on (\S+) \((\S+)\) is "
                           r"(\d+)% slower than the median .* went to its (loader|own compute)",
@@ -374,3 +374,11 @@ def test_the_timeline_marks_the_slow_rank(tmp_path):
     balanced = _run_dir(tmp_path, "balanced", 2, 1.05, 1)
     assert [p["slow"] for p in timeline.read_phases([balanced / "train.log"], [])] == [None,
                                                                                        None]
+
+
+def test_dataparallel_on_the_cpu_is_one_device_and_names_nobody():
+    proc = run_script("dp_train.py", RUN[:2] + ["--synthetic-size", "64", "--epochs", "1",
+                                                "--num-workers", "0", "--device", "cpu"])
+    check_ok(proc)
+    assert [(m["slowest_rank"], m["rank_spread"]) for m in metrics(proc.stdout)] == [("0", "1")] * 2
+    assert "straggler:" not in proc.stdout and contract.RANKS_PREFIX not in proc.stdout
