@@ -20,7 +20,8 @@ Where the waits are measured, per strategy:
   is ready (its arrival at the step's synchronisation point); the optimizer's step pre-hook
   notes when backward ended, after DDP waited for every bucket's all-reduce. The span between
   the two is the wait for the others (and the last bucket's own all-reduce). With BatchNorm
-  buffers broadcast before each forward, the span of that broadcast counts too. --cuda-graph
+  buffers broadcast before each forward, the span of that broadcast counts too, and with
+  --zero1 the broadcast of the updated parameters after the optimizer's step. --cuda-graph
   replays the step without running Python hooks: no wait is measured, each rank's whole
   training time counts as its own, and the spread then shows only data waits.
 - FSDP2: each unit's parameter group is all-gathered before its forward and backward; the time
@@ -225,6 +226,10 @@ def watch_ddp(replica, optimizer, device: torch.device, args) -> RankClock:
 
     replica.register_comm_hook(None, arrive)
     optimizer.register_step_pre_hook(lambda *_: clock.waits.close())
+    if callable(getattr(optimizer, "_sync_params", None)):
+        # --zero1: after its step each rank broadcasts its partition of the parameters, and
+        # every rank receives the others': a wait for the rank that steps slowest
+        optimizer._sync_params = _timed(optimizer._sync_params, clock.waits)
     has_buffers = any(True for _ in replica.module.buffers())
     if has_buffers and not args.compile:  # DDP broadcasts rank 0's buffers before forward
         replica.register_forward_pre_hook(lambda *_: clock.waits.open())
