@@ -28,7 +28,10 @@ STRAGGLER_RE = re.compile(r"^straggler: epoch (\d+): (rank|device) (\d+) on (\S+
 # enough steps per epoch that a 100 ms stop cycle is felt many times over
 RUN = ["--model", "cnn", "--synthetic-size", "768", "--batch-size", "16", "--epochs", "2",
        "--num-workers", "0", "--amp", "off", "--device", "cpu", "--log-every", "0"]
-SLOWED = ["--synthetic-size", "384"]  # a slowed rank's run: fewer steps, each 5 times longer
+# A slowed rank's run: 6 steps an epoch, each with more compute than communication, as a GPU
+# step has. A rank paused inside a collective counts as waiting there, and on the CPU an FSDP
+# step of batch 16 is mostly collectives: its pauses would hide in them.
+SLOWED = ["--synthetic-size", "768", "--batch-size", "64"]
 
 
 def rank(**kw) -> dict:

@@ -90,10 +90,6 @@ def straggler_line(epoch: int, found: dict, ranks: list, what: str = "rank") -> 
             f"it")
 
 
-def ranks_line(epoch: int, ranks: list) -> str:
-    return contract.format_ranks_line(epoch, ranks)
-
-
 def _label(text: str) -> str:
     """A node or device name as one token of a comma-separated [RANKS] value."""
     return text.replace(" ", "_").replace(",", "_").replace("=", "_") or "-"
@@ -190,7 +186,7 @@ class RankClock:
         self.lines = [straggler_line(epoch, found, ranks, self.what)] if found["straggler"] \
             else []
         if len(ranks) > 1:
-            self.lines.append(ranks_line(epoch, ranks))
+            self.lines.append(contract.format_ranks_line(epoch, ranks))
         return dict(slowest_rank=found["slowest_rank"], rank_spread=found["rank_spread"])
 
     def report(self) -> None:
