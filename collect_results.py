@@ -65,6 +65,7 @@ except ImportError:
           f"the folders reporting/ and training/ from the repository too, or run the "
           f"repository's copy", file=sys.stderr)
     sys.exit(2)
+from reporting import stragglers  # noqa: E402
 from reporting.scaling import (FAILED, MISSING, OK, PARTIAL,  # noqa: E402
                                REQUEUED, SKIPPED, STATUSES, UNREADABLE)
 from training.contract import (BANDWIDTH_PREFIX, MEMORY_PREFIX,  # noqa: E402
@@ -502,6 +503,7 @@ def main(argv=None) -> int:
         if args.tensorboard and (why := analyze_memory.missing_tensorboard()):
             raise UsageError(why)
         rows = read_inputs(args.paths)
+        stragglers.flag(rows)  # runs held back by one slow rank
         # every run unreadable: results.md would hold no number, so there is nothing to write
         if rows and all(r["status"] == UNREADABLE for r in rows):
             raise UsageError(rows[0]["detail"] if len(rows) == 1 else

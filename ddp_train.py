@@ -31,7 +31,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
-                      flags, lossguard, measure, memory, models, schedule, simulate, stopping)
+                      flags, lossguard, measure, memory, models, schedule, simulate, stopping,
+                      stragglers)
 from training.board import Board
 from training.common import print0
 from training.faults import end_process
@@ -239,6 +240,7 @@ def train(args, env: distributed.DistEnv) -> int:
                     per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
                     image_size=data.input_shape[-1], epochs=args.epochs, lr_peak=lr,
                     lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs)
+    ranks = stragglers.watch_ddp(replica, optimizer, device, args)  # who waits for whom
     # --tensorboard; the with block closes its files however the run ends
     with Board(args, run_info, steps, start_epoch * steps + resume_step) as tb:
         start = time.perf_counter()
@@ -256,6 +258,7 @@ def train(args, env: distributed.DistEnv) -> int:
             measure.reset_peak_memory(*local_devices)  # this epoch's peak, not the whole run's
             measure.synchronize(*local_devices)
             t0 = time.perf_counter()
+            ranks.start_epoch()  # this epoch's waits for the other ranks
             # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
             # adds up the time spent waiting for the loader
             batches = meter.epoch(datautils.to_device(train_loader, device), epoch, start_step)
@@ -281,6 +284,7 @@ def train(args, env: distributed.DistEnv) -> int:
                     raise stop.requeue(saved=ckpt.enabled)
             measure.synchronize(*local_devices)
             train_time = time.perf_counter() - t0
+            spread = ranks.end_epoch(epoch + 1, train_time, meter.wait_s)  # collective
             losses.check(epoch)  # a host sync and a vote of all ranks, once per epoch
 
             val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
@@ -294,8 +298,10 @@ def train(args, env: distributed.DistEnv) -> int:
             peaks = measure.peak_memory_per_gpu(local_devices)  # collective: every rank's GPU
             metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
                 totals, epoch_time, data_wait, peaks, t0, train_time, earlier)
+            metrics |= spread  # slowest_rank, rank_spread
             print0(contract.format_epoch_line(metrics))
             print0(contract.format_metric_line(metrics))
+            ranks.report()  # the straggler line, if a rank held the others back; [RANKS]
             datautils.report_unreadable_images(
                 metrics, (steps - start_step) * global_batch + measure.earlier_images(earlier),
                 len(data.val))

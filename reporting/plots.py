@@ -227,7 +227,8 @@ def timeline_figure(title: str, nodes: dict, phases: list):
     memory used and GPU utilisation per GPU (one colour and one legend entry per GPU) and the
     node's CPU RSS; epoch starts dashed, evaluations grey. nodes: {node: {"gpu": [{index:
     {"time", "used", "util"}} per attempt], "cpu": [{"time", "rss"} per attempt]}}; phases:
-    dicts {"epoch", "train_start", "eval_start", "eval_end"}; times in seconds since 1970. The
+    dicts {"epoch", "train_start", "eval_start", "eval_end", "slow"}; times in seconds since 1970;
+    "slow": an epoch's straggler, marked in red under its name. The
     x-axis counts seconds from the run's first sample or epoch."""
     from matplotlib.figure import Figure
 
@@ -287,6 +288,10 @@ def _mark_phases(ax, phases: list, t0: float, with_labels: bool) -> None:
         if with_labels and len(phases) <= 30:
             ax.text(p["train_start"] - t0, 1.01, f"epoch {p['epoch']}", fontsize="x-small",
                     transform=ax.get_xaxis_transform(), va="bottom")
+        if with_labels and p.get("slow"):  # the straggler's rank, under the epoch's name
+            ax.text(p["train_start"] - t0, 0.98, f" {p['slow']}", fontsize="x-small",
+                    color="tab:red", transform=ax.get_xaxis_transform(), va="top",
+                    gid="straggler")
 
 
 def _draw_node(subfig, node: str, entry: dict, phases: list, t0: float, xlim: tuple) -> None:

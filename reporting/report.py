@@ -11,7 +11,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from reporting import plots
+from reporting import plots, stragglers
 from reporting.scaling import (FAILED, HAS_METRICS, OK, OVERLAP, SKIPPED, STATUSES,
                                beyond_study, gpus, group_of, num, predict_step_ms)
 
@@ -318,6 +318,7 @@ def write_markdown(rows: list, chosen: dict, models: dict, studies: list, path: 
         lines += strategy_markdown(key, chosen[key], rows)
         lines += explain_markdown(key, chosen[key], models[key])
     lines += memory_markdown(chosen)
+    lines += stragglers.ranks_markdown(rows)  # per-rank tables of runs held back by one rank
     if pngs:
         lines += ["## Plots", ""]
         for name in pngs:

@@ -13,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 
 from training import contract
-from reporting import plots
+from reporting import plots, stragglers
 from training.contract import METRIC_PREFIX
 
 _STAMP_FORMATS = ("%Y/%m/%d %H:%M:%S.%f", "%Y/%m/%d %H:%M:%S")
@@ -52,7 +52,8 @@ def find_training_logs(run_dir, notes: list) -> list:
 
 def read_phases(paths, notes: list) -> list:
     """The epochs of the [METRIC] lines in the files paths: dicts {"epoch", "train_start",
-    "eval_start", "eval_end"} (clock times in seconds since 1970, None where missing), sorted by
+    "eval_start", "eval_end"} (clock times in seconds since 1970, None where missing) and "slow"
+    (the rank that held the others back, reporting/stragglers.slow_label, or None), sorted by
     train_start, each epoch once (the final line repeats the last one). Only lines readable by
     contract.read_metric_line's rules count; lines without train_start_unix (older training
     scripts) give no phase."""
@@ -71,7 +72,8 @@ def read_phases(paths, notes: list) -> list:
             phase = {"epoch": values.get("epoch", "?"),
                      "train_start": contract.number(values["train_start_unix"]),
                      "eval_start": contract.number(values.get("eval_start_unix")),
-                     "eval_end": contract.number(values.get("eval_end_unix"))}
+                     "eval_end": contract.number(values.get("eval_end_unix")),
+                     "slow": stragglers.slow_label(values)}  # a rank held the others back
             phases[tuple(phase.values())] = phase
     return sorted(phases.values(), key=lambda p: p["train_start"])
 

@@ -35,7 +35,7 @@ from training.faults import UsageError
 UNDER_LAUNCHER = "launcher-default"
 OFF = "off"
 EPOCH_KEYS = ("train_loss", "val_loss", "train_acc", "val_acc", "throughput_img_s",
-              "epoch_time_s", "data_wait_frac", "peak_mem_mib")
+              "epoch_time_s", "data_wait_frac", "peak_mem_mib", "rank_spread")
 HPARAM_KEYS = ("strategy", "model", "dataset", "world_size", "nodes", "gpus_per_node",
                "per_gpu_batch", "global_batch", "amp", "image_size", "lr_peak", "lr_scaling",
                "epochs")

@@ -9,7 +9,9 @@ Every line a launcher or a parser reacts to is ``[TAG] key=value ...``:
 - ``[PROFILE]``: --profile's step breakdown (``PROFILE_KEYS``), read by collect_results.py;
 - ``[BANDWIDTH]``: one collective's bandwidth (--check, --profile), read by collect_results.py;
 - ``[MEMORY]``: the predicted per-GPU memory by component (``MEMORY_KEYS``), at the start of
-  every run and from --estimate-memory, read by collect_results.py.
+  every run and from --estimate-memory, read by collect_results.py;
+- ``[RANKS]``: each rank's own time and waits in one epoch (``RANKS_KEYS``, values one per rank
+  joined by ","), written by training/stragglers.py, read by collect_results.py.
 
 The training scripts write the epoch and ``[METRIC]`` lines, checkpoint.py the ``[STOP]`` line,
 faults.py the ``[EXIT]`` line, measure.py the ``[PROFILE]`` and ``[BANDWIDTH]`` lines; the
@@ -27,6 +29,7 @@ METRIC_PREFIX, STOP_PREFIX, EXIT_PREFIX = "[METRIC]", "[STOP]", "[EXIT]"
 PROFILE_PREFIX, BANDWIDTH_PREFIX = "[PROFILE]", "[BANDWIDTH]"
 MEMORY_PREFIX = "[MEMORY]"
 MEMORY_HELD_PREFIX = "[MEMORY-HELD]"  # --simulate-world-size: what rank 0 of N holds
+RANKS_PREFIX = "[RANKS]"
 
 #: Keys of every ``[METRIC]`` line, in order. The final line adds ``FINAL_KEYS``.
 METRIC_KEYS = (
@@ -36,6 +39,7 @@ METRIC_KEYS = (
     "train_loss", "train_acc", "val_loss", "val_acc", "train_images", "val_images",
     "epoch_time_s", "throughput_img_s", "peak_mem_mib", "peak_mem_per_gpu_mib",
     "data_wait_frac", "train_start_unix", "eval_start_unix", "eval_end_unix",
+    "slowest_rank", "rank_spread",
 )
 
 #: The [METRIC] keys whose values are text; every other value is a number ("nan" included),
@@ -44,7 +48,7 @@ METRIC_TEXT_KEYS = ("strategy", "model", "dataset", "device", "amp", "lr_scaling
                     "peak_mem_per_gpu_mib")
 
 #: [METRIC] keys added after the first release: an older log's line without them still parses.
-LATER_METRIC_KEYS = ("image_size",)
+LATER_METRIC_KEYS = ("image_size", "slowest_rank", "rank_spread")
 
 #: Extra keys of the one ``[METRIC]`` line printed after the last epoch (``final=1``).
 FINAL_KEYS = ("final", "total_time_s")
@@ -115,10 +119,11 @@ def _fmt(value) -> str:
 def format_metric_line(m: dict, final: bool = False) -> str:
     """``[METRIC] key=value ...`` with exactly METRIC_KEYS (+ FINAL_KEYS on the last line)."""
     keys = METRIC_KEYS + (FINAL_KEYS if final else ())
-    missing = [k for k in keys if k not in m and k != "final"]
+    missing = [k for k in keys if k not in m and k != "final" and k not in LATER_METRIC_KEYS]
     if missing:
         raise KeyError(f"metric line lacks {missing}")
-    values = dict(m, final=1)
+    # a checkpoint written before a later key existed resumes without it: "nan"
+    values = {k: math.nan for k in LATER_METRIC_KEYS} | dict(m, final=1)
     return METRIC_PREFIX + " " + " ".join(f"{k}={_fmt(values[k])}" for k in keys)
 
 
@@ -202,3 +207,43 @@ def parse_metric_line(line: str) -> dict | None:
     if read is None or read[1] is not None or not all(k in read[0] for k in required):
         return None
     return read[0]
+
+
+#: A rank whose own time is more than this over the median rank's is named a straggler (the
+#: training's straggler line, results.md's per-rank tables, the timeline's mark).
+SLOW_RANK_SPREAD = 1.10
+
+#: The ``[RANKS]`` line: per epoch, each rank's seconds of own time (compute + data), compute,
+#: data wait and wait for the other ranks in collectives, its node and device; every value
+#: holds one entry per rank (DataParallel: per device), in rank order, joined by ",".
+RANKS_KEYS = ("epoch", "own_s", "compute_s", "data_s", "wait_s", "node", "device")
+RANKS_NUMBER_KEYS = ("own_s", "compute_s", "data_s", "wait_s")
+
+
+def format_ranks_line(epoch: int, ranks: list) -> str:
+    """``[RANKS] epoch=E own_s=a,b ...`` from one dict per rank (RANKS_KEYS but epoch)."""
+    def joined(key):
+        return ",".join(f"{r[key]:.3f}" if key in RANKS_NUMBER_KEYS else _fmt(r[key]).replace(
+            ",", "_") for r in ranks)
+    return RANKS_PREFIX + f" epoch={epoch} " + " ".join(f"{k}={joined(k)}"
+                                                        for k in RANKS_KEYS[1:])
+
+
+def parse_ranks_line(line: str) -> tuple | None:
+    """(epoch, [one dict per rank]) of a complete ``[RANKS]`` line (numbers as floats); None
+    when the line is not one, or is cut or garbled (values of unequal counts, not numbers)."""
+    parsed = fields(line, RANKS_PREFIX)
+    if parsed is None or parsed[1] or not all(k in parsed[0] for k in RANKS_KEYS):
+        return None
+    values = {k: parsed[0][k].split(",") for k in RANKS_KEYS[1:]}
+    if len({len(v) for v in values.values()}) != 1:
+        return None
+    ranks = []
+    for i in range(len(values["own_s"])):
+        rank = {k: v[i] for k, v in values.items()}
+        for k in RANKS_NUMBER_KEYS:
+            rank[k] = number(rank[k])
+            if rank[k] is None:
+                return None
+        ranks.append(rank)
+    return parsed[0]["epoch"], ranks

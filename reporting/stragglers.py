@@ -1,0 +1,98 @@
+"""Runs held back by one slow rank, in the reports: a per-rank table in results.md, a flag in
+the scaling table, a mark on the run's timeline.
+
+A run whose ``rank_spread`` ([METRIC]: the slowest rank's own time over the median rank's) is
+above contract.SLOW_RANK_SPREAD ran at its straggler's pace: its throughput and parallel
+efficiency say more about that rank (a throttling GPU, a busy node, a slow loader) than about
+the strategy. The per-rank figures come from the run's ``[RANKS]`` lines (training/stragglers.py
+writes them). No torch here: the reports run on a login node.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from training import contract
+from reporting.scaling import num
+
+#: The column results.csv gets for a flagged run, and the scaling table's status shows.
+COLUMN = "straggler"
+
+
+def read_ranks(path) -> dict:
+    """{epoch (text): [one dict per rank]} of the complete [RANKS] lines of a log (the last one
+    of an epoch, should a resumed run repeat it); {} when the log cannot be read."""
+    found = {}
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for text in f:
+                if text.endswith("\n") and (parsed := contract.parse_ranks_line(text)):
+                    found[parsed[0]] = parsed[1]
+    except OSError:
+        return {}
+    return found
+
+
+def is_held_back(row: dict) -> bool:
+    spread = num(row, "rank_spread")
+    return spread is not None and spread > contract.SLOW_RANK_SPREAD
+
+
+def summary(row: dict) -> str:
+    """What the scaling table says of a run held back by one rank."""
+    return (f"straggler: rank {row.get('slowest_rank', '?')} took {num(row, 'rank_spread'):.2f}× "
+            f"the median rank's own time, so this efficiency is the straggler's, not the "
+            f"strategy's")
+
+
+def flag(rows: list) -> None:
+    """Mark each run held back by a straggler: results.csv's ``straggler`` column, and its
+    status detail, which the scaling table shows."""
+    for row in rows:
+        if is_held_back(row):
+            row[COLUMN] = summary(row)
+            row["detail"] = "; ".join(d for d in (row.get("detail", ""), row[COLUMN]) if d)
+
+
+def rank_table(ranks: list) -> list:
+    """A markdown table of one epoch's per-rank figures; the slowest rank in bold."""
+    own = sorted(r["own_s"] for r in ranks)
+    median = (own[(len(own) - 1) // 2] + own[len(own) // 2]) / 2
+    slowest = max(range(len(ranks)), key=lambda i: ranks[i]["own_s"])
+    lines = ["| Rank | Node | Device | Own time (s) | Compute (s) | Data wait (s) | "
+             "Waiting for others (s) | vs median |", "|" + "---|" * 8]
+    for i, r in enumerate(ranks):
+        ratio = f"{r['own_s'] / median:.2f}×" if median > 0 else "—"
+        cells = [str(i), r["node"], r["device"], f"{r['own_s']:.2f}", f"{r['compute_s']:.2f}",
+                 f"{r['data_s']:.2f}", f"{r['wait_s']:.2f}", ratio]
+        if i == slowest:
+            cells = [f"**{c}**" for c in cells]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def ranks_markdown(rows: list) -> list:
+    """results.md's section on runs held back by one rank: per run, its epoch's per-rank
+    table (the epoch of the row's figures, else the last one logged)."""
+    lines = []
+    for row in rows:
+        if not is_held_back(row):
+            continue
+        logged = read_ranks(Path(row["path"]) / "train.log") if row.get("path") else {}
+        ranks = logged.get(str(row.get("epoch"))) or (list(logged.values()) or [None])[-1]
+        lines += [f"### {row['run']}", "", f"Epoch {row.get('epoch', '?')}, {summary(row)}. "
+                  f"Own time = compute + data wait; a rank waiting for others is not slow "
+                  f"itself (README, \"Which rank holds the others back\").", ""]
+        lines += rank_table(ranks) if ranks else ["(no [RANKS] line in its train.log)"]
+        lines.append("")
+    if lines:
+        lines = ["## Runs held back by one rank", ""] + lines
+    return lines
+
+
+def slow_label(metric: dict) -> str | None:
+    """A [METRIC] line's ({key: text}) straggler as the timeline marks it: "rank 1 +45%"."""
+    spread = contract.number(metric.get("rank_spread"))
+    if spread is None or spread <= contract.SLOW_RANK_SPREAD:
+        return None
+    return f"rank {metric.get('slowest_rank', '?')} +{100 * (spread - 1):.0f}%"
