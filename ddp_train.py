@@ -240,7 +240,7 @@ def train(args, env: distributed.DistEnv) -> int:
                     per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
                     image_size=data.input_shape[-1], epochs=args.epochs, lr_peak=lr,
                     lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs)
-    ranks = stragglers.watch_ddp(replica, optimizer, device, args)  # who waits for whom
+    ranks = stragglers.watch(step_model, optimizer, device, args)  # who waits for whom
     # --tensorboard; the with block closes its files however the run ends
     with Board(args, run_info, steps, start_epoch * steps + resume_step) as tb:
         start = time.perf_counter()

@@ -42,6 +42,11 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from training import contract
 from training.common import print0
@@ -201,13 +206,27 @@ class RankClock:
 # Per strategy: where the waits are
 # --------------------------------------------------------------------------------------------
 
+def watch(step_model: nn.Module, optimizer, device: torch.device, args) -> RankClock:
+    """The clock of this script's step, by the strategy its model is wrapped in (under
+    --compile, the module compiled): DataParallel's devices, DDP's comm hook, FSDP's units."""
+    model = getattr(step_model, "_orig_mod", step_model)
+    if isinstance(model, nn.DataParallel):
+        devices = [torch.device("cuda", i) for i in model.device_ids] or [device]
+        return DeviceClocks(model.module, devices)
+    if isinstance(model, DistributedDataParallel):
+        return watch_ddp(model, optimizer, device, args)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # the root is one too
+    return watch_fsdp(units, device) if units else RankClock(device)
+
+
 def watch_ddp(replica, optimizer, device: torch.device, args) -> RankClock:
     """DDP: the wait from this rank's last gradient bucket to the end of backward (a comm hook
     wrapping the default all-reduce, and the optimizer's step pre-hook), and the broadcast of
     BatchNorm buffers before each forward. Not under --cuda-graph (replay runs no hooks) or
     --compile (the forward hooks would be traced)."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     clock = RankClock(device)
+    if dist.get_world_size() == 1:  # no other rank to wait for: no hooks in the step
+        return clock
     if args.cuda_graph:
         print0("note: --cuda-graph: graph replay runs no Python hooks, so the waits for other "
                "ranks are not measured; each rank's whole training time counts as its own")
@@ -252,6 +271,8 @@ def watch_fsdp(units: list, device: torch.device) -> RankClock:
     these collectives, so this is where a fast rank waits for a slow one. Private methods of
     FSDP's parameter groups (torch 2.9 to 2.14): a group without them is left untimed."""
     clock = RankClock(device)
+    if dist.get_world_size() == 1:  # no other rank to wait for: no hooks in the step
+        return clock
     timed = 0
     for unit in units:
         for group in _fsdp_groups(unit):
