@@ -173,8 +173,9 @@ def read_log(path) -> tuple:
 
 def parse_gpu_lines(lines, skips: Counter) -> dict:
     """{index: {"used": [MiB], "name", "total": MiB or None, "stamp": [timestamp text],
-    "util": [% or None], "power_w": [...], "sm_mhz": [...], "temp_c": [...]}} of an nvidia-smi log, one list
-    entry per memory.used sample (an unreadable optional value is None and keeps the sample).
+    "util": [% or None], "power_w": [...], "sm_mhz": [...], "temp_c": [...]}} of an nvidia-smi
+    log, one list entry per memory.used sample (an unreadable optional value is None and keeps
+    the sample).
     Each header line sets the columns of the lines after it."""
     gpus, columns = {}, GPU_COLUMNS
     for line in map(str.strip, lines):

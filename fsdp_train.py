@@ -328,7 +328,7 @@ def train(args, env: distributed.DistEnv) -> int:
     start_epoch, resume_step = ckpt.resume(steps)
     losses = lossguard.LossWatch(device, scaler)  # NaN/inf losses, without a sync per step
 
-    local_devices = [device]  # the GPU (or CPU) this process drives: its clock, its peak
+    local_devices = [device]  # the GPU (or CPU) this process drives, for syncs and peak memory
     meter = measure.StepMeter(args, steps, global_batch)  # progress, data wait
     profiler = measure.StepProfiler(args, steps, device)  # --profile: a window of steps
     # what every [METRIC] line of this run says about the run; each epoch adds its figures
@@ -337,7 +337,8 @@ def train(args, env: distributed.DistEnv) -> int:
                     per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
                     image_size=data.input_shape[-1], epochs=args.epochs, lr_peak=lr,
                     lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs)
-    ranks = stragglers.watch(step_model, optimizer, device, args)  # who waits for whom
+    # each rank's own time and its waits for the others: which rank holds the others back
+    rank_clock = stragglers.watch(step_model, optimizer, device, args)
     # --tensorboard; the with block closes its files however the run ends
     with Board(args, run_info, steps, start_epoch * steps + resume_step) as tb:
         start = time.perf_counter()
@@ -355,7 +356,7 @@ def train(args, env: distributed.DistEnv) -> int:
             measure.reset_peak_memory(*local_devices)  # this epoch's peak, not the whole run's
             measure.synchronize(*local_devices)
             t0 = time.perf_counter()
-            ranks.start_epoch()  # this epoch's waits for the other ranks
+            rank_clock.start_epoch()
             # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
             # adds up the time spent waiting for the loader
             batches = meter.epoch(datautils.to_device(train_loader, device), epoch, start_step)
@@ -373,7 +374,8 @@ def train(args, env: distributed.DistEnv) -> int:
                 sums[2] += labels.size(0)
                 losses.track(loss, step)  # counted on the device: no host sync here
                 stop_now = stop.at_step(epoch, step + 1, steps)  # the same step on every rank
-                if ckpt.due(step + 1, steps, stopping=stop_now):  # or at once, to stop
+                # a checkpoint every --checkpoint-every steps, and one before a stop
+                if ckpt.due(step + 1, steps, stopping=stop_now):
                     losses.check(epoch)  # a host sync and a vote: no NaN reaches a checkpoint
                     ckpt.save(epoch, step + 1, measure.epoch_so_far(
                         sums, t0, meter.wait_s, local_devices, earlier))
@@ -381,7 +383,8 @@ def train(args, env: distributed.DistEnv) -> int:
                     raise stop.requeue(saved=ckpt.enabled)
             measure.synchronize(*local_devices)
             train_time = time.perf_counter() - t0
-            spread = ranks.end_epoch(epoch + 1, train_time, meter.wait_s)  # collective
+            # every rank's times to rank 0 (a collective): slowest_rank and rank_spread
+            slowest = rank_clock.end_epoch(epoch + 1, train_time, meter.wait_s)
             losses.check(epoch)  # a host sync and a vote of all ranks, once per epoch
 
             val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
@@ -395,10 +398,11 @@ def train(args, env: distributed.DistEnv) -> int:
             peaks = measure.peak_memory_per_gpu(local_devices)  # collective: every rank's GPU
             metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
                 totals, epoch_time, data_wait, peaks, t0, train_time, earlier)
-            metrics |= spread  # slowest_rank, rank_spread
+            metrics |= slowest
             print0(contract.format_epoch_line(metrics))
             print0(contract.format_metric_line(metrics))
-            ranks.report()  # the straggler line, if a rank held the others back; [RANKS]
+            # rank 0 names a rank more than 10% slower than the median; [RANKS] has every rank's
+            rank_clock.report()
             datautils.report_unreadable_images(
                 metrics, (steps - start_step) * global_batch + measure.earlier_images(earlier),
                 len(data.val))

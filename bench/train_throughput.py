@@ -60,9 +60,9 @@ def plain_throughput(args) -> float:
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     d = flags.add_common_args(argparse.ArgumentParser()).parse_args([])  # ddp_train's SGD
-    opt = schedule.start_momentum(torch.optim.SGD(model.parameters(), lr=d.lr, momentum=d.momentum,
-                                               weight_decay=d.weight_decay,
-                                               fused=schedule.fused_sgd(device)))
+    sgd = torch.optim.SGD(model.parameters(), lr=d.lr, momentum=d.momentum,
+                          weight_decay=d.weight_decay, fused=schedule.fused_sgd(device))
+    opt = schedule.start_momentum(sgd)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     data = datautils.SyntheticImages(args.batch_size * args.steps, shape, classes, 0, "train")

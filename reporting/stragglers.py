@@ -10,6 +10,7 @@ writes them). No torch here: the reports run on a login node.
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from training import contract
@@ -56,8 +57,7 @@ def flag(rows: list) -> None:
 
 def rank_table(ranks: list) -> list:
     """A markdown table of one epoch's per-rank figures; the slowest rank in bold."""
-    own = sorted(r["own_s"] for r in ranks)
-    median = (own[(len(own) - 1) // 2] + own[len(own) // 2]) / 2
+    median = statistics.median(r["own_s"] for r in ranks)
     slowest = max(range(len(ranks)), key=lambda i: ranks[i]["own_s"])
     lines = ["| Rank | Node | Device | Own time (s) | Compute (s) | Data wait (s) | "
              "Waiting for others (s) | vs median |", "|" + "---|" * 8]

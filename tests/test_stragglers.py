@@ -94,11 +94,25 @@ def test_ranks_line_round_trips_and_rejects_cut_lines():
     assert contract.parse_ranks_line("[METRIC] epoch=1") is None
 
 
-def test_metric_line_without_the_spread_still_formats_as_nan():
-    """A checkpoint written before slowest_rank existed resumes and prints its final line."""
+def test_metric_line_without_the_spread_still_formats_as_nan(capsys):
+    """A checkpoint written before slowest_rank existed resumes and prints its final line; a
+    training epoch without the keys is a bug the writer refuses."""
+    from training import measure
     m = {k: 1 for k in contract.METRIC_KEYS if k not in ("slowest_rank", "rank_spread")}
-    line = contract.format_metric_line(m)
-    assert "slowest_rank=nan rank_spread=nan" in line
+    with pytest.raises(KeyError, match="slowest_rank"):
+        contract.format_metric_line(m)
+    measure.print_final(m, 12.0, trained=True)
+    assert "slowest_rank=nan rank_spread=nan final=1 total_time_s=12" in capsys.readouterr().out
+
+
+def test_unmeasured_waits_name_nobody_and_say_nan():
+    """--cuda-graph's replay runs no hooks: with no wait measured every rank's time is the
+    same, so the keys are nan (not a balanced 1.0) and no line is printed."""
+    clock = stragglers.RankClock(torch.device("cpu"), measured=False)
+    found = clock.end_epoch(1, train_time=2.0, data_wait=0.1)
+    assert set(found) == {"slowest_rank", "rank_spread"}
+    assert all(v != v for v in found.values())  # nan
+    assert clock.lines == []
 
 
 def test_host_spans_add_up_and_reset():

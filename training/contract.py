@@ -119,11 +119,10 @@ def _fmt(value) -> str:
 def format_metric_line(m: dict, final: bool = False) -> str:
     """``[METRIC] key=value ...`` with exactly METRIC_KEYS (+ FINAL_KEYS on the last line)."""
     keys = METRIC_KEYS + (FINAL_KEYS if final else ())
-    missing = [k for k in keys if k not in m and k != "final" and k not in LATER_METRIC_KEYS]
+    missing = [k for k in keys if k not in m and k != "final"]
     if missing:
         raise KeyError(f"metric line lacks {missing}")
-    # a checkpoint written before a later key existed resumes without it: "nan"
-    values = {k: math.nan for k in LATER_METRIC_KEYS} | dict(m, final=1)
+    values = dict(m, final=1)
     return METRIC_PREFIX + " " + " ".join(f"{k}={_fmt(values[k])}" for k in keys)
 
 

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from training import cudagraph
 from training.common import all_reduce, print0
-from training.contract import BANDWIDTH_PREFIX, PROFILE_KEYS, PROFILE_PREFIX, format_metric_line
+from training.contract import (BANDWIDTH_PREFIX, LATER_METRIC_KEYS, PROFILE_KEYS, PROFILE_PREFIX,
+                               format_metric_line)
 from training.distributed import rank_and_world
 
 # --------------------------------------------------------------------------------------------
@@ -167,7 +168,9 @@ def print_final(metrics: dict, total_time: float, trained: bool) -> None:
         print0("nothing to train: the checkpoint is already past --epochs")
     if metrics:
         total = total_time if trained else math.nan
-        print0(format_metric_line(metrics | {"total_time_s": total}, final=True))
+        # a checkpoint written before a key was added to the line resumes without it: nan
+        older = dict.fromkeys(LATER_METRIC_KEYS, math.nan)
+        print0(format_metric_line(older | metrics | {"total_time_s": total}, final=True))
     if trained:
         print0(f"Total time: {total_time:.1f} s")
 

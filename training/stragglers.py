@@ -22,10 +22,12 @@ Where the waits are measured, per strategy:
   the two is the wait for the others (and the last bucket's own all-reduce). With BatchNorm
   buffers broadcast before each forward, the span of that broadcast counts too, and with
   --zero1 the broadcast of the updated parameters after the optimizer's step. --cuda-graph
-  replays the step without running Python hooks: no wait is measured, each rank's whole
-  training time counts as its own, and the spread then shows only data waits.
-- FSDP2: each unit's parameter group is all-gathered before its forward and backward; the time
-  this rank spends in FSDP's unshard and its wait for it is the wait for the others.
+  replays the step without running Python hooks: no wait is measured, and as every rank's
+  training time is the same (all wait for the slowest), no rank can be named: the [METRIC]
+  line then says slowest_rank=nan rank_spread=nan.
+- FSDP2: each unit's parameter group is all-gathered before its forward and backward, and its
+  gradients reduce-scattered after backward; the time this rank spends in those collectives
+  (on a GPU: the compute stream's waits for them) is the wait for the others.
 - DataParallel: one process, its "ranks" are its devices. On a GPU, CUDA events around each
   replica's forward and backward on its own device give each device's compute; on the CPU there
   is one device, which is never a straggler.
@@ -37,20 +39,24 @@ and ``rank_spread``.
 
 from __future__ import annotations
 
+import math
 import socket
 import statistics
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # torch before 2.6: common.run() stops the run with one sentence
+    FSDPModule = None
 
 from training import contract
 from training.common import print0
-from training.distributed import every_rank
+from training.distributed import every_rank, rank_and_world
 
 #: A rank whose own time is this much above the median rank's is named.
 SLOW_FACTOR = contract.SLOW_RANK_SPREAD
@@ -154,7 +160,7 @@ class Spans:
     def seconds(self) -> float:
         """The sum of the spans; on a GPU, call after the device was synchronised."""
         total = self.total_s + sum(a.elapsed_time(b) / 1e3 for a, b in self.pending)
-        self.pending = [] if self.cuda else self.pending
+        self.pending = []
         self.total_s = total
         return total
 
@@ -165,8 +171,11 @@ class RankClock:
 
     what = "rank"
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, measured: bool = True):
         self.device = device
+        # False where the waits cannot be timed (--cuda-graph's replay runs no hooks): every
+        # rank's training time is then the same, as all wait for the slowest, and names nobody
+        self.measured = measured
         self.waits = Spans(device)
         self.node, self.device_label = _label(socket.gethostname()), device_name(device)
         self.lines = []
@@ -185,7 +194,10 @@ class RankClock:
         """Collective (every rank), right after the epoch's training (before evaluation, whose
         collectives are no training step's): every rank's figures to rank 0. Returns the
         [METRIC] keys slowest_rank and rank_spread; ``report`` prints the lines. ``epoch``:
-        1-based; train_time, data_wait: this rank's, in s, after the device was synchronised."""
+        1-based; train_time, data_wait: this rank's, in s, after the device was synchronised.
+        Without measured waits both keys are nan, on every rank (the same flags everywhere)."""
+        if not self.measured:
+            return dict(slowest_rank=math.nan, rank_spread=math.nan)
         ranks = [r for each in every_rank(self.figures(train_time, data_wait)) for r in each]
         found = analyse(ranks)
         self.lines = [straggler_line(epoch, found, ranks, self.what)] if found["straggler"] \
@@ -213,24 +225,24 @@ def watch(step_model: nn.Module, optimizer, device: torch.device, args) -> RankC
     if isinstance(model, nn.DataParallel):
         devices = [torch.device("cuda", i) for i in model.device_ids] or [device]
         return DeviceClocks(model.module, devices)
+    if rank_and_world()[1] == 1:  # no other rank to wait for: no hooks in the step
+        return RankClock(device)
     if isinstance(model, DistributedDataParallel):
         return watch_ddp(model, optimizer, device, args)
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # the root is one too
-    return watch_fsdp(units, device) if units else RankClock(device)
+    units = [m for m in model.modules() if FSDPModule and isinstance(m, FSDPModule)]
+    return watch_fsdp(units, device) if units else RankClock(device)  # FSDP: the root too
 
 
 def watch_ddp(replica, optimizer, device: torch.device, args) -> RankClock:
     """DDP: the wait from this rank's last gradient bucket to the end of backward (a comm hook
     wrapping the default all-reduce, and the optimizer's step pre-hook), and the broadcast of
-    BatchNorm buffers before each forward. Not under --cuda-graph (replay runs no hooks) or
-    --compile (the forward hooks would be traced)."""
-    clock = RankClock(device)
-    if dist.get_world_size() == 1:  # no other rank to wait for: no hooks in the step
-        return clock
+    BatchNorm buffers before each forward (but under --compile). Under --cuda-graph nothing is
+    timed: the replay runs no hooks."""
     if args.cuda_graph:
         print0("note: --cuda-graph: graph replay runs no Python hooks, so the waits for other "
-               "ranks are not measured; each rank's whole training time counts as its own")
-        return clock
+               "ranks are not measured and no straggler can be named (rank_spread=nan)")
+        return RankClock(device, measured=False)
+    clock = RankClock(device)
 
     def arrive(process_group, bucket):
         # this rank's gradients are all computed: from here until the end of backward it
@@ -246,7 +258,9 @@ def watch_ddp(replica, optimizer, device: torch.device, args) -> RankClock:
         # every rank receives the others': a wait for the rank that steps slowest
         optimizer._sync_params = _timed(optimizer._sync_params, clock.waits)
     has_buffers = any(True for _ in replica.module.buffers())
-    if has_buffers and not args.compile:  # DDP broadcasts rank 0's buffers before forward
+    # DDP broadcasts rank 0's buffers before each forward (not timed under --compile, whose
+    # trace would take the forward hooks in)
+    if has_buffers and args.broadcast_buffers and not args.compile:
         replica.register_forward_pre_hook(lambda *_: clock.waits.open())
         replica.module.register_forward_pre_hook(lambda *_: clock.waits.close())
     return clock
@@ -271,23 +285,27 @@ def watch_fsdp(units: list, device: torch.device) -> RankClock:
     these collectives, so this is where a fast rank waits for a slow one. Private methods of
     FSDP's parameter groups (torch 2.9 to 2.14): a group without them is left untimed."""
     clock = RankClock(device)
-    if dist.get_world_size() == 1:  # no other rank to wait for: no hooks in the step
-        return clock
+    # On the CPU, gloo's collectives block the host where FSDP issues them; on a GPU they run
+    # on FSDP's own streams, and the compute stream waits for them in only these two
+    names = (("wait_for_unshard", "finalize_backward") if device.type == "cuda" else
+             ("unshard", "wait_for_unshard", "post_backward", "finalize_backward"))
     timed = 0
     for unit in units:
         for group in _fsdp_groups(unit):
-            for name in ("unshard", "wait_for_unshard", "post_backward", "finalize_backward"):
+            for name in names:
                 if callable(getattr(group, name, None)):
                     setattr(group, name, _timed(getattr(group, name), clock.waits))
                     timed += 1
     if not timed:
         print0(f"note: this torch ({torch.__version__}) hides FSDP's parameter groups: the "
-               f"waits for other ranks are not measured, each rank's whole training time "
-               f"counts as its own")
+               f"waits for other ranks are not measured and no straggler can be named "
+               f"(rank_spread=nan)")
+        return RankClock(device, measured=False)
     return clock
 
 
 def _timed(method, spans: Spans):
+    """``method``, with the time each call takes added to ``spans``."""
     def timed(*args, **kwargs):
         start = spans.mark()
         try:

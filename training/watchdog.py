@@ -37,9 +37,12 @@ def start(env, timeout_s: int) -> None:
     launcher = os.getppid() if by_torchrun else 0
     read_end, write_end = os.pipe()
     silence = max(timeout_s, 10)  # well above the 1 s beat, even for a tiny --dist-timeout
+    # python -m finds training/ from the project root; PYTHONPATH says where it is also when
+    # PYTHONSAFEPATH keeps the current directory off sys.path
+    path = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
     subprocess.Popen([sys.executable, "-m", "training.watchdog", str(os.getpid()),
                       str(launcher), str(silence), str(env.rank)], stdin=read_end,
-                     close_fds=True, cwd=PROJECT_ROOT)
+                     close_fds=True, cwd=PROJECT_ROOT, env=dict(os.environ, PYTHONPATH=path))
     os.close(read_end)
     os.set_blocking(write_end, False)
 
