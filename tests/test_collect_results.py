@@ -318,7 +318,7 @@ def test_a_real_metric_line_round_trips(tmp_path):
              peak_mem_per_gpu_mib=[771.1953, 765.1094], total_time_s=1.199915, lr_peak=0.01,
              lr_scaling="none", warmup_epochs=0.0, data_wait_frac=0.02,
              train_start_unix=1795500000.0, eval_start_unix=1795500000.5,
-             eval_end_unix=1795500000.7)
+             eval_end_unix=1795500000.7, slowest_rank=1, rank_spread=1.03)
     run = tmp_path / "ddp-1n2g-1"
     run.mkdir()
     (run / "job.env").write_text("JOB_NAME=ddp-1n2g\nEXIT_CODE=0\n")
