@@ -92,7 +92,7 @@ def ranks_markdown(rows: list) -> list:
 
 def slow_label(metric: dict) -> str | None:
     """A [METRIC] line's ({key: text}) straggler as the timeline marks it: "rank 1 +45%"."""
-    spread = contract.number(metric.get("rank_spread"))
-    if spread is None or spread <= contract.SLOW_RANK_SPREAD:
+    if not is_held_back(metric):
         return None
+    spread = num(metric, "rank_spread")
     return f"rank {metric.get('slowest_rank', '?')} +{100 * (spread - 1):.0f}%"

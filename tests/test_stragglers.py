@@ -57,7 +57,7 @@ def test_slow_compute_is_named_with_its_cause():
     s = found["straggler"]
     assert (found["slowest_rank"], s["rank"], s["cause"]) == (1, 1, "compute")
     assert found["rank_spread"] == pytest.approx(1.5 / 1.01)
-    line = stragglers.straggler_line(3, found, ranks)
+    line = stragglers.straggler_line(3, found)
     assert STRAGGLER_RE.match(line).groups() == ("3", "rank", "1", "n1", "cuda:1", "49",
                                                  "own compute")
 
@@ -66,8 +66,7 @@ def test_slow_loader_is_named_as_data():
     ranks = [rank(), rank(own_s=1.4, compute_s=0.9, data_s=0.5), rank()]
     s = stragglers.analyse(ranks)["straggler"]
     assert (s["rank"], s["cause"]) == (1, "data")
-    assert "its loader (data wait)" in stragglers.straggler_line(1, stragglers.analyse(ranks),
-                                                                 ranks)
+    assert "its loader (data wait)" in stragglers.straggler_line(1, stragglers.analyse(ranks))
 
 
 def test_ten_percent_is_the_line():
@@ -146,7 +145,7 @@ def test_dataparallel_devices_are_its_ranks(monkeypatch):
     assert [r["wait_s"] for r in ranks] == pytest.approx([0.8, 0.2, 0.75])
     found = stragglers.analyse(ranks)
     assert found["straggler"]["rank"] == 1 and found["straggler"]["device"] == "cuda:1"
-    assert "device 1 on" in stragglers.straggler_line(1, found, ranks, clocks.what)
+    assert "device 1 on" in stragglers.straggler_line(1, found, clocks.what)
 
 
 def test_dataparallel_hooks_time_each_replicas_forward_and_backward():

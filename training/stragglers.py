@@ -84,20 +84,20 @@ def analyse(ranks: list) -> dict:
             r["compute_s"] for r in ranks)
         extra_data = ranks[slowest]["data_s"] - statistics.median(r["data_s"] for r in ranks)
         result["straggler"] = dict(rank=slowest, slower_pct=100 * (spread - 1),
+                                   median_own_s=median,
                                    cause="data" if extra_data > extra_compute else "compute",
                                    **ranks[slowest])
     return result
 
 
-def straggler_line(epoch: int, found: dict, ranks: list, what: str = "rank") -> str:
-    """The line people read, naming the slow rank (or device, ``what``)."""
+def straggler_line(epoch: int, found: dict, what: str = "rank") -> str:
+    """The line people read, naming the slow rank (or device, ``what``) that ``analyse`` found."""
     s = found["straggler"]
-    median = statistics.median(r["own_s"] for r in ranks)
     where = ("its loader (data wait)" if s["cause"] == "data"
              else "its own compute (forward, backward, optimizer)")
     return (f"straggler: epoch {epoch}: {what} {s['rank']} on {s['node']} ({s['device']}) is "
             f"{s['slower_pct']:.0f}% slower than the median {what} ({s['own_s']:.2f} s of own "
-            f"time vs {median:.2f} s); its extra time went to {where}; the others waited for "
+            f"time vs {s['median_own_s']:.2f} s); its extra time went to {where}; the others waited for "
             f"it")
 
 
@@ -200,7 +200,7 @@ class RankClock:
             return dict(slowest_rank=math.nan, rank_spread=math.nan)
         ranks = [r for each in every_rank(self.figures(train_time, data_wait)) for r in each]
         found = analyse(ranks)
-        self.lines = [straggler_line(epoch, found, ranks, self.what)] if found["straggler"] \
+        self.lines = [straggler_line(epoch, found, self.what)] if found["straggler"] \
             else []
         if len(ranks) > 1:
             self.lines.append(contract.format_ranks_line(epoch, ranks))
