@@ -8,6 +8,7 @@ import argparse
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -321,7 +322,8 @@ def test_fsdp_offload_gets_a_cpu_backend_beside_nccl(monkeypatch, extra, backend
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(distributed, "init_process_group", lambda b, env, t: chosen.append(b))
     monkeypatch.setattr(distributed, "check_gloo_on_cuda", lambda device, ops: None)
-    monkeypatch.setattr(fsdp_train, "init_device_mesh", lambda *a, **k: None)
+    mesh = SimpleNamespace(get_group=lambda dim: None)  # its groups go to the probe only
+    monkeypatch.setattr(fsdp_train, "build_mesh", lambda *a, **k: mesh)
     monkeypatch.setattr(fsdp_train.devices, "use_gpu", lambda args: True)
     args = fsdp_train.build_parser().parse_args(extra)
     world = 2 if "--share-gpus" in extra else 1
