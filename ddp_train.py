@@ -87,7 +87,8 @@ def setup_distributed(args, env: distributed.DistEnv):
     distributed.init_process_group(backend, env, args.dist_timeout)
     if shared:
         print0(*distributed.shared_gpu_lines(visible, env))
-        distributed.check_gloo_on_cuda(device, COLLECTIVES + ("broadcast",))
+        # every rank's group carries them all: the gradients' sums, the start's broadcast
+        distributed.check_gloo_on_cuda(device, [(op, None) for op in COLLECTIVES + ("broadcast",)])
     return device, backend
 
 

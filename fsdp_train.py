@@ -40,6 +40,7 @@ import argparse
 import shutil
 import time
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 try:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch before 2.6: common.run() stops it with one sentence (the floor)
@@ -115,16 +116,38 @@ def setup_distributed(args, env: distributed.DistEnv):
     else:
         device, backend, shared = torch.device("cpu"), "gloo", False
     distributed.init_process_group(backend, env, args.dist_timeout)
+    mesh = build_mesh(device.type, backend, env, args.sharding, args.dist_timeout)
     if shared:
         print0(*distributed.shared_gpu_lines(visible, env))
-        distributed.check_gloo_on_cuda(device, COLLECTIVES + ("broadcast",))
-    if args.sharding == "hybrid":
-        # rows = nodes (replicas), columns = GPUs of one node (shards)
-        mesh = init_device_mesh(device.type, (env.nodes, env.local_world_size),
-                                mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh(device.type, (env.world_size,), mesh_dim_names=("shard",))
+        # on the groups FSDP will use: the mesh's, and every rank's for the metrics
+        uses = [("all_gather", mesh.get_group("shard")),
+                ("reduce_scatter_avg", mesh.get_group("shard")),
+                ("all_reduce", None), ("broadcast", None)]
+        if args.sharding == "hybrid":
+            uses.append(("all_reduce_avg", mesh.get_group("replicate")))
+        distributed.check_gloo_on_cuda(device, uses)
     return device, backend, mesh
+
+
+def build_mesh(device_type: str, backend: str, env: distributed.DistEnv, sharding: str,
+               timeout_s: int) -> DeviceMesh:
+    """The device mesh FSDP shards over, made of process groups on ``backend``, the one the
+    ranks were given, never one torch picks: where CUDA is available, init_device_mesh gives
+    a 1-D mesh over a gloo group a new group of its own, on "cpu:gloo,cuda:nccl" in torch 2.9
+    and releases before it (on gloo in 2.14), and ranks sharing a GPU would then reach NCCL,
+    which refuses them. --sharding hybrid: rows = nodes (replicas), columns = GPUs of one
+    node (shards)."""
+    if sharding != "hybrid":
+        return DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("shard",))
+    layout = torch.arange(env.world_size).view(env.nodes, env.local_world_size)
+    # Collective: every rank creates every group of a dimension, in the same order.
+    timeout = timedelta(seconds=timeout_s)
+    shard, _ = dist.new_subgroups_by_enumeration(layout.tolist(), timeout=timeout,
+                                                 backend=backend)
+    replicate, _ = dist.new_subgroups_by_enumeration(layout.t().tolist(), timeout=timeout,
+                                                     backend=backend)
+    return DeviceMesh.from_group([replicate, shard], device_type, mesh=layout,
+                                 mesh_dim_names=("replicate", "shard"))
 
 
 def shard_units(model: nn.Module) -> list:

@@ -8,6 +8,7 @@ import argparse
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -321,12 +322,41 @@ def test_fsdp_offload_gets_a_cpu_backend_beside_nccl(monkeypatch, extra, backend
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(distributed, "init_process_group", lambda b, env, t: chosen.append(b))
     monkeypatch.setattr(distributed, "check_gloo_on_cuda", lambda device, ops: None)
-    monkeypatch.setattr(fsdp_train, "init_device_mesh", lambda *a, **k: None)
+    mesh = SimpleNamespace(get_group=lambda dim: None)  # its groups go to the probe only
+    monkeypatch.setattr(fsdp_train, "build_mesh", lambda *a, **k: mesh)
     monkeypatch.setattr(fsdp_train.devices, "use_gpu", lambda args: True)
     args = fsdp_train.build_parser().parse_args(extra)
     world = 2 if "--share-gpus" in extra else 1
     fsdp_train.setup_distributed(args, distributed.DistEnv(0, 0, world, world, "torchrun"))
     assert chosen == [backend]
+
+
+# ---- fsdp, ranks sharing a GPU: the mesh is made on gloo, and the start-up probe checks the
+# collectives on the groups FSDP will run them on (tests/test_simulate.py runs both for real)
+@pytest.mark.parametrize("sharding", ["full", "hybrid"])
+def test_fsdp_ranks_sharing_a_gpu_probe_the_meshs_groups(monkeypatch, sharding):
+    import fsdp_train
+    fake_gpus(monkeypatch, 1)
+    made, probed = [], []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(distributed, "init_process_group", lambda b, env, t: None)
+    monkeypatch.setattr(distributed, "check_gloo_on_cuda", lambda device, uses: probed.extend(uses))
+    mesh = SimpleNamespace(get_group=lambda dim: f"the mesh's {dim} group")
+
+    def build_mesh(device_type, backend, env, sharding, timeout_s):
+        made.append((device_type, backend, sharding))
+        return mesh
+    monkeypatch.setattr(fsdp_train, "build_mesh", build_mesh)
+    monkeypatch.setattr(fsdp_train.devices, "use_gpu", lambda args: True)
+    args = fsdp_train.build_parser().parse_args(["--share-gpus", "--sharding", sharding])
+    fsdp_train.setup_distributed(args, distributed.DistEnv(0, 0, 2, 2, "torchrun"))
+    assert made == [("cuda", "gloo", sharding)]
+    shard = "the mesh's shard group"
+    expected = [("all_gather", shard), ("reduce_scatter_avg", shard), ("all_reduce", None),
+                ("broadcast", None)]  # None: every rank's group (the metrics, the start)
+    if sharding == "hybrid":
+        expected.append(("all_reduce_avg", "the mesh's replicate group"))
+    assert probed == expected
 
 
 def test_a_cache_build_longer_than_dist_timeout_is_waited_for(tiny_imagenet, tmp_path):

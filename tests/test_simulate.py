@@ -12,7 +12,7 @@ import pytest
 import torch
 import torchvision
 
-from conftest import check_ok, run_script
+from conftest import REPO, check_ok, run_script
 from training import contract, memory, models
 
 RUNGS = [("ddp_train.py", [], "-"), ("ddp_train.py", ["--zero1"], "zero1"),
@@ -135,23 +135,85 @@ def test_ranks_share_gpus_only_when_asked_and_outnumbering_them():
     assert "2 processes share 1 GPU(s)" in line and "gloo" in line and "slow" in line
 
 
-def test_a_collective_gloo_lacks_for_cuda_tensors_is_one_sentence(monkeypatch):
-    from training import distributed
-    from training.faults import UsageError
-    import torch.distributed as dist
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    for op in ("all_reduce", "broadcast", "all_gather_into_tensor"):
-        monkeypatch.setattr(dist, op, lambda *a, **k: None)
+# Two ranks on gloo (CPU tensors: the probe and the mesh do not depend on the device). The
+# mesh: torch 2.5 to 2.9 give a 1-D mesh over a gloo group, where CUDA is available, a group
+# of its own on "cpu:gloo,cuda:nccl", which ranks sharing a GPU cannot use. Faked here: CUDA
+# "available", and each group torch's mesh code makes recorded (and made on gloo: this CPU
+# has no NCCL). The probe: the real collectives, then gloo's reduce-scatter as it was before
+# torch 2.9 (faked: a sum where the average was asked), then one collective gloo lacks.
+MESH_AND_PROBE = """
+import sys
+sys.path.insert(0, {repo!r})
+import torch, torch.distributed as dist
+from torch.distributed import device_mesh
+import fsdp_train
+from training import distributed
+from training.faults import UsageError, end_process
 
-    def missing(*a, **k):
-        raise RuntimeError("ProcessGroupGloo::reduce_scatter: unsupported device type cuda")
-    monkeypatch.setattr(dist, "reduce_scatter_tensor", missing)
-    distributed.check_gloo_on_cuda("cpu", ("all_reduce", "broadcast"))  # DDP's: all there
-    with pytest.raises(UsageError, match=r"^--share-gpus: gloo in this torch has no "
-                                         r"reduce_scatter for CUDA tensors \(ProcessGroupGloo"
-                                         r".*\), which this strategy needs: start one process "
-                                         r"per GPU, without --share-gpus$"):
-        distributed.check_gloo_on_cuda("cpu", ("all_gather", "reduce_scatter", "all_reduce"))
+torch.cuda.is_available = lambda: True
+made_by_torch, new_group = [], dist.new_group
+def old_torchs_new_group(*args, **kwargs):
+    made_by_torch.append(kwargs.get("backend") or "cpu:gloo,cuda:nccl")
+    return new_group(*args, **dict(kwargs, backend="gloo"))
+device_mesh.new_group = old_torchs_new_group
+
+args = fsdp_train.build_parser().parse_args(["--device", "cpu"])
+_, backend, mesh = fsdp_train.setup_distributed(args, distributed.dist_env())
+rank = dist.get_rank()
+log = open(f"{out}/rank{{rank}}.txt", "w")  # each rank its own: their prints would interleave
+print("full", mesh.get_group("shard") is dist.group.WORLD, made_by_torch, file=log)
+nodes = distributed.DistEnv(rank, 0, 2, 1, "torchrun", num_nodes=2)  # 2 nodes of 1 rank
+hybrid = fsdp_train.build_mesh("cpu", backend, nodes, "hybrid", 60)
+print("hybrid", tuple(hybrid.shape), [(dist.get_backend(hybrid.get_group(d)),
+      hybrid.get_group(d).size()) for d in ("replicate", "shard")], made_by_torch, file=log)
+
+uses = [("all_gather", mesh.get_group("shard")), ("reduce_scatter_avg", mesh.get_group("shard")),
+        ("all_reduce", None), ("broadcast", None),
+        ("all_reduce_avg", hybrid.get_group("replicate"))]
+distributed.check_gloo_on_cuda(torch.device("cpu"), uses)
+print("probe passes", file=log)
+reduce_scatter = dist.reduce_scatter_tensor
+dist.reduce_scatter_tensor = lambda out, inp, op=None, group=None: reduce_scatter(
+    out, inp, op=dist.ReduceOp.SUM, group=group)
+try:
+    distributed.check_gloo_on_cuda(torch.device("cpu"), uses)
+except UsageError as e:
+    print("wrong average:", e, file=log)
+def missing(*args, **kwargs):
+    raise RuntimeError("ProcessGroupGloo::reduce_scatter: unsupported device type cuda")
+dist.reduce_scatter_tensor = missing
+try:
+    distributed.check_gloo_on_cuda(torch.device("cpu"), uses)
+except UsageError as e:
+    print("missing:", e, file=log)
+log.close()
+dist.destroy_process_group()
+end_process(0)  # as the scripts end (training/faults.py says why)
+"""
+
+
+def test_the_fsdp_mesh_stays_on_the_given_group_and_the_probe_checks_its_values(tmp_path):
+    script = tmp_path / "mesh_and_probe.py"
+    script.write_text(MESH_AND_PROBE.format(repo=str(REPO), out=str(tmp_path)))
+    proc = run_script(str(script), nproc=2, timeout=300)
+    check_ok(proc)
+    out = [line for rank in (0, 1)
+           for line in (tmp_path / f"rank{rank}.txt").read_text().splitlines()]
+    # the 1-D mesh is the ranks' own group, and torch's mesh code made no group of its own
+    assert out.count("full True []") == 2, out
+    # HSDP: 2 nodes of 1 rank, both dimensions on groups made on the given backend
+    assert out.count("hybrid (2, 1) [('gloo', 2), ('gloo', 1)] []") == 2, out
+    assert out.count("probe passes") == 2, out
+    wrong = [line for line in out if line.startswith("wrong average:")]
+    assert len(wrong) == 2, out
+    assert re.fullmatch(r"wrong average: --share-gpus: gloo's reduce_scatter_avg of CUDA "
+                        r"tensors in this torch returned \[\d.*\] on rank \d where \[.*\] is "
+                        r"due, so training on it would go wrong: start one process per GPU, "
+                        r"without --share-gpus", wrong[0]), wrong[0]
+    missing = ("missing: --share-gpus: gloo in this torch has no reduce_scatter_avg for CUDA "
+               "tensors (ProcessGroupGloo::reduce_scatter: unsupported device type cuda), which "
+               "this strategy needs: start one process per GPU, without --share-gpus")
+    assert out.count(missing) == 2, out
 
 
 def test_share_gpus_is_for_process_groups():

@@ -168,26 +168,63 @@ def shared_gpu_lines(visible: int, env: DistEnv) -> list:
             f"for timing"]
 
 
-def check_gloo_on_cuda(device, ops: tuple) -> None:
-    """Run each collective of ``ops`` once on a small CUDA tensor over gloo (every rank), so
-    that one this torch's gloo lacks for CUDA tensors is one sentence now, not a crash at the
-    first step."""
-    _, world = rank_and_world()
-    x = torch.ones(world * 2, device=device)
-    calls = {"all_reduce": lambda: dist.all_reduce(x.clone()),
-             "broadcast": lambda: dist.broadcast(x.clone(), src=0),
-             "all_gather": lambda: dist.all_gather_into_tensor(torch.empty(world * 2 * world,
-                                                                           device=device), x),
-             "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty(2, device=device),
-                                                                  x)}
-    for op in ops:
+def check_gloo_on_cuda(device, uses: list) -> None:
+    """Run each collective the strategy will use once over gloo, on a small tensor of
+    ``device`` and on the group it will run it on (``uses``: (collective, group) pairs, group
+    None: every rank's), and check the values it returns. A collective this torch's gloo lacks
+    for CUDA tensors, or gets wrong (its AVG reduce-scatter gave wrong averages before torch
+    2.9), is then one sentence now, not a crash at the first step or quietly wrong gradients.
+    Collective: every rank calls it with the same ``uses``, and every rank stops if one
+    rank's check failed."""
+    error = None
+    for op, group in uses:
         try:
-            calls[op]()
+            got, due = _probe(op, device, group)
         except (RuntimeError, NotImplementedError) as e:
             first = (str(e).strip() or type(e).__name__).splitlines()[0]
-            raise UsageError(f"--share-gpus: gloo in this torch has no {op} for CUDA tensors "
-                             f"({first[:160]}), which this strategy needs: start one process "
-                             f"per GPU, without --share-gpus") from None
+            error = error or (f"--share-gpus: gloo in this torch has no {op} for CUDA tensors "
+                              f"({first[:160]}), which this strategy needs: start one process "
+                              f"per GPU, without --share-gpus")
+            continue
+        if not torch.allclose(got, due):
+            error = error or (f"--share-gpus: gloo's {op} of CUDA tensors in this torch "
+                              f"returned {got.tolist()} on rank {dist.get_rank()} where "
+                              f"{due.tolist()} is due, so training on it would go wrong: "
+                              f"start one process per GPU, without --share-gpus")
+    raise_if_any_rank(error)
+
+
+def _probe(op: str, device, group) -> tuple:
+    """(what ``op`` returned on this rank, what is due). Rank r of the group gives 2n values,
+    1 to 2n times r + 1, so that a sum, an average and another rank's chunk all differ:
+    all_reduce sums (the metrics, DDP's buckets); all_reduce_avg and reduce_scatter_avg
+    average (FSDP's gradients: between the replicas of --sharding hybrid, and into each
+    rank's shard); all_gather and broadcast copy (FSDP's parameters, DDP's start)."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    base = torch.arange(1, 2 * n + 1, dtype=torch.float32, device=device)
+    mine, mean = base * (rank + 1), (n + 1) / 2  # the mean of rank + 1 over the group
+    if op == "all_reduce":
+        got = mine.clone()
+        dist.all_reduce(got, group=group)
+        return got, base * n * mean
+    if op == "all_reduce_avg":
+        got = mine.clone()
+        dist.all_reduce(got, op=dist.ReduceOp.AVG, group=group)
+        return got, base * mean
+    if op == "reduce_scatter_avg":
+        got = torch.empty(2, device=device)
+        dist.reduce_scatter_tensor(got, mine, op=dist.ReduceOp.AVG, group=group)
+        return got, (base * mean)[2 * rank:2 * rank + 2]
+    if op == "all_gather":
+        got = torch.empty(2 * n * n, device=device)
+        dist.all_gather_into_tensor(got, mine, group=group)
+        return got, torch.cat([base * (r + 1) for r in range(n)])
+    if op == "broadcast":  # from the group's first rank
+        got = mine.clone()
+        first = 0 if group is None else dist.get_process_group_ranks(group)[0]
+        dist.broadcast(got, src=first, group=group)
+        return got, base
+    raise ValueError(f"no probe for the collective {op!r}")
 
 
 def simulated(world: int, env: DistEnv) -> DistEnv:

@@ -353,6 +353,15 @@ class StepProfiler:
     def __init__(self, args, steps: int, device: torch.device):
         self.out_dir = args.profile if rank_and_world()[0] == 0 else None
         self.steps, self.device = steps, device
+        if self.out_dir:
+            # Kineto leaves CUPTI hooked into every CUDA call after the profiler stops, unless
+            # TEARDOWN_CUPTI=1 (PyTorch issue 144455): the steps after the window would run
+            # slower than a run without --profile, and the epoch that is timed is one of them.
+            # Kineto reads the variable as a profiler stops and starts, so it is set before the
+            # first one is made; a value the user set is kept. One window a run, so CUPTI is
+            # never set up again after its teardown, which is what crashed with CUDA graphs
+            # before CUDA 12.6 (where torch.compile's graphs run, torch's profiler sets it to 0).
+            os.environ.setdefault("TEARDOWN_CUPTI", "1")
         # --cuda-graph: the eager steps, the capture and a first replay come before the window
         self.graph = bool(args.cuda_graph)
         self.after = self.AFTER + (cudagraph.DDP_WARMUP_STEPS if self.graph else 0)
