@@ -614,3 +614,14 @@ def test_ranks_that_found_different_checkpoints_stop_before_training(tmp_path):
            "ckpt-e0002-s0000000, ckpt-e0001-s0000000)" in err, err
     assert "give every node the same, shared --checkpoint-dir" in err
     assert not any("Epoch [" in out for out, _ in outs) and "Traceback" not in err
+
+
+def test_ranks_with_checkpoints_of_the_same_name_are_told_where(monkeypatch):
+    """Each node's own --checkpoint-dir held a checkpoint of the same name: the sentence read
+    "rank 0: ckpt-e0001-s0000000; rank 1: ckpt-e0001-s0000000", nothing that differs."""
+    found = [["/node-a/ckpt/ckpt-e0001-s0000000"], ["/node-b/ckpt/ckpt-e0001-s0000000"]]
+    monkeypatch.setattr(checkpoint, "every_rank", lambda _: found)
+    with pytest.raises(faults.UsageError) as refused:
+        checkpoint.same_candidates([])
+    assert ("the ranks found different checkpoints (rank 0: ckpt-e0001-s0000000 in "
+            "/node-a/ckpt; rank 1: ckpt-e0001-s0000000 in /node-b/ckpt)") in str(refused.value)
