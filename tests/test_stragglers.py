@@ -23,7 +23,7 @@ from training import contract, stragglers
 from conftest import REPO, check_ok, env_for_tests, metrics, run_script
 
 STRAGGLER_RE = re.compile(r"^straggler: epoch (\d+): (rank|device) (\d+) on (\S+) \((\S+)\) is "
-                          r"(\d+)% slower than the median .* went to its (loader|own compute)",
+                          r"(\d+)% slower than the (?:median|other) .* went to its (loader|own compute)",
                           re.M)
 # enough steps per epoch that a 100 ms stop cycle is felt many times over
 RUN = ["--model", "cnn", "--synthetic-size", "768", "--batch-size", "16", "--epochs", "2",
@@ -73,6 +73,16 @@ def test_ten_percent_is_the_line():
     assert stragglers.analyse([rank(own_s=1.0), rank(own_s=1.099)])["straggler"] is None
     # two ranks: the median is their mean, so 1.0 vs 1.3 is 13% above it
     assert stragglers.analyse([rank(own_s=1.0), rank(own_s=1.3)])["straggler"]["rank"] == 1
+
+
+def test_at_two_ranks_the_message_compares_with_the_other_rank():
+    """It said "24% slower than the median" of a rank 63% slower than the other: the median of
+    two is their mean."""
+    line = stragglers.straggler_line(1, stragglers.analyse([rank(own_s=1.0), rank(own_s=1.63)]))
+    assert "rank 1 on n0 (cpu) is 63% slower than the other rank (1.63 s of own time vs 1.00 s)" \
+        in line
+    three = stragglers.straggler_line(1, stragglers.analyse([rank(), rank(own_s=1.5), rank()]))
+    assert "50% slower than the median rank (1.50 s of own time vs 1.00 s)" in three
 
 
 def test_one_rank_is_never_a_straggler():
