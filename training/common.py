@@ -151,16 +151,21 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:
     """Lines logged once at start by rank 0: versions, devices, layout, resolved arguments."""
     import torchvision  # imported here: it takes about 2 s, and only this line names it
-    cuda = torch.version.cuda or "n/a"
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "n/a"
+    if torch.cuda.is_available():
+        cuda = (f"CUDA {torch.version.cuda} | NCCL "
+                f"{'.'.join(map(str, torch.cuda.nccl.version()))}")
+    elif torch.version.cuda:  # what this torch was built for, not what the machine has
+        cuda = f"CUDA build {torch.version.cuda} (no GPU)"
+    else:
+        cuda = "CPU-only build"
     if device.type == "cuda":
         names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
     else:
         names = f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
     args_text = " ".join(f"{k}={v}" for k, v in sorted(vars(args).items()))
     return [
-        f"torch {torch.__version__} | torchvision {torchvision.__version__} | CUDA {cuda} | "
-        f"NCCL {nccl} | python {platform.python_version()} | host {platform.node()}",
+        f"torch {torch.__version__} | torchvision {torchvision.__version__} | {cuda} | "
+        f"python {platform.python_version()} | host {platform.node()}",
         f"devices: {names}",
         f"layout: world_size={env.world_size} nodes={env.nodes} "
         f"processes_per_node={env.local_world_size} backend={backend} device={device.type} "
