@@ -73,10 +73,12 @@ def rank_table(ranks: list) -> list:
 
 def ranks_markdown(rows: list) -> list:
     """results.md's section on runs held back by one rank: per run, its epoch's per-rank
-    table (the epoch of the row's figures, else the last one logged)."""
+    table (the epoch of the row's figures, else the last one logged). A run the scaling table
+    does not use (an older run of the same configuration) is left out: the section describes
+    the runs the tables show."""
     lines = []
     for row in rows:
-        if not is_held_back(row):
+        if not is_held_back(row) or row.get("used_in_tables") == 0:
             continue
         logged = read_ranks(Path(row["path"]) / "train.log") if row.get("path") else {}
         ranks = logged.get(str(row.get("epoch"))) or (list(logged.values()) or [None])[-1]

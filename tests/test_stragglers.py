@@ -374,6 +374,26 @@ def test_results_md_shows_and_flags_a_run_held_back_by_one_rank(tmp_path):
     assert "| 0 | node0 | cuda:0 | 1.00 | 0.95 | 0.05 | 1.00 | 1.00× |" in section
 
 
+def test_of_tied_runs_without_job_env_the_newest_is_described_everywhere(tmp_path):
+    """Two finished runs of one configuration, their job.env gone: the tables took the oldest
+    (job 5002, held back by rank 1) though --help says the newest (job 5010), and results.md's
+    straggler section described the other run."""
+    import collect_results
+    import csv
+    study = tmp_path / "study"
+    for name, spread in (("ddp-1n2g-5002", 1.6), ("ddp-1n2g-5010", 1.02)):
+        (_run_dir(study, name, 2, spread, 1) / "job.env").unlink()
+    out = tmp_path / "out"
+    assert collect_results.main([str(study), "--out", str(out)]) == 0
+    with open(out / "results.csv", newline="") as f:
+        used = {r["run"]: r["used_in_tables"] for r in csv.DictReader(f)}
+    assert used == {"ddp-1n2g-5002": "0", "ddp-1n2g-5010": "1"}
+    md = (out / "results.md").read_text()
+    table_row = next(l for l in md.splitlines() if l.startswith("| 2 GPUs, 1 Node"))
+    assert "straggler" not in table_row and "196" in table_row, table_row
+    assert "## Runs held back by one rank" not in md
+
+
 def test_a_log_without_ranks_lines_reads_as_before(tmp_path):
     """Logs written before [RANKS] and rank_spread existed: no flag, no table, no error."""
     from reporting import stragglers as report_stragglers
