@@ -390,6 +390,31 @@ def test_local_sh_usr1_checkpoints_then_run_dir_resumes(tmp_path):
     assert_loggers_gone(tmp_path, run_dir)
 
 
+def test_a_sigterm_to_every_process_of_the_job_keeps_the_stop_record(tmp_path):
+    """Slurm ends a job (scontrol requeue, scancel, preemption) by sending SIGTERM to every
+    process of it, the one that writes train.log too. Before, that tee died first, and what
+    the training printed on its way out, "SIGTERM: checkpoint saved ..." and its [STOP] line,
+    never reached train.log (it ended in "--- Logging error ---")."""
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
+    proc = subprocess.Popen(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--",
+                             *REQUEUE_RUN], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        head = read_until(proc, "Epoch [1/8]")
+        os.killpg(proc.pid, signal.SIGTERM)  # every process of the job, as Slurm does
+        out = head + proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert list((run_dir / "checkpoints").iterdir()), out
+    log = (run_dir / "train.log").read_text()
+    assert re.search(r"^SIGTERM: checkpoint saved at epoch \d+, step \d+", log, re.M), log[-3000:]
+    assert re.search(r"^\[STOP\] signal=SIGTERM epoch=\d+ step=\d+ saved=1 exit_code=75$", log,
+                     re.M), log[-3000:]
+    assert "Logging error" not in log
+
+
 @pytest.mark.parametrize("when", ["during the flag check", "before job.sh"])
 def test_a_stop_signal_before_the_training_starts_is_passed_on(tmp_path, when):
     """Slurm's time-limit warning can come while job.sh is still starting (site.sh, the flag
