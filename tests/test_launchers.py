@@ -1112,3 +1112,36 @@ def test_the_master_node_takes_the_route_to_another_node(node, peer):
     res = subprocess.run(["bash", "-c", f'source "{LAUNCH}/lib.sh"; gloo_peer {node} n1 n2'],
                          capture_output=True, text=True, timeout=60)
     assert res.stdout == peer + "\n"
+
+
+def test_slurm_requeue_by_hand_keeps_the_stop_record(slurm_lab, tmp_path):
+    """`scontrol requeue` of a running job: Slurm sends SIGTERM to every process of the job,
+    the tee that writes train.log too. The training checkpointed, but train.log of the first
+    attempt ended in "--- Logging error ---": its "SIGTERM: checkpoint saved" sentence and its
+    [STOP] line were lost with the tee."""
+    job = Job(slurm_lab, tmp_path / "requeue_by_hand", "multi_gpu.slurm",
+              ["--gpus-per-node=2", "--job-name=requeue_by_hand", "--time=10"], REQUEUE_RUN)
+    env = job.env
+    try:
+        deadline = time.time() + JOB_TIMEOUT_S
+        logs = []
+        while time.time() < deadline:
+            logs = list((job.tmp / "runs").glob(f"*-{job.id}/train.log"))
+            if logs and "Epoch [1/8]" in logs[0].read_text():
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("no epoch line within the job timeout")
+        res = subprocess.run(["scontrol", "requeue", str(job.id)], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        # the first attempt has ended once neither its training nor the tee is left
+        assert wait_for(lambda: not job_processes(job.id) + job_processes(job.id, "tee -a"),
+                        120), describe(job_processes(job.id))
+        log = logs[0].read_text()
+    finally:
+        subprocess.run(["scancel", str(job.id)], env=env, capture_output=True, timeout=60)
+    assert re.search(r"^SIGTERM: checkpoint saved at epoch \d+, step \d+", log, re.M), log[-3000:]
+    assert re.search(r"^\[STOP\] signal=SIGTERM epoch=\d+ step=\d+ saved=1 exit_code=75$", log,
+                     re.M), log[-3000:]
+    assert "Logging error" not in log
