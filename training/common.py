@@ -96,7 +96,9 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: one line, and end_process releases the checkpoint lock
         if env is None or env.rank == 0:
             print("error: interrupted (Ctrl-C); nothing was saved since the last checkpoint. "
-                  "To stop with a checkpoint, send SIGTERM or SIGUSR1 (scancel --signal=USR1)",
+                  "To stop with a checkpoint, run the command of the start-up line 'stop with "
+                  "a checkpoint: ...' (SIGTERM to torchrun, never SIGUSR1), or under Slurm "
+                  "scancel --signal=USR1",
                   file=sys.stderr, flush=True)
         return 130
     finally:
