@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 
 from training import contract
-from reporting.scaling import num
+from reporting.scaling import gpus, num
 
 #: The column results.csv gets for a flagged run, and the scaling table's status shows.
 COLUMN = "straggler"
@@ -40,10 +40,13 @@ def is_held_back(row: dict) -> bool:
 
 
 def summary(row: dict) -> str:
-    """What the scaling table says of a run held back by one rank."""
-    return (f"straggler: rank {row.get('slowest_rank', '?')} took {num(row, 'rank_spread'):.2f}× "
-            f"the median rank's own time, so this efficiency is the straggler's, not the "
-            f"strategy's")
+    """What the scaling table says of a run held back by one rank. Of two ranks the median is
+    their mean, so the spread (slow / mean) is said as slow / the other: spread / (2 - spread)."""
+    spread, against = num(row, "rank_spread"), "the median rank's"
+    if gpus(row) == 2 and spread < 2:
+        spread, against = spread / (2 - spread), "the other rank's"
+    return (f"straggler: rank {row.get('slowest_rank', '?')} took {spread:.2f}× {against} own "
+            f"time, so this efficiency is the straggler's, not the strategy's")
 
 
 def flag(rows: list) -> None:

@@ -394,6 +394,17 @@ def test_of_tied_runs_without_job_env_the_newest_is_described_everywhere(tmp_pat
     assert "## Runs held back by one rank" not in md
 
 
+def test_results_md_says_a_two_rank_straggler_against_the_other_rank(tmp_path):
+    """It said "took 1.24× the median rank's own time" of a rank 1.63 times slower than the
+    other: the median of two ranks is their mean."""
+    import collect_results
+    run = _run_dir(tmp_path / "study", "ddp-1n2g", 2, 1.24, 1)
+    out = tmp_path / "out"
+    assert collect_results.main([str(run), "--out", str(out)]) == 0
+    assert "straggler: rank 1 took 1.63× the other rank's own time" in \
+        (out / "results.md").read_text()
+
+
 def test_a_log_without_ranks_lines_reads_as_before(tmp_path):
     """Logs written before [RANKS] and rank_spread existed: no flag, no table, no error."""
     from reporting import stragglers as report_stragglers
