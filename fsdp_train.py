@@ -92,9 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def setup_distributed(args, env: distributed.DistEnv):
     """Pick the device and backend, join the process group, and build the device mesh."""
-    if args.offload and args.sharding != "full":
-        raise UsageError(f"--offload works with --sharding full, not {args.sharding}: drop one "
-                         f"of them")
     if args.sharding == "hybrid" and env.source == "simulated":
         raise UsageError("--simulate-world-size simulates one node's ranks: use --sharding full "
                          "or grad-op (hybrid shards within a node the same way)")

@@ -291,7 +291,11 @@ forward_stop() {  # SIGNAL [later: once every node.sh is running the training, n
 }
 
 log_size=$(stat -c %s "$RUN_DIR/train.log" 2>/dev/null || echo 0)
-exec {log_fd}> >(tee -a "$RUN_DIR/train.log")
+# The tee that writes train.log ignores the stop signals: Slurm ends a job (scontrol requeue,
+# scancel, preemption) with a SIGTERM to every process of it, and a tee that died of it first
+# would lose what the training prints on its way out (its checkpoint sentence and [STOP] line).
+# It ends when the training's output does (EOF), or at Slurm's SIGKILL.
+exec {log_fd}> >(trap '' TERM INT HUP USR1; exec tee -a "$RUN_DIR/train.log")
 tee_pid=$!
 "${launch[@]}" >&"$log_fd" 2>&1 &
 launch_pid=$!

@@ -43,10 +43,18 @@ def group_of(row: dict) -> tuple:
     return (STRATEGIES.index(s) if s in STRATEGIES else len(STRATEGIES), s, row["scaling"])
 
 
+def newness(row: dict) -> tuple:
+    """How new a run is: its start time (job.env), then its Slurm job id (job.env's, else the
+    end of its run directory's name, <job name>-<job id>): without job.env the start times are
+    all empty, and the later job is the newer."""
+    job = row.get("job_id") or row["run"].rsplit("-", 1)[-1]
+    return row["start_time"], int(job) if job.isdigit() else -1
+
+
 def best(rows: list) -> dict:
     """The row the tables use among the runs of one configuration: the best status, then the
     newest run."""
-    newest_first = sorted(rows, key=lambda r: r["start_time"], reverse=True)
+    newest_first = sorted(rows, key=newness, reverse=True)
     return min(newest_first, key=lambda r: STATUSES.index(r["status"]))
 
 

@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 
 from training import contract
-from reporting.scaling import num
+from reporting.scaling import gpus, num
 
 #: The column results.csv gets for a flagged run, and the scaling table's status shows.
 COLUMN = "straggler"
@@ -40,10 +40,13 @@ def is_held_back(row: dict) -> bool:
 
 
 def summary(row: dict) -> str:
-    """What the scaling table says of a run held back by one rank."""
-    return (f"straggler: rank {row.get('slowest_rank', '?')} took {num(row, 'rank_spread'):.2f}× "
-            f"the median rank's own time, so this efficiency is the straggler's, not the "
-            f"strategy's")
+    """What the scaling table says of a run held back by one rank. Of two ranks the median is
+    their mean, so the spread (slow / mean) is said as slow / the other: spread / (2 - spread)."""
+    spread, against = num(row, "rank_spread"), "the median rank's"
+    if gpus(row) == 2 and spread < 2:
+        spread, against = spread / (2 - spread), "the other rank's"
+    return (f"straggler: rank {row.get('slowest_rank', '?')} took {spread:.2f}× {against} own "
+            f"time, so this efficiency is the straggler's, not the strategy's")
 
 
 def flag(rows: list) -> None:
@@ -73,10 +76,12 @@ def rank_table(ranks: list) -> list:
 
 def ranks_markdown(rows: list) -> list:
     """results.md's section on runs held back by one rank: per run, its epoch's per-rank
-    table (the epoch of the row's figures, else the last one logged)."""
+    table (the epoch of the row's figures, else the last one logged). A run the scaling table
+    does not use (an older run of the same configuration) is left out: the section describes
+    the runs the tables show."""
     lines = []
     for row in rows:
-        if not is_held_back(row):
+        if not is_held_back(row) or row.get("used_in_tables") == 0:
             continue
         logged = read_ranks(Path(row["path"]) / "train.log") if row.get("path") else {}
         ranks = logged.get(str(row.get("epoch"))) or (list(logged.values()) or [None])[-1]

@@ -158,6 +158,30 @@ def test_unreadable_dataset_file_is_a_usage_error(tmp_path):
         tinyimagenet.read_text_file(tmp_path)  # a folder where a file should be
 
 
+MNIST_OFFLINE = ("Error downloading train-images-idx3-ubyte.gz:\nTried "
+                 "https://ossci-datasets.s3.amazonaws.com/mnist/, got:\n<urlopen error [Errno -2] "
+                 "Name or service not known>\nTried http://yann.lecun.com/exdb/mnist/, got:\n"
+                 "<urlopen error [Errno -2] Name or service not known>\n")
+
+
+def test_mnist_without_network_is_one_clean_line(tmp_path, monkeypatch):
+    """torchvision's MNIST error (its exact text without network) spans lines, one per mirror
+    tried: the sentence was three lines with the inner error cut at 120 characters."""
+    import torchvision.datasets
+
+    def offline(*_, **__):
+        raise RuntimeError(MNIST_OFFLINE)
+    monkeypatch.setattr(torchvision.datasets, "MNIST", offline)
+    args = argparse.Namespace(dataset="mnist", data_dir=str(tmp_path))
+    with pytest.raises(faults.UsageError) as refused:
+        datautils._torchvision_data(args)
+    assert str(refused.value) == (
+        f"could not load mnist from {tmp_path} (RuntimeError: Error downloading "
+        f"train-images-idx3-ubyte.gz: <urlopen error [Errno -2] Name or service not known>); "
+        f"without network, put MNIST/raw/*-ubyte.gz (from the official site) in {tmp_path} and "
+        f"pass --data-dir {tmp_path}")
+
+
 @pytest.mark.parametrize("meta", [b"\xff\xfe\x00", b"[]", b'{"version": 1}',
                                   b'{"version": 1, "checksum": "c", "sources": 1}'])
 def test_damaged_cache_meta_means_rebuild_not_a_crash(tmp_path, meta):

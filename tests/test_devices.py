@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from training import devices, faults
+from training import common, devices, distributed, faults
 from conftest import CU130_ARCHS, FAST, REPO, env_for_tests, fake_gpus, run_script
 
 CU126_ARCHS = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
@@ -245,3 +245,18 @@ def test_a_torch_below_the_floor_stops_every_script_with_one_sentence(tmp_path, 
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "this torch 2.5.1 with torchvision" in errors[0], errors
     assert "pip install -r requirements.txt" in errors[0]
+
+
+@pytest.mark.parametrize("built, gpu, says", [
+    ("13.0", False, "| CUDA build 13.0 (no GPU) | python"),  # it said "CUDA 13.0 | NCCL n/a"
+    (None, False, "| CPU-only build | python"),
+    ("12.4", True, "| CUDA 12.4 | NCCL 2.21.5 | python"),
+])
+def test_the_start_up_line_says_what_cuda_is_the_builds(monkeypatch, built, gpu, says):
+    monkeypatch.setattr(torch.version, "cuda", built)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
+    args = argparse.Namespace(amp="off")
+    first = common.provenance(args, distributed.DistEnv(0, 0, 1, 1, "single"),
+                              torch.device("cpu"), "gloo")[0]
+    assert says in first and "n/a" not in first

@@ -141,7 +141,8 @@ def test_ctrl_c_is_one_line_and_releases_the_checkpoint_dir(tmp_path):
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
     assert [l for l in out.splitlines() if l.startswith("error:")] == [
         "error: interrupted (Ctrl-C); nothing was saved since the last checkpoint. To stop "
-        "with a checkpoint, send SIGTERM or SIGUSR1 (scancel --signal=USR1)"]
+        "with a checkpoint, run the command of the start-up line 'stop with a checkpoint: ...' "
+        "(SIGTERM to torchrun, never SIGUSR1), or under Slurm scancel --signal=USR1"]
     assert not (ck / faults.LOCK_FILE).exists()
 
 

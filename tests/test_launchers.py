@@ -390,6 +390,31 @@ def test_local_sh_usr1_checkpoints_then_run_dir_resumes(tmp_path):
     assert_loggers_gone(tmp_path, run_dir)
 
 
+def test_a_sigterm_to_every_process_of_the_job_keeps_the_stop_record(tmp_path):
+    """Slurm ends a job (scontrol requeue, scancel, preemption) by sending SIGTERM to every
+    process of it, the one that writes train.log too. Before, that tee died first, and what
+    the training printed on its way out, "SIGTERM: checkpoint saved ..." and its [STOP] line,
+    never reached train.log (it ended in "--- Logging error ---")."""
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
+    proc = subprocess.Popen(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--",
+                             *REQUEUE_RUN], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        head = read_until(proc, "Epoch [1/8]")
+        os.killpg(proc.pid, signal.SIGTERM)  # every process of the job, as Slurm does
+        out = head + proc.communicate(timeout=300)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert list((run_dir / "checkpoints").iterdir()), out
+    log = (run_dir / "train.log").read_text()
+    assert re.search(r"^SIGTERM: checkpoint saved at epoch \d+, step \d+", log, re.M), log[-3000:]
+    assert re.search(r"^\[STOP\] signal=SIGTERM epoch=\d+ step=\d+ saved=1 exit_code=75$", log,
+                     re.M), log[-3000:]
+    assert "Logging error" not in log
+
+
 @pytest.mark.parametrize("when", ["during the flag check", "before job.sh"])
 def test_a_stop_signal_before_the_training_starts_is_passed_on(tmp_path, when):
     """Slurm's time-limit warning can come while job.sh is still starting (site.sh, the flag
@@ -1087,3 +1112,36 @@ def test_the_master_node_takes_the_route_to_another_node(node, peer):
     res = subprocess.run(["bash", "-c", f'source "{LAUNCH}/lib.sh"; gloo_peer {node} n1 n2'],
                          capture_output=True, text=True, timeout=60)
     assert res.stdout == peer + "\n"
+
+
+def test_slurm_requeue_by_hand_keeps_the_stop_record(slurm_lab, tmp_path):
+    """`scontrol requeue` of a running job: Slurm sends SIGTERM to every process of the job,
+    the tee that writes train.log too. The training checkpointed, but train.log of the first
+    attempt ended in "--- Logging error ---": its "SIGTERM: checkpoint saved" sentence and its
+    [STOP] line were lost with the tee."""
+    job = Job(slurm_lab, tmp_path / "requeue_by_hand", "multi_gpu.slurm",
+              ["--gpus-per-node=2", "--job-name=requeue_by_hand", "--time=10"], REQUEUE_RUN)
+    env = job.env
+    try:
+        deadline = time.time() + JOB_TIMEOUT_S
+        logs = []
+        while time.time() < deadline:
+            logs = list((job.tmp / "runs").glob(f"*-{job.id}/train.log"))
+            if logs and "Epoch [1/8]" in logs[0].read_text():
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("no epoch line within the job timeout")
+        res = subprocess.run(["scontrol", "requeue", str(job.id)], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        # the first attempt has ended once neither its training nor the tee is left
+        assert wait_for(lambda: not job_processes(job.id) + job_processes(job.id, "tee -a"),
+                        120), describe(job_processes(job.id))
+        log = logs[0].read_text()
+    finally:
+        subprocess.run(["scancel", str(job.id)], env=env, capture_output=True, timeout=60)
+    assert re.search(r"^SIGTERM: checkpoint saved at epoch \d+, step \d+", log, re.M), log[-3000:]
+    assert re.search(r"^\[STOP\] signal=SIGTERM epoch=\d+ step=\d+ saved=1 exit_code=75$", log,
+                     re.M), log[-3000:]
+    assert "Logging error" not in log

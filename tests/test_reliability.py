@@ -614,3 +614,34 @@ def test_ranks_that_found_different_checkpoints_stop_before_training(tmp_path):
            "ckpt-e0002-s0000000, ckpt-e0001-s0000000)" in err, err
     assert "give every node the same, shared --checkpoint-dir" in err
     assert not any("Epoch [" in out for out, _ in outs) and "Traceback" not in err
+
+
+def test_ranks_with_checkpoints_of_the_same_name_are_told_where(monkeypatch):
+    """Each node's own --checkpoint-dir held a checkpoint of the same name: the sentence read
+    "rank 0: ckpt-e0001-s0000000; rank 1: ckpt-e0001-s0000000", nothing that differs."""
+    found = [["/node-a/ckpt/ckpt-e0001-s0000000"], ["/node-b/ckpt/ckpt-e0001-s0000000"]]
+    monkeypatch.setattr(checkpoint, "every_rank", lambda _: found)
+    with pytest.raises(faults.UsageError) as refused:
+        checkpoint.same_candidates([])
+    assert ("the ranks found different checkpoints (rank 0: ckpt-e0001-s0000000 in "
+            "/node-a/ckpt; rank 1: ckpt-e0001-s0000000 in /node-b/ckpt)") in str(refused.value)
+
+
+def test_the_printed_stop_command_stops_torchrun_with_a_checkpoint(tmp_path):
+    """SIGUSR1 to torchrun, as "send SIGTERM or SIGUSR1" suggested, killed torchrun (exit
+    138) and lost the work since the last checkpoint. The run now says at its start which
+    signal to send to which process, and that command checkpoints every rank."""
+    proc = _start(_torchrun("ddp_train.py", LONG + ["--checkpoint-dir", str(tmp_path / "ck")]))
+    try:
+        head = read_until(proc, "Epoch [1/")
+        said = re.search(r"^stop with a checkpoint: kill -TERM (\d+) \(torchrun, which passes "
+                         r"SIGTERM on to its workers; SIGUSR1 would end torchrun itself\)$",
+                         head, re.M)
+        assert said and int(said.group(1)) == proc.pid, head[-3000:]
+        subprocess.run(["kill", "-TERM", said.group(1)], check=True)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        _cleanup(proc.pid)
+    assert re.search(r"^\[STOP\] signal=SIGTERM epoch=\d+ step=\d+ saved=1 exit_code=75$",
+                     head + rest, re.M), rest[-3000:]
+    assert list((tmp_path / "ck").glob("ckpt-*"))

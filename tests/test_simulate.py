@@ -13,7 +13,7 @@ import torch
 import torchvision
 
 from conftest import REPO, check_ok, run_script
-from training import contract, memory, models
+from training import contract, distributed, faults, memory, models
 
 RUNGS = [("ddp_train.py", [], "-"), ("ddp_train.py", ["--zero1"], "zero1"),
          ("fsdp_train.py", ["--sharding", "grad-op"], "grad-op"),
@@ -99,12 +99,25 @@ def test_repeated_blocks_of_other_models_become_units():
     ("ddp_train.py", ["--simulate-world-size", "4", "--checkpoint-dir", "x", "--save-model",
                       "m.pt"], "drop --checkpoint-dir and --save-model"),
     ("fsdp_train.py", ["--simulate-world-size", "4", "--sharding", "hybrid"],
-     "use --sharding full or grad-op"),
+     # its error line too says it is a simulation, as every other line does
+     "error: simulation, rank 0 of 4: --simulate-world-size simulates one node's ranks: use "
+     "--sharding full or grad-op"),
 ])
 def test_simulate_refuses_what_it_cannot_simulate(script, args, message):
     proc = run_script(script, ["--model", "cnn", "--num-workers", "0"] + args, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_simulated_run_names_itself_in_its_error_lines(capsys):
+    env = distributed.DistEnv(0, 0, 8, 1, "simulated", num_nodes=1)
+    assert faults.crashed(RuntimeError("boom"), env) == 1
+    assert ("error: simulation, rank 0 of 8: the run stopped on an unexpected RuntimeError "
+            "(boom)") in capsys.readouterr().err
+    faults.collective_failed(RuntimeError("gloo"), env)
+    assert capsys.readouterr().err.startswith("error: simulation, rank 0 of 8: a collective")
+    faults.crashed(RuntimeError("boom"), distributed.DistEnv(1, 1, 2, 2, "torchrun"))
+    assert "error: rank 1: the run stopped" in capsys.readouterr().err
 
 
 def test_simulate_refuses_several_processes():

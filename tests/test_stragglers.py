@@ -23,7 +23,7 @@ from training import contract, stragglers
 from conftest import REPO, check_ok, env_for_tests, metrics, run_script
 
 STRAGGLER_RE = re.compile(r"^straggler: epoch (\d+): (rank|device) (\d+) on (\S+) \((\S+)\) is "
-                          r"(\d+)% slower than the median .* went to its (loader|own compute)",
+                          r"(\d+)% slower than the (?:median|other) .* went to its (loader|own compute)",
                           re.M)
 # enough steps per epoch that a 100 ms stop cycle is felt many times over
 RUN = ["--model", "cnn", "--synthetic-size", "768", "--batch-size", "16", "--epochs", "2",
@@ -73,6 +73,16 @@ def test_ten_percent_is_the_line():
     assert stragglers.analyse([rank(own_s=1.0), rank(own_s=1.099)])["straggler"] is None
     # two ranks: the median is their mean, so 1.0 vs 1.3 is 13% above it
     assert stragglers.analyse([rank(own_s=1.0), rank(own_s=1.3)])["straggler"]["rank"] == 1
+
+
+def test_at_two_ranks_the_message_compares_with_the_other_rank():
+    """It said "24% slower than the median" of a rank 63% slower than the other: the median of
+    two is their mean."""
+    line = stragglers.straggler_line(1, stragglers.analyse([rank(own_s=1.0), rank(own_s=1.63)]))
+    assert "rank 1 on n0 (cpu) is 63% slower than the other rank (1.63 s of own time vs 1.00 s)" \
+        in line
+    three = stragglers.straggler_line(1, stragglers.analyse([rank(), rank(own_s=1.5), rank()]))
+    assert "50% slower than the median rank (1.50 s of own time vs 1.00 s)" in three
 
 
 def test_one_rank_is_never_a_straggler():
@@ -362,6 +372,37 @@ def test_results_md_shows_and_flags_a_run_held_back_by_one_rank(tmp_path):
     assert "| **2** | **node2** | **cuda:2** | **1.60** | **1.55** | **0.05** | **0.10** | " \
            "**1.60×** |" in section
     assert "| 0 | node0 | cuda:0 | 1.00 | 0.95 | 0.05 | 1.00 | 1.00× |" in section
+
+
+def test_of_tied_runs_without_job_env_the_newest_is_described_everywhere(tmp_path):
+    """Two finished runs of one configuration, their job.env gone: the tables took the oldest
+    (job 5002, held back by rank 1) though --help says the newest (job 5010), and results.md's
+    straggler section described the other run."""
+    import collect_results
+    import csv
+    study = tmp_path / "study"
+    for name, spread in (("ddp-1n2g-5002", 1.6), ("ddp-1n2g-5010", 1.02)):
+        (_run_dir(study, name, 2, spread, 1) / "job.env").unlink()
+    out = tmp_path / "out"
+    assert collect_results.main([str(study), "--out", str(out)]) == 0
+    with open(out / "results.csv", newline="") as f:
+        used = {r["run"]: r["used_in_tables"] for r in csv.DictReader(f)}
+    assert used == {"ddp-1n2g-5002": "0", "ddp-1n2g-5010": "1"}
+    md = (out / "results.md").read_text()
+    table_row = next(l for l in md.splitlines() if l.startswith("| 2 GPUs, 1 Node"))
+    assert "straggler" not in table_row and "196" in table_row, table_row
+    assert "## Runs held back by one rank" not in md
+
+
+def test_results_md_says_a_two_rank_straggler_against_the_other_rank(tmp_path):
+    """It said "took 1.24× the median rank's own time" of a rank 1.63 times slower than the
+    other: the median of two ranks is their mean."""
+    import collect_results
+    run = _run_dir(tmp_path / "study", "ddp-1n2g", 2, 1.24, 1)
+    out = tmp_path / "out"
+    assert collect_results.main([str(run), "--out", str(out)]) == 0
+    assert "straggler: rank 1 took 1.63× the other rank's own time" in \
+        (out / "results.md").read_text()
 
 
 def test_a_log_without_ranks_lines_reads_as_before(tmp_path):

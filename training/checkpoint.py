@@ -330,8 +330,12 @@ def same_candidates(candidates: list) -> list:
         return candidates
     differ = next(rank for rank, found in enumerate(everyone) if found != everyone[0])
 
-    def shown(found):
+    def names(found):
         return ", ".join(Path(name).name for name in found[:3]) or "none"
+
+    def shown(found):  # the names, and where they are when the names alone are the same
+        same = names(everyone[0]) == names(everyone[differ])
+        return names(found) + (f" in {Path(found[0]).parent}" if same and found else "")
     raise UsageError(f"the ranks found different checkpoints (rank 0: {shown(everyone[0])}; "
                      f"rank {differ}: {shown(everyone[differ])}) and would resume from "
                      f"different points: give every node the same, shared --checkpoint-dir (a "

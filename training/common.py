@@ -96,7 +96,9 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: one line, and end_process releases the checkpoint lock
         if env is None or env.rank == 0:
             print("error: interrupted (Ctrl-C); nothing was saved since the last checkpoint. "
-                  "To stop with a checkpoint, send SIGTERM or SIGUSR1 (scancel --signal=USR1)",
+                  "To stop with a checkpoint, run the command of the start-up line 'stop with "
+                  "a checkpoint: ...' (SIGTERM to torchrun, never SIGUSR1), or under Slurm "
+                  "scancel --signal=USR1",
                   file=sys.stderr, flush=True)
         return 130
     finally:
@@ -151,16 +153,21 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:
     """Lines logged once at start by rank 0: versions, devices, layout, resolved arguments."""
     import torchvision  # imported here: it takes about 2 s, and only this line names it
-    cuda = torch.version.cuda or "n/a"
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "n/a"
+    if torch.cuda.is_available():
+        cuda = (f"CUDA {torch.version.cuda} | NCCL "
+                f"{'.'.join(map(str, torch.cuda.nccl.version()))}")
+    elif torch.version.cuda:  # what this torch was built for, not what the machine has
+        cuda = f"CUDA build {torch.version.cuda} (no GPU)"
+    else:
+        cuda = "CPU-only build"
     if device.type == "cuda":
         names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
     else:
         names = f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
     args_text = " ".join(f"{k}={v}" for k, v in sorted(vars(args).items()))
     return [
-        f"torch {torch.__version__} | torchvision {torchvision.__version__} | CUDA {cuda} | "
-        f"NCCL {nccl} | python {platform.python_version()} | host {platform.node()}",
+        f"torch {torch.__version__} | torchvision {torchvision.__version__} | {cuda} | "
+        f"python {platform.python_version()} | host {platform.node()}",
         f"devices: {names}",
         f"layout: world_size={env.world_size} nodes={env.nodes} "
         f"processes_per_node={env.local_world_size} backend={backend} device={device.type} "
@@ -168,4 +175,18 @@ def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:
         f"mixed precision: {AMP_TEXT[args.amp]} (--amp {args.amp}; default: bf16 on GPUs of "
         f"compute capability 8.0+, fp16 on older GPUs, off on CPU)",
         f"args: {args_text}",
-    ]
+    ] + stop_line(env)
+
+
+def stop_line(env: DistEnv) -> list:
+    """How to stop a run started by hand with a checkpoint, said at its start: the signal and
+    the process that must get it. torchrun passes a SIGTERM on to its workers, while a SIGUSR1
+    ends torchrun itself (it has no handler for it) and the work since the last checkpoint is
+    lost. One rank that gets it is enough: the ranks vote and all stop at the same step. Under
+    Slurm nothing: scancel and the launchers' traps do it (README, "Fault tolerance")."""
+    if os.environ.get("SLURM_JOB_ID") or env.source == "simulated":
+        return []
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun, this process's parent
+        return [f"stop with a checkpoint: kill -TERM {os.getppid()} (torchrun, which passes "
+                f"SIGTERM on to its workers; SIGUSR1 would end torchrun itself)"]
+    return [f"stop with a checkpoint: kill -TERM {os.getpid()} (or -USR1)"]

@@ -225,8 +225,12 @@ def _torchvision_data(args) -> DataBundle:
             return (cls(str(root), train=True, transform=train_tf, download=download),
                     cls(str(root), train=False, transform=val_tf, download=download))
         except (OSError, RuntimeError) as exc:  # URLError is an OSError
+            # MNIST's error lists each mirror it tried over several lines: keep the first
+            # (what failed) and the last (why), so the sentence stays one line
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+            why = lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}"
             raise UsageError(f"could not load {args.dataset} from {root} ({exc.__class__.__name__}"
-                             f": {str(exc)[:120]}); without network, put {archive} (from the "
+                             f": {why[:300]}); without network, put {archive} (from the "
                              f"official site) in {root.resolve()} and pass --data-dir "
                              f"{root}") from None
 

@@ -46,6 +46,14 @@ class DataError(UsageError):
     that rank sees it, so that rank prints it, whichever it is."""
 
 
+def _rank(rank_env) -> str:
+    """How an error line names this process: "rank R", or in a --simulate-world-size run, like
+    its other lines, "simulation, rank 0 of N"."""
+    if rank_env is not None and rank_env.source == "simulated":
+        return f"simulation, rank 0 of {rank_env.world_size}"
+    return f"rank {rank_env.rank if rank_env else 0}"
+
+
 def fail_cleanly(err: UsageError, rank_env=None) -> int:
     """Print a UsageError as one line and return 2. A problem of the setup is the same on
     every rank: local rank 0 of each node prints it. A DataError (or any error raised in a
@@ -56,7 +64,8 @@ def fail_cleanly(err: UsageError, rank_env=None) -> int:
         text = re.sub(r"^.*?(Usage|Data)Error: ", "", text.strip().splitlines()[-1])
     own = isinstance(err, DataError) or from_worker
     if rank_env is None or rank_env.local_rank == 0 or own:
-        rank = f"rank {rank_env.rank}: " if own and rank_env and rank_env.rank else ""
+        named = rank_env and (rank_env.source == "simulated" or own and rank_env.rank)
+        rank = f"{_rank(rank_env)}: " if named else ""
         print(f"error: {rank}{text}", file=sys.stderr, flush=True)
     else:  # a silent rank that exits first makes torchrun stop the node's other ranks (SIGTERM):
         time.sleep(2)  # give local rank 0 the moment it needs to print the same error
@@ -102,9 +111,8 @@ def exit_line(code: int, rank_env=None) -> int:
 def collective_failed(err: Exception, rank_env) -> int:
     """A collective failed or timed out (a peer died, the network broke): say so and exit 1
     instead of waiting forever."""
-    rank = rank_env.rank if rank_env else 0
     first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
-    print(f"error: rank {rank}: a collective with the other ranks failed or timed out "
+    print(f"error: {_rank(rank_env)}: a collective with the other ranks failed or timed out "
           f"({err.__class__.__name__}: {first}); another rank probably died first: look for its "
           f"error above, or raise --dist-timeout if the job is merely slow", file=sys.stderr,
           flush=True)
@@ -117,18 +125,18 @@ def crashed(err: Exception, rank_env) -> int:
     the interpreter's exit, where multiprocessing sends the workers a SIGTERM they ignore
     (they must outlive a stop signal) and then waits for them forever. A dead loader worker is
     named as such; for anything else the traceback comes first, because it is a bug."""
-    rank = rank_env.rank if rank_env else 0
+    rank = _rank(rank_env)
     text = str(err).strip()
     first = text.splitlines()[0][:300] if text else ""
     if "DataLoader worker" in text and ("killed by signal" in text or "exited unexpectedly"
                                         in text):
-        print(f"error: rank {rank}: a DataLoader worker of this rank died ({first}); a "
+        print(f"error: {rank}: a DataLoader worker of this rank died ({first}); a "
               f"worker killed by signal 9 (Killed) is most often the kernel's out-of-memory "
               f"killer: lower --num-workers or --batch-size, or ask for more memory",
               file=sys.stderr, flush=True)
         return 1
     traceback.print_exception(err)
-    print(f"error: rank {rank}: the run stopped on an unexpected {err.__class__.__name__} "
+    print(f"error: {rank}: the run stopped on an unexpected {err.__class__.__name__} "
           f"({first}): the traceback above shows where", file=sys.stderr, flush=True)
     return 1
 

@@ -290,10 +290,17 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
                                        ("--checkpoint-dir", args.checkpoint_dir),
                                        ("--save-model", args.save_model),
                                        ("--cuda-graph", args.cuda_graph),
-                                       ("--estimate-memory", args.estimate_memory)) if on]
+                                       ("--estimate-memory", args.estimate_memory),
+                                       ("--tensorboard", args.tensorboard not in (
+                                           None, board.OFF, board.UNDER_LAUNCHER))) if on]
         if clash:
             raise UsageError(f"--simulate-world-size only measures the memory of rank 0 of N "
                              f"(its collectives move no data): drop {' and '.join(clash)}")
+    # fsdp_train.py's own flag, checked here so that --estimate-memory refuses what training
+    # refuses (the other scripts have no --offload)
+    if getattr(args, "offload", False) and args.sharding != "full":
+        raise UsageError(f"--offload works with --sharding full, not {args.sharding}: drop one "
+                         f"of them")
     if args.estimate_memory not in (None, ALL_GPU_COUNTS) and args.estimate_memory < 1:
         raise UsageError(f"--estimate-memory N: N is a number of GPUs, at least 1 (or none: "
                          f"1, 2, 4 and 8), got {args.estimate_memory}")
@@ -308,12 +315,19 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
                          f"without --dataset is TinyImageNet)") from None
     if not data_known:
         return
-    if args.data_on_device and args.dataset != "synthetic" and not args.data_cache:
+    if args.data_on_device and args.dataset == "tinyimagenet" and not args.data_cache:
         raise UsageError("--data-on-device needs decoded data: add --data-cache (TinyImageNet) "
                          "or use the synthetic dataset")
+    # Both refusals in one sentence, so that following its advice is enough
+    wrong = {}
     if args.data_cache and args.dataset != "tinyimagenet":
-        raise UsageError(f"--data-cache works with TinyImageNet only, not --dataset "
-                         f"{args.dataset}: drop --data-cache")
+        wrong["--data-cache"] = "--data-cache works with TinyImageNet only"
+    if args.data_on_device and args.dataset not in ("tinyimagenet", "synthetic"):
+        wrong["--data-on-device"] = ("--data-on-device works with TinyImageNet's --data-cache "
+                                     "and the synthetic dataset")
+    if wrong:
+        raise UsageError(f"{'; '.join(wrong.values())}, not --dataset {args.dataset}: drop "
+                         f"{' and '.join(wrong)}")
 
 
 def input_shape(args, data_known: bool = True) -> tuple:
@@ -349,6 +363,10 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
     if args.resume not in ("auto", "never") and not Path(args.resume).exists():
         raise UsageError(f"--resume {args.resume}: no such checkpoint; use auto, never, or the "
                          f"path of a checkpoint file or folder")
+    if args.share_gpus and device.type == "cpu" and env.rank == 0:
+        print(f"note: --share-gpus does nothing here: the ranks train on the CPU "
+              f"({'--device cpu' if args.device == 'cpu' else 'no GPU visible'}), each on its "
+              f"own cores; drop --share-gpus", flush=True)
     if args.warmup_epochs > args.epochs and env.rank == 0:
         print(f"note: --warmup-epochs {args.warmup_epochs:g} is longer than --epochs "
               f"{args.epochs}: the learning rate never reaches its peak", flush=True)

@@ -72,8 +72,9 @@ FOLD_AFTER = 256
 def analyse(ranks: list) -> dict:
     """``ranks``: one dict per rank (own_s, compute_s, data_s, wait_s, node, device), in rank
     order. Returns slowest_rank, rank_spread (its own time over the median rank's), and, when it
-    is more than SLOW_FACTOR above the median, ``straggler``: its rank, how much slower (%) and
-    where its extra time went ("compute" or "data")."""
+    is more than SLOW_FACTOR above the median, ``straggler``: its rank, how much slower (%) than
+    the median rank (of two ranks: the other one) and where its extra time went ("compute" or
+    "data")."""
     own = [r["own_s"] for r in ranks]
     median = statistics.median(own)
     slowest = max(range(len(own)), key=lambda i: own[i])
@@ -83,8 +84,11 @@ def analyse(ranks: list) -> dict:
         extra_compute = ranks[slowest]["compute_s"] - statistics.median(
             r["compute_s"] for r in ranks)
         extra_data = ranks[slowest]["data_s"] - statistics.median(r["data_s"] for r in ranks)
-        result["straggler"] = dict(rank=slowest, slower_pct=100 * (spread - 1),
-                                   median_own_s=median,
+        # Of two ranks the median is their mean, no rank's time (a rank 63% slower than the
+        # other is 24% above it): the line compares with the other rank then
+        against, against_s = ("other", min(own)) if len(own) == 2 else ("median", median)
+        result["straggler"] = dict(rank=slowest, against=against, against_s=against_s,
+                                   slower_pct=100 * (own[slowest] / against_s - 1),
                                    cause="data" if extra_data > extra_compute else "compute",
                                    **ranks[slowest])
     return result
@@ -96,9 +100,9 @@ def straggler_line(epoch: int, found: dict, what: str = "rank") -> str:
     where = ("its loader (data wait)" if s["cause"] == "data"
              else "its own compute (forward, backward, optimizer)")
     return (f"straggler: epoch {epoch}: {what} {s['rank']} on {s['node']} ({s['device']}) is "
-            f"{s['slower_pct']:.0f}% slower than the median {what} ({s['own_s']:.2f} s of own "
-            f"time vs {s['median_own_s']:.2f} s); its extra time went to {where}; the others waited for "
-            f"it")
+            f"{s['slower_pct']:.0f}% slower than the {s['against']} {what} ({s['own_s']:.2f} s "
+            f"of own time vs {s['against_s']:.2f} s); its extra time went to {where}; the others "
+            f"waited for it")
 
 
 def _label(text: str) -> str:

@@ -1,0 +1,83 @@
+"""Flags that disagree with each other (training/flags.py check_flags, the one check that
+training, --estimate-memory and launch/check_args.py share): each is refused with one sentence
+whose advice, followed, gives flags that pass; what does nothing is said."""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import pytest
+import torch
+
+from training import distributed, flags
+from training.faults import UsageError
+from conftest import run_script
+
+
+def _parse(script: str, argv: list):
+    return importlib.import_module(script).build_parser().parse_args(argv)
+
+
+def _without(argv: list, gone: list) -> list:
+    """argv without the flags ``gone`` and the values that follow them."""
+    kept, skipping = [], False
+    for a in argv:
+        skipping = a in gone or (skipping and not a.startswith("--"))
+        if not skipping:
+            kept.append(a)
+    return kept
+
+
+def _follow(message: str, argv: list) -> list:
+    """The flags after doing what the refusal says: drop the flags it names, or add one."""
+    if "drop one of them" in message:  # --offload with another --sharding: drop --offload
+        return _without(argv, ["--offload"])
+    drop = re.search(r": drop (.+)$", message)
+    if drop:
+        return _without(argv, drop.group(1).split(" and "))
+    return argv + [re.search(r"add (--[a-z-]+)", message).group(1)]
+
+
+@pytest.mark.parametrize("script, argv, says", [
+    ("ddp_train", ["--dataset", "fashion-mnist", "--data-on-device"],
+     "--data-on-device works with TinyImageNet's --data-cache and the synthetic dataset, not "
+     "--dataset fashion-mnist: drop --data-on-device"),
+    # it said "drop --data-cache" here, after saying "add --data-cache" without it
+    ("ddp_train", ["--dataset", "fashion-mnist", "--data-on-device", "--data-cache"],
+     "drop --data-cache and --data-on-device"),
+    ("ddp_train", ["--dataset", "cifar10", "--data-cache"],
+     "--data-cache works with TinyImageNet only, not --dataset cifar10: drop --data-cache"),
+    ("ddp_train", ["--data-dir", "x", "--data-on-device"], "add --data-cache"),
+    ("fsdp_train", ["--sharding", "grad-op", "--offload", "--estimate-memory", "4"],
+     "--offload works with --sharding full, not grad-op: drop one of them"),
+    ("ddp_train", ["--simulate-world-size", "4", "--tensorboard", "tb"],
+     "--simulate-world-size only measures the memory of rank 0 of N (its collectives move no "
+     "data): drop --tensorboard"),
+])
+def test_each_refusal_names_a_fix_that_works(script, argv, says):
+    with pytest.raises(UsageError) as refused:
+        flags.check_flags(_parse(script, argv))
+    assert says in str(refused.value)
+    flags.check_flags(_parse(script, _follow(str(refused.value), argv)))  # passes now
+
+
+@pytest.mark.parametrize("sharding", ["hybrid", "grad-op"])
+def test_estimate_memory_refuses_what_training_refuses(sharding):
+    """It printed an estimate for --offload with a sharding that training refuses."""
+    proc = run_script("fsdp_train.py", ["--estimate-memory", "4", "--sharding", sharding,
+                                        "--offload"], timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"--offload works with --sharding full, not {sharding}" in proc.stderr
+    assert "[MEMORY]" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("device_flag, why", [("cpu", "--device cpu"),
+                                              ("auto", "no GPU visible")])
+def test_share_gpus_on_the_cpu_is_said(capsys, device_flag, why):
+    args = _parse("ddp_train", ["--share-gpus", "--device", device_flag])
+    flags.check_flags(args)
+    flags.resolve_args(args, distributed.DistEnv(0, 0, 2, 2, "torchrun"), torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert (f"note: --share-gpus does nothing here: the ranks train on the CPU ({why}), each "
+            f"on its own cores; drop --share-gpus") in out
