@@ -38,8 +38,9 @@ WRAPPER_PARTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_modul
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description="Write the model's weights from a checkpoint of "
+                                            "ddp_train.py, dp_train.py or fsdp_train.py as one "
+                                            "plain torch.save file that loads anywhere.")
     p.add_argument("checkpoint", metavar="CHECKPOINT",
                    help="a checkpoint (ddp_train.py's or dp_train.py's file, fsdp_train.py's "
                         "folder), a --checkpoint-dir (its newest checkpoint), or a --save-model "
@@ -94,7 +95,7 @@ def read_weights(path: Path) -> tuple:
     try:
         if path.is_dir():
             meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
-            return read_dcp_model(path), meta, "fsdp_train.py's sharded checkpoint"
+            return read_dcp_model(path), meta, "a sharded checkpoint of fsdp_train.py"
         # mmap: of a checkpoint's optimizer state nothing is read, only the model's tensors
         saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (KeyboardInterrupt, SystemExit):
@@ -213,7 +214,7 @@ def report(info: dict, out: Path) -> None:
     model = (f"--model {info['name']} ({info['class']}), " if info["name"] else
              "model not named (a --save-model file records no --model; pass --model NAME to "
              "check it loads), ")
-    print(f"wrote {out}: {model}{info['tensors']} tensors, {info['params']:,} numbers, "
+    print(f"wrote {out}: {model}{info['tensors']} tensors, {info['params']:,} values, "
           f"{info['bytes'] / 2**20:.1f} MiB")
     if info["code"]:
         print("load it with:\n    import torch\n    "
