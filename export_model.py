@@ -1,0 +1,238 @@
+"""Turn a checkpoint of any of the three training scripts into one file of the model's weights
+that loads anywhere, without this toolkit, a process group or the GPU it was trained on:
+
+    python export_model.py runs/ck/ckpt-e0003-s0000000 model.pt    # one checkpoint
+    python export_model.py runs/ck model.pt                       # the newest in a --checkpoint-dir
+    python export_model.py full.pt model.pt --model resnet50       # a --save-model file
+
+The checkpoint: a file from ddp_train.py or dp_train.py, a sharded DCP folder from
+fsdp_train.py (read in this one process, at any world size it was written by), or a
+--save-model file. The output: a ``torch.save`` of the model's state_dict alone, CPU tensors
+in the default layout, with plain names (no ``module.`` of DDP or DataParallel, no
+``_orig_mod.`` of torch.compile, no FSDP wrappers), the optimizer and the run's state left
+out. It is checked by loading it into the bare model, and the lines printed say how to do the
+same elsewhere:
+
+    model = torchvision.models.get_model("resnet50", num_classes=200)
+    model.load_state_dict(torch.load("model.pt", weights_only=True))
+
+Exit status: 0 written; 2 a path that is not a checkpoint, a checkpoint that does not load, or
+an output that cannot be written (one sentence naming the fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from training import checkpoint, models
+from training.faults import UsageError
+
+#: Path components that wrappers add to parameter names: torch.compile's module, FSDP1's and
+#: activation checkpointing's wrappers. None is ever a name a model gives its own layers.
+WRAPPER_PARTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Write the model's weights from a checkpoint of "
+                                            "ddp_train.py, dp_train.py or fsdp_train.py as one "
+                                            "plain torch.save file that loads anywhere.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT",
+                   help="a checkpoint (ddp_train.py's or dp_train.py's file, fsdp_train.py's "
+                        "folder), a --checkpoint-dir (its newest checkpoint), or a --save-model "
+                        "file")
+    p.add_argument("out", metavar="OUT.pt", help="the file to write (replaced if it exists)")
+    p.add_argument("--model", default=None,
+                   help="the --model the run trained; needed only for a --save-model file, "
+                        "which does not record it (a checkpoint does)")
+    return p
+
+
+def find_checkpoint(path: Path) -> Path:
+    """The checkpoint ``path`` names: itself, or the newest in a --checkpoint-dir."""
+    if not path.exists():
+        raise UsageError(f"{path} does not exist: give a checkpoint (ckpt-eNNNN-sNNNNNNN) or "
+                         f"the --checkpoint-dir that holds them")
+    if path.is_dir() and not (path / ".metadata").exists():
+        found = checkpoint.list_checkpoints(path)
+        if found:
+            print(f"newest of the {len(found)} checkpoint(s) in {path}: {found[0].name}")
+            return found[0]
+    return path
+
+
+def not_loadable(path: Path, exc: BaseException | None = None) -> UsageError:
+    """The sentence for a path that holds no weights this script can read."""
+    what = checkpoint.not_a_checkpoint(path)
+    if what is None:
+        first = str(exc).strip().splitlines()[0][:160] if exc and str(exc).strip() else ""
+        what = f"a checkpoint that does not load ({type(exc).__name__}: {first})"
+    return UsageError(f"{path} is {what}: give a checkpoint of ddp_train.py, dp_train.py or "
+                      f"fsdp_train.py (a ckpt-eNNNN-sNNNNNNN file or folder, or the "
+                      f"--checkpoint-dir that holds them) or a --save-model file")
+
+
+def read_dcp_model(path: Path) -> dict:
+    """The "model" entry of fsdp_train.py's sharded DCP folder as full, plain tensors, read in
+    this one process without a process group. This is what torch's own
+    format_utils.dcp_to_torch_save does, with the optimizer's state left unread."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(path),
+                     planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    return state["model"]
+
+
+def read_weights(path: Path) -> tuple:
+    """(the model's state_dict, the run's meta or None for a --save-model file, what it is)."""
+    try:
+        if path.is_dir():
+            meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
+            return read_dcp_model(path), meta, "a sharded checkpoint of fsdp_train.py"
+        # mmap: of a checkpoint's optimizer state nothing is read, only the model's tensors
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    # BaseException: DCP's CheckpointException (a missing or truncated shard) derives from it
+    except BaseException as exc:
+        raise not_loadable(path, exc) from None
+    if isinstance(saved, dict) and isinstance(saved.get("model"), dict):
+        return saved["model"], saved, "a checkpoint of ddp_train.py or dp_train.py"
+    if isinstance(saved, dict) and saved and all(isinstance(v, torch.Tensor)
+                                                 for v in saved.values()):
+        return saved, None, "a --save-model file"
+    raise not_loadable(path)
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name without the wrappers' parts: DDP's and DataParallel's leading
+    ``module.``, torch.compile's ``_orig_mod.``, FSDP1's and activation checkpointing's."""
+    parts = [part for part in name.split(".") if part not in WRAPPER_PARTS]
+    while len(parts) > 1 and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def plain_weights(state_dict: dict) -> dict:
+    """Plain names, CPU tensors in the default layout (a CUDA run's channels_last
+    convolutions are contiguous again), nothing but the model's own entries."""
+    plain = {}
+    for name, value in state_dict.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu().contiguous()
+        plain[plain_name(name)] = value
+    return plain
+
+
+def num_classes(weights: dict) -> int:
+    """The number of classes: the rows of the last weight matrix or convolution, which is the
+    classifier's in every model models.py builds (CifarCNN, MnistNet, torchvision's)."""
+    last = [v for k, v in weights.items() if k.endswith("weight") and v.dim() >= 2]
+    if not last:
+        raise UsageError("the file holds no weight matrix, so no classifier: give a checkpoint "
+                         "or --save-model file of a classification model")
+    return last[-1].shape[0]
+
+
+def bare_model(name: str, classes: int) -> tuple:
+    """(the model as models.py builds it, without its checks and initialisation, and the
+    Python that builds it elsewhere)."""
+    if name == "cnn":
+        return models.CifarCNN(classes), (f"from training.models import CifarCNN  # this "
+                                          f"repository's\nmodel = CifarCNN({classes})")
+    if name == "mnist_net":
+        return models.MnistNet(classes), (f"from training.models import MnistNet  # this "
+                                          f"repository's\nmodel = MnistNet({classes})")
+    import torchvision
+    if name not in torchvision.models.list_models(module=torchvision.models):
+        raise UsageError(f"unknown --model {name!r}: give the --model the run trained (cnn, "
+                         f"mnist_net or a torchvision classifier such as resnet50)")
+    return (torchvision.models.get_model(name, weights=None, num_classes=classes),
+            f"import torchvision\nmodel = torchvision.models.get_model({name!r}, "
+            f"num_classes={classes})")
+
+
+def describe_progress(meta: dict) -> str:
+    """Where in training the checkpoint was taken, as the epoch line counts (from 1)."""
+    if meta["step"] == 0:
+        return f"after epoch {meta['epoch']}"
+    return f"epoch {meta['epoch'] + 1}, step {meta['step']}"
+
+
+def export(source: Path, out: Path, model_name: str | None) -> dict:
+    """Write ``source``'s weights to ``out``; return what the file holds, for the report."""
+    path = find_checkpoint(source)
+    if out.is_dir():
+        raise UsageError(f"{out} is a folder: give a file name, e.g. {out / 'model.pt'}")
+    if out.resolve() == path.resolve() or path.resolve() in out.resolve().parents:
+        raise UsageError(f"{out} is the checkpoint itself (or inside it): give another file, "
+                         f"the checkpoint is kept")
+    if re.match(checkpoint.CHECKPOINT_RE, out.name):
+        raise UsageError(f"{out.name} is named like a checkpoint, and --resume auto would take "
+                         f"it for one in a --checkpoint-dir: give it another name, e.g. model.pt")
+    weights, meta, kind = read_weights(path)
+    weights = plain_weights(weights)
+    saved_name = meta["args"].get("model") if meta else None
+    if model_name and saved_name and model_name != saved_name:
+        raise UsageError(f"--model {model_name}, but {path.name} was trained with --model "
+                         f"{saved_name}: leave --model out")
+    name = model_name or saved_name
+    info = dict(path=path, kind=kind, meta=meta, name=name, tensors=len(weights),
+                params=sum(v.numel() for v in weights.values()
+                           if isinstance(v, torch.Tensor) and v.is_floating_point()),
+                code=None)
+    if name:
+        # The printed way to load it must work: load it so here first.
+        model, info["code"] = bare_model(name, num_classes(weights))
+        try:
+            model.load_state_dict(weights)
+        except RuntimeError as exc:
+            raise UsageError(f"the weights in {path} do not fit --model {name} "
+                             f"({str(exc).splitlines()[0][:160]}): give the --model the run "
+                             f"trained") from None
+        info["class"] = f"{type(model).__module__}.{type(model).__name__}"
+    try:
+        checkpoint.atomic_save(weights, out)
+    except OSError as exc:
+        raise UsageError(f"cannot write {out} ({exc.strerror or exc}): choose a writable "
+                         f"folder") from None
+    info["bytes"] = out.stat().st_size
+    return info
+
+
+def report(info: dict, out: Path) -> None:
+    meta = info["meta"]
+    where = (f", {describe_progress(meta)}, {meta['world_size']} rank(s)" if meta else "")
+    print(f"read {info['path']}: {info['kind']}{where}")
+    model = (f"--model {info['name']} ({info['class']}), " if info["name"] else
+             "model not named (a --save-model file records no --model; pass --model NAME to "
+             "check it loads), ")
+    print(f"wrote {out}: {model}{info['tensors']} tensors, {info['params']:,} values, "
+          f"{info['bytes'] / 2**20:.1f} MiB")
+    if info["code"]:
+        print("load it with:\n    import torch\n    "
+              + info["code"].replace("\n", "\n    ")
+              + f"\n    model.load_state_dict(torch.load({str(out)!r}, weights_only=True))")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    out = Path(args.out)
+    try:
+        info = export(Path(args.checkpoint), out, args.model)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    report(info, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

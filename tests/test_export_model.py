@@ -1,0 +1,137 @@
+"""export_model.py: a checkpoint of each script (FSDP's sharded DCP folder of 2 ranks included)
+becomes one plain file that loads into the bare model and gives the trained model's outputs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torchvision
+
+import export_model
+from training import checkpoint
+from training.models import CifarCNN
+from conftest import REPO, env_for_tests
+
+TINY = ["--synthetic-size", "32", "--batch-size", "4", "--epochs", "1", "--max-steps-per-epoch",
+        "2", "--num-workers", "0", "--amp", "off", "--device", "cpu"]
+
+# One run per script: its checkpoint dir and, as the reference, the weights the script itself
+# writes with --save-model (FSDP's gathered from the live shards, not read from the checkpoint).
+# resnet18 under DDP: a torchvision model with BatchNorm buffers (which DDP keeps equal on
+# every rank); FSDP on 2 ranks writes one shard file per rank.
+RUNS = {"ddp": ("ddp_train.py", "resnet18", None), "dp": ("dp_train.py", "cnn", None),
+        "fsdp": ("fsdp_train.py", "cnn", 2)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The three runs at once (their start-up is most of their time), each run's folder."""
+    root = tmp_path_factory.mktemp("export")
+    procs = {}
+    for name, (script, model, nproc) in RUNS.items():
+        launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={nproc}"] if nproc else [sys.executable])
+        cmd = [*launch, str(REPO / script), "--model", model, *TINY, "--checkpoint-dir",
+               str(root / name / "ck"), "--save-model", str(root / name / "ref.pt")]
+        procs[name] = subprocess.Popen(cmd, env=env_for_tests(), cwd=REPO, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{out[-3000:]}"
+    return root
+
+
+def bare(model: str) -> torch.nn.Module:
+    if model == "cnn":
+        return CifarCNN(10)
+    return torchvision.models.get_model(model, num_classes=200)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_export_loads_into_the_bare_model_with_the_same_outputs(runs, tmp_path, capsys, name):
+    _, model, nproc = RUNS[name]
+    (ckpt,) = checkpoint.list_checkpoints(runs / name / "ck")
+    if name == "fsdp":
+        assert len(list(ckpt.glob("*.distcp"))) == nproc  # really sharded
+    out = tmp_path / "model.pt"
+    # the --checkpoint-dir for one of them: its newest checkpoint is exported
+    source = runs / name / "ck" if name == "ddp" else ckpt
+    assert export_model.main([str(source), str(out)]) == 0
+    printed = capsys.readouterr().out
+    weights = torch.load(out, weights_only=True)
+    assert all(isinstance(v, torch.Tensor) and v.device.type == "cpu" for v in weights.values())
+    assert f"wrote {out}: --model {model} (" in printed and f"{len(weights)} tensors" in printed
+    assert f"model.load_state_dict(torch.load({str(out)!r}, weights_only=True))" in printed
+
+    exported, trained = bare(model).eval(), bare(model).eval()
+    exported.load_state_dict(weights)  # strict: the same names, nothing more, nothing less
+    trained.load_state_dict(torch.load(runs / name / "ref.pt", weights_only=True))
+    shape = (3, 32, 32) if model == "cnn" else (3, 64, 64)
+    x = torch.randn(4, *shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(x), trained(x), rtol=0, atol=0)
+
+
+def test_wrapper_names_are_removed(tmp_path, capsys):
+    """A state_dict taken from the wrappers (torch.compile around DataParallel) loads into
+    the bare model after the export."""
+    model = CifarCNN(10)
+    # DataParallel's own names; torch.compile's _orig_mod. put in front by hand (compiling
+    # would import dynamo, seconds for a name)
+    wrapped = {f"_orig_mod.{k}": v for k, v in torch.nn.DataParallel(model).state_dict().items()}
+    assert next(iter(wrapped)).startswith("_orig_mod.module.features.")
+    ck = tmp_path / "ckpt-e0001-s0000000"
+    torch.save({"model": wrapped, "epoch": 1, "step": 0, "world_size": 1,
+                "args": {"model": "cnn"}}, ck)
+    assert export_model.main([str(ck), str(tmp_path / "m.pt")]) == 0
+    weights = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert list(weights) == list(model.state_dict())
+    CifarCNN(10).load_state_dict(weights)
+    assert "after epoch 1, 1 rank(s)" in capsys.readouterr().out
+
+
+def test_save_model_file_needs_model_to_name_it(tmp_path, capsys):
+    ref = tmp_path / "full.pt"
+    torch.save(CifarCNN(10).state_dict(), ref)
+    assert export_model.main([str(ref), str(tmp_path / "a.pt")]) == 0
+    assert "a --save-model file records no --model" in capsys.readouterr().out
+    assert export_model.main([str(ref), str(tmp_path / "b.pt"), "--model", "resnet18"]) == 2
+    assert "do not fit --model resnet18" in capsys.readouterr().err
+    assert export_model.main([str(ref), str(tmp_path / "c.pt"), "--model", "cnn"]) == 0
+    assert "CifarCNN(10)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("thing,words", [
+    ("missing", "does not exist"),
+    ("empty folder", "not a checkpoint: a folder without the meta.pt"),
+    ("text", "not a checkpoint: not a file that torch.save"),
+    ("list", "not one of this toolkit's"),
+])
+def test_not_a_checkpoint_is_one_sentence(tmp_path, capsys, thing, words):
+    path = tmp_path / "thing"
+    if thing == "empty folder":
+        path.mkdir()
+    elif thing == "text":
+        path.write_text("hello\n")
+    elif thing == "list":
+        torch.save([1, 2], path)
+    out = tmp_path / "model.pt"
+    assert export_model.main([str(path), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_output_that_would_lose_or_confuse_a_checkpoint_is_refused(tmp_path, capsys):
+    ck = tmp_path / "ckpt-e0001-s0000000"
+    torch.save({"model": CifarCNN(10).state_dict(), "epoch": 1, "step": 0, "world_size": 1,
+                "args": {"model": "cnn"}}, ck)
+    before = ck.read_bytes()
+    assert export_model.main([str(ck), str(ck)]) == 2
+    assert "is the checkpoint itself" in capsys.readouterr().err
+    assert export_model.main([str(ck), str(tmp_path / "ckpt-e0002-s0000000.pt")]) == 2
+    assert "named like a checkpoint" in capsys.readouterr().err
+    assert ck.read_bytes() == before
