@@ -55,7 +55,6 @@ try:
 except ImportError:  # torch before 2.6: common.run() stops it with one sentence (the floor)
     CPUOffloadPolicy = MixedPrecisionPolicy = fully_shard = None
 from torch.utils.data import DistributedSampler
-from torchvision.models.resnet import ResNet
 
 from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
                       flags, lossguard, measure, memory, models, schedule, simulate, stopping,

@@ -9,7 +9,6 @@ import re
 from collections import Counter
 
 import pytest
-import torch
 import torchvision
 
 from conftest import REPO, check_ok, run_script
