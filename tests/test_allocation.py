@@ -20,8 +20,8 @@ TORCHRUN_2 = DistEnv(0, 0, 2, 2, "torchrun", 1)  # one torchrun, two workers on 
 def slurm(monkeypatch):
     """A Slurm job 4242 on node n1 with nothing else set; returns a setter for more."""
     for name in list(os.environ):
-        if name.startswith(("SLURM_", "SRUN_")) or name in ("CUDA_VISIBLE_DEVICES",
-                                                          "MASTER_PORT"):
+        if name.startswith(("SLURM_", "SRUN_")) or name in (
+                "CUDA_VISIBLE_DEVICES", "MASTER_PORT", "RDZV_ENDPOINT", "TORCHELASTIC_RUN_ID"):
             monkeypatch.delenv(name)
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURMD_NODENAME", "n1")
@@ -103,7 +103,7 @@ def test_one_cpu_per_task_and_eight_workers_is_one_warning(slurm):
 
 
 def test_a_fixed_port_with_another_job_on_the_node_is_named(slurm, monkeypatch):
-    slurm(MASTER_PORT=29500)
+    slurm(MASTER_PORT=29500, TORCHELASTIC_RUN_ID="none")  # torchrun --master-port 29500
     asked = []
     monkeypatch.setattr(allocation, "other_jobs_on",
                         lambda node, job: asked.append((node, job)) or ["4243"])
@@ -119,6 +119,16 @@ def test_a_fixed_port_with_another_job_on_the_node_is_named(slurm, monkeypatch):
     slurm(MASTER_PORT=29500)
     assert allocation.problems(DistEnv(1, 1, 2, 2, "torchrun", 1), "cpu", False, 0)[1] == []
     assert asked == [("n1", "4242")]
+    # torchrun's c10d rendezvous: the workers' MASTER_PORT is torchrun's own free port; the
+    # launcher's rendezvous endpoint is what two jobs could share
+    slurm(MASTER_PORT=37605, TORCHELASTIC_RUN_ID="4242",
+          RDZV_ENDPOINT=f"n1:{allocation.derived_port('4242')}")
+    assert allocation.problems(TORCHRUN_2, "cpu", False, 0)[1] == []
+    slurm(RDZV_ENDPOINT="n1:29400")
+    assert allocation.problems(TORCHRUN_2, "cpu", False, 0)[1][0].startswith(
+        "warning: the rendezvous port of RDZV_ENDPOINT=29400 is fixed, and job(s) 4243")
+    monkeypatch.delenv("RDZV_ENDPOINT")  # a torchrun of the user's own: not seen
+    assert allocation.problems(TORCHRUN_2, "cpu", False, 0)[1] == []
 
 
 def test_the_training_stops_before_its_first_collective(tmp_path):

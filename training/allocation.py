@@ -48,6 +48,19 @@ def other_jobs_on(node: str, job_id: str) -> list:
     return sorted({j for j in out.split() if j.isdigit() and j != job_id}, key=int)
 
 
+def rendezvous_port(env: DistEnv) -> tuple:
+    """(what names it, the port) where this job's ranks meet, or ("", "") when it cannot be
+    seen. srun's tasks and torchrun's static rendezvous (--master-port) meet on MASTER_PORT.
+    torchrun's c10d rendezvous meets on its --rdzv-endpoint, which launch/job.sh exports as
+    RDZV_ENDPOINT; the MASTER_PORT it hands its workers is a free port it picked itself."""
+    if env.source != "torchrun" or os.environ.get("TORCHELASTIC_RUN_ID") == "none":
+        return "MASTER_PORT", os.environ.get("MASTER_PORT", "")
+    endpoint = os.environ.get("RDZV_ENDPOINT", "")
+    if ":" in endpoint:
+        return "the rendezvous port of RDZV_ENDPOINT", endpoint.rsplit(":", 1)[1]
+    return "", ""
+
+
 def problems(env: DistEnv, device: str, share_gpus: bool, workers: int) -> tuple:
     """(the error, or None; the warnings) of this launch against this node's allocation.
 
@@ -109,12 +122,12 @@ def problems(env: DistEnv, device: str, share_gpus: bool, workers: int) -> tuple
                 f"--cpus-per-task={per_task}`, or lower --num-workers to {max(0, each - 1)}")
 
     # The port: a fixed one collides when another job on this node takes it too.
-    port = os.environ.get("MASTER_PORT", "")
+    name, port = rendezvous_port(env)
     if env.world_size > 1 and env.local_rank == 0 and port and port != str(derived_port(job)):
         others = other_jobs_on(node, job)
         if others:
             warnings.append(
-                f"warning: MASTER_PORT={port} is fixed, and job(s) {', '.join(others)} also run "
+                f"warning: {name}={port} is fixed, and job(s) {', '.join(others)} also run "
                 f"on {node}: two jobs on one node that take the same port collide (address in "
                 f"use, or a rank joins the other job's rendezvous); derive it from the job id, "
                 f"export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000)) as launch/job.sh does, "
