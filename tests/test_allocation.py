@@ -62,6 +62,8 @@ def test_more_processes_than_gpus_names_the_sbatch_line(slurm):
     # on purpose: --share-gpus, or a CPU run that does not use the GPUs at all
     assert allocation.problems(TORCHRUN_2, "auto", True, 0)[0] is None
     assert allocation.problems(TORCHRUN_2, "cpu", False, 0)[0] is None
+    slurm(CUDA_VISIBLE_DEVICES="")  # every GPU hidden on purpose: a CPU run
+    assert allocation.problems(TORCHRUN_2, "auto", False, 0)[0] is None
 
 
 def test_gpus_per_task_hiding_gpus_from_torchrun_and_a_gpu_named_twice(slurm):

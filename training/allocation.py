@@ -77,7 +77,8 @@ def problems(env: DistEnv, device: str, share_gpus: bool, workers: int) -> tuple
     visible = _visible_devices()
     on_node = _int("SLURM_GPUS_ON_NODE") or (len(visible) if visible else 0)
     own_gpu_tasks = env.source == "slurm" and visible is not None and len(visible) == 1
-    if device != "cpu" and on_node and not share_gpus:
+    hidden = visible is not None and visible in ([], ["-1"])  # no GPU, on purpose
+    if device != "cpu" and on_node and not share_gpus and not hidden:
         if procs > on_node:
             how = (f"ask for {on_node} task(s) per node with `#SBATCH "
                    f"--ntasks-per-node={on_node}`" if env.source == "slurm" else
