@@ -76,6 +76,7 @@ def problems(env: DistEnv, device: str, share_gpus: bool, workers: int) -> tuple
     # GPUs: what Slurm gave the node against the processes started on it.
     visible = _visible_devices()
     on_node = _int("SLURM_GPUS_ON_NODE") or (len(visible) if visible else 0)
+    said_by = "SLURM_GPUS_ON_NODE" if _int("SLURM_GPUS_ON_NODE") else "CUDA_VISIBLE_DEVICES"
     own_gpu_tasks = env.source == "slurm" and visible is not None and len(visible) == 1
     hidden = visible is not None and visible in ([], ["-1"])  # no GPU, on purpose
     if device != "cpu" and on_node and not share_gpus and not hidden:
@@ -85,12 +86,12 @@ def problems(env: DistEnv, device: str, share_gpus: bool, workers: int) -> tuple
                    f"start {on_node} process(es) per node (NPROC_PER_NODE={on_node} for "
                    f"launch/job.sh, torchrun --nproc-per-node={on_node})")
             return (f"{procs} processes were started on {node}, but Slurm gave it {on_node} "
-                    f"GPU(s) (SLURM_GPUS_ON_NODE), so ranks would share a GPU: change "
+                    f"GPU(s) ({said_by}), so ranks would share a GPU: change "
                     f"`#SBATCH --gpus-per-node={procs}`, or {how}, or add --share-gpus "
                     f"to share them on purpose"), []
         if visible is not None and len(visible) < procs and not own_gpu_tasks:
             return (f"{procs} processes on {node} see only CUDA_VISIBLE_DEVICES="
-                    f"{','.join(visible) or '(empty)'}, fewer GPUs than processes: "
+                    f"{','.join(visible)}, fewer GPUs than processes: "
                     f"`#SBATCH --gpus-per-task` hides the task's other GPUs from torchrun's "
                     f"workers; use `#SBATCH --gpus-per-node={procs}` instead"), []
         if visible and len(set(visible)) < len(visible):
