@@ -199,9 +199,15 @@ if [ "${CHECK_ONLY:-0}" = 1 ]; then extra_args+=(--check); fi
 
 launch=()
 if [ -n "${SLURM_JOB_ID:-}" ]; then
-  # One task per node; 22.05+ srun no longer inherits --cpus-per-task from sbatch: pass it.
+  # One task per node. srun of Slurm 22.05 to 23.02 no longer inherits --cpus-per-task from
+  # sbatch (the task gets one CPU and its loader workers starve): pass it, and export
+  # SRUN_CPUS_PER_TASK, which srun reads, for any srun started under this job (site.sh's,
+  # SRUN_EXTRA_ARGS'). training/allocation.py warns when a task still has fewer CPUs.
   launch=(srun --kill-on-bad-exit=1 --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1)
-  if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then launch+=(--cpus-per-task="$SLURM_CPUS_PER_TASK"); fi
+  if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+    export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
+    launch+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+  fi
   read -ra srun_extra <<<"${SRUN_EXTRA_ARGS:-}"
   launch+=("${srun_extra[@]}")
 fi

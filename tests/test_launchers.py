@@ -1145,3 +1145,96 @@ def test_slurm_requeue_by_hand_keeps_the_stop_record(slurm_lab, tmp_path):
     assert re.search(r"^\[STOP\] signal=SIGTERM epoch=\d+ step=\d+ saved=1 exit_code=75$", log,
                      re.M), log[-3000:]
     assert "Logging error" not in log
+
+
+# The launch checked against the allocation (training/allocation.py), on the real cluster.
+def test_slurm_allocation_more_processes_than_gpus_stops_with_the_sbatch_line(slurm_lab,
+                                                                               tmp_path):
+    """Two processes on a node that Slurm gave one (fake) GPU, a GPU run (not --device cpu):
+    one sentence naming the #SBATCH line, exit 2 from the training, before any collective."""
+    gpu_run = [a for a in TINY if a not in CPU]
+    job = Job(slurm_lab, tmp_path / "too_many", "multi_gpu.slurm",
+              ["--gpus-per-node=1", "--job-name=too_many"], gpu_run,
+              extra_env={"NPROC_PER_NODE": "2"})
+    state, code, out, _ = job.result()
+    assert state == "FAILED" and code != 0, out
+    node = re.search(r"\[(n\d)\] running: ", out).group(1)
+    assert (f"error: 2 processes were started on {node}, but Slurm gave it 1 GPU(s) "
+            f"(SLURM_GPUS_ON_NODE), so ranks would share a GPU: change `#SBATCH "
+            f"--gpus-per-node=2`, or start 1 process(es) per node (NPROC_PER_NODE=1 for "
+            f"launch/job.sh, torchrun --nproc-per-node=1), or add --share-gpus to share them "
+            f"on purpose") in out, out[-3000:]
+    assert "Epoch [" not in out
+
+
+def test_slurm_allocation_one_cpu_per_task_and_eight_workers_is_warned(slurm_lab, tmp_path):
+    """The preflight (CHECK_ONLY=1) of a job with one CPU per task and 8 loader workers: it
+    runs, and says once which #SBATCH line starves the workers. launch/job.sh exports
+    SRUN_CPUS_PER_TASK, so the step is not blamed on srun (Slurm 22.05 here)."""
+    starved = [a if a != "0" or TINY[i - 1] != "--num-workers" else "8"
+               for i, a in enumerate(TINY)]
+    job = Job(slurm_lab, tmp_path / "starved", "baseline.slurm",
+              ["--cpus-per-task=1", "--job-name=starved"], starved,
+              extra_env={"CHECK_ONLY": "1"})
+    state, code, out, _ = job.result()
+    assert (state, code) == ("COMPLETED", 0), out[-3000:]
+    node = re.search(r"\[(n\d)\] running: ", out).group(1)
+    warning = (f"warning: 8 loader workers per process, but each process on {node} has 1 "
+               f"CPU(s) (the task has 1, `#SBATCH --cpus-per-task=1`), so the workers take "
+               f"turns and starve the training: change it to `#SBATCH --cpus-per-task=9`, or "
+               f"lower --num-workers to 0")
+    assert out.count(warning) == 1, out[-3000:]  # once per node
+    assert "SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK before srun" not in out
+
+
+FIXED_PORT_JOB = """#!/bin/bash
+#SBATCH --output=%x-%j.out
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=2
+export MASTER_ADDR=$SLURMD_NODENAME MASTER_PORT=29477
+srun {python} {script} --check {args}
+"""
+
+
+def test_slurm_allocation_two_jobs_on_one_node(slurm_lab, tmp_path):
+    """Three jobs on node n4 at once: one that holds it, the launcher's preflight, whose port
+    comes from its job id and draws no warning, and a plain `srun python` job with a fixed
+    MASTER_PORT, which is warned that it shares the node."""
+    holder = subprocess.run(["sbatch", "--parsable", "-w", "n4", "--job-name=holder",
+                             "--output=/dev/null", "--wrap", "sleep 300"], env=slurm_lab,
+                            capture_output=True, text=True, timeout=60)
+    assert holder.returncode == 0, holder.stderr
+    holder_id = holder.stdout.strip().split(";")[0]
+    try:
+        assert wait_for(lambda: "JobState=RUNNING" in subprocess.run(
+            ["scontrol", "-o", "show", "job", holder_id], env=slurm_lab, capture_output=True,
+            text=True).stdout, 60)
+        derived = Job(slurm_lab, tmp_path / "derived", "multi_gpu.slurm",
+                      ["-w", "n4", "--gpus-per-node=2", "--job-name=derived"], TINY,
+                      extra_env={"CHECK_ONLY": "1"})
+        fixed_dir = tmp_path / "fixed"
+        fixed_dir.mkdir()
+        (fixed_dir / "fixed.sh").write_text(FIXED_PORT_JOB.format(
+            python=sys.executable, script=REPO / "ddp_train.py", args=" ".join(TINY)))
+        env = base_env(fixed_dir) | {"SLURM_CONF": slurm_lab["SLURM_CONF"]}
+        fixed = subprocess.run(["sbatch", "--parsable", "-w", "n4", "--job-name=fixed",
+                                "fixed.sh"], cwd=fixed_dir, env=env, capture_output=True,
+                               text=True, timeout=60)
+        assert fixed.returncode == 0, fixed.stderr
+        fixed_id = fixed.stdout.strip().split(";")[0]
+        state, code, out, run_dir = derived.result()
+        assert (state, code) == ("COMPLETED", 0), out[-3000:]
+        assert read_env_file(run_dir / "job.env")["MASTER_PORT"] == str(20000 + derived.id % 20000)
+        assert "is fixed" not in out
+        res = _run_lab(["wait", fixed_id, str(JOB_TIMEOUT_S)], env, JOB_TIMEOUT_S + 30)
+        fixed_out = (fixed_dir / f"fixed-{fixed_id}.out").read_text()
+        assert res.returncode == 0, res.stdout + fixed_out[-3000:]
+    finally:
+        subprocess.run(["scancel", holder_id], env=slurm_lab, capture_output=True, timeout=60)
+    m = re.search(r"warning: MASTER_PORT=29477 is fixed, and job\(s\) ([\d, ]+) also run on "
+                  r"n4: two jobs on one node that take the same port collide \(address in use, "
+                  r"or a rank joins the other job's rendezvous\); derive it from the job id, "
+                  r"export MASTER_PORT=\$\(\(20000 \+ SLURM_JOB_ID % 20000\)\) as launch/job.sh "
+                  r"does, or keep the node to this job with `#SBATCH --exclusive`", fixed_out)
+    assert m and holder_id in m.group(1).split(", "), fixed_out[-3000:]
+    assert fixed_out.count("is fixed") == 1  # once per node, not per rank

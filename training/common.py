@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from training import contract, devices, distributed, watchdog
+from training import allocation, contract, devices, distributed, watchdog
 from training.distributed import DistEnv, dist_env, rank_and_world
 from training.faults import (UsageError, collective_failed, crashed, exit_line, fail_cleanly,
                              is_collective_failure)
-from training.flags import AMP_TEXT, check_flags
+from training.flags import AMP_TEXT, check_flags, default_workers
 from training.lossguard import NonFiniteLoss
 from training.stopping import Requeue, catch_stop_signals
 
@@ -72,6 +72,10 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
             env = distributed.simulated(args.simulate_world_size, env)
             distributed.set_layout(env)
             set_print_prefix(f"simulation, rank 0 of {env.world_size}: ")
+        # The launch against what Slurm gave the job, before any collective: one sentence
+        # that names the #SBATCH line to change (launch/job.sh's runs and --check alike).
+        workers = args.num_workers if args.num_workers is not None else default_workers(env)
+        allocation.check_launch(env, args.device, args.share_gpus, workers)
         watchdog.start(env, args.dist_timeout)  # ends this worker if orphaned or frozen
         try:
             rc = train(args, env)

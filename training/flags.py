@@ -220,7 +220,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _default_workers(env: DistEnv) -> int:
+def default_workers(env: DistEnv) -> int:
     cpus = os.environ.get("SLURM_CPUS_PER_TASK")
     try:
         total = int(cpus) if cpus else len(os.sched_getaffinity(0))
@@ -357,7 +357,7 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
     elif args.amp != "off" and env.rank == 0:  # autocast on a CPU: it depends on the CPU
         print(devices.cpu_amp_note(args.amp, devices.cpu_flags()), file=sys.stderr, flush=True)
     if args.num_workers is None:
-        args.num_workers = _default_workers(env)
+        args.num_workers = default_workers(env)
         if device.type == "cuda":  # with 0, reading and pinning a batch delays every step
             args.num_workers = max(1, args.num_workers)
     if args.resume not in ("auto", "never") and not Path(args.resume).exists():
