@@ -165,6 +165,8 @@ def explain_markdown(key: tuple, configs: dict, model: tuple) -> list:
                  if profiled else ["not profiled"] * 3 + ["—"])
         bw = ", ".join(f"{op} {r[f'busbw_{op}_gbs']}" for op in
                        ("all_reduce", "all_gather", "reduce_scatter") if r[f"busbw_{op}_gbs"])
+        if bw and r.get("transport"):  # which network carried it (a log from before: unsaid)
+            bw += f" over {r['transport']}"
         unit = "process" if r.get("device") == "cpu" else "GPU"  # a CPU run has no GPUs
         lines.append(f"| {_count(nodes, 'node')} x {_count(g, unit)} | {_ms(r, 'step_ms')} | "
                      f"{_ms(r, 'data_wait_ms')} | " + " | ".join(parts) + f" | {bw or '—'} |")
