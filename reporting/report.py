@@ -96,6 +96,8 @@ def strategy_markdown(key: tuple, configs: dict, rows: list) -> list:
         context.append(f"learning rate {values('lr_peak')} (lr scaling "
                        f"{values('lr_scaling') or 'none'}, warm-up "
                        f"{values('warmup_epochs') or '0'} epochs)")
+    if _distinct(logged, "transport"):  # the networks of the runs that measured theirs
+        context.append("collectives over " + " and ".join(_distinct(logged, "transport")))
     if context:
         lines.append(", ".join(context) + ".")
     if values("device") == "cpu":

@@ -204,6 +204,7 @@ def test_the_study_says_where_the_step_time_goes_and_predicts_beyond_itself(tmp_
     assert "| 1 node x 1 GPU | 64.0 | — | 50.0 | 0.0 | 10.0 | 0.0 | — |" in md
     assert ("| 2 nodes x 4 GPUs | 75.3 | — | 50.0 | 15.0 | 8.0 | 40.0 | all_reduce 2.500 over "
             "IB/GDRDMA:mlx5_0+P2P/IPC |") in md
+    assert "collectives over IB/GDRDMA:mlx5_0+P2P/IPC." in md  # the group's context line
     at64 = t1 + 2 * 255 / 256 * 40 + 4 * 2 * 255 * 0.01 - h * t1
     assert f"| 64 nodes x 4 GPUs | 256 | {at64:.1f} | {t1 / at64:.0%} | — | — |" in md
     error = predicted / float(two["step_ms"]) - 1
