@@ -2,7 +2,8 @@
 from its INFO lines, recorded in fixtures written after NCCL's own lines (an InfiniBand run with
 GPUDirect RDMA, a fallback to TCP sockets, a RoCE node that also talks over P2P and shared
 memory, whose log was cut mid-line), gloo's TCP interface, and the two warnings: sockets on a
-multi-node job beside InfiniBand devices, a bandwidth under its transport's floor."""
+multi-node job beside InfiniBand devices, a bandwidth under its transport's floor. One more
+fixture is a real log, of one rank on a GPU."""
 
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ def test_nccl_log_says_the_transport_of_every_connection(name, chosen, transport
 
 
 def test_a_log_without_channel_lines_is_unknown_not_guessed():
-    found = network.parse_nccl_log("h:1:1 [0] NCCL INFO NET/IB : No device found.\n"
-                                   "NCCL version 2.21.5+cuda12.4\n")
+    """A real log (NCCL 2.28.9, one rank on an H200, captured the way capture_nccl_log does):
+    the network NCCL chose is read, but one rank has no connection, so no transport is said."""
+    found = network.parse_nccl_log((NCCL_LOGS / "one_rank_h200_2.28.9.log").read_text())
+    assert (found["network"], found["sockets"], found["ib"]) == ("Socket", {0: "eth0"}, {})
     assert network.join_transports(found["connections"]) == "unknown"
     assert network.kinds("unknown") == []
 
