@@ -514,7 +514,9 @@ def transport() -> tuple:
         if log is not None:
             try:
                 mine = list(network.parse_nccl_log(log.read_text(errors="replace"))["connections"])
-                note = f"NCCL's INFO lines: {log.parent}/nccl.<host>.<pid>.log, one per process"
+                note = f"NCCL's INFO lines: {log} (rank 0's; one file per process)"
+                if not mine:
+                    note = f"{log} names no connection (a NCCL_DEBUG_SUBSYS without INIT?)"
             except OSError as err:
                 note = f"NCCL's log {log} is unreadable ({err.strerror})"
     everyone = every_rank((socket.gethostname(), mine, network.ib_devices()))

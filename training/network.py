@@ -199,11 +199,12 @@ def gloo_transport(environ=os.environ) -> str:
     return "gloo-tcp" + (f":{interface}" if interface else "")
 
 
-def ib_devices(root: str | os.PathLike = IB_SYSFS) -> list:
-    """This node's InfiniBand and RoCE devices (the names under /sys/class/infiniband), sorted;
-    [] where there is none or the folder is missing. ``root``: the folder, for tests."""
+def ib_devices(root: str | os.PathLike | None = None) -> list:
+    """This node's InfiniBand and RoCE devices (the names under IB_SYSFS,
+    /sys/class/infiniband), sorted; [] where there is none or the folder is missing. ``root``:
+    another folder, for tests."""
     try:
-        return sorted(p.name for p in Path(root).iterdir())
+        return sorted(p.name for p in Path(root or IB_SYSFS).iterdir())
     except OSError:
         return []
 
