@@ -83,7 +83,7 @@ TAIL = ("gpu0", "gpu0_peak_mib", "gpu0_avg_mib", "gpu0_mode_mib",
         "profile_exposed_comm_ms", "profile_data_wait_ms", "profile_other_ms", "profile_comm_ms",
         "profile_launches_per_step",
         "grad_bytes", "busbw_all_reduce_gbs", "busbw_all_gather_gbs",
-        "busbw_reduce_scatter_gbs", "messages_all_reduce", "messages_all_gather",
+        "busbw_reduce_scatter_gbs", "transport", "messages_all_reduce", "messages_all_gather",
         "messages_reduce_scatter", "predicted_step_ms", "prediction_error",
         *(f"predicted_{k}" for k in contract.MEMORY_SIZE_KEYS), "predicted_variant",
         "memory_error",
@@ -121,7 +121,8 @@ def read_explanations(path: Path) -> dict:
     [PROFILE] line's parts (profile_<key>) and, per collective, the bus bandwidth at the
     largest message size measured ([BANDWIDTH] lines: busbw_<op>_gbs, and that size as
     grad_bytes), with the collectives of that kind per training step where the run counted
-    them (messages_<op>)."""
+    them (messages_<op>) and the network that carried them (transport: IB, RoCE, socket, P2P,
+    gloo-tcp ..., as training/network.py writes it)."""
     readers = {MEMORY_PREFIX: _explain_memory, PROFILE_PREFIX: _explain_profile,
                BANDWIDTH_PREFIX: _explain_bandwidth}
     found = {}
@@ -155,6 +156,7 @@ def _explain_bandwidth(pairs: dict, found: dict) -> None:
             pairs["bytes"]) >= int(found.get("grad_bytes", 0)):
         found["grad_bytes"] = pairs["bytes"]
         found[f"busbw_{pairs['op']}_gbs"] = pairs.get("busbw_gbs", "")
+        found["transport"] = pairs.get("transport", "")  # "" in a log from before the key
         found[f"messages_{pairs['op']}"] = pairs.get("messages", "")
 
 

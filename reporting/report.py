@@ -96,6 +96,8 @@ def strategy_markdown(key: tuple, configs: dict, rows: list) -> list:
         context.append(f"learning rate {values('lr_peak')} (lr scaling "
                        f"{values('lr_scaling') or 'none'}, warm-up "
                        f"{values('warmup_epochs') or '0'} epochs)")
+    if _distinct(logged, "transport"):  # the networks of the runs that measured theirs
+        context.append("collectives over " + " and ".join(_distinct(logged, "transport")))
     if context:
         lines.append(", ".join(context) + ".")
     if values("device") == "cpu":
@@ -165,6 +167,8 @@ def explain_markdown(key: tuple, configs: dict, model: tuple) -> list:
                  if profiled else ["not profiled"] * 3 + ["—"])
         bw = ", ".join(f"{op} {r[f'busbw_{op}_gbs']}" for op in
                        ("all_reduce", "all_gather", "reduce_scatter") if r[f"busbw_{op}_gbs"])
+        if bw and r.get("transport"):  # which network carried it (a log from before: unsaid)
+            bw += f" over {r['transport']}"
         unit = "process" if r.get("device") == "cpu" else "GPU"  # a CPU run has no GPUs
         lines.append(f"| {_count(nodes, 'node')} x {_count(g, unit)} | {_ms(r, 'step_ms')} | "
                      f"{_ms(r, 'data_wait_ms')} | " + " | ".join(parts) + f" | {bw or '—'} |")

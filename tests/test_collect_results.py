@@ -140,10 +140,28 @@ PROFILED = {  # lines --profile adds to the fixture study's train.logs
         "[BANDWIDTH] op=all_reduce bytes=25000000 world_size=8 time_ms=20 algbw_gbs=1.25 "
         "busbw_gbs=2.188",
         "[BANDWIDTH] op=all_reduce bytes=100000000 world_size=8 time_ms=70 algbw_gbs=1.429 "
-        "busbw_gbs=2.500",
+        "busbw_gbs=2.500 transport=IB/GDRDMA:mlx5_0+P2P/IPC",
         "[PROFILE] steps=5 step_ms=75.000 compute_ms=50.000 exposed_comm_ms=15.000 "
         "data_wait_ms=2.000 other_ms=8.000 comm_ms=40.000 trace=/r/t.json"],
 }
+
+
+def test_bandwidth_lines_give_their_transport_and_older_ones_still_parse(tmp_path):
+    """The transport of the largest message's [BANDWIDTH] line goes into the row; a log from
+    before the transport= key gives the same figures and an empty transport."""
+    log = tmp_path / "train.log"
+    old = ("[BANDWIDTH] op=all_reduce bytes=4000 world_size=2 time_ms=1 algbw_gbs=0.004 "
+           "busbw_gbs=0.004\n"
+           "[BANDWIDTH] op=all_reduce bytes=400000 world_size=2 time_ms=2 algbw_gbs=0.2 "
+           "busbw_gbs=0.200\n")
+    log.write_text(old)
+    found = collect_results.read_explanations(log)
+    assert (found["busbw_all_reduce_gbs"], found["transport"]) == ("0.200", "")
+    log.write_text(old.replace("busbw_gbs=0.004", "busbw_gbs=0.004 transport=gloo-tcp:lo")
+                   .replace("busbw_gbs=0.200", "busbw_gbs=0.200 transport=socket:eth0"))
+    found = collect_results.read_explanations(log)
+    assert (found["busbw_all_reduce_gbs"], found["transport"]) == ("0.200", "socket:eth0")
+    assert "transport" in collect_results.TAIL
 
 
 def test_the_study_says_where_the_step_time_goes_and_predicts_beyond_itself(tmp_path):
@@ -161,6 +179,8 @@ def test_the_study_says_where_the_step_time_goes_and_predicts_beyond_itself(tmp_
     assert float(base["step_ms"]) == pytest.approx(t1, abs=1e-4)
     assert (base["profile_compute_ms"], two["profile_exposed_comm_ms"]) == ("50.000", "15.000")
     assert (two["grad_bytes"], two["busbw_all_reduce_gbs"]) == ("100000000", "2.500")
+    # the network that carried the figure (a run without a [BANDWIDTH] line: none)
+    assert (two["transport"], base["transport"]) == ("IB/GDRDMA:mlx5_0+P2P/IPC", "")
     # by hand, at the study's largest run, 4 nodes x 4 (partial, but its epochs have numbers):
     # the bus bandwidth from the only run that measured it (2 nodes x 4, so also the figure
     # within a node): 2 x 15/16 x 100 MB / 2.5 GB/s = 75 ms, plus 4 buckets (100 MB in DDP's
@@ -182,7 +202,9 @@ def test_the_study_says_where_the_step_time_goes_and_predicts_beyond_itself(tmp_
     # hidden behind backward
     assert float(rows["ddp-1n2g-5002"]["predicted_step_ms"]) == pytest.approx(t1, abs=1e-3)
     assert "| 1 node x 1 GPU | 64.0 | — | 50.0 | 0.0 | 10.0 | 0.0 | — |" in md
-    assert "| 2 nodes x 4 GPUs | 75.3 | — | 50.0 | 15.0 | 8.0 | 40.0 | all_reduce 2.500 |" in md
+    assert ("| 2 nodes x 4 GPUs | 75.3 | — | 50.0 | 15.0 | 8.0 | 40.0 | all_reduce 2.500 over "
+            "IB/GDRDMA:mlx5_0+P2P/IPC |") in md
+    assert "collectives over IB/GDRDMA:mlx5_0+P2P/IPC." in md  # the group's context line
     at64 = t1 + 2 * 255 / 256 * 40 + 4 * 2 * 255 * 0.01 - h * t1
     assert f"| 64 nodes x 4 GPUs | 256 | {at64:.1f} | {t1 / at64:.0%} | — | — |" in md
     error = predicted / float(two["step_ms"]) - 1

@@ -148,6 +148,13 @@ def test_check_measures_bandwidth_the_way_nccl_tests_do():
     ddp = run_script("ddp_train.py", ["--check", "--model", "cnn"], nproc=2)
     check_ok(ddp)
     assert ddp.stdout.count("[BANDWIDTH] op=all_reduce ") == 4
+    # beside the figures, the network that carried them: gloo's TCP and its interface on the
+    # CPU (training/network.py), NCCL's transport from its captured INFO lines on GPUs
+    transports = {kv for line in ddp.stdout.splitlines() if line.startswith("[BANDWIDTH] ")
+                  for kv in line.split() if kv.startswith("transport=")}
+    assert len(transports) == 1 and transports != {"transport=unknown"}
+    if not ON_CUDA:
+        assert transports.pop().startswith("transport=gloo-tcp")
     single = run_script("ddp_train.py", ["--check", "--model", "cnn"])
     check_ok(single)
     assert "[BANDWIDTH]" not in single.stdout and "no bandwidth to measure" in single.stdout

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from training import allocation, contract, devices, distributed, watchdog
+from training import allocation, contract, devices, distributed, network, watchdog
 from training.distributed import DistEnv, dist_env, rank_and_world
 from training.faults import (UsageError, collective_failed, crashed, exit_line, fail_cleanly,
                              is_collective_failure)
@@ -68,6 +68,8 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         import torchvision
         devices.check_versions(torch.__version__, torchvision.__version__)  # the floor
         check_flags(args)  # before the watchdog and the process group use them
+        if args.check or args.profile is not None:  # NCCL's transport, for [BANDWIDTH]
+            network.capture_nccl_log()  # before the process group: NCCL reads it once
         if args.simulate_world_size:  # rank 0 of N, on the fake process group
             env = distributed.simulated(args.simulate_world_size, env)
             distributed.set_layout(env)

@@ -7,7 +7,8 @@ Every line a launcher or a parser reacts to is ``[TAG] key=value ...``:
 - ``[STOP]``: a stop signal ended the run; launch/job.sh requeues the job when ``saved=1``;
 - ``[EXIT]``: a torchrun worker's own exit code (torchrun reports any as 1), read by job.sh;
 - ``[PROFILE]``: --profile's step breakdown (``PROFILE_KEYS``), read by collect_results.py;
-- ``[BANDWIDTH]``: one collective's bandwidth (--check, --profile), read by collect_results.py;
+- ``[BANDWIDTH]``: one collective's bandwidth and the network that carried it (``transport=``,
+  training/network.py; absent from older logs) (--check, --profile), read by collect_results.py;
 - ``[MEMORY]``: the predicted per-GPU memory by component (``MEMORY_KEYS``), at the start of
   every run and from --estimate-memory, read by collect_results.py;
 - ``[RANKS]``: each rank's own time and waits in one epoch (``RANKS_KEYS``, values one per rank

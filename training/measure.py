@@ -11,7 +11,7 @@ the collectives (--check). Each answers a question a user asks of a running job:
   data wait and the rest (``step_breakdown``);
 - "is the network as fast as it should be?": ``collective_check`` (--check) and
   ``bandwidth`` (--profile, world size > 1) time the strategy's collectives the way nccl-tests
-  do and print ``[BANDWIDTH]`` lines.
+  do and print ``[BANDWIDTH]`` lines, with the network that carried them (training/network.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 import math
 import os
 import resource
+import socket
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -27,11 +28,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from training import cudagraph
+from training import cudagraph, network
 from training.common import all_reduce, print0
 from training.contract import (BANDWIDTH_PREFIX, LATER_METRIC_KEYS, PROFILE_KEYS, PROFILE_PREFIX,
                                format_metric_line)
-from training.distributed import rank_and_world
+from training.distributed import every_rank, rank_and_world
 
 # --------------------------------------------------------------------------------------------
 # The clock and the peak memory
@@ -475,20 +476,55 @@ def bandwidth(device: torch.device, world: int, sizes: list, ops=("all_reduce",)
               messages: dict | None = None) -> list:
     """One ``[BANDWIDTH]`` line per collective in ``ops`` and message size in ``sizes``
     (bytes, rounded to whole float32 shards), every rank taking part; returns the sizes used.
-    Bus bandwidth as nccl-tests report it: the figure to compare with the links' nominal one.
-    ``messages``: how many collectives of each kind a training step makes (the scaling model's
-    latency term), added to the lines as messages=N."""
+    Bus bandwidth as nccl-tests report it: the figure to compare with the links' nominal one,
+    and the transport that carried it (``transport``: known once the collectives have made
+    their connections, so the lines are printed after all of them ran). A warning follows when
+    a multi-node job runs over sockets beside InfiniBand, or a collective is under its
+    transport's floor (training/network.py). ``messages``: how many collectives of each kind a
+    training step makes (the scaling model's latency term), added to the lines as messages=N."""
     unit = 4 * world  # whole float32 elements, and a shard per rank
     sizes = sorted({max(unit, nbytes // unit * unit) for nbytes in sizes})
-    for op in ops:
-        for nbytes in sizes:
-            seconds = _time_collective(op, nbytes, device, world)
-            algbw = nbytes / seconds / 1e9
-            print0(f"{BANDWIDTH_PREFIX} op={op} bytes={nbytes} world_size={world} "
-                   f"time_ms={seconds * 1e3:.3f} algbw_gbs={algbw:.3f} "
-                   f"busbw_gbs={algbw * BUS_FACTOR[op](world):.3f}"
-                   + (f" messages={messages[op]}" if messages and op in messages else ""))
+    timed = [(op, nbytes, _time_collective(op, nbytes, device, world))
+             for op in ops for nbytes in sizes]
+    used, warnings = transport()
+    for op, nbytes, seconds in timed:
+        algbw = nbytes / seconds / 1e9
+        busbw = algbw * BUS_FACTOR[op](world)
+        print0(f"{BANDWIDTH_PREFIX} op={op} bytes={nbytes} world_size={world} "
+               f"time_ms={seconds * 1e3:.3f} algbw_gbs={algbw:.3f} busbw_gbs={busbw:.3f} "
+               f"transport={used}"
+               + (f" messages={messages[op]}" if messages and op in messages else ""))
+        if nbytes == sizes[-1]:
+            warnings.append(network.below_floor(op, nbytes, busbw, used))
+    for warning in filter(None, warnings):
+        print0(warning)
     return sizes
+
+
+def transport() -> tuple:
+    """Collective (every rank calls it): the transport of the run's collectives as the
+    ``transport=`` value (training/network.py), from every rank's own view joined, and the
+    sentence that warns when a multi-node NCCL job runs over sockets beside InfiniBand (in a
+    list, None when there is none). gloo: TCP, over its interface. NCCL: the connections its
+    INFO lines name, in the log capture_nccl_log set up (--check, --profile)."""
+    log = network.captured_log()
+    mine, note = [network.gloo_transport()], None
+    if "nccl" in str(dist.get_backend()):
+        mine, note = [], "NCCL's INFO lines were not captured (no NCCL_DEBUG_FILE)"
+        if log is not None:
+            try:
+                mine = list(network.parse_nccl_log(log.read_text(errors="replace"))["connections"])
+                note = f"NCCL's INFO lines: {log} (rank 0's; one file per process)"
+                if not mine:
+                    note = f"{log} names no connection (a NCCL_DEBUG_SUBSYS without INIT?)"
+            except OSError as err:
+                note = f"NCCL's log {log} is unreadable ({err.strerror})"
+    everyone = every_rank((socket.gethostname(), mine, network.ib_devices()))
+    used = network.join_transports(t for _, transports, _ in everyone for t in transports)
+    if note:
+        print0(f"transport: {used} ({note})")
+    nodes = len({host for host, _, _ in everyone})
+    return used, [network.sockets_despite_ib(used, nodes, {h: ib for h, _, ib in everyone})]
 
 
 def collective_check(device: torch.device, world: int, grad_bytes: int,
