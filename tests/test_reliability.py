@@ -614,3 +614,53 @@ def test_ranks_that_found_different_checkpoints_stop_before_training(tmp_path):
            "ckpt-e0002-s0000000, ckpt-e0001-s0000000)" in err, err
     assert "give every node the same, shared --checkpoint-dir" in err
     assert not any("Epoch [" in out for out, _ in outs) and "Traceback" not in err
+
+
+def test_a_wrong_gloo_interface_is_one_sentence_before_any_collective():
+    """Before: GLOO_SOCKET_IFNAME=nonexistent read, seconds later and even in one process, as
+    a collective that failed because another rank probably died (exit 1)."""
+    t0 = time.monotonic()
+    proc = run_script("ddp_train.py", RUN, env={"GLOO_SOCKET_IFNAME": "nonexistent"},
+                      timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "GLOO_SOCKET_IFNAME='nonexistent' names nonexistent, which is not an interface of " \
+           in proc.stderr and "interfaces with an address are lo" in proc.stderr, proc.stderr
+    assert "collective" not in proc.stderr and "Epoch [" not in proc.stdout
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("variable, value, backend, world, refused", [
+    ("GLOO_SOCKET_IFNAME", "eth0", "gloo", 1, None),
+    ("GLOO_SOCKET_IFNAME", "eth0,ib0", "gloo", 1, "names ib0,"),  # gloo opens every one
+    ("GLOO_SOCKET_IFNAME", "docker0", "gloo", 1, "names docker0,"),  # there, no address
+    ("GLOO_SOCKET_IFNAME", "ib0", "nccl", 1, None),  # one process on NCCL: no gloo group
+    ("GLOO_SOCKET_IFNAME", "ib0", "nccl", 2, "names ib0,"),  # the stop vote's gloo group
+    ("NCCL_SOCKET_IFNAME", "eth", "nccl", 2, None),  # a prefix
+    ("NCCL_SOCKET_IFNAME", "ib,eth1", "nccl", 2, "lets NCCL use no interface"),
+    ("NCCL_SOCKET_IFNAME", "=eth", "nccl", 2, "lets NCCL use no interface"),  # exact names
+    ("NCCL_SOCKET_IFNAME", "=eth0:4000", "nccl", 2, None),
+    ("NCCL_SOCKET_IFNAME", "^lo,docker", "nccl", 2, None),  # leaves eth0
+    ("NCCL_SOCKET_IFNAME", "^lo,eth", "nccl", 2, "lets NCCL use no interface"),
+    ("NCCL_SOCKET_IFNAME", "docker", "nccl", 2, "lets NCCL use no interface"),  # no address
+    ("NCCL_SOCKET_IFNAME", "ib", "gloo", 2, None),  # not NCCL's run
+])
+def test_socket_interfaces_that_cannot_work_are_refused(monkeypatch, variable, value, backend,
+                                                        world, refused):
+    from training import distributed
+    monkeypatch.setattr(socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth0"),
+                                                         (3, "docker0")])
+    monkeypatch.setattr(distributed, "_has_address", lambda name: name in ("lo", "eth0"))
+    for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv(variable, value)
+    if refused is None:
+        distributed.check_socket_interfaces(backend, world)
+        return
+    with pytest.raises(faults.UsageError) as caught:
+        distributed.check_socket_interfaces(backend, world)
+    said = str(caught.value)
+    assert said.startswith(f"{variable}={value!r} ") and refused in said, said
+    assert "this host's interfaces with an address are lo, eth0 (without one: docker0)" in said
+    assert "\n" not in said
+

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
@@ -208,7 +209,9 @@ def init_process_group(backend: str, env: DistEnv, timeout_s: int) -> None:
     if env.source == "simulated":
         from torch.testing._internal.distributed.fake_pg import FakeStore
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=env.world_size)
-    elif env.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        return
+    check_socket_interfaces(backend, env.world_size)
+    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
     else:
@@ -235,6 +238,66 @@ def _address_in_use(err: Exception) -> bool:
     EADDRINUSE), which torch reports as a DistNetworkError like a lost peer."""
     text = str(err).lower()
     return "eaddrinuse" in text or "address already in use" in text
+
+
+def _has_address(name: str) -> bool:
+    """Whether network interface ``name`` has an address, as gloo looks it up (IPv4 or
+    IPv6): gloo and NCCL can use only such an interface."""
+    if not dist.is_gloo_available():
+        return True  # no way to ask: leave the judgement to the backend
+    try:
+        dist.ProcessGroupGloo.create_device(interface=name)
+        return True
+    except RuntimeError:
+        return False
+
+
+def nccl_interfaces(form: str, names: list) -> list:
+    """The interfaces of ``names`` that NCCL_SOCKET_IFNAME=``form`` lets NCCL consider: a
+    comma-separated list of name prefixes, of exact names after a leading '=', and every
+    interface but those listed after a leading '^' (or '^='); an entry may end in ':port'."""
+    exclude = form.startswith("^")
+    form = form[exclude:]
+    exact = form.startswith("=")
+    wants = [w.split(":")[0] for w in form[exact:].split(",") if w.split(":")[0]]
+
+    def listed(name):
+        return any(name == w if exact else name.startswith(w) for w in wants)
+    return [name for name in names if listed(name) != exclude]
+
+
+def check_socket_interfaces(backend: str, world_size: int) -> None:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME choose the network interface of each rank.
+    One that this host lacks failed only at the first collective, seconds later, as if a peer
+    had died (even in a single process): say so now, naming the interfaces there are. gloo
+    is used for a gloo backend and, in every run of several processes, for the stop vote."""
+    host = socket.gethostname()
+    names = [name for _, name in socket.if_nameindex()]
+
+    def interfaces():
+        usable = [name for name in names if _has_address(name)]
+        others = [name for name in names if name not in usable]
+        return (f"this host's interfaces with an address are {', '.join(usable) or 'none'}"
+                + (f" (without one: {', '.join(others)})" if others else ""))
+
+    # Both read a value of one character as unset.
+    gloo = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if len(gloo) > 1 and ("gloo" in backend or world_size > 1):
+        missing = [name for name in gloo.split(",") if not _has_address(name)]
+        if missing:
+            raise UsageError(f"GLOO_SOCKET_IFNAME={gloo!r} names {', '.join(missing)}, which "
+                             f"is not an interface of {host} with an address, and gloo needs "
+                             f"one: {interfaces()}; export one of them (or a comma-separated "
+                             f"list) in every process, or unset GLOO_SOCKET_IFNAME to let gloo "
+                             f"take the address of the host name")
+    nccl = os.environ.get("NCCL_SOCKET_IFNAME", "")
+    if len(nccl) > 1 and "nccl" in backend:
+        if not any(_has_address(name) for name in nccl_interfaces(nccl, names)):
+            raise UsageError(f"NCCL_SOCKET_IFNAME={nccl!r} lets NCCL use no interface of "
+                             f"{host} with an address (NCCL reads a comma-separated list of "
+                             f"name prefixes, '=' before exact names, '^' before the names to "
+                             f"leave out): {interfaces()}; export a prefix of one of them in "
+                             f"every process, or unset NCCL_SOCKET_IFNAME to let NCCL choose")
 
 
 _layout: DistEnv | None = None  # this process's place, as common.run() found it
