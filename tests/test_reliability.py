@@ -664,3 +664,34 @@ def test_socket_interfaces_that_cannot_work_are_refused(monkeypatch, variable, v
     assert "this host's interfaces with an address are lo, eth0 (without one: docker0)" in said
     assert "\n" not in said
 
+
+def test_a_taken_master_port_ends_every_rank_of_a_launch_by_hand_with_a_sentence():
+    """Two processes started by hand while another program listens at MASTER_PORT. Before:
+    rank 0 said so, but rank 1 waited without a word, beyond --dist-timeout, as long as that
+    program held the port (torch's store client waits for its handshake with no timeout).
+    The wait for rank 0's answer is min(distributed.RANK0_ANSWER_S, --dist-timeout): 5 s here."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        t0 = time.monotonic()
+        procs = [subprocess.Popen(
+            [sys.executable, str(REPO / "ddp_train.py"), *RUN, "--dist-timeout", "5"],
+            env=env_for_tests({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": port}),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+        try:
+            outs = [p.communicate(timeout=60) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    assert time.monotonic() - t0 < 60
+    assert [p.returncode for p in procs] == [2, 2], outs
+    assert f"127.0.0.1:{port} is already taken by another program" in outs[0][1], outs[0][1]
+    err = outs[1][1]
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert f"error: rank 1: no rank 0 answered at 127.0.0.1:{port} within 5 s: the port may " \
+           f"be taken by another program (rank 0 then says so) or rank 0 died" in err, err
+    from training import distributed
+    assert distributed.RANK0_ANSWER_S <= 20  # with the default --dist-timeout: within 60 s

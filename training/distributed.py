@@ -13,6 +13,8 @@ import os
 import re
 import socket
 import subprocess
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from training.faults import UsageError
+from training.faults import RankError, UsageError
 
 
 @dataclass
@@ -219,6 +221,8 @@ def init_process_group(backend: str, env: DistEnv, timeout_s: int) -> None:
         if "MASTER_PORT" not in os.environ:
             raise UsageError("MASTER_PORT is not set: start with torchrun (which sets it) or "
                              "export MASTER_ADDR and MASTER_PORT")
+        if env.rank != 0 and "TORCHELASTIC_RUN_ID" not in os.environ:
+            wait_for_rank0(timeout_s)  # under torchrun, its own store has answered torchrun
         try:
             dist.init_process_group(backend, init_method="env://", rank=env.rank,
                                     world_size=env.world_size, timeout=timeout)
@@ -238,6 +242,57 @@ def _address_in_use(err: Exception) -> bool:
     EADDRINUSE), which torch reports as a DistNetworkError like a lost peer."""
     text = str(err).lower()
     return "eaddrinuse" in text or "address already in use" in text
+
+
+#: How long a rank other than 0 waits for an answer from what listens at MASTER_ADDR:MASTER_PORT
+#: (at most --dist-timeout). Rank 0's store answers in milliseconds; another program that
+#: holds the port accepts the connection and never answers, and torch's store client then
+#: waits for its handshake without any timeout.
+RANK0_ANSWER_S = 20
+
+
+def wait_for_rank0(timeout_s: int) -> None:
+    """Before a rank other than 0 joins the rendezvous: wait until something listens at
+    MASTER_ADDR:MASTER_PORT (rank 0 may start later, up to --dist-timeout), then check that it
+    answers as rank 0's store does, within RANK0_ANSWER_S. When rank 0 finds the port taken by
+    another program it says so and stops; without this check every other rank would wait
+    silently for that program, longer than --dist-timeout."""
+    addr, port = os.environ["MASTER_ADDR"], _int_env("MASTER_PORT")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RankError(f"nothing listened at {addr}:{port} within --dist-timeout "
+                                f"{timeout_s} s: rank 0 did not start, died first, or was "
+                                f"given another MASTER_ADDR or MASTER_PORT; look for rank 0's "
+                                f"error, and export the same MASTER_ADDR and MASTER_PORT in "
+                                f"every process") from None
+            time.sleep(1)
+    bound = min(RANK0_ANSWER_S, timeout_s)
+    answer = []  # the store, or the error it raised
+
+    def connect():
+        try:
+            answer.append(dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
+                                        timeout=timedelta(seconds=bound)))
+        except Exception as err:  # noqa: BLE001 (any failure is "no answer", said below)
+            answer.append(err)
+
+    # A thread, because a store client that met another program blocks in C++ for good;
+    # it stays blocked there until the process exits.
+    threading.Thread(target=connect, daemon=True).start()
+    give_up = time.monotonic() + bound
+    while not answer and time.monotonic() < give_up:
+        time.sleep(0.1)
+    if not answer or isinstance(answer[0], Exception):
+        raise RankError(f"no rank 0 answered at {addr}:{port} within {bound} s: the port may "
+                        f"be taken by another program (rank 0 then says so) or rank 0 died; "
+                        f"look for rank 0's error, and export a free MASTER_PORT (one that "
+                        f"`ss -ltn` does not list) in every process")
+    del answer[:]  # closes this check's connection; the rendezvous opens its own
 
 
 def _has_address(name: str) -> bool:
