@@ -340,18 +340,18 @@ def check_socket_interfaces(backend: str, world_size: int) -> None:
     if len(gloo) > 1 and ("gloo" in backend or world_size > 1):
         missing = [name for name in gloo.split(",") if not _has_address(name)]
         if missing:
-            raise UsageError(f"GLOO_SOCKET_IFNAME={gloo!r} names {', '.join(missing)}, which "
-                             f"is not an interface of {host} with an address, and gloo needs "
-                             f"one: {interfaces()}; export one of them (or a comma-separated "
+            raise UsageError(f"GLOO_SOCKET_IFNAME={gloo!r} names {', '.join(missing)}, not an "
+                             f"interface with an address on this host ({host}), which gloo "
+                             f"needs: {interfaces()}; export one of them (or a comma-separated "
                              f"list) in every process, or unset GLOO_SOCKET_IFNAME to let gloo "
                              f"take the address of the host name")
     nccl = os.environ.get("NCCL_SOCKET_IFNAME", "")
     if len(nccl) > 1 and "nccl" in backend:
         if not any(_has_address(name) for name in nccl_interfaces(nccl, names)):
-            raise UsageError(f"NCCL_SOCKET_IFNAME={nccl!r} lets NCCL use no interface of "
-                             f"{host} with an address (NCCL reads a comma-separated list of "
-                             f"name prefixes, '=' before exact names, '^' before the names to "
-                             f"leave out): {interfaces()}; export a prefix of one of them in "
+            raise UsageError(f"NCCL_SOCKET_IFNAME={nccl!r} lets NCCL use no interface with an "
+                             f"address on this host ({host}): NCCL reads a comma-separated list "
+                             f"of name prefixes, '=' before exact names, '^' before the names to "
+                             f"leave out, and {interfaces()}; export a prefix of one of them in "
                              f"every process, or unset NCCL_SOCKET_IFNAME to let NCCL choose")
 
 
