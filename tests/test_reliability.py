@@ -645,3 +645,84 @@ def test_the_printed_stop_command_stops_torchrun_with_a_checkpoint(tmp_path):
     assert re.search(r"^\[STOP\] signal=SIGTERM epoch=\d+ step=\d+ saved=1 exit_code=75$",
                      head + rest, re.M), rest[-3000:]
     assert list((tmp_path / "ck").glob("ckpt-*"))
+
+
+def test_a_wrong_gloo_interface_is_one_sentence_before_any_collective():
+    """Before: GLOO_SOCKET_IFNAME=nonexistent read, seconds later and even in one process, as
+    a collective that failed because another rank probably died (exit 1)."""
+    t0 = time.monotonic()
+    proc = run_script("ddp_train.py", RUN, env={"GLOO_SOCKET_IFNAME": "nonexistent"},
+                      timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "GLOO_SOCKET_IFNAME='nonexistent' names nonexistent, not an interface with an " \
+           "address on this host (" in proc.stderr and "interfaces with an address are lo" in proc.stderr, proc.stderr
+    assert "collective" not in proc.stderr and "Epoch [" not in proc.stdout
+    assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.parametrize("variable, value, backend, world, refused", [
+    ("GLOO_SOCKET_IFNAME", "eth0", "gloo", 1, None),
+    ("GLOO_SOCKET_IFNAME", "eth0,ib0", "gloo", 1, "names ib0,"),  # gloo opens every one
+    ("GLOO_SOCKET_IFNAME", "docker0", "gloo", 1, "names docker0,"),  # there, no address
+    ("GLOO_SOCKET_IFNAME", "ib0", "nccl", 1, None),  # one process on NCCL: no gloo group
+    ("GLOO_SOCKET_IFNAME", "ib0", "nccl", 2, "names ib0,"),  # the stop vote's gloo group
+    ("NCCL_SOCKET_IFNAME", "eth", "nccl", 2, None),  # a prefix
+    ("NCCL_SOCKET_IFNAME", "ib,eth1", "nccl", 2, "lets NCCL use no interface"),
+    ("NCCL_SOCKET_IFNAME", "=eth", "nccl", 2, "lets NCCL use no interface"),  # exact names
+    ("NCCL_SOCKET_IFNAME", "=eth0:4000", "nccl", 2, None),
+    ("NCCL_SOCKET_IFNAME", "^lo,docker", "nccl", 2, None),  # leaves eth0
+    ("NCCL_SOCKET_IFNAME", "^lo,eth", "nccl", 2, "lets NCCL use no interface"),
+    ("NCCL_SOCKET_IFNAME", "docker", "nccl", 2, "lets NCCL use no interface"),  # no address
+    ("NCCL_SOCKET_IFNAME", "ib", "gloo", 2, None),  # not NCCL's run
+])
+def test_socket_interfaces_that_cannot_work_are_refused(monkeypatch, variable, value, backend,
+                                                        world, refused):
+    from training import distributed
+    monkeypatch.setattr(socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth0"),
+                                                         (3, "docker0")])
+    monkeypatch.setattr(distributed, "_has_address", lambda name: name in ("lo", "eth0"))
+    for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv(variable, value)
+    if refused is None:
+        distributed.check_socket_interfaces(backend, world)
+        return
+    with pytest.raises(faults.UsageError) as caught:
+        distributed.check_socket_interfaces(backend, world)
+    said = str(caught.value)
+    assert said.startswith(f"{variable}={value!r} ") and refused in said, said
+    assert "this host's interfaces with an address are lo, eth0 (without one: docker0)" in said
+    assert "\n" not in said
+
+
+def test_a_taken_master_port_ends_every_rank_of_a_launch_by_hand_with_a_sentence():
+    """Two processes started by hand while another program listens at MASTER_PORT. Before:
+    rank 0 said so, but rank 1 waited without a word, beyond --dist-timeout, as long as that
+    program held the port (torch's store client waits for its handshake with no timeout).
+    The wait for rank 0's answer is min(distributed.RANK0_ANSWER_S, --dist-timeout): 5 s here."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        t0 = time.monotonic()
+        procs = [subprocess.Popen(
+            [sys.executable, str(REPO / "ddp_train.py"), *RUN, "--dist-timeout", "5"],
+            env=env_for_tests({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": port}),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+        try:
+            outs = [p.communicate(timeout=60) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    assert time.monotonic() - t0 < 60
+    assert [p.returncode for p in procs] == [2, 2], outs
+    assert f"127.0.0.1:{port} is already taken by another program" in outs[0][1], outs[0][1]
+    err = outs[1][1]
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert f"error: rank 1: no rank 0 answered at 127.0.0.1:{port} within 5 s: the port may " \
+           f"be taken by another program (rank 0 then says so) or rank 0 died" in err, err
+    from training import distributed
+    assert distributed.RANK0_ANSWER_S <= 20  # with the default --dist-timeout: within 60 s

@@ -29,13 +29,13 @@ def _held(stdout: str) -> dict:
 
 
 def _predicted(script: str, extra: list, variant: str, world: int, model_name: str,
-               classes: int) -> memory.Estimate:
+               classes: int, shape: tuple = (3, 64, 64)) -> memory.Estimate:
     """The memory model's figures for rank 0 of ``world``, in bytes, as the script computes them
     (the model built the same way: its shapes are all that count)."""
     module = importlib.import_module(script[:-3])
     args = module.build_parser().parse_args(extra + ["--model", model_name])
-    model = models.build_model(model_name, classes, (3, 64, 64))
-    saved = memory.Saved(0, 0, 0, (3, 64, 64), "off", classes)
+    model = models.build_model(model_name, classes, shape)
+    saved = memory.Saved(0, 0, 0, shape, "off", classes)
     return module.memory_per_gpu(model, args, world, saved, variant)
 
 
@@ -59,6 +59,28 @@ def test_rank0_of_n_holds_what_the_memory_model_predicts(script, extra, variant,
         assert got == pytest.approx(want, rel=0.01, abs=2e-3 * memory.MIB), (key, got, want)
     if script == "fsdp_train.py":  # the memory model's units in flight: two, or all of them
         assert held["units_in_flight"] == ("16" if variant == "grad-op" else "2")
+
+
+@pytest.mark.parametrize("extra, variant, in_flight", [
+    (["--sharding", "full"], "full", "2"), (["--sharding", "grad-op"], "grad-op", "6"),
+    (["--offload"], "offload", "2")])
+def test_the_cifar_cnn_with_its_in_place_relu_is_simulated(extra, variant, in_flight):
+    """The CIFAR-10 CNN changes each convolution's output in place (ReLU(inplace=True)). The
+    count of units in flight once used full backward hooks, whose view of a unit's output
+    autograd refuses to see changed in place: the run crashed at the first step."""
+    proc = run_script("fsdp_train.py", ["--model", "cnn", "--batch-size", "2",
+                                        "--synthetic-size", "8", "--num-workers", "0",
+                                        "--amp", "off", "--simulate-world-size", "4"] + extra,
+                      timeout=120)
+    check_ok(proc)
+    held = _held(proc.stdout)
+    expected = _predicted("fsdp_train.py", extra + ["--amp", "off"], variant, 4, "cnn", 10,
+                          (3, 32, 32))
+    for key, want in (("params_mib", expected.params), ("host_mib", expected.host)):
+        assert float(held[key]) * memory.MIB == pytest.approx(want, rel=0.01, abs=2e-3 *
+                                                              memory.MIB), (key, held[key])
+    # four convolutions and two linear layers: all six stay gathered under grad-op
+    assert held["units_in_flight"] == in_flight
 
 
 def test_vit_is_sharded_by_its_encoder_blocks_and_holds_an_eighth_of_itself_at_8():

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -19,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from training.faults import UsageError
+from training.faults import RankError, UsageError
 
 
 @dataclass
@@ -245,7 +248,9 @@ def init_process_group(backend: str, env: DistEnv, timeout_s: int) -> None:
     if env.source == "simulated":
         from torch.testing._internal.distributed.fake_pg import FakeStore
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=env.world_size)
-    elif env.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        return
+    check_socket_interfaces(backend, env.world_size)
+    if env.world_size == 1 and "MASTER_ADDR" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
     else:
@@ -253,6 +258,8 @@ def init_process_group(backend: str, env: DistEnv, timeout_s: int) -> None:
         if "MASTER_PORT" not in os.environ:
             raise UsageError("MASTER_PORT is not set: start with torchrun (which sets it) or "
                              "export MASTER_ADDR and MASTER_PORT")
+        if env.rank != 0 and "TORCHELASTIC_RUN_ID" not in os.environ:
+            wait_for_rank0(timeout_s)  # under torchrun, its own store has answered torchrun
         try:
             dist.init_process_group(backend, init_method="env://", rank=env.rank,
                                     world_size=env.world_size, timeout=timeout)
@@ -272,6 +279,117 @@ def _address_in_use(err: Exception) -> bool:
     EADDRINUSE), which torch reports as a DistNetworkError like a lost peer."""
     text = str(err).lower()
     return "eaddrinuse" in text or "address already in use" in text
+
+
+#: How long a rank other than 0 waits for an answer from what listens at MASTER_ADDR:MASTER_PORT
+#: (at most --dist-timeout). Rank 0's store answers in milliseconds; another program that
+#: holds the port accepts the connection and never answers, and torch's store client then
+#: waits for its handshake without any timeout.
+RANK0_ANSWER_S = 20
+
+
+def wait_for_rank0(timeout_s: int) -> None:
+    """Before a rank other than 0 joins the rendezvous: wait until something listens at
+    MASTER_ADDR:MASTER_PORT (rank 0 may start later, up to --dist-timeout), then check that it
+    answers as rank 0's store does, within RANK0_ANSWER_S. When rank 0 finds the port taken by
+    another program it says so and stops; without this check every other rank would wait
+    silently for that program, longer than --dist-timeout."""
+    addr, port = os.environ["MASTER_ADDR"], _int_env("MASTER_PORT")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RankError(f"nothing listened at {addr}:{port} within --dist-timeout "
+                                f"{timeout_s} s: rank 0 did not start, died first, or was "
+                                f"given another MASTER_ADDR or MASTER_PORT; look for rank 0's "
+                                f"error, and export the same MASTER_ADDR and MASTER_PORT in "
+                                f"every process") from None
+            time.sleep(1)
+    bound = min(RANK0_ANSWER_S, timeout_s)
+    answer = []  # the store, or the error it raised
+
+    def connect():
+        try:
+            answer.append(dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
+                                        timeout=timedelta(seconds=bound)))
+        except Exception as err:  # noqa: BLE001 (any failure is "no answer", said below)
+            answer.append(err)
+
+    # A thread, because a store client that met another program blocks in C++ for good;
+    # it stays blocked there until the process exits.
+    threading.Thread(target=connect, daemon=True).start()
+    give_up = time.monotonic() + bound
+    while not answer and time.monotonic() < give_up:
+        time.sleep(0.1)
+    if not answer or isinstance(answer[0], Exception):
+        raise RankError(f"no rank 0 answered at {addr}:{port} within {bound} s: the port may "
+                        f"be taken by another program (rank 0 then says so) or rank 0 died; "
+                        f"look for rank 0's error, and export a free MASTER_PORT (one that "
+                        f"`ss -ltn` does not list) in every process")
+    del answer[:]  # closes this check's connection; the rendezvous opens its own
+
+
+def _has_address(name: str) -> bool:
+    """Whether network interface ``name`` has an address, as gloo looks it up (IPv4 or
+    IPv6): gloo and NCCL can use only such an interface."""
+    if not dist.is_gloo_available():
+        return True  # no way to ask: leave the judgement to the backend
+    try:
+        dist.ProcessGroupGloo.create_device(interface=name)
+        return True
+    except RuntimeError:
+        return False
+
+
+def nccl_interfaces(form: str, names: list) -> list:
+    """The interfaces of ``names`` that NCCL_SOCKET_IFNAME=``form`` lets NCCL consider: a
+    comma-separated list of name prefixes, of exact names after a leading '=', and every
+    interface but those listed after a leading '^' (or '^='); an entry may end in ':port'."""
+    exclude = form.startswith("^")
+    form = form[exclude:]
+    exact = form.startswith("=")
+    wants = [w.split(":")[0] for w in form[exact:].split(",") if w.split(":")[0]]
+
+    def listed(name):
+        return any(name == w if exact else name.startswith(w) for w in wants)
+    return [name for name in names if listed(name) != exclude]
+
+
+def check_socket_interfaces(backend: str, world_size: int) -> None:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME choose the network interface of each rank.
+    One that this host lacks failed only at the first collective, seconds later, as if a peer
+    had died (even in a single process): say so now, naming the interfaces there are. gloo
+    is used for a gloo backend and, in every run of several processes, for the stop vote."""
+    host = socket.gethostname()
+    names = [name for _, name in socket.if_nameindex()]
+
+    def interfaces():
+        usable = [name for name in names if _has_address(name)]
+        others = [name for name in names if name not in usable]
+        return (f"this host's interfaces with an address are {', '.join(usable) or 'none'}"
+                + (f" (without one: {', '.join(others)})" if others else ""))
+
+    # Both read a value of one character as unset.
+    gloo = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if len(gloo) > 1 and ("gloo" in backend or world_size > 1):
+        missing = [name for name in gloo.split(",") if not _has_address(name)]
+        if missing:
+            raise UsageError(f"GLOO_SOCKET_IFNAME={gloo!r} names {', '.join(missing)}, not an "
+                             f"interface with an address on this host ({host}), which gloo "
+                             f"needs: {interfaces()}; export one of them (or a comma-separated "
+                             f"list) in every process, or unset GLOO_SOCKET_IFNAME to let gloo "
+                             f"take the address of the host name")
+    nccl = os.environ.get("NCCL_SOCKET_IFNAME", "")
+    if len(nccl) > 1 and "nccl" in backend:
+        if not any(_has_address(name) for name in nccl_interfaces(nccl, names)):
+            raise UsageError(f"NCCL_SOCKET_IFNAME={nccl!r} lets NCCL use no interface with an "
+                             f"address on this host ({host}): NCCL reads a comma-separated list "
+                             f"of name prefixes, '=' before exact names, '^' before the names to "
+                             f"leave out, and {interfaces()}; export a prefix of one of them in "
+                             f"every process, or unset NCCL_SOCKET_IFNAME to let NCCL choose")
 
 
 _layout: DistEnv | None = None  # this process's place, as common.run() found it

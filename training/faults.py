@@ -46,6 +46,11 @@ class DataError(UsageError):
     that rank sees it, so that rank prints it, whichever it is."""
 
 
+class RankError(UsageError):
+    """A UsageError that only the rank that raises it can see (no rank 0 answered it at
+    MASTER_ADDR:MASTER_PORT): that rank prints it, whichever it is."""
+
+
 def _rank(rank_env) -> str:
     """How an error line names this process: "rank R", or in a --simulate-world-size run, like
     its other lines, "simulation, rank 0 of N"."""
@@ -56,13 +61,14 @@ def _rank(rank_env) -> str:
 
 def fail_cleanly(err: UsageError, rank_env=None) -> int:
     """Print a UsageError as one line and return 2. A problem of the setup is the same on
-    every rank: local rank 0 of each node prints it. A DataError (or any error raised in a
-    DataLoader worker) is this rank's own: it prints it, prefixed with its rank unless 0."""
+    every rank: local rank 0 of each node prints it. A DataError or RankError (or any error
+    raised in a DataLoader worker) is this rank's own: it prints it, prefixed with its rank
+    unless 0."""
     text = str(err)
     from_worker = "Original Traceback" in text
     if from_worker:  # raised in a DataLoader worker: keep only its sentence
         text = re.sub(r"^.*?(Usage|Data)Error: ", "", text.strip().splitlines()[-1])
-    own = isinstance(err, DataError) or from_worker
+    own = isinstance(err, (DataError, RankError)) or from_worker
     if rank_env is None or rank_env.local_rank == 0 or own:
         named = rank_env and (rank_env.source == "simulated" or own and rank_env.rank)
         rank = f"{_rank(rank_env)}: " if named else ""

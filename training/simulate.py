@@ -50,18 +50,39 @@ def _gathered(unit: nn.Module) -> bool:
         return not isinstance(next(unit.parameters()), DTensor)
 
 
+def _tensors(output) -> list:
+    """The tensors in a module's output: a tensor, or those in a tuple, list or dict."""
+    if torch.is_tensor(output):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for part in output for t in _tensors(part)]
+    return []
+
+
 class UnitsInFlight:
     """The most FSDP units gathered at once during a step (the memory model counts two under
     --sharding full: the one running and the one prefetched), sampled as each unit's forward
-    and backward start and end."""
+    starts and ends and as its backward starts.
+
+    The backward sample is a hook on the unit's output tensors, as FSDP's own pre-backward
+    is, and runs after FSDP's: the unit is gathered then and the next one prefetched, the most
+    this unit's backward ever holds. A module's full backward hooks would wrap the output in a
+    view instead, and a model that changes a unit's output in place (the CIFAR-10 CNN's
+    ReLU(inplace=True) after each convolution) makes autograd refuse that view."""
 
     def __init__(self, units: list):
         self.units, self.most = units, 0
         for unit in units:
             unit.register_forward_pre_hook(lambda *_: self._sample())
-            unit.register_forward_hook(lambda *_: self._sample())
-            unit.register_full_backward_pre_hook(lambda *_: self._sample())
-            unit.register_full_backward_hook(lambda *_: self._sample())
+            unit.register_forward_hook(self._after_forward)
+
+    def _after_forward(self, _unit, _inputs, output) -> None:
+        self._sample()
+        for tensor in _tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(lambda _grad: self._sample())
 
     def _sample(self) -> None:
         self.most = max(self.most, sum(map(_gathered, self.units)))
