@@ -891,7 +891,9 @@ def main(argv=None) -> int:
         measured = sum((row.key, row_steps(row, steps)) in seconds for row in pending)
         print(f"plan: --rows {args.rows}, --minutes {args.minutes:g}; time estimates: "
               f"{measured} measured before, the rest the plan's guesses"
-              + (f"; {len(kept)} row(s) kept from the earlier run" if kept else ""))
+              + (f"; {len(kept)} row(s) kept from the earlier run" if kept else "")
+              + (f"; {len(results) - len(kept)} row(s) CUDA only, skipped"
+                 if len(results) > len(kept) else ""))
         print_plan(pending, args.lanes, 60 * args.minutes, need)
         return 0
 
