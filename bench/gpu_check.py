@@ -1,28 +1,44 @@
 """The GPU acceptance run: one command that fits a short GPU allocation, one markdown table.
 
     python bench/gpu_check.py --out bench/results/gpu.md          # at most 8 minutes
-    python bench/gpu_check.py --minutes 20 --rows all --data-dir /data/tiny-imagenet-200
+    python bench/gpu_check.py --out bench/results/gpu.md --continue   # the rows a cut run left
+    python bench/gpu_check.py --rows compile --minutes 12 --out bench/results/gpu-compile.md
+    python bench/gpu_check.py --dry-run                            # the lanes, estimated
 
-What it does: a list of rows, most telling first, each in its own process with its own
-timeout. A row is started only when the time left of --minutes is at least what it needs, so a
-short allocation ends with the rows that matter most; each finished row is appended at once to
-a JSON-lines file beside --out (and the markdown report rewritten), so a run cut short keeps
-every row it finished.
+What it does: a list of rows, each in its own process with its own timeout, run in lanes. The
+timed rows (a training run whose img/s is a figure) run one after another in the first lane;
+the untimed rows (the equivalence tests, the shared-GPU tests, the rank-0-of-8 memory rows,
+kill-and-resume, the profiled launch counts, the launchers, building the tree) run in the other
+lanes beside them, since a peak is per process and a count is a count (--lanes, default 4;
+--lanes 1 runs every row alone). A row is started only when the time left of --minutes is at
+least its time estimate: the seconds it took in an earlier run (the JSON lines beside --out, or
+--estimates), else the plan's guess. Each finished row is appended at once to a JSON-lines file
+beside --out with its seconds (and the markdown report rewritten), so a run cut short keeps
+every row it finished, and --continue runs only the rows not yet there.
 
 The rows (--rows speed, the default; ResNet-50, bf16 unless said):
-- ddp_train.py on synthetic data held on the device (no loader, no copy: the compute ceiling)
-  at 64 x 64 pixels, batch 256 eagerly and with --cuda-graph (both with --profile, which counts
-  the host's kernel launches per step), 1024 both ways, 2048 eagerly; fp16 (fused SGD, no host
-  sync); the CUDA equivalence tests (tests marked cuda_ok: DDP, FSDP, ZeRO-1, DataParallel and
-  --cuda-graph against eager); at 224 x 224 DDP eagerly and with --cuda-graph, FSDP full;
-  FSDP full and DataParallel (one GPU) at 64 px; --compile at 1024; the launchers on a real GPU
-  (launch/local.sh with its nvidia-smi and psrecord logs, then analyze_memory.py --plot on
-  them); the input paths: the uint8 cache, held on the device, the JPEG folder.
-- Each training row runs two epochs of --steps steps (100 by default) and is timed over the
-  second, as the scripts time every epoch: the device synchronised before its first batch and
-  after its last step, so over 100 steps the host clock measures what the GPU did. The first
-  epoch holds every warm-up: cuDNN's autotuning, --cuda-graph's eager steps and capture,
-  --compile's compilation.
+- timed: ddp_train.py on synthetic data held on the device (no loader, no copy: the compute
+  ceiling) at 64 x 64 pixels, batch 256 and 1024, eagerly and with --cuda-graph; fp16 (fused
+  SGD, no host sync); at 224 x 224 DDP eagerly and with --cuda-graph, FSDP full; then, over
+  30-step windows (their figure is no headline), batch 2048, FSDP full, --offload with fp16 and
+  DataParallel (one GPU) at 64 px, and the input paths: the uint8 cache, held on the device, the
+  JPEG folder.
+- untimed: the CUDA equivalence tests (tests marked cuda_ok: DDP, FSDP, ZeRO-1, DataParallel
+  and --cuda-graph against eager), the same at 2 ranks sharing the GPU, a 2-rank FSDP run
+  killed and resumed, the host's kernel launches per step and where a step's time goes
+  (--profile, in rows of their own so that no timed row runs under the profiler), one GPU as
+  rank 0 of 8 for each ZeRO rung at 64 and 224 px (--simulate-world-size: 2 steps), and the
+  launchers on a real GPU (launch/local.sh with its nvidia-smi and psrecord logs, then
+  analyze_memory.py --plot on them).
+- Each training row runs two epochs and is timed over the second, as the scripts time every
+  epoch: the device synchronised before its first batch and after its last step. The headline
+  rows run --steps steps an epoch (100 by default), the others 30. The first epoch holds every
+  warm-up (cuDNN's autotuning, --cuda-graph's capture, --compile's compilation): the table's
+  warm-up column is how much longer it took than the second.
+- --rows compile, sized for an allocation of its own: eager, --cuda-graph and each --compile
+  mode at 64 px batch 1024 and at 224 px batch 256, one after another, with a persistent
+  Inductor cache (TORCHINDUCTOR_CACHE_DIR: inductor-cache beside --out), so a second run
+  compiles from it.
 - --rows memory: every strategy and ZeRO rung (dp, ddp, ddp --zero1, fsdp grad-op, full, full
   --offload) at 64 and 224 pixels on the cache path, the measured peak
   (torch.cuda.max_memory_allocated) beside the one its run predicted ([MEMORY] line).
@@ -48,7 +64,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,11 +76,17 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import torch  # noqa: E402
 
-from training import contract, flags  # noqa: E402
+from training import contract, flags, simulate  # noqa: E402
 from make_tinyimagenet import make_tree, make_tree_parallel  # noqa: E402
 
 CEILING = "ddp, synthetic on device"
 GRAPH = "ddp --cuda-graph, synthetic on device"
+FSDP = "fsdp full, synthetic on device"
+WINDOW = 30  # steps an epoch of a row whose figure is no headline: enough for a steady rate
+# a guess at each --compile mode's row until one is measured (ResNet-50, a cold cache)
+COMPILE_GUESS = {"default": 150, "reduce-overhead": 180, "max-autotune-no-cudagraphs": 300,
+                 "max-autotune": 360}
+DATA = "data: the TinyImageNet tree and its uint8 cache"  # a job for a lane, not a table row
 
 
 @dataclass
@@ -74,9 +98,25 @@ class Row:
     image: int = 64
     cuda_only: bool = False
     needs_data: bool = False  # the TinyImageNet tree and its cache
-    need_s: int = 45  # what the row takes on one GPU, about: it starts only with this much left
-    kind: str = "train"  # or "held" (--simulate-world-size), "tests", "shared tests",
-    # "launcher", "kill-resume"
+    need_s: int = 45  # the plan's guess of what it takes on one GPU, before a run measured it
+    kind: str = "train"  # or "held" (--simulate-world-size), "profile", "tests", "shared
+    # tests", "launcher", "kill-resume", "data"
+    headline: bool = False  # a target's figure: --steps steps an epoch, not WINDOW
+    timed: bool = True  # a training row whose img/s is a figure (--rows memory: the peak is)
+
+    @property
+    def key(self) -> str:
+        return row_key(self.label, self.image, self.batch)
+
+    @property
+    def in_timed_lane(self) -> bool:
+        """Whether the row runs in the timed lane, where no other timed row runs beside it."""
+        return self.kind == "train" and self.timed
+
+
+def row_key(label: str, image: int, batch: int) -> str:
+    """What names one row across runs (a JSON line has the three fields)."""
+    return f"{label}, {image} px, batch {batch}"
 
 
 def versions(gpu: bool) -> list:
@@ -104,46 +144,40 @@ def versions(gpu: bool) -> list:
 
 
 def plan(which: str, gpu: bool) -> list:
-    """The rows of ``which`` (speed, memory, all), most telling first."""
+    """The rows of ``which`` (speed, memory, compile, all): the timed rows in the order they
+    run, then the untimed ones in the order the lanes take them (the longest first)."""
     small, big, huge = (256, 1024, 2048) if gpu else (8, 16, 32)
     side = 224 if gpu else 96  # the seed's setting (the CPU smoke run: smaller)
-    synth, graph, profile = ["--data-on-device"], ["--cuda-graph"], ["--profile", "{work}"]
+    synth, graph, profile = ["--data-on-device"], ["--cuda-graph"], ["--profile", "{profile}"]
     wide = ["--image-size", str(side)]
+    full = ["--sharding", "full"]
     one_gpu = ["--gpus", "1"] if gpu else []
-    speed = [
-        Row(CEILING, small, args=synth + profile),
-        Row(GRAPH, small, args=synth + graph + profile, cuda_only=True),
-        Row(CEILING, big, args=synth),
-        Row(GRAPH, big, args=synth + graph, cuda_only=True),
-        Row(CEILING, huge, args=synth, cuda_only=True),
+    # need_s: the plan's guess until a run has measured the row. On the first H200 runs a
+    # training row of 100 steps took 21 s (64 px, batch 256) to 74 s (224 px), most of it the
+    # process's start and the synthetic data made on the host; the rest is guessed from those
+    timed = [
+        Row(CEILING, small, args=synth, headline=True, need_s=25),
+        Row(GRAPH, small, args=synth + graph, cuda_only=True, headline=True, need_s=25),
+        Row(CEILING, big, args=synth, headline=True, need_s=35),
+        Row(GRAPH, big, args=synth + graph, cuda_only=True, headline=True, need_s=35),
         Row("ddp fp16 (fused SGD), synthetic on device", small,
-            args=synth + ["--amp", "fp16"], cuda_only=True),
-        Row("equivalence tests on CUDA", 0, kind="tests", cuda_only=True, need_s=240),
+            args=synth + ["--amp", "fp16"], cuda_only=True, headline=True, need_s=25),
         # 224 px: what the seed trains on (on the CPU too slow to tell anything)
-        Row(CEILING, small, args=synth + wide, image=side, cuda_only=True),
-        Row(GRAPH, small, args=synth + wide + graph, image=side, cuda_only=True),
-        # profiled: where FSDP's step loses to DDP's on one GPU (the [PROFILE] breakdown)
-        Row("fsdp full, synthetic on device", small, "fsdp_train.py",
-            synth + wide + ["--sharding", "full"] + profile, image=side, cuda_only=True),
-        Row("fsdp full, synthetic on device", small, "fsdp_train.py",
-            synth + ["--sharding", "full"]),
-        # offload's gradient shards on the CPU under fp16's GradScaler: gloo beside NCCL
-        Row("fsdp --offload fp16, synthetic on device", small, "fsdp_train.py",
-            synth + ["--offload", "--amp", "fp16"], cuda_only=True),
-        Row("dp (one GPU), synthetic on device", small, "dp_train.py", synth + one_gpu),
-        Row("ddp --compile, synthetic on device", big, args=synth + ["--compile"],
-            cuda_only=True, need_s=240),
-        Row("launchers: local.sh, its memory logs, analyze_memory.py --plot", small,
-            kind="launcher", need_s=75),
-        Row("kill and resume: fsdp_train.py, 2 ranks sharing the GPU", 16, "fsdp_train.py",
-            kind="kill-resume", need_s=90),
-        Row("ddp, cache", small, args=["{data}", "{cache}"], needs_data=True),
+        Row(CEILING, small, args=synth + wide, image=side, cuda_only=True, headline=True,
+            need_s=75),
+        Row(GRAPH, small, args=synth + wide + graph, image=side, cuda_only=True, headline=True,
+            need_s=75),
+        Row(FSDP, small, "fsdp_train.py", synth + wide + full, image=side, cuda_only=True,
+            headline=True, need_s=80),
+        Row(CEILING, huge, args=synth, cuda_only=True, need_s=25),
+        Row(FSDP, small, "fsdp_train.py", synth + full, need_s=20),
+        Row("dp (one GPU), synthetic on device", small, "dp_train.py", synth + one_gpu,
+            need_s=20),
+        Row("ddp, cache", small, args=["{data}", "{cache}"], needs_data=True, need_s=20),
         Row("ddp, cache held on device", big, args=["{data}", "{cache}", "--data-on-device"],
-            needs_data=True),
-        Row("ddp, JPEG folder", small, args=["{data}"], needs_data=True),
-    ] + [Row(f"ddp --compile {mode}, synthetic on device", big, args=synth + ["--compile", mode],
-             cuda_only=True, need_s=300)
-         for mode in ("reduce-overhead", "max-autotune-no-cudagraphs")]
+            needs_data=True, need_s=20),
+        Row("ddp, JPEG folder", small, args=["{data}"], needs_data=True, need_s=25),
+    ]
     rungs = [("dp", "dp_train.py", one_gpu), ("ddp", "ddp_train.py", []),
              ("ddp --zero1", "ddp_train.py", ["--zero1"]),
              ("fsdp grad-op", "fsdp_train.py", ["--sharding", "grad-op"]),
@@ -152,34 +186,87 @@ def plan(which: str, gpu: bool) -> list:
     # one GPU as rank 0 of 8 (--simulate-world-size): what each ZeRO rung leaves on a GPU of 8
     at_8 = [Row(f"memory at 8 GPUs: {label}", small, script, synth + extra + (
                 [] if px == 64 else ["--image-size", str(px)]) + ["--simulate-world-size", "8"],
-                image=px, kind="held", need_s=40)
+                image=px, kind="held", need_s=20 if px == 64 else 30)
             for px in (64, side) for label, script, extra in rungs[1:]]
-    speed.insert(speed.index(next(r for r in speed if r.kind == "tests")) + 1,
-                 Row("equivalence tests, 2 ranks sharing a GPU", 0, kind="shared tests",
-                     cuda_only=True, need_s=240))
-    after_224 = speed.index(next(r for r in speed if r.script == "fsdp_train.py")) + 1
-    speed[after_224:after_224] = at_8
+    untimed = [
+        Row("equivalence tests, 2 ranks sharing a GPU", 0, kind="shared tests", cuda_only=True,
+            need_s=240),
+        Row("equivalence tests on CUDA", 0, kind="tests", cuda_only=True, need_s=150),
+        Row("kill and resume: fsdp_train.py, 2 ranks sharing the GPU", 16, "fsdp_train.py",
+            kind="kill-resume", need_s=60),
+        Row("launchers: local.sh, its memory logs, analyze_memory.py --plot", small,
+            kind="launcher", need_s=60),
+        # offload's gradient shards on the CPU under fp16's GradScaler: gloo beside NCCL (what
+        # the row shows is that it trains)
+        Row("fsdp --offload fp16, synthetic on device", small, "fsdp_train.py",
+            synth + ["--offload", "--amp", "fp16"], cuda_only=True, timed=False, need_s=25),
+        # the launches per step and where a step's time goes, in rows of their own: the
+        # profiler's trace slows the steps around it, so no timed row runs under it
+        Row(f"profile: {CEILING}", small, args=synth + profile, kind="profile", need_s=20),
+        Row(f"profile: {GRAPH}", small, args=synth + graph + profile, kind="profile",
+            cuda_only=True, need_s=25),
+        # where FSDP's step loses to DDP's on one GPU (the [PROFILE] breakdown)
+        Row(f"profile: {FSDP}", small, "fsdp_train.py", synth + wide + full + profile,
+            image=side, kind="profile", cuda_only=True, need_s=40),
+    ] + at_8
     memory = [Row(f"memory: {label}", small, script, ["{data}", "{cache}"] + extra
-                  + ([] if px == 64 else ["--image-size", str(px)]), image=px, needs_data=True)
+                  + ([] if px == 64 else ["--image-size", str(px)]), image=px, needs_data=True,
+                  timed=False, need_s=25 if px == 64 else 40)
               for px in (64, side) for label, script, extra in rungs]
-    return {"speed": speed, "memory": memory, "all": speed + memory}[which]
+    # eager, --cuda-graph and each --compile mode where they are compared, one after another
+    # (a compilation beside a timed row would slow it, and max-autotune times kernels itself)
+    sizes = [(big, 64, []), (small, side, wide)]
+    compiled = [Row(label, batch, args=synth + extra + more, image=px, cuda_only=True,
+                    headline=True, need_s=35 if px == 64 else 75)
+                for batch, px, extra in sizes for label, more in ((CEILING, []), (GRAPH, graph))]
+    compiled += [Row(compiled_label(mode), batch,
+                     args=synth + extra + ["--compile", mode], image=px, cuda_only=True,
+                     headline=True, need_s=COMPILE_GUESS[mode])
+                 for mode in flags.COMPILE_MODES for batch, px, extra in sizes]
+    rows = {"speed": timed + untimed, "memory": memory, "compile": compiled,
+            "all": timed + compiled + untimed + memory}[which]
+    once = {}  # "all": the eager and --cuda-graph rows of both groups run once
+    for row in rows:
+        once.setdefault(row.key, row)
+    return list(once.values())
+
+
+def compiled_label(mode: str) -> str:
+    return f"ddp --compile {mode}, synthetic on device"
+
+
+def row_steps(row: Row, steps: int) -> int:
+    """Steps an epoch of ``row``: --steps for a headline figure, at most WINDOW for the rest."""
+    return steps if row.headline else min(steps, WINDOW)
+
+
+def synthetic_size(row: Row, steps: int) -> int:
+    """Training samples a synthetic row needs: one epoch's batches; rank 0 of N
+    (--simulate-world-size) reads 1/N of them and trains simulate.STEPS steps, so N times
+    those."""
+    if "--simulate-world-size" in row.args:
+        world = int(row.args[row.args.index("--simulate-world-size") + 1])
+        return row.batch * simulate.STEPS * world
+    return row.batch * max(steps, 2)
 
 
 def row_args(row: Row, model: str, steps: int, paths: dict) -> list:
-    """The training script's arguments: two epochs of ``steps`` steps; synthetic data sized to
-    one epoch's batches (a quarter more for validation)."""
+    """The training script's arguments: two epochs of ``steps`` steps (a profiled row: one,
+    its trace window is in the first); synthetic data sized by synthetic_size."""
     args = []
     for a in row.args:
         if a == "{data}":
             args += ["--data-dir", paths["data"]]
         elif a == "{cache}":
             args += ["--data-cache", paths["cache"]]
+        elif a == "{profile}":  # a folder of each row's own: rows run side by side
+            args.append(str(Path(paths["profile"]) / re.sub(r"\W+", "-", row.key)))
         else:
-            args.append(a.format(work=paths["profile"]))
-    if not row.needs_data:  # a simulated rank 0 of 8 reads 1/8 of the samples
-        ranks = 8 if "--simulate-world-size" in args else 1
-        args += ["--synthetic-size", str(row.batch * max(steps, 2) * ranks)]
-    return ["--model", model, "--epochs", "2", "--max-steps-per-epoch", str(steps),
+            args.append(a)
+    if not row.needs_data:
+        args += ["--synthetic-size", str(synthetic_size(row, steps))]
+    epochs = "1" if row.kind == "profile" else "2"
+    return ["--model", model, "--epochs", epochs, "--max-steps-per-epoch", str(steps),
             "--batch-size", str(row.batch), "--log-every", "0"] + args
 
 
@@ -195,13 +282,20 @@ def _failure(proc: subprocess.CompletedProcess, what: str = "exit") -> str:
     return f"{what} {proc.returncode}: {last[:200]}"
 
 
-def run_training(row: Row, args: list, timeout: float) -> dict:
-    """One training run: the second epoch's [METRIC] figures, the [MEMORY] prediction and the
-    [PROFILE] launches per step; a "held" row (--simulate-world-size): the [MEMORY] prediction
-    and the [MEMORY-HELD] figures; or the reason it failed."""
+def run_training(row: Row, args: list, timeout: float, inductor_cache: Path | None = None
+                 ) -> dict:
+    """One training run: the second epoch's [METRIC] figures, how much longer the first epoch
+    took (its warm-up) and the [MEMORY] prediction; a "profile" row: the [PROFILE] step
+    breakdown and launches per step; a "held" row (--simulate-world-size): the [MEMORY]
+    prediction and the [MEMORY-HELD] figures; or the reason it failed."""
     cmd = [sys.executable, str(REPO / row.script), *args]
-    # --compile: torch logs each recompilation, to count those inside the timed epoch
-    env = dict(os.environ, TORCH_LOGS="recompiles") if "--compile" in args else None
+    env = None
+    if "--compile" in args:
+        # torch logs each recompilation, to count those inside the timed epoch; Inductor's
+        # cache outlives the run, so the next run of the row compiles from it
+        env = dict(os.environ, TORCH_LOGS="recompiles")
+        if inductor_cache is not None:
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
                               env=env)
@@ -221,16 +315,24 @@ def run_training(row: Row, args: list, timeout: float) -> dict:
                 "units_in_flight": held["units_in_flight"], "amp": predicted["amp"],
                 "cmd": cmd}
     rows = [m for m in map(contract.parse_metric_line, out) if m]
+    if row.kind == "profile":
+        profile = _first(out, contract.PROFILE_PREFIX)
+        if proc.returncode != 0 or not (rows and profile):
+            return {"error": _failure(proc), "cmd": cmd}
+        parts = {k: contract.number(profile[k]) for k in contract.PROFILE_KEYS}
+        return {"amp": rows[-1]["amp"], "launches": parts.pop("launches_per_step"),
+                "profile": parts, "cmd": cmd}
     if proc.returncode != 0 or not rows:
         return {"error": _failure(proc), "cmd": cmd}
     m = rows[-1]
-    profile = _first(out, contract.PROFILE_PREFIX) or {}
     steps = float(m["train_images"]) / float(m["global_batch"])
+    warmup = None
+    if rows[0]["epoch"] != m["epoch"]:  # the first epoch's extra time: every warm-up
+        warmup = float(rows[0]["epoch_time_s"]) - float(m["epoch_time_s"])
     return {"img_s": float(m["throughput_img_s"]), "amp": m["amp"],
             "step_ms": 1e3 * float(m["epoch_time_s"]) / steps, "steps": int(steps),
-            "peak": float(m["peak_mem_mib"]),
+            "warmup_s": warmup, "peak": float(m["peak_mem_mib"]),
             "predicted": contract.number(predicted.get("peak_mib")),
-            "launches": contract.number(profile.get("launches_per_step")),
             "recompiles_timed": recompiles_between(proc.stderr, float(m["train_start_unix"]),
                                                    float(m["eval_start_unix"]))
             if env else None, "cmd": cmd}
@@ -390,8 +492,169 @@ def run_kill_resume(row: Row, work: Path, gpu: bool, timeout: float) -> dict:
                                     f", then finished", "cmd": cmd}
 
 
+# ---------------------------------------------------------------------------------------------
+# Lanes: which row runs when
+# ---------------------------------------------------------------------------------------------
+
+def _pick(pending: list, lane: int, lanes: int, left: float, need, data: str,
+          timed_busy: float = 0.0):
+    """The row a free ``lane`` starts next: the first of ``pending`` it takes whose estimate
+    (``need(row)``, seconds) fits the ``left`` seconds and whose data is there. "wait" when
+    such a row waits for the data being built (``data``: "pending", "running", "done" or
+    "failed"); None when nothing is left for this lane. One lane takes every row in order; of
+    several, the first takes the timed rows, then helps with the others, and the rest take
+    the untimed rows; once those are done, where the timed lane (``timed_busy``: the seconds
+    its running row still needs) cannot reach its last rows in time, another lane takes the
+    last of them that is no headline, beside it, rather than leave it not started."""
+    def first(rows):
+        waits = False
+        for row in rows:
+            if need(row) > left:
+                continue
+            if row.needs_data and data in ("pending", "running"):
+                waits = waits or data == "running"
+                continue
+            return row
+        return "wait" if waits else None
+
+    if lanes == 1:
+        return first(pending)
+    timed = [r for r in pending if r.in_timed_lane]
+    untimed = first([r for r in pending if not r.in_timed_lane])
+    if lane == 0:
+        return first(timed) or untimed
+    if untimed is None and timed_busy + sum(map(need, timed)) > left:
+        return first([r for r in reversed(timed) if not r.headline][:1])
+    return untimed
+
+
+def run_lanes(pending: list, lanes: int, deadline: float, need, run_row, record) -> list:
+    """Run the ``pending`` rows in ``lanes`` threads, each row as ``run_row(row)`` -> its
+    result, then ``record(row, result)``, one at a time, with the result's lane, seconds
+    and "beside": the keys of the rows that ran at any time during it. A row starts only
+    while its estimate fits before ``deadline`` (time.monotonic()). Returns the rows never
+    started."""
+    pending = list(pending)
+    cond = threading.Condition()
+    state = {"data": "pending" if any(r.kind == "data" for r in pending) else "done",
+             "timed_end": 0.0}  # when the timed lane's running row ends, by its estimate
+    running = {}  # key: the keys of the rows that ran beside it so far
+
+    def lane_loop(lane: int) -> None:
+        while True:
+            with cond:
+                row = "wait"
+                while row == "wait":  # a row of this lane waits for the data being built
+                    now = time.monotonic()
+                    row = _pick(pending, lane, lanes, deadline - now, need, state["data"],
+                                max(0.0, state["timed_end"] - now))
+                    if row == "wait":
+                        cond.wait(timeout=1.0)
+                if row is None:
+                    return
+                pending.remove(row)
+                if row.kind == "data":
+                    state["data"] = "running"
+                if lane == 0:
+                    state["timed_end"] = time.monotonic() + need(row)
+                for beside in running.values():
+                    beside.add(row.key)
+                running[row.key] = set(running)
+            t0 = time.monotonic()
+            try:
+                result = run_row(row)
+            except Exception as exc:  # one row's bug: that row fails, the other lanes go on
+                traceback.print_exc()
+                result = {"error": f"{type(exc).__name__} in gpu_check: {exc}"}
+            with cond:
+                result.update(lane=lane, seconds=round(time.monotonic() - t0, 1),
+                              beside=sorted(running.pop(row.key)))
+                if row.kind == "data":
+                    state["data"] = "failed" if "error" in result else "done"
+                record(row, result)
+                cond.notify_all()
+
+    threads = [threading.Thread(target=lane_loop, args=(lane,), name=f"lane {lane}")
+               for lane in range(lanes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return pending
+
+
+def simulate_lanes(pending: list, lanes: int, budget: float, need) -> tuple:
+    """What run_lanes does if every row takes its estimate: ([(lane, row, start, end)], the
+    rows never started), seconds from the start."""
+    pending, free, ended, runs = list(pending), [0.0] * lanes, set(), []
+    data, data_end = ("pending" if any(r.kind == "data" for r in pending) else "done"), 0.0
+    while len(ended) < lanes:
+        lane = min(set(range(lanes)) - ended, key=lambda n: (free[n], n))
+        now = free[lane]
+        row = _pick(pending, lane, lanes, budget - now, need,
+                    "done" if data == "running" and now >= data_end else data,
+                    max(0.0, free[0] - now))
+        if row == "wait":
+            free[lane] = data_end
+        elif row is None:
+            ended.add(lane)
+        else:
+            pending.remove(row)
+            free[lane] = now + need(row)
+            if row.kind == "data":
+                data, data_end = "running", free[lane]
+            runs.append((lane, row, now, free[lane]))
+    return runs, pending
+
+
+def print_plan(pending: list, lanes: int, budget: float, need) -> None:
+    """--dry-run: each lane's rows, when each starts and ends by its estimate, and the rows
+    that would not start."""
+    runs, left = simulate_lanes(pending, lanes, budget, need)
+    for lane in range(lanes):
+        mine = [(row, start, end) for n, row, start, end in runs if n == lane]
+        print(f"lane {lane}{' (timed)' if lane == 0 and lanes > 1 else ''}: {len(mine)} "
+              f"job(s), ends at about {max((end for *_, end in mine), default=0):.0f} s")
+        for row, start, end in mine:
+            print(f"  {start:5.0f} - {end:5.0f} s  {row.key}")
+    for row in left:
+        print(f"not started: {row.key} (about {need(row):.0f} s)")
+
+
+def read_rows(path: Path) -> tuple:
+    """The rows of the JSON lines at ``path`` and how many lines were not a whole row (a run
+    cut while writing leaves half a line at the end)."""
+    rows, broken = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            broken += 1
+            continue
+        if isinstance(row, dict) and {"label", "image", "batch"} <= row.keys():
+            rows.append(row)
+        else:
+            broken += 1
+    return rows, broken
+
+
+def finished(row: dict) -> bool:
+    """Whether an earlier run's row has its result (passed, failed or not for this device),
+    so --continue leaves it; a row "not started" runs."""
+    return not str(row.get("skipped", "")).startswith("not started")
+
+
+def measured_seconds(rows: list, device: str) -> dict:
+    """{(key, steps per epoch): seconds} of the rows an earlier run ran on ``device``: the
+    time estimates of the same rows in this run."""
+    return {(row_key(r["label"], r["image"], r["batch"]), r.get("steps_per_epoch")): r["seconds"]
+            for r in rows if r.get("device") == device and r.get("seconds") is not None}
+
+
 def targets(results: list) -> list:
-    """Issue 39's targets where their rows ran: (what, met, the figures)."""
+    """Issue 39's and 48's targets where their rows ran: (what, met, the figures)."""
     def rate(label, batch, image=64):
         found = [r["img_s"] for r in results if r.get("label") == label
                  and r.get("batch") == batch and r.get("image") == image and "img_s" in r]
@@ -421,19 +684,32 @@ def targets(results: list) -> list:
     if fsdp and ddp:
         checks.append(("FSDP full at 224 px >= 0.85x DDP", fsdp >= 0.85 * ddp,
                        f"{fsdp / ddp:.2f}x"))
+    ways = [CEILING, GRAPH] + [compiled_label(mode) for mode in flags.COMPILE_MODES]
+    at_224 = {way: rate(way, 256, 224) for way in ways if rate(way, 256, 224)}
+    if set(at_224) - {CEILING, GRAPH}:  # --rows compile ran
+        fastest = max(at_224, key=at_224.get)
+        checks.append(("224 px, batch 256: eager, --cuda-graph and every --compile mode "
+                       "measured", len(at_224) == len(ways),
+                       f"{len(at_224)} of {len(ways)}; the fastest: {fastest}, "
+                       f"{at_224[fastest]:,.0f} img/s"))
     return checks
+
+
+def _figure(value) -> str:
+    return "n/a" if value is None else f"{value:,.1f}"
 
 
 def report(results: list, head: list, gpu: bool, steps: int, tail: list) -> str:
     ceiling = {(r["batch"], r["image"]): r["img_s"] for r in results
                if r["label"] == CEILING and "img_s" in r}
     lines = head + ["", "| configuration | image | batch | amp | img/s | ms/step | launches/step "
-                        "| peak memory (MiB) | predicted (MiB) | error | vs ceiling |",
-                    "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+                        "| peak memory (MiB) | predicted (MiB) | error | vs ceiling "
+                        "| warm-up (s) |",
+                    "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     notes = []
     for r in results:
-        where = f"| {r['label']} | {r['image'] if r['kind'] in ('train', 'held') else ''} | " \
-                f"{r['batch'] or ''} |"
+        shows_image = r["kind"] in ("train", "held", "profile")
+        where = f"| {r['label']} | {r['image'] if shows_image else ''} | {r['batch'] or ''} |"
         if "img_s" in r:
             key = (r["batch"], r["image"])
             ratio = f"{r['img_s'] / ceiling[key]:.2f}x" if key in ceiling else "n/a"
@@ -441,39 +717,60 @@ def report(results: list, head: list, gpu: bool, steps: int, tail: list) -> str:
             if r["predicted"]:
                 predicted = f"{r['predicted']:,.0f}"
                 error = f"{(r['predicted'] - r['peak']) / r['peak']:+.0%}" if gpu else "n/a"
+            warmup = "" if r.get("warmup_s") is None else f"{r['warmup_s']:.1f}"
+            lines.append(f"{where} {r['amp']} | {r['img_s']:,.0f} | {r['step_ms']:.1f} | | "
+                         f"{r['peak']:,.0f} | {predicted} | {error} | {ratio} | {warmup} |")
+            if r.get("beside") and r.get("timed"):
+                notes.append(f"{row_key(r['label'], r['image'], r['batch'])}: timed beside "
+                             f"{len(r['beside'])} untimed row(s): {'; '.join(r['beside'])}")
+        elif "profile" in r:  # --profile: the launches and the step's parts, no timing
+            p = r["profile"]
             launches = "" if r["launches"] is None else f"{r['launches']:,.0f}"
-            lines.append(f"{where} {r['amp']} | {r['img_s']:,.0f} | {r['step_ms']:.1f} | "
-                         f"{launches} | {r['peak']:,.0f} | {predicted} | {error} | {ratio} |")
+            lines.append(f"{where} {r['amp']} | | {_figure(p['step_ms'])} | {launches} "
+                         f"| | | | | |")
+            notes.append(f"{r['label']}, {r['image']} px, batch {r['batch']}: a traced step "
+                         f"of {_figure(p['step_ms'])} ms: compute "
+                         f"{_figure(p['compute_ms'])}, exposed communication "
+                         f"{_figure(p['exposed_comm_ms'])}, data wait "
+                         f"{_figure(p['data_wait_ms'])}, other {_figure(p['other_ms'])} "
+                         f"(communication in all {_figure(p['comm_ms'])}; {p['steps']:.0f} "
+                         f"steps traced)")
         elif "states" in r:  # --simulate-world-size: memory only
             error = (f"{(r['predicted'] - r['peak']) / r['peak']:+.0%}"
                      if gpu and r["peak"] and r["predicted"] else "n/a")
             peak = f"{r['peak']:,.0f}" if r["peak"] else "n/a"  # on a CPU: none measured
             lines.append(f"{where} {r['amp']} | | | | {peak} | {r['predicted'] or 0:,.0f} | "
-                         f"{error} | |")
+                         f"{error} | | |")
             notes.append(f"{r['label']}, {r['image']} px: held params + grads + optimizer + "
                          f"host {r['states']} MiB, predicted {r['predicted_states']}; FSDP "
                          f"units gathered at once: {r['units_in_flight']}")
         elif "skipped" in r:
-            lines.append(f"{where} | {r['skipped']} | | | | | | |")
+            lines.append(f"{where} | {r['skipped']} | | | | | | | |")
         elif "error" in r:
-            lines.append(f"{where} | FAILED: {r['error']} | | | | | | |")
+            lines.append(f"{where} | FAILED: {r['error']} | | | | | | | |")
         else:
             lines.append(f"{where} | {'passed' if r.get('passed') else 'see below'} "
-                         f"| | | | | | |")
+                         f"| | | | | | | |")
         if "text" in r:
             notes.append(f"{r['label']}: {r['text']}")
         if r.get("recompiles_timed") is not None:
-            notes.append(f"{r['label']}, {r['batch']}: {r['recompiles_timed']} recompilation(s) "
-                         f"inside the timed epoch (TORCH_LOGS=recompiles)")
+            notes.append(f"{r['label']}, {r['image']} px, batch {r['batch']}: "
+                         f"{r['recompiles_timed']} recompilation(s) inside the timed epoch "
+                         f"(TORCH_LOGS=recompiles)")
         if "summary" in r:
             notes += [f"{r['label']}: timeline.png {'drawn' if r['timeline'] else 'MISSING'}"]
             notes += [f"    {line}" for line in r["summary"]]
-    lines += ["", f"each training row: 2 epochs of {steps} steps, the second timed (device "
-                  f"synchronised at both ends); one process" + (", one GPU" if gpu else
-                                                                " on the CPU"),
+    lines += ["", f"each training row: 2 epochs, the second timed (device synchronised at both "
+                  f"ends): {steps} steps an epoch where the figure is a target's, "
+                  f"{min(steps, WINDOW)} elsewhere; one process" +
+              (", one GPU" if gpu else " on the CPU"),
               "launches/step: the host's kernel, copy and graph launches per step, counted by "
-              "--profile's trace (5 steps after the warm-up, and after the capture with "
-              "--cuda-graph)"]
+              "--profile's trace in a row of its own (5 steps after the warm-up, and after the "
+              "capture with --cuda-graph); warm-up: how much longer the first epoch took than "
+              "the second (--compile: the compilation)",
+              "timed rows run one after another, untimed rows (tests, profiles, memory) in "
+              "other lanes beside them; each timed row's note names what ran beside it "
+              "(--lanes 1: nothing)"]
     lines += (["error: (predicted - measured) / measured peak, measured as "
                "torch.cuda.max_memory_allocated over the second epoch"] if gpu else
               ["peak memory on the CPU is the process's peak RSS: no prediction to compare "
@@ -490,12 +787,26 @@ def main(argv=None) -> int:
                                 formatter_class=flags.HelpFormatter)
     p.add_argument("--minutes", type=float, default=8,
                    help="time budget: a row is started only while the time left is at least "
-                        "what it needs, so the run ends within this (plus one row's overrun at "
-                        "most, which its timeout caps)")
-    p.add_argument("--rows", choices=("speed", "memory", "all"), default="speed",
-                   help="speed: throughput, --cuda-graph, fp16, FSDP, --compile, the "
-                        "launchers, the equivalence tests; memory: every strategy's predicted "
-                        "against measured peak memory, at 64 and 224 pixels")
+                        "its time estimate, and its timeout ends with the budget, so the run "
+                        "ends within this")
+    p.add_argument("--rows", choices=("speed", "memory", "compile", "all"), default="speed",
+                   help="speed: throughput, --cuda-graph, fp16, FSDP, the launchers, the "
+                        "equivalence tests, rank 0 of 8; memory: every strategy's predicted "
+                        "against measured peak memory, at 64 and 224 pixels; compile: eager, "
+                        "--cuda-graph and each --compile mode (an allocation of its own)")
+    p.add_argument("--lanes", type=int, default=4,
+                   help="rows run at once: the timed rows one after another in the first lane, "
+                        "the untimed rows (tests, profiles, memory, launchers) in the others; "
+                        "1: every row alone, in the plan's order")
+    p.add_argument("--continue", dest="continue_run", action="store_true",
+                   help="keep the rows in the JSON lines beside --out and run only those not "
+                        "there yet (a row that was not started runs); the report has both")
+    p.add_argument("--estimates", default=None,
+                   help="the JSON lines of an earlier run whose measured seconds are this "
+                        "run's time estimates (default: those beside --out, if any)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print which row runs in which lane and when, by the time estimates, "
+                        "and run nothing")
     p.add_argument("--data-dir", default=None,
                    help="a TinyImageNet folder (original layout) for the input-path and memory "
                         "rows; default: generate one when such a row is reached")
@@ -503,14 +814,16 @@ def main(argv=None) -> int:
                    help="where the generated tree, the cache and the traces go (default: a "
                         "temporary dir)")
     p.add_argument("--steps", type=int, default=None,
-                   help="training steps per epoch of each row (default: 100 on a GPU, 3 on "
-                        "the CPU)")
+                   help=f"training steps per epoch of each headline row, at most {WINDOW} for "
+                        f"the others (default: 100 on a GPU, 3 on the CPU)")
     p.add_argument("--out", default=None,
                    help="write the report (markdown) here, rewritten after every row, and the "
                         "rows as JSON lines beside it (.jsonl), appended as each finishes, and "
-                        "the launcher row's logs and timeline in a folder beside it")
+                        "the launcher row's logs and timeline in a folder beside it; the "
+                        "--compile rows keep Inductor's cache in inductor-cache beside it")
     p.add_argument("--row-timeout", type=int, default=180,
-                   help="seconds one row may take at most (the time left caps it too)")
+                   help="seconds one row may take at most, or twice its time estimate where "
+                        "that is more (the time left caps it too)")
     p.add_argument("--suite", action="store_true",
                    help="also run the whole test suite on this node at the end (20 minutes "
                         "or more; not counted in --minutes)")
@@ -518,72 +831,134 @@ def main(argv=None) -> int:
     p.add_argument("--suite-timeout", type=int, default=3600,
                    help="seconds the whole test suite may take")
     args = p.parse_args(argv)
-    if args.minutes <= 0 or (args.steps is not None and args.steps < 1):
-        p.error("--minutes and --steps must be above 0")
+    if args.minutes <= 0 or (args.steps is not None and args.steps < 1) or args.lanes < 1:
+        p.error("--minutes, --steps and --lanes must be above 0")
     if args.data_dir and not Path(args.data_dir).is_dir():
         print(f"error: --data-dir {args.data_dir} does not exist: point it at a TinyImageNet "
               f"folder, or leave it out to generate one", file=sys.stderr)
         return 2
+    out = Path(args.out) if args.out else None
+    jsonl = out.with_suffix(".jsonl") if out else None
+    if args.continue_run and not (jsonl and jsonl.is_file()):
+        where = f"at {jsonl}" if jsonl else "without --out"
+        print(f"error: --continue reads the rows of an earlier run beside --out, and there are "
+              f"none {where}: give the --out of that run, or drop --continue", file=sys.stderr)
+        return 2
+    if args.estimates and not Path(args.estimates).is_file():
+        print(f"error: --estimates {args.estimates} does not exist: give the .jsonl an earlier "
+              f"run wrote beside its --out, or leave it out", file=sys.stderr)
+        return 2
     t_start = time.monotonic()
     deadline = t_start + 60 * args.minutes
     gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
     steps = args.steps or (100 if gpu else 3)
     model = "resnet50" if gpu else "resnet18"
+    rows = plan(args.rows, gpu)
+
+    earlier, kept = [], []
+    for path in filter(None, (Path(args.estimates) if args.estimates else None, jsonl)):
+        if path.is_file():
+            found, broken = read_rows(path)
+            earlier += found
+            if broken:
+                print(f"notice: {path}: {broken} line(s) not a whole row (a run cut while "
+                      f"writing), left out", flush=True)
+            if args.continue_run and path == jsonl:
+                kept = [r for r in found if finished(r)]
+    seconds = measured_seconds(earlier, device)
+
+    def need(row: Row) -> float:
+        return seconds.get((row.key, row_steps(row, steps)), row.need_s)
+
+    done = {row_key(r["label"], r["image"], r["batch"]) for r in kept}
+    results = list(kept)
+    pending = []
+    for row in rows:
+        if row.key in done:
+            continue
+        if row.cuda_only and not gpu:
+            results.append({"label": row.label, "batch": row.batch, "image": row.image,
+                            "kind": row.kind, "skipped": "skipped (CUDA only)"})
+        else:
+            pending.append(row)
+    first_data = next((i for i, row in enumerate(pending) if row.needs_data), None)
+    if first_data is not None:  # one lane: just before the first row that needs it
+        pending.insert(0 if args.lanes > 1 else first_data,
+                       Row(DATA, 0, kind="data", need_s=40 if gpu else 15))
+
+    if args.dry_run:
+        measured = sum((row.key, row_steps(row, steps)) in seconds for row in pending)
+        print(f"plan: --rows {args.rows}, --minutes {args.minutes:g}; time estimates: "
+              f"{measured} measured before, the rest the plan's guesses"
+              + (f"; {len(kept)} row(s) kept from the earlier run" if kept else "")
+              + (f"; {len(results) - len(kept)} row(s) CUDA only, skipped"
+                 if len(results) > len(kept) else ""))
+        print_plan(pending, args.lanes, 60 * args.minutes, need)
+        return 0
+
     if not gpu:
         print("notice: no GPU visible: a small CPU smoke run (ResNet-18, a small tree, "
               f"{steps} steps); the CUDA-only rows and the CUDA equivalence tests are skipped",
               flush=True)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
-    out = Path(args.out) if args.out else None
-    jsonl = out.with_suffix(".jsonl") if out else work / "rows.jsonl"
+    jsonl = jsonl or work / "rows.jsonl"
     keep = out.with_name(out.stem + "-launcher") if out else None
+    inductor_cache = (out.parent if out else work) / "inductor-cache"
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
-    jsonl.write_text("")
+    # the kept rows rewritten whole: a half line a cut run left is gone before any is appended
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in results))
     root = Path(args.data_dir) if args.data_dir else work / "tiny-imagenet-200"
     paths = {"data": str(root), "cache": str(work / "cache"), "profile": str(work / "profile")}
-    data_ready = False
+    data_notes, data_error = [], []
     cmd = "python bench/gpu_check.py" + "".join(
         f" {shlex.quote(a)}" for a in (sys.argv[1:] if argv is None else argv))
     head = [f"# GPU acceptance run ({model})", ""] + [f"- {v}" for v in versions(gpu)] + [
-        f"- command: `{cmd}`"]
-    print(f"rows: appended to {jsonl} as each finishes", flush=True)
+        f"- command: `{cmd}`"] + ([f"- continued: {len(kept)} row(s) from the earlier run in "
+                                   f"{jsonl.name}"] if args.continue_run else [])
+    print(f"rows: appended to {jsonl} as each finishes; {len(pending)} job(s) in "
+          f"{args.lanes} lane(s)", flush=True)
+    order = {row.key: i for i, row in enumerate(rows)}
 
-    results, failed = [], False
-    for row in plan(args.rows, gpu):
-        result = {"label": row.label, "batch": row.batch, "image": row.image, "kind": row.kind}
-        need = row.need_s + (0 if data_ready or not row.needs_data else 120 if gpu else 15)
-        left = deadline - time.monotonic()
-        if row.cuda_only and not gpu:
-            result["skipped"] = "skipped (CUDA only)"
-        elif left < need:
-            result["skipped"] = (f"not started: {left:.0f} s left of --minutes {args.minutes:g}, "
-                                 f"it needs about {need} s")
-        else:
-            t0 = time.monotonic()
-            if row.needs_data and not data_ready:
-                error = prepare_data(root, paths, gpu, bool(args.data_dir))
-                if error:
-                    result["error"] = error
-                data_ready = not error
-            timeout = max(10.0, min(args.row_timeout, deadline - time.monotonic()))
-            if "error" in result:
-                pass
-            elif row.kind in ("tests", "shared tests"):
-                passed, text = equivalence_tests(torch.cuda.device_count(), timeout,
-                                                 shared=row.kind == "shared tests")
-                result.update(passed=passed, text=text)
-                if passed is False:
-                    result["error"] = "see below"
-            elif row.kind == "kill-resume":
-                result.update(run_kill_resume(row, work, gpu, timeout))
-            elif row.kind == "launcher":
-                result.update(run_launcher(row, model, steps, work, keep, timeout))
-            else:
-                result.update(run_training(row, row_args(row, model, steps, paths), timeout))
-            result["seconds"] = round(time.monotonic() - t0, 1)
-        failed = failed or "error" in result
+    def in_plan_order(found: list) -> list:
+        return sorted(found, key=lambda r: order.get(row_key(r["label"], r["image"], r["batch"]),
+                                                     len(order)))
+
+    def run_row(row: Row) -> dict:
+        timeout = max(10.0, min(max(args.row_timeout, 2 * need(row)),
+                                deadline - time.monotonic()))
+        if row.kind == "data":
+            error = prepare_data(root, paths, gpu, bool(args.data_dir))
+            return {"error": error} if error else {}
+        if row.needs_data and data_error:
+            return {"error": data_error[0]}
+        if row.kind in ("tests", "shared tests"):
+            passed, text = equivalence_tests(torch.cuda.device_count(), timeout,
+                                             shared=row.kind == "shared tests")
+            return dict(passed=passed, text=text) | ({"error": "see below"}
+                                                     if passed is False else {})
+        if row.kind == "kill-resume":
+            return run_kill_resume(row, work, gpu, timeout)
+        if row.kind == "launcher":
+            return run_launcher(row, model, row_steps(row, steps), work, keep, timeout)
+        return run_training(row, row_args(row, model, row_steps(row, steps), paths), timeout,
+                            inductor_cache)
+
+    lane_seconds = [0.0] * args.lanes
+
+    def record(row: Row, result: dict) -> None:
+        lane_seconds[result["lane"]] += result["seconds"]
+        if row.kind == "data":
+            data_notes.append(f"{row.label}: {result.get('error') or 'ready'} "
+                              f"({result['seconds']:.0f} s, lane {result['lane']})")
+            print(f"  {data_notes[-1]}", flush=True)
+            data_error.extend([result["error"]] if "error" in result else [])
+            return
+        result = {"label": row.label, "batch": row.batch, "image": row.image,
+                  "kind": row.kind, "timed": row.in_timed_lane, "device": device,
+                  "steps_per_epoch": row_steps(row, steps)} | result
         results.append(result)
         with open(jsonl, "a") as f:  # written at once, so a run cut short keeps this row
             f.write(json.dumps(result | {"cmd": " ".join(map(str, result.get("cmd", [])))})
@@ -591,13 +966,28 @@ def main(argv=None) -> int:
         shown = (f"{result['img_s']:,.0f} img/s, {result['step_ms']:.1f} ms/step"
                  if "img_s" in result else f"held {result['states']} MiB (params + grads + "
                  f"optimizer + host), predicted {result['predicted_states']}"
-                 if "states" in result else result.get("error") or result.get("skipped")
-                 or result.get("text") or "done")
-        print(f"  {row.label}, {row.image} px, batch {row.batch}: {shown}", flush=True)
+                 if "states" in result else f"{result['launches']} launches per step"
+                 if "profile" in result else result.get("error") or result.get("text")
+                 or "done")
+        print(f"  {row.key}: {shown} ({result['seconds']:.0f} s, lane {result['lane']})",
+              flush=True)
         if out:
-            out.write_text(report(results, head, gpu, steps, []))
+            out.write_text(report(in_plan_order(results), head, gpu, steps, []))
 
-    tail = ["", f"rows: {time.monotonic() - t_start:.0f} s of --minutes {args.minutes:g}"]
+    unstarted = [{"label": row.label, "batch": row.batch, "image": row.image,
+                  "kind": row.kind, "skipped": f"not started: --minutes {args.minutes:g} "
+                  f"had no {need(row):.0f} s left for it"}
+                 for row in run_lanes(pending, args.lanes, deadline, need, run_row, record)
+                 if row.kind != "data"]
+    results += unstarted
+    with open(jsonl, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in unstarted)
+    failed = any("error" in r for r in results)
+
+    tail = ["", f"rows: {time.monotonic() - t_start:.0f} s of --minutes {args.minutes:g}, "
+                f"{args.lanes} lane(s) busy " + ", ".join(f"{s:.0f}" for s in lane_seconds)
+                + " s"]
+    tail += data_notes
     if args.suite and gpu and not args.skip_suite:
         print("the test suite on this node (its runs on the CPU) ...", flush=True)
         suite_passed, suite = whole_suite(args.suite_timeout)
@@ -607,7 +997,7 @@ def main(argv=None) -> int:
         tail.append("test suite on this node: " + (
             "skipped: no GPU (run it directly: python -m pytest)" if not gpu
             else "not run (--suite runs it)"))
-    text = report(results, head, gpu, steps, tail)
+    text = report(in_plan_order(results), head, gpu, steps, tail)
     print()
     print(text, end="")
     if out:

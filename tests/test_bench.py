@@ -4,6 +4,7 @@ the figures themselves are measured by hand, not in the tests)."""
 from __future__ import annotations
 
 import json
+import time
 import re
 import subprocess
 import sys
@@ -55,7 +56,7 @@ def test_gpu_check_runs_on_cpu_with_a_notice(tmp_path):
                       r"dp \(one GPU\), synthetic on device|ddp, cache|ddp, JPEG folder) \| "
                       r"64 \| \d+ \| off \| ([\d,]+) \| [\d.]+ \|", report, re.M)
     assert len(rows) == 6 and all(int(v.replace(",", "")) > 0 for _, v in rows), report
-    assert report.count("skipped (CUDA only)") == 13
+    assert report.count("skipped (CUDA only)") == 12
     # rank 0 of 8 for each ZeRO rung: what it holds beside what the memory model predicts
     held = re.findall(r"^memory at 8 GPUs: (.*), 64 px: held params \+ grads \+ optimizer \+ "
                       r"host ([\d.]+) \+ ([\d.]+) \+ ([\d.]+) \+ "
@@ -66,8 +67,8 @@ def test_gpu_check_runs_on_cpu_with_a_notice(tmp_path):
     for _, *figures in held:
         got, want = [float(x) for x in figures[:4]], [float(x) for x in figures[4:]]
         assert got == pytest.approx(want, abs=0.06), figures  # [MEMORY] has one decimal
-    assert re.search(r"^\| ddp, synthetic on device \| 64 \| 8 \| off \| .* \| 0 \| ", report,
-                     re.M), "the profiled row counts the launches: none on a CPU"
+    assert re.search(r"^\| profile: ddp, synthetic on device \| 64 \| 8 \| off \| \| [\d.,]+ \| "
+                     r"0 \| ", report, re.M), "the profiled row counts the launches: none on a CPU"
     assert "test suite on this node: skipped: no GPU" in report  # never the suite inside itself
     assert "| 1.00x |" in report  # the ceiling row, against itself
     assert "torch " in report and "date: " in report
@@ -82,7 +83,14 @@ def test_gpu_check_runs_on_cpu_with_a_notice(tmp_path):
     # one JSON line per row, written as each finished
     lines = [json.loads(line) for line in (tmp_path / "report.jsonl").read_text().splitlines()]
     assert len(lines) == len(re.findall(r"^\| ", report, re.M)) - 1  # all but the header
-    assert lines[0]["label"] == "ddp, synthetic on device" and lines[0]["img_s"] > 0
+    ceiling = [line for line in lines if line["label"] == "ddp, synthetic on device"
+               and "skipped" not in line]
+    assert len(ceiling) == 2 and all(line["img_s"] > 0 for line in ceiling)
+    # each row that ran: its seconds, the lane it ran in (4 by default), what ran beside it
+    ran = [line for line in lines if "skipped" not in line]
+    assert all(line["seconds"] > 0 for line in ran) and {line["lane"] for line in ran} == {
+        0, 1, 2, 3}
+    assert {line["lane"] for line in ran if line.get("timed")} == {0}
 
 
 def test_gpu_check_starts_no_row_it_has_no_time_for(tmp_path):
@@ -95,7 +103,8 @@ def test_gpu_check_starts_no_row_it_has_no_time_for(tmp_path):
     assert not started, started
     assert all(r["skipped"].startswith("not started: ") or r["skipped"] == "skipped (CUDA only)"
                for r in lines)
-    assert "it needs about 45 s" in out and "FAILED" not in out
+    assert re.search(r"not started: --minutes 0.1 had no \d+ s left for it", out), out
+    assert "FAILED" not in out
 
 
 def test_gpu_check_names_the_equivalence_test_that_failed(monkeypatch):
@@ -144,3 +153,195 @@ def test_compile_takes_a_mode():
     assert parser.parse_args([]).compile is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--compile", "fastest"])
+
+
+# --------------------------------------------------------------------------------------------
+# gpu_check's lanes, --continue, time estimates and the rank-0-of-8 sizing (issue 48): fake
+# rows where no training run is needed, so these take seconds
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def gpu_check():
+    sys.path.insert(0, str(REPO / "bench"))
+    import gpu_check
+    return gpu_check
+
+
+def test_gpu_check_times_rows_one_after_another_beside_the_untimed_lanes(gpu_check):
+    """The timed rows never overlap one another; the untimed rows run beside them, the one
+    that needs the data waits for it, and each result names what ran beside it."""
+    Row = gpu_check.Row
+    rows = [Row("timed a", 8), Row("timed b", 8), Row("timed on the cache", 8, needs_data=True),
+            Row(gpu_check.DATA, 0, kind="data"), Row("tests", 0, kind="tests"),
+            Row("held", 8, kind="held"), Row("memory", 8, timed=False)]
+    spans, recorded = {}, []
+
+    def run_row(row):
+        start = time.monotonic()
+        time.sleep(0.6 if row.kind == "data" else 0.3)
+        spans[row.key] = (start, time.monotonic())
+        return {}
+
+    t0 = time.monotonic()
+    left = gpu_check.run_lanes(rows, 3, t0 + 60, lambda row: 1, run_row,
+                               lambda row, result: recorded.append((row, result)))
+    wall = time.monotonic() - t0
+    assert left == [] and sorted(r.key for r, _ in recorded) == sorted(r.key for r in rows)
+    timed = sorted(spans[r.key] for r in rows if r.in_timed_lane)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(timed, timed[1:])), timed
+    assert wall < 0.8 * (0.3 * 6 + 0.6)  # side by side, not one after another
+    assert spans[rows[2].key][0] >= spans[rows[3].key][1]  # the cache row after the data
+    lanes = {row.key: result["lane"] for row, result in recorded}
+    assert {lanes[r.key] for r in rows if r.in_timed_lane} == {0}
+    for row, result in recorded:
+        assert result["seconds"] >= 0.3
+        if row.in_timed_lane:  # beside a timed row only untimed rows ever run
+            assert result["beside"] and not {b for b in result["beside"]} & {
+                r.key for r in rows if r.in_timed_lane}, result
+    # one lane: every row alone, in the plan's order (the data job before the row needing it)
+    spans.clear()
+    one = rows[:2] + [rows[3], rows[2]] + rows[4:]
+    gpu_check.run_lanes(one, 1, time.monotonic() + 60, lambda row: 1, run_row,
+                        lambda row, result: None)
+    assert sorted(spans, key=lambda k: spans[k][0]) == [r.key for r in one]
+
+
+def test_gpu_check_lends_the_last_timed_row_to_an_idle_lane_only_when_it_would_not_start(
+        gpu_check):
+    """By the estimates: the timed lane keeps every row it reaches within the budget; a row
+    it cannot reach, and no headline, starts in an idle lane instead of not at all."""
+    Row = gpu_check.Row
+    rows = [Row("a", 8, headline=True), Row("b", 8, headline=True), Row("c", 8), Row("d", 8),
+            Row("tests", 0, kind="tests")]
+    runs, left = gpu_check.simulate_lanes(rows, 2, 100, lambda row: 30)
+    lanes = {row.label: (lane, start) for lane, row, start, _ in runs}
+    assert left == [] and lanes == {"a": (0, 0), "b": (0, 30), "c": (0, 60), "tests": (1, 0),
+                                    "d": (1, 30)}, lanes
+    runs, left = gpu_check.simulate_lanes(rows, 2, 200, lambda row: 30)  # time enough
+    assert {row.label for lane, row, *_ in runs if lane == 0} == {"a", "b", "c", "d"}
+    runs, left = gpu_check.simulate_lanes(rows[:2] + rows[4:], 2, 50, lambda row: 30)
+    assert [row.label for row in left] == ["b"]  # a headline stays in the timed lane
+
+
+def test_gpu_check_names_the_fastest_way_at_224_px_once_the_compile_rows_ran(gpu_check):
+    """--rows compile: eager, --cuda-graph and each --compile mode at 224 px, batch 256; the
+    target is that all were measured, and the line names the fastest."""
+    def row(label, img_s):
+        return {"label": label, "batch": 256, "image": 224, "img_s": img_s}
+
+    results = [row(gpu_check.CEILING, 4700.0), row(gpu_check.GRAPH, 4719.0),
+               row(gpu_check.compiled_label("default"), 5100.0)]
+    found = [c for c in gpu_check.targets(results) if "every --compile mode" in c[0]]
+    assert found == [("224 px, batch 256: eager, --cuda-graph and every --compile mode measured",
+                      False, "3 of 6; the fastest: ddp --compile default, synthetic on device, "
+                             "5,100 img/s")]
+    results += [row(gpu_check.compiled_label(mode), 4000.0) for mode in
+                ("reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")]
+    assert [c[1] for c in gpu_check.targets(results) if "every --compile" in c[0]] == [True]
+    assert not [c for c in gpu_check.targets(results[:2]) if "every --compile" in c[0]]
+
+
+def _fake_training(row, args, timeout, inductor_cache=None):
+    return {"img_s": 100.0, "amp": "off", "step_ms": 80.0, "steps": 2, "warmup_s": 0.5,
+            "peak": 900.0, "predicted": 150.0, "recompiles_timed": None, "cmd": ["python"]}
+
+
+def _small_plan(gpu_check):
+    Row = gpu_check.Row
+    return [Row(gpu_check.CEILING, 8, args=["--data-on-device"]),
+            Row(gpu_check.CEILING, 16, args=["--data-on-device"]),
+            Row(gpu_check.FSDP, 8, "fsdp_train.py", ["--data-on-device"], timed=False)]
+
+
+def test_gpu_check_continue_runs_only_the_rows_not_yet_there(gpu_check, monkeypatch, tmp_path):
+    """--continue keeps the rows a cut run wrote (its half-written last line left out) and
+    runs only the others, a row "not started" among them; each new line has its seconds."""
+    ran = []
+    monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: _small_plan(gpu_check))
+    monkeypatch.setattr(gpu_check, "run_training",
+                        lambda row, *a, **k: ran.append(row.key) or _fake_training(row, *a))
+    out = tmp_path / "r.md"
+    done = {"label": gpu_check.CEILING, "batch": 8, "image": 64, "kind": "train", "img_s": 123.0,
+            "amp": "off", "step_ms": 65.0, "steps": 2, "peak": 800.0, "predicted": 140.0,
+            "seconds": 12.0, "device": "cpu", "steps_per_epoch": 3}
+    later = {"label": gpu_check.FSDP, "batch": 8, "image": 64, "kind": "train",
+             "skipped": "not started: --minutes 8 had no 20 s left for it"}
+    cut = json.dumps({"label": gpu_check.CEILING, "batch": 16, "image": 64, "img_s": 1})[:40]
+    out.with_suffix(".jsonl").write_text(json.dumps(done) + "\n" + json.dumps(later) + "\n" + cut)
+    assert gpu_check.main(["--continue", "--out", str(out), "--lanes", "2"]) == 0
+    assert sorted(ran) == sorted([f"{gpu_check.CEILING}, 64 px, batch 16",
+                                  f"{gpu_check.FSDP}, 64 px, batch 8"])
+    lines = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+    assert lines[0] == done and len(lines) == 3
+    assert all(line["seconds"] >= 0 and "lane" in line for line in lines[1:])
+    report = out.read_text()
+    assert "| 123 | 65.0 |" in report and "continued: 1 row(s) from the earlier run" in report
+    # without an earlier run to continue: one sentence, exit 2
+    assert gpu_check.main(["--continue", "--out", str(tmp_path / "none.md")]) == 2
+
+
+def test_gpu_check_takes_its_time_estimates_from_an_earlier_run(gpu_check, monkeypatch,
+                                                                 tmp_path, capsys):
+    """A row's measured seconds are its estimate next time (same device, same steps an epoch):
+    a row that took 400 s does not start with 300 s left; one measured at other steps keeps
+    the plan's guess."""
+    monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: _small_plan(gpu_check))
+    earlier = tmp_path / "earlier.jsonl"
+    rows = [{"label": gpu_check.CEILING, "batch": 8, "image": 64, "seconds": 400.0,
+             "device": "cpu", "steps_per_epoch": 3},
+            {"label": gpu_check.CEILING, "batch": 16, "image": 64, "seconds": 500.0,
+             "device": "cpu", "steps_per_epoch": 30},  # other steps: not this run's row
+            {"label": gpu_check.FSDP, "batch": 8, "image": 64, "seconds": 7.0, "device": "cpu",
+             "steps_per_epoch": 3}]
+    earlier.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert gpu_check.main(["--dry-run", "--minutes", "5", "--estimates", str(earlier)]) == 0
+    out = capsys.readouterr().out
+    assert "2 measured before" in out, out
+    assert f"not started: {gpu_check.CEILING}, 64 px, batch 8 (about 400 s)" in out
+    assert re.search(rf"^ +0 - +45 s  {re.escape(gpu_check.CEILING)}, 64 px, batch 16$", out,
+                     re.M), out
+    assert re.search(rf"^ +0 - +7 s  {re.escape(gpu_check.FSDP)}, 64 px, batch 8$", out,
+                     re.M), out
+
+
+def test_gpu_check_sizes_rank_0_of_8_for_the_steps_it_trains(gpu_check):
+    """--simulate-world-size trains 2 steps as rank 0 of 8: its synthetic data is what those
+    steps read (8 ranks x 2 batches), not 100 steps' worth; at 224 px on a GPU that data
+    (float32, train and a quarter more for validation, whole) fits an 80 GB GPU with room."""
+    from training import simulate
+    held = [row for row in gpu_check.plan("speed", gpu=True) if row.kind == "held"]
+    assert {row.image for row in held} == {64, 224} and len(held) == 10
+    for row in held:
+        args = gpu_check.row_args(row, "resnet50", 100, {"profile": "p"})
+        samples = int(args[args.index("--synthetic-size") + 1])
+        assert samples >= row.batch * simulate.STEPS * 8  # rank 0's 2 steps have their data
+        data_mib = (samples + samples // 4) * 3 * row.image ** 2 * 4 / 2 ** 20
+        assert data_mib < 0.1 * 80e9 / 2 ** 20, (row.label, row.image, data_mib)
+
+
+def test_gpu_check_smoke_of_a_small_plan_in_lanes(gpu_check, monkeypatch, tmp_path):
+    """A real run of three rows on the CPU in two lanes: a timed row, its launches counted in
+    a profiled row of its own, and rank 0 of 8 beside it."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    keys = {f"{gpu_check.CEILING}, 64 px, batch 8", f"profile: {gpu_check.CEILING}, 64 px, "
+            f"batch 8", "memory at 8 GPUs: ddp, 64 px, batch 8"}
+    rows = [row for row in gpu_check.plan("speed", gpu=False) if row.key in keys]
+    monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: rows)
+    out = tmp_path / "r.md"
+    assert gpu_check.main(["--steps", "2", "--lanes", "2", "--out", str(out)]) == 0
+    lines = {row_key(r): r for r in map(json.loads, out.with_suffix(".jsonl").read_text()
+                                          .splitlines())}
+    assert set(lines) == keys
+    timed = lines[f"{gpu_check.CEILING}, 64 px, batch 8"]
+    assert timed["img_s"] > 0 and timed["lane"] == 0 and timed["seconds"] > 0
+    assert "--profile" not in timed["cmd"]  # the timed row runs free of the profiler
+    profiled = lines[f"profile: {gpu_check.CEILING}, 64 px, batch 8"]
+    assert profiled["launches"] == 0 and "--profile" in profiled["cmd"]  # none on a CPU
+    assert lines["memory at 8 GPUs: ddp, 64 px, batch 8"]["states"]
+    report = out.read_text()
+    assert re.search(r"^\| profile: ddp, synthetic on device \| 64 \| 8 \| off \| \| [\d.,]+ \| "
+                     r"0 \|", report, re.M), report
+
+
+def row_key(line: dict) -> str:
+    return f"{line['label']}, {line['image']} px, batch {line['batch']}"
