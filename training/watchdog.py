@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from training import hangs
+
 #: The folder that holds the ``training`` package: the watchdog runs there, because
 #: ``python -m`` finds the module from the current directory, whatever the worker's own.
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -98,6 +100,7 @@ def main() -> None:
         if launcher and parent != launcher:
             end(worker, rank, f"its launcher (torchrun, pid {launcher}) is gone")
         if time.monotonic() - last > timeout:
+            hangs.report()  # where every rank waits, before this one is ended
             end(worker, rank, f"no sign of life for {timeout} s "
                               f"({'stopped' if state == 'T' else 'hung'})")
 

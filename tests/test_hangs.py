@@ -1,0 +1,116 @@
+"""The hang named: when ranks issue different collectives, the run ends within --dist-timeout
+with one [HANG] line per rank (its collective, step and phase) and the first sequence number
+at which the ranks disagree, read from every rank's record (gloo) or from NCCL's flight
+recorder dumps (a fixture in its documented format)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from training import hangs
+from conftest import REPO, env_for_tests
+
+RUN = ["--model", "cnn", "--synthetic-size", "64", "--batch-size", "16", "--epochs", "1",
+       "--num-workers", "0", "--amp", "off", "--device", "cpu", "--dist-timeout", "4",
+       "--tensorboard", "off"]
+
+
+def _hang_lines(out: str) -> list:
+    return [line for line in out.splitlines() if line.startswith("[HANG]")]
+
+
+@pytest.mark.parametrize("patch,due", [
+    # rank 1 skips the epoch's metric reduction: its next all-reduce (the epoch's times, 2
+    # numbers) meets rank 0's reduction of the metrics (6 numbers)
+    ("rank1_skips_an_all_reduce",
+     ["rank=0 node=", "waits_in=all_reduce seq=6 numel=6 bytes=48 step=2 phase=evaluation",
+      "rank=1 node=", "waits_in=all_reduce seq=6 numel=2 bytes=16 step=2 phase=evaluation",
+      "first_disagreement seq=6 rank0=all_reduce/6/evaluation rank1=all_reduce/2/evaluation"]),
+    # rank 0 all-reduces inside its checkpoint write while rank 1 gathers the checkpoint's verdict
+    ("rank0_saves_alone",
+     ["rank=0 node=", "waits_in=all_reduce seq=10 numel=3 bytes=12 step=2 phase=checkpoint",
+      "rank=1 node=", "waits_in=all_gather_object seq=10", "phase=checkpoint",
+      "first_disagreement seq=10 rank0=all_reduce/3/checkpoint rank1=all_gather_object"]),
+    # rank 1 ends its epoch a step early; rank 0 waits in DDP's own (C++) broadcast that opens
+    # its second step, which the record names by its place: after seq 2, step 2's forward
+    ("rank1_one_batch_fewer",
+     ["rank=0 node=", "waits_in=unrecorded after_seq=2 step=2 phase=forward",
+      "rank=1 node=", "waits_in=all_gather_object seq=3",
+      "first_disagreement seq=3 rank0=none rank1=all_gather_object"]),
+])
+def test_hang_is_named_per_rank(tmp_path, patch, due):
+    """Each mismatch ends the run non-zero within the collective timeout, with its [HANG]
+    lines printed once, and leaves no process behind."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO / "tests" / "patched_run.py"), patch, str(tmp_path), "ddp_train.py", *RUN,
+           "--checkpoint-dir", str(tmp_path / "ckpt")]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, env=env_for_tests({"RUN_DIR": str(tmp_path)}), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        left = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) == proc.pid:
+                    left.append(p)
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                pass
+        for p in left:
+            p.kill()
+    assert proc.returncode != 0
+    assert not left, f"processes left behind: {[p.cmdline() for p in left]}"
+    lines = _hang_lines(out)
+    assert len(lines) == 4, out[-3000:]  # two ranks, the disagreement, the record's folder
+    text = "\n".join(lines)
+    for piece in due:
+        assert piece in text, text
+    assert time.time() - t0 < 80
+
+
+def _dump(path, entries):
+    """A flight-recorder dump in torch's documented format (version 2.x: a pickled dict of
+    "version", "pg_config", "pg_status", "entries")."""
+    with open(path, "wb") as f:
+        pickle.dump({"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg",
+                                                            "ranks": "[0, 1]"}},
+                     "pg_status": {}, "entries": entries}, f)
+
+
+def _entry(seq, name, sizes, state, dtype="Float"):
+    return {"record_id": seq - 1, "pg_id": 0, "process_group": ("0", "default_pg"),
+            "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq,
+            "profiling_name": f"nccl:{name}", "time_created_ns": seq, "input_sizes": sizes,
+            "input_dtypes": [dtype] * len(sizes), "output_sizes": sizes,
+            "output_dtypes": [dtype] * len(sizes), "state": state, "retired": False,
+            "timeout_ms": 600000, "is_p2p": False, "frames": []}
+
+
+def test_flight_recorder_dumps_name_the_hang(tmp_path):
+    """NCCL's dumps and this rank's own record (node, GPU) read by the same code: rank 0 waits
+    in the gradient all-reduce, rank 1 in a broadcast of its own (a rank-0-only save seen from
+    the other side), and they disagree at collective 3."""
+    done = [_entry(1, "broadcast", [[10]], "completed"), _entry(2, "all_reduce", [[4, 5]],
+                                                                  "completed")]
+    _dump(tmp_path / "nccl_trace_rank_0", done + [_entry(3, "all_reduce", [[1000, 2]],
+                                                         "started")])
+    _dump(tmp_path / "nccl_trace_rank_1", done + [_entry(3, "broadcast", [[7]], "scheduled",
+                                                         "Long"),
+                                                  _entry(4, "all_reduce", [[1]], "scheduled")])
+    (tmp_path / "collectives-rank1.txt").write_text("rank=1 node=n02 gpu=cuda:1 pid=1\n")
+    lines = hangs.hang_lines(hangs.read_all(tmp_path))
+    assert lines[0] == ("[HANG] rank=0 node=? gpu=? waits_in=all_reduce seq=3 numel=2000 "
+                        "bytes=8000 step=- phase=- state=started")
+    assert lines[1] == ("[HANG] rank=1 node=n02 gpu=cuda:1 waits_in=broadcast seq=3 numel=7 "
+                        "bytes=56 step=- phase=- state=scheduled")
+    assert lines[2].startswith("[HANG] first_disagreement seq=3 rank0=all_reduce/2000/- "
+                               "rank1=broadcast/7/-")
