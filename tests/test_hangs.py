@@ -95,18 +95,23 @@ def _entry(seq, name, sizes, state, dtype="Float"):
             "timeout_ms": 600000, "is_p2p": False, "frames": []}
 
 
-def test_flight_recorder_dumps_name_the_hang(tmp_path):
-    """NCCL's dumps and this rank's own record (node, GPU) read by the same code: rank 0 waits
-    in the gradient all-reduce, rank 1 in a broadcast of its own (a rank-0-only save seen from
-    the other side), and they disagree at collective 3."""
+def _two_dumps(folder):
+    """Rank 0 waits in the gradient all-reduce, rank 1 in a broadcast of its own (a
+    rank-0-only save seen from the other side): they disagree at collective 3."""
+    folder.mkdir(exist_ok=True)
     done = [_entry(1, "broadcast", [[10]], "completed"), _entry(2, "all_reduce", [[4, 5]],
                                                                   "completed")]
-    _dump(tmp_path / "nccl_trace_rank_0", done + [_entry(3, "all_reduce", [[1000, 2]],
+    _dump(folder / "nccl_trace_rank_0", done + [_entry(3, "all_reduce", [[1000, 2]],
                                                          "started")])
-    _dump(tmp_path / "nccl_trace_rank_1", done + [_entry(3, "broadcast", [[7]], "scheduled",
+    _dump(folder / "nccl_trace_rank_1", done + [_entry(3, "broadcast", [[7]], "scheduled",
                                                          "Long"),
                                                   _entry(4, "all_reduce", [[1]], "scheduled")])
-    (tmp_path / "collectives-rank1.txt").write_text("rank=1 node=n02 gpu=cuda:1 pid=1\n")
+    (folder / "collectives-rank1.txt").write_text("rank=1 node=n02 gpu=cuda:1 pid=1\n")
+
+
+def test_flight_recorder_dumps_name_the_hang(tmp_path):
+    """NCCL's dumps and a rank's own record (its node and GPU) are read by the same code."""
+    _two_dumps(tmp_path)
     lines = hangs.hang_lines(hangs.read_all(tmp_path))
     assert lines[0] == ("[HANG] rank=0 node=? gpu=? waits_in=all_reduce seq=3 numel=2000 "
                         "bytes=8000 step=- phase=- state=started")
@@ -114,3 +119,53 @@ def test_flight_recorder_dumps_name_the_hang(tmp_path):
                         "bytes=56 step=- phase=- state=scheduled")
     assert lines[2].startswith("[HANG] first_disagreement seq=3 rank0=all_reduce/2000/- "
                                "rank1=broadcast/7/-")
+
+
+def test_watchdog_names_the_hang_of_a_frozen_rank(tmp_path):
+    """The watchdog that ends a rank silent past its time prints the [HANG] lines first (here
+    the 'worker' is a sleeping process that never beats, with records two ranks left)."""
+    folder = tmp_path / "collectives"
+    folder.mkdir()
+    (folder / "collectives-rank0.txt").write_text(
+        "rank=0 node=n01 gpu=cuda:0 pid=1\n1 all_reduce 10 40 1 backward.bucket0\n")
+    (folder / "collectives-rank1.txt").write_text(
+        "rank=1 node=n01 gpu=cuda:1 pid=2\n- 1 forward\n")
+    worker = subprocess.Popen(["sleep", "60"])
+    read_end, write_end = os.pipe()
+    try:
+        watchdog = subprocess.run(
+            [sys.executable, "-m", "training.watchdog", str(worker.pid), "0", "1", "1"],
+            stdin=read_end, capture_output=True, text=True, timeout=30, cwd=REPO,
+            env=env_for_tests({"RUN_DIR": str(tmp_path)}))
+        ended = worker.wait(timeout=5)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+        worker.kill()
+    assert ended == -9  # the watchdog ended it
+    lines = _hang_lines(watchdog.stdout)
+    assert lines[:3] == [
+        "[HANG] rank=0 node=n01 gpu=cuda:0 waits_in=all_reduce seq=1 numel=10 bytes=40 step=1 "
+        "phase=backward.bucket0",
+        "[HANG] rank=1 node=n01 gpu=cuda:1 waits_in=unrecorded after_seq=0 step=1 phase=forward",
+        "[HANG] first_disagreement seq=1 rank0=all_reduce/10/backward.bucket0 rank1=none"], \
+        watchdog.stdout + watchdog.stderr
+    assert "no sign of life for 1 s" in watchdog.stderr
+
+
+def test_watchdog_names_the_hang_after_nccl_aborted_its_worker(tmp_path):
+    """NCCL aborts a rank whose collective timed out (no Python error reaches common.run), after
+    dumping its flight recorder: the rank's watchdog, seeing it gone, names the hang."""
+    _two_dumps(tmp_path / "collectives")
+    worker = subprocess.Popen(["sleep", "0.5"])
+    watchdog = subprocess.run(
+        [sys.executable, "-m", "training.watchdog", str(worker.pid), "0", "30", "0"],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30, cwd=REPO,
+        env=env_for_tests({"RUN_DIR": str(tmp_path)}))
+    worker.wait()
+    lines = _hang_lines(watchdog.stdout)
+    assert lines[2].startswith("[HANG] first_disagreement seq=3 rank0=all_reduce/2000/-"), \
+        watchdog.stdout + watchdog.stderr
+    assert lines[-1] == (f"[HANG] analyse: python -m torch.distributed.flight_recorder.fr_trace "
+                         f"{tmp_path / 'collectives'} --prefix nccl_trace_rank_ "
+                         f"--allow-incomplete-ranks")

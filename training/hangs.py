@@ -82,8 +82,10 @@ class Record:
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"collectives-rank{rank}.txt"
         self.header = f"rank={rank} node={platform.node()} gpu={device} pid={os.getpid()}\n"
-        for old in (self.path, self.path.with_suffix(".old")):
-            old.unlink(missing_ok=True)  # a previous attempt's (a requeue) would mislead
+        # a previous attempt's (a requeue) would mislead
+        for old in (self.path, self.path.with_suffix(".old"),
+                    folder / f"{FLIGHT_RECORDER_PREFIX}{rank}"):
+            old.unlink(missing_ok=True)
         (folder / REPORTED).unlink(missing_ok=True)
         self.fd = self._open()
         self.seq, self.step, self.phase, self.lines = 0, 0, "start", 0
@@ -312,6 +314,15 @@ def hang_lines(records: list) -> list:
         lines.append("[HANG] first_disagreement seq=none (the ranks' records agree: a rank "
                      "stopped between collectives, or a collective of DDP's C++ code)")
     return lines
+
+
+def report_dumps() -> None:
+    """A worker has ended (its watchdog calls this): when NCCL dumped its flight recorder,
+    which it does on a collective timeout before its own watchdog aborts the process (no
+    Python error, so common.run cannot report), name the hang from the dumps."""
+    folder = record_dir()
+    if any(folder.glob(FLIGHT_RECORDER_PREFIX + "*")):
+        report(folder, wait_s=2.0)  # a moment for the other ranks' dumps
 
 
 def report(folder: Path | None = None, wait_s: float = 1.0) -> bool:
