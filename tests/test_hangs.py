@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from training import hangs
-from conftest import REPO, env_for_tests
+from conftest import ON_CUDA, REPO, env_for_tests
 
 RUN = ["--model", "cnn", "--synthetic-size", "64", "--batch-size", "16", "--epochs", "1",
        "--num-workers", "0", "--amp", "off", "--device", "cpu", "--dist-timeout", "4",
@@ -169,3 +169,35 @@ def test_watchdog_names_the_hang_after_nccl_aborted_its_worker(tmp_path):
     assert lines[-1] == (f"[HANG] analyse: python -m torch.distributed.flight_recorder.fr_trace "
                          f"{tmp_path / 'collectives'} --prefix nccl_trace_rank_ "
                          f"--allow-incomplete-ranks")
+
+
+@pytest.mark.cuda_ok
+@pytest.mark.skipif(not ON_CUDA, reason="NCCL's flight recorder needs a GPU (DPT_TEST_DEVICE=cuda)")
+def test_flight_recorder_dump_on_request_is_read_back(tmp_path, monkeypatch):
+    """On NCCL with one rank: the flight recorder, turned on as the scripts turn it on, keeps
+    the collectives; its dump, asked for by hand, is read by the code that names a hang."""
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _dump_nccl_trace
+    monkeypatch.setenv("RUN_DIR", str(tmp_path))
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
+                 "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    hangs.flight_recorder_env()
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        x = torch.ones(1000, 3, device="cuda")
+        dist.all_reduce(x)
+        dist.broadcast(torch.ones(7, dtype=torch.int64, device="cuda"), src=0)
+        torch.cuda.synchronize()
+        dump = _dump_nccl_trace(includeStackTraces=False)
+    finally:
+        dist.destroy_process_group()
+    folder = tmp_path / "collectives"
+    (folder / "nccl_trace_rank_0").write_bytes(dump)
+    [record] = hangs.read_all(folder)
+    kinds = [(e["kind"], e["numel"], e["bytes"]) for e in record["entries"]]
+    assert ("all_reduce", 3000, 12000) in kinds and ("broadcast", 7, 56) in kinds, kinds
+    assert hangs.hang_lines([record])[0].startswith("[HANG] rank=0 "), kinds

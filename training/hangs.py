@@ -36,7 +36,7 @@ FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"
 #: The collectives of torch.distributed the record wraps, and which argument holds the input.
 COLLECTIVES = {"all_reduce": 0, "broadcast": 0, "reduce": 0, "all_gather": 1,
                "all_gather_into_tensor": 1, "reduce_scatter": 1, "reduce_scatter_tensor": 1,
-               "all_to_all_single": 1, "gather": 0, "scatter": 1, "barrier": None,
+               "all_to_all_single": 1, "all_gather_single": 1, "reduce_scatter_single": 1, "gather": 0, "scatter": 1, "barrier": None,
                "all_gather_object": None, "broadcast_object_list": None, "gather_object": None}
 
 
@@ -143,8 +143,9 @@ def _wrapped(dist, kind: str, position):
     def collective(*args, **kwargs):
         if _record is None:
             return real(*args, **kwargs)
-        numel, nbytes = _size(args[position]) if position is not None and \
-            len(args) > position else ("-", "-")
+        given = args[position] if position is not None and len(args) > position else next(
+            (kwargs[k] for k in ("input", "input_tensor", "tensor") if k in kwargs), None)
+        numel, nbytes = ("-", "-") if position is None or given is None else _size(given)
         seq = _record.enter(kind, numel, nbytes)
         work = real(*args, **kwargs)
         if not kwargs.get("async_op"):  # returned: this rank is past it
@@ -166,8 +167,8 @@ def watch(step_model, optimizer, device) -> None:
     from training.distributed import rank_and_world
     rank, _ = rank_and_world()
     _record = Record(record_dir(), rank, str(device))
-    for kind, position in COLLECTIVES.items():
-        if not getattr(getattr(dist, kind), "recorded", False):
+    for kind, position in COLLECTIVES.items():  # (FSDP2 calls the *_single ones, newer torch)
+        if hasattr(dist, kind) and not getattr(getattr(dist, kind), "recorded", False):
             setattr(dist, kind, _wrapped(dist, kind, position))
 
     def forward(module, args):
