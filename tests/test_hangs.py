@@ -153,6 +153,19 @@ def test_watchdog_names_the_hang_of_a_frozen_rank(tmp_path):
     assert "no sign of life for 1 s" in watchdog.stderr
 
 
+def test_a_real_flight_recorder_dump_is_read():
+    """A dump that NCCL wrote on an H200 (torch 2.11, one rank: an all-reduce of 1000 x 3
+    floats, a broadcast of 7 int64, an all-gather of 4 bf16, all completed)."""
+    [record] = hangs.read_all(REPO / "tests" / "fixtures" / "flight_recorder")
+    assert [(e["seq"], e["kind"], e["numel"], e["bytes"], e["state"])
+            for e in record["entries"]] == [(1, "all_reduce", 3000, 12000, "completed"),
+                                            (2, "broadcast", 7, 56, "completed"),
+                                            (3, "_all_gather_base", 4, 8, "completed")]
+    assert hangs.hang_lines([record]) == [
+        "[HANG] rank=0 node=? gpu=? waits_in=unrecorded after_seq=3 step=- phase=-",
+        "[HANG] first_disagreement seq=none (the ranks' records agree as far as they go)"]
+
+
 def test_watchdog_names_the_hang_after_nccl_aborted_its_worker(tmp_path):
     """NCCL aborts a rank whose collective timed out (no Python error reaches common.run), after
     dumping its flight recorder: the rank's watchdog, seeing it gone, names the hang."""

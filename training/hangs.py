@@ -312,8 +312,8 @@ def hang_lines(records: list) -> list:
                          f"rank{rank}=none" for rank, e in seen.items())
         lines.append(f"[HANG] first_disagreement seq={seq} {there}")
     else:
-        lines.append("[HANG] first_disagreement seq=none (the ranks' records agree: a rank "
-                     "stopped between collectives, or a collective of DDP's C++ code)")
+        lines.append("[HANG] first_disagreement seq=none (the ranks' records agree as far as "
+                     "they go)")
     return lines
 
 
