@@ -126,11 +126,11 @@ def test_watchdog_names_the_hang_of_a_frozen_rank(tmp_path):
     the 'worker' is a sleeping process that never beats, with records two ranks left)."""
     folder = tmp_path / "collectives"
     folder.mkdir()
+    worker = subprocess.Popen(["sleep", "60"])
     (folder / "collectives-rank0.txt").write_text(
         "rank=0 node=n01 gpu=cuda:0 pid=1\n1 all_reduce 10 40 1 backward.bucket0\n")
     (folder / "collectives-rank1.txt").write_text(
-        "rank=1 node=n01 gpu=cuda:1 pid=2\n- 1 forward\n")
-    worker = subprocess.Popen(["sleep", "60"])
+        f"rank=1 node=n01 gpu=cuda:1 pid={worker.pid}\n- 1 forward\n")
     read_end, write_end = os.pipe()
     try:
         watchdog = subprocess.run(
@@ -171,12 +171,15 @@ def test_watchdog_names_the_hang_after_nccl_aborted_its_worker(tmp_path):
     dumping its flight recorder: the rank's watchdog, seeing it gone, names the hang."""
     _two_dumps(tmp_path / "collectives")
     worker = subprocess.Popen(["sleep", "0.5"])
+    (tmp_path / "collectives" / "collectives-rank0.txt").write_text(
+        f"rank=0 node=n01 gpu=cuda:0 pid={worker.pid}\n")
     watchdog = subprocess.run(
         [sys.executable, "-m", "training.watchdog", str(worker.pid), "0", "30", "0"],
         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30, cwd=REPO,
         env=env_for_tests({"RUN_DIR": str(tmp_path)}))
     worker.wait()
     lines = _hang_lines(watchdog.stdout)
+    assert lines[0].startswith("[HANG] rank=0 node=n01 gpu=cuda:0 waits_in=all_reduce seq=3 ")
     assert lines[2].startswith("[HANG] first_disagreement seq=3 rank0=all_reduce/2000/-"), \
         watchdog.stdout + watchdog.stderr
     assert lines[-1] == (f"[HANG] analyse: python -m torch.distributed.flight_recorder.fr_trace "
@@ -214,3 +217,14 @@ def test_flight_recorder_dump_on_request_is_read_back(tmp_path, monkeypatch):
     kinds = [(e["kind"], e["numel"], e["bytes"]) for e in record["entries"]]
     assert ("all_reduce", 3000, 12000) in kinds and ("broadcast", 7, 56) in kinds, kinds
     assert hangs.hang_lines([record])[0].startswith("[HANG] rank=0 "), kinds
+
+
+def test_a_previous_attempts_record_is_not_reported(tmp_path, capsys):
+    """A requeued run that fails before it keeps a record of its own (in the same $RUN_DIR)
+    names no hang from the records its previous attempt left."""
+    (tmp_path / "collectives-rank0.txt").write_text(
+        "rank=0 node=n01 gpu=cuda:0 pid=1\n1 all_reduce 10 40 1 backward.bucket0\n")
+    assert not hangs.report(tmp_path, wait_s=0)
+    assert not hangs.report(tmp_path, wait_s=0, owner=(0, 2))
+    assert hangs.report(tmp_path, wait_s=0, owner=(0, 1))
+    assert "[HANG] rank=0 node=n01 gpu=cuda:0 waits_in=all_reduce seq=1" in capsys.readouterr().out

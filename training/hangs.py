@@ -88,7 +88,7 @@ class Record:
             old.unlink(missing_ok=True)
         (folder / REPORTED).unlink(missing_ok=True)
         self.fd = self._open()
-        self.seq, self.step, self.phase, self.lines = 0, 0, "start", 0
+        self.rank, self.seq, self.step, self.phase, self.lines = rank, 0, 0, "start", 0
 
     def _open(self) -> int:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
@@ -317,21 +317,35 @@ def hang_lines(records: list) -> list:
     return lines
 
 
-def report_dumps() -> None:
-    """A worker has ended (its watchdog calls this): when NCCL dumped its flight recorder,
-    which it does on a collective timeout before its own watchdog aborts the process (no
-    Python error, so common.run cannot report), name the hang from the dumps."""
+def report_dumps(rank: int, pid: int) -> None:
+    """Worker ``pid`` (rank ``rank``) has ended; its watchdog calls this. When NCCL dumped its
+    flight recorder, which it does on a collective timeout before its own watchdog aborts the
+    process (no Python error, so common.run cannot report), name the hang from the dumps."""
     folder = record_dir()
     if any(folder.glob(FLIGHT_RECORDER_PREFIX + "*")):
-        report(folder, wait_s=2.0)  # a moment for the other ranks' dumps
+        report(folder, wait_s=2.0, owner=(rank, pid))  # a moment for the other ranks' dumps
 
 
-def report(folder: Path | None = None, wait_s: float = 1.0) -> bool:
+def _recorded_by(folder: Path, rank: int, pid: int) -> bool:
+    """Whether rank ``rank``'s record in ``folder`` is that of process ``pid`` (this run's),
+    not one a previous attempt left in the same $RUN_DIR."""
+    try:
+        with open(folder / f"collectives-rank{rank}.txt") as f:
+            return f"pid={pid}" in f.readline().split()
+    except OSError:
+        return False
+
+
+def report(folder: Path | None = None, wait_s: float = 1.0, owner: tuple | None = None) -> bool:
     """Print the [HANG] lines once per run, from whichever process gets here first (a rank
     whose collective timed out, or a watchdog that ends a frozen rank); the others return
     False. ``wait_s``: a moment for the flight recorder's dumps, written on the same
-    timeout. Never raises: the run is ending anyway."""
+    timeout. ``owner``: (rank, pid) of the process the report is for (default: this one),
+    which must have kept a record in this run. Never raises: the run is ending anyway."""
     folder = folder or record_dir()
+    rank, pid = owner or (_record and _record.rank, os.getpid())
+    if rank is None or not _recorded_by(folder, rank, pid):
+        return False  # no record of this run (it failed before keeping one)
     try:
         if not any(folder.glob("collectives-rank*.txt")) and \
                 not any(folder.glob(FLIGHT_RECORDER_PREFIX + "*")):

@@ -94,17 +94,17 @@ def main() -> None:
     while True:
         if select.select([0], [], [], 1.0)[0]:
             if not os.read(0, 4096):
-                hangs.report_dumps()  # aborted by NCCL on a timeout?
+                hangs.report_dumps(rank, worker)  # aborted by NCCL on a timeout?
                 sys.exit(0)  # the worker closed its end: it has exited
             last = time.monotonic()
         parent, state = parent_and_state(worker)
         if state in "XZ":
-            hangs.report_dumps()
+            hangs.report_dumps(rank, worker)
             sys.exit(0)
         if launcher and parent != launcher:
             end(worker, rank, f"its launcher (torchrun, pid {launcher}) is gone")
         if time.monotonic() - last > timeout:
-            hangs.report()  # where every rank waits, before this one is ended
+            hangs.report(owner=(rank, worker))  # where every rank waits, before this one is ended
             end(worker, rank, f"no sign of life for {timeout} s "
                               f"({'stopped' if state == 'T' else 'hung'})")
 
