@@ -160,6 +160,46 @@ def slow_cache_build(out: Path) -> None:
     tinyimagenet.prepare = prepare
 
 
+def rank1_skips_an_all_reduce(out: Path) -> None:
+    """Rank 1 skips the first epoch's reduction of its metrics (common.all_reduce), a
+    collective that every rank must call."""
+    from training import common
+    real, skipped = common.all_reduce, []
+
+    def all_reduce(tensor, *args, **kwargs):
+        if RANK == 1 and not skipped:
+            skipped.append(True)
+            return tensor
+        return real(tensor, *args, **kwargs)
+    common.all_reduce = all_reduce
+
+
+def rank0_saves_alone(out: Path) -> None:
+    """Rank 0 runs a collective of its own while it writes a checkpoint (a rank-0-only code
+    path that synchronises): the other ranks are not there."""
+    import torch.distributed as dist
+    from training import checkpoint
+    real = checkpoint.atomic_save
+
+    def atomic_save(obj, path):
+        dist.all_reduce(torch.zeros(3))
+        return real(obj, path)
+    checkpoint.atomic_save = atomic_save
+
+
+def rank1_one_batch_fewer(out: Path) -> None:
+    """Rank 1's sampler yields $FEWER_SAMPLES (default 16, one batch) fewer training samples
+    than the others': one step fewer in the epoch."""
+    from training import checkpoint
+    real = checkpoint.SkipFirst.__iter__
+    fewer = int(os.environ.get("FEWER_SAMPLES", "16"))
+
+    def samples(self):
+        indices = list(real(self))
+        return iter(indices[:len(indices) - fewer] if RANK == 1 else indices)
+    checkpoint.SkipFirst.__iter__ = samples
+
+
 def old_torch(out: Path) -> None:
     """torch says it is 2.5.1, older than the floor in requirements.txt."""
     torch.__version__ = "2.5.1"

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from training import hangs
 from training.common import print0
 from training.distributed import every_rank, on_rank0, raise_if_any_rank, rank_and_world
 from training.faults import UsageError, lock_checkpoint_dir
@@ -516,6 +517,7 @@ class Checkpoints:
         The caller has just checked the losses (lossguard.LossWatch.check): no NaN reaches a
         file.
         ``earlier``: inside an epoch, its figures so far (measure.epoch_so_far)."""
+        hangs.set_phase("checkpoint")
         rngs = every_rank(rng_state())
         meta = dict(epoch=epoch, step=step, steps=self.steps, metrics=self.metrics, rng=rngs,
                     args=vars(self.args), world_size=len(rngs), earlier=earlier)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from training import allocation, contract, devices, distributed, network, watchdog
+from training import allocation, contract, devices, distributed, hangs, network, watchdog
 from training.distributed import DistEnv, dist_env, rank_and_world
 from training.faults import (UsageError, collective_failed, crashed, exit_line, fail_cleanly,
                              is_collective_failure)
@@ -79,6 +79,8 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         workers = args.num_workers if args.num_workers is not None else default_workers(env)
         allocation.check_launch(env, args.device, args.share_gpus, workers)
         watchdog.start(env, args.dist_timeout)  # ends this worker if orphaned or frozen
+        if env.world_size > 1 and env.source != "simulated":
+            hangs.flight_recorder_env()  # NCCL keeps its last collectives, dumped on a timeout
         try:
             rc = train(args, env)
         except Requeue as stop:  # every rank, after the same step; checkpointed if it could
@@ -97,6 +99,7 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         return exit_line(contract.NONFINITE_EXIT, env)
     except Exception as err:  # noqa: BLE001 (a bug too must end the process, never hang)
         if is_collective_failure(err):  # a peer died or a collective timed out
+            hangs.report()  # where each rank waits, read from every rank's record
             return collective_failed(err, env)
         return exit_line(crashed(err, env), env)
     except KeyboardInterrupt:  # Ctrl-C: one line, and end_process releases the checkpoint lock

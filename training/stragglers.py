@@ -54,7 +54,7 @@ try:
 except ImportError:  # torch before 2.6: common.run() stops the run with one sentence
     FSDPModule = None
 
-from training import contract
+from training import contract, hangs
 from training.common import print0
 from training.distributed import every_rank, rank_and_world
 
@@ -231,6 +231,7 @@ def watch(step_model: nn.Module, optimizer, device: torch.device, args) -> RankC
         return DeviceClocks(model.module, devices)
     if rank_and_world()[1] == 1:  # no other rank to wait for: no hooks in the step
         return RankClock(device)
+    hangs.watch(step_model, optimizer, device)  # every rank's collectives on record
     if isinstance(model, DistributedDataParallel):
         return watch_ddp(model, optimizer, device, args)
     units = [m for m in model.modules() if FSDPModule and isinstance(m, FSDPModule)]
@@ -249,6 +250,7 @@ def watch_ddp(replica, optimizer, device: torch.device, args) -> RankClock:
     clock = RankClock(device)
 
     def arrive(process_group, bucket):
+        hangs.set_phase(f"backward.bucket{bucket.index()}")
         # this rank's gradients are all computed: from here until the end of backward it
         # waits for the other ranks (the all-reduces, every rank taking part)
         if bucket.is_last():

@@ -3,8 +3,10 @@ never outlives its launcher and a frozen rank never holds the job.
 
 ``start(env, timeout_s)`` runs in the worker (common.run calls it); it starts
 ``python -m training.watchdog WORKER_PID LAUNCHER_PID TIMEOUT_S RANK`` and writes the sign of
-life to it. ``main()`` is that program: it imports nothing but the standard library, so it
-starts in a moment and does not hold a copy of torch in memory.
+life to it. ``main()`` is that program: it imports nothing but the standard library (and
+hangs.py, which does the same), so it starts in a moment and does not hold a copy of torch in
+memory. Before it ends a silent worker, and after a worker that NCCL aborted on a timeout,
+it prints the [HANG] lines (hangs.report) from every rank's record.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from training import hangs
 
 #: The folder that holds the ``training`` package: the watchdog runs there, because
 #: ``python -m`` finds the module from the current directory, whatever the worker's own.
@@ -90,14 +94,17 @@ def main() -> None:
     while True:
         if select.select([0], [], [], 1.0)[0]:
             if not os.read(0, 4096):
+                hangs.report_dumps(rank, worker)  # aborted by NCCL on a timeout?
                 sys.exit(0)  # the worker closed its end: it has exited
             last = time.monotonic()
         parent, state = parent_and_state(worker)
         if state in "XZ":
+            hangs.report_dumps(rank, worker)
             sys.exit(0)
         if launcher and parent != launcher:
             end(worker, rank, f"its launcher (torchrun, pid {launcher}) is gone")
         if time.monotonic() - last > timeout:
+            hangs.report(owner=(rank, worker))  # where every rank waits, before this one is ended
             end(worker, rank, f"no sign of life for {timeout} s "
                               f"({'stopped' if state == 'T' else 'hung'})")
 

@@ -1,0 +1,230 @@
+"""The hang named: when ranks issue different collectives, the run ends within --dist-timeout
+with one [HANG] line per rank (its collective, step and phase) and the first sequence number
+at which the ranks disagree, read from every rank's record (gloo) or from NCCL's flight
+recorder dumps (a fixture in its documented format)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from training import hangs
+from conftest import ON_CUDA, REPO, env_for_tests
+
+RUN = ["--model", "cnn", "--synthetic-size", "64", "--batch-size", "16", "--epochs", "1",
+       "--num-workers", "0", "--amp", "off", "--device", "cpu", "--dist-timeout", "4",
+       "--tensorboard", "off"]
+
+
+def _hang_lines(out: str) -> list:
+    return [line for line in out.splitlines() if line.startswith("[HANG]")]
+
+
+@pytest.mark.parametrize("patch,due", [
+    # rank 1 skips the epoch's metric reduction: its next all-reduce (the epoch's times, 2
+    # numbers) meets rank 0's reduction of the metrics (6 numbers)
+    ("rank1_skips_an_all_reduce",
+     ["rank=0 node=", "waits_in=all_reduce seq=6 numel=6 bytes=48 step=2 phase=evaluation",
+      "rank=1 node=", "waits_in=all_reduce seq=6 numel=2 bytes=16 step=2 phase=evaluation",
+      "first_disagreement seq=6 rank0=all_reduce/6/evaluation rank1=all_reduce/2/evaluation"]),
+    # rank 0 all-reduces inside its checkpoint write while rank 1 gathers the checkpoint's verdict
+    ("rank0_saves_alone",
+     ["rank=0 node=", "waits_in=all_reduce seq=10 numel=3 bytes=12 step=2 phase=checkpoint",
+      "rank=1 node=", "waits_in=all_gather_object seq=10", "phase=checkpoint",
+      "first_disagreement seq=10 rank0=all_reduce/3/checkpoint rank1=all_gather_object"]),
+    # rank 1 ends its epoch a step early; rank 0 waits in DDP's own (C++) broadcast that opens
+    # its second step, which the record names by its place: after seq 2, step 2's forward
+    ("rank1_one_batch_fewer",
+     ["rank=0 node=", "waits_in=unrecorded after_seq=2 step=2 phase=forward",
+      "rank=1 node=", "waits_in=all_gather_object seq=3",
+      "first_disagreement seq=3 rank0=none rank1=all_gather_object"]),
+])
+def test_hang_is_named_per_rank(tmp_path, patch, due):
+    """Each mismatch ends the run non-zero within the collective timeout, with its [HANG]
+    lines printed once, and leaves no process behind."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO / "tests" / "patched_run.py"), patch, str(tmp_path), "ddp_train.py", *RUN,
+           "--checkpoint-dir", str(tmp_path / "ckpt")]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, env=env_for_tests({"RUN_DIR": str(tmp_path)}), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        left = []
+        for p in psutil.process_iter():
+            try:
+                if os.getsid(p.pid) == proc.pid:
+                    left.append(p)
+            except (ProcessLookupError, PermissionError, psutil.Error):
+                pass
+        for p in left:
+            p.kill()
+    assert proc.returncode != 0
+    assert not left, f"processes left behind: {[p.cmdline() for p in left]}"
+    lines = _hang_lines(out)
+    assert len(lines) == 4, out[-3000:]  # two ranks, the disagreement, the record's folder
+    text = "\n".join(lines)
+    for piece in due:
+        assert piece in text, text
+    assert time.time() - t0 < 80
+
+
+def _dump(path, entries):
+    """A flight-recorder dump in torch's documented format (version 2.x: a pickled dict of
+    "version", "pg_config", "pg_status", "entries")."""
+    with open(path, "wb") as f:
+        pickle.dump({"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg",
+                                                            "ranks": "[0, 1]"}},
+                     "pg_status": {}, "entries": entries}, f)
+
+
+def _entry(seq, name, sizes, state, dtype="Float"):
+    return {"record_id": seq - 1, "pg_id": 0, "process_group": ("0", "default_pg"),
+            "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq,
+            "profiling_name": f"nccl:{name}", "time_created_ns": seq, "input_sizes": sizes,
+            "input_dtypes": [dtype] * len(sizes), "output_sizes": sizes,
+            "output_dtypes": [dtype] * len(sizes), "state": state, "retired": False,
+            "timeout_ms": 600000, "is_p2p": False, "frames": []}
+
+
+def _two_dumps(folder):
+    """Rank 0 waits in the gradient all-reduce, rank 1 in a broadcast of its own (a
+    rank-0-only save seen from the other side): they disagree at collective 3."""
+    folder.mkdir(exist_ok=True)
+    done = [_entry(1, "broadcast", [[10]], "completed"), _entry(2, "all_reduce", [[4, 5]],
+                                                                  "completed")]
+    _dump(folder / "nccl_trace_rank_0", done + [_entry(3, "all_reduce", [[1000, 2]],
+                                                         "started")])
+    _dump(folder / "nccl_trace_rank_1", done + [_entry(3, "broadcast", [[7]], "scheduled",
+                                                         "Long"),
+                                                  _entry(4, "all_reduce", [[1]], "scheduled")])
+    (folder / "collectives-rank1.txt").write_text("rank=1 node=n02 gpu=cuda:1 pid=1\n")
+
+
+def test_flight_recorder_dumps_name_the_hang(tmp_path):
+    """NCCL's dumps and a rank's own record (its node and GPU) are read by the same code."""
+    _two_dumps(tmp_path)
+    lines = hangs.hang_lines(hangs.read_all(tmp_path))
+    assert lines[0] == ("[HANG] rank=0 node=? gpu=? waits_in=all_reduce seq=3 numel=2000 "
+                        "bytes=8000 step=- phase=- state=started")
+    assert lines[1] == ("[HANG] rank=1 node=n02 gpu=cuda:1 waits_in=broadcast seq=3 numel=7 "
+                        "bytes=56 step=- phase=- state=scheduled")
+    assert lines[2].startswith("[HANG] first_disagreement seq=3 rank0=all_reduce/2000/- "
+                               "rank1=broadcast/7/-")
+
+
+def test_watchdog_names_the_hang_of_a_frozen_rank(tmp_path):
+    """The watchdog that ends a rank silent past its time prints the [HANG] lines first (here
+    the 'worker' is a sleeping process that never beats, with records two ranks left)."""
+    folder = tmp_path / "collectives"
+    folder.mkdir()
+    worker = subprocess.Popen(["sleep", "60"])
+    (folder / "collectives-rank0.txt").write_text(
+        "rank=0 node=n01 gpu=cuda:0 pid=1\n1 all_reduce 10 40 1 backward.bucket0\n")
+    (folder / "collectives-rank1.txt").write_text(
+        f"rank=1 node=n01 gpu=cuda:1 pid={worker.pid}\n- 1 forward\n")
+    read_end, write_end = os.pipe()
+    try:
+        watchdog = subprocess.run(
+            [sys.executable, "-m", "training.watchdog", str(worker.pid), "0", "1", "1"],
+            stdin=read_end, capture_output=True, text=True, timeout=30, cwd=REPO,
+            env=env_for_tests({"RUN_DIR": str(tmp_path)}))
+        ended = worker.wait(timeout=5)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+        worker.kill()
+    assert ended == -9  # the watchdog ended it
+    lines = _hang_lines(watchdog.stdout)
+    assert lines[:3] == [
+        "[HANG] rank=0 node=n01 gpu=cuda:0 waits_in=all_reduce seq=1 numel=10 bytes=40 step=1 "
+        "phase=backward.bucket0",
+        "[HANG] rank=1 node=n01 gpu=cuda:1 waits_in=unrecorded after_seq=0 step=1 phase=forward",
+        "[HANG] first_disagreement seq=1 rank0=all_reduce/10/backward.bucket0 rank1=none"], \
+        watchdog.stdout + watchdog.stderr
+    assert "no sign of life for 1 s" in watchdog.stderr
+
+
+def test_a_real_flight_recorder_dump_is_read():
+    """A dump that NCCL wrote on an H200 (torch 2.11, one rank: an all-reduce of 1000 x 3
+    floats, a broadcast of 7 int64, an all-gather of 4 bf16, all completed)."""
+    [record] = hangs.read_all(REPO / "tests" / "fixtures" / "flight_recorder")
+    assert [(e["seq"], e["kind"], e["numel"], e["bytes"], e["state"])
+            for e in record["entries"]] == [(1, "all_reduce", 3000, 12000, "completed"),
+                                            (2, "broadcast", 7, 56, "completed"),
+                                            (3, "_all_gather_base", 4, 8, "completed")]
+    assert hangs.hang_lines([record]) == [
+        "[HANG] rank=0 node=? gpu=? waits_in=unrecorded after_seq=3 step=- phase=-",
+        "[HANG] first_disagreement seq=none (the ranks' records agree as far as they go)"]
+
+
+def test_watchdog_names_the_hang_after_nccl_aborted_its_worker(tmp_path):
+    """NCCL aborts a rank whose collective timed out (no Python error reaches common.run), after
+    dumping its flight recorder: the rank's watchdog, seeing it gone, names the hang."""
+    _two_dumps(tmp_path / "collectives")
+    worker = subprocess.Popen(["sleep", "0.5"])
+    (tmp_path / "collectives" / "collectives-rank0.txt").write_text(
+        f"rank=0 node=n01 gpu=cuda:0 pid={worker.pid}\n")
+    watchdog = subprocess.run(
+        [sys.executable, "-m", "training.watchdog", str(worker.pid), "0", "30", "0"],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30, cwd=REPO,
+        env=env_for_tests({"RUN_DIR": str(tmp_path)}))
+    worker.wait()
+    lines = _hang_lines(watchdog.stdout)
+    assert lines[0].startswith("[HANG] rank=0 node=n01 gpu=cuda:0 waits_in=all_reduce seq=3 ")
+    assert lines[2].startswith("[HANG] first_disagreement seq=3 rank0=all_reduce/2000/-"), \
+        watchdog.stdout + watchdog.stderr
+    assert lines[-1] == (f"[HANG] analyse: python -m torch.distributed.flight_recorder.fr_trace "
+                         f"{tmp_path / 'collectives'} --prefix nccl_trace_rank_ "
+                         f"--allow-incomplete-ranks")
+
+
+@pytest.mark.cuda_ok
+@pytest.mark.skipif(not ON_CUDA, reason="NCCL's flight recorder needs a GPU (DPT_TEST_DEVICE=cuda)")
+def test_flight_recorder_dump_on_request_is_read_back(tmp_path, monkeypatch):
+    """On NCCL with one rank: the flight recorder, turned on as the scripts turn it on, keeps
+    the collectives; its dump, asked for by hand, is read by the code that names a hang."""
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _dump_nccl_trace
+    monkeypatch.setenv("RUN_DIR", str(tmp_path))
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
+                 "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    hangs.flight_recorder_env()
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        x = torch.ones(1000, 3, device="cuda")
+        dist.all_reduce(x)
+        dist.broadcast(torch.ones(7, dtype=torch.int64, device="cuda"), src=0)
+        torch.cuda.synchronize()
+        dump = _dump_nccl_trace(includeStackTraces=False)
+    finally:
+        dist.destroy_process_group()
+    folder = tmp_path / "collectives"
+    (folder / "nccl_trace_rank_0").write_bytes(dump)
+    [record] = hangs.read_all(folder)
+    kinds = [(e["kind"], e["numel"], e["bytes"]) for e in record["entries"]]
+    assert ("all_reduce", 3000, 12000) in kinds and ("broadcast", 7, 56) in kinds, kinds
+    assert hangs.hang_lines([record])[0].startswith("[HANG] rank=0 "), kinds
+
+
+def test_a_previous_attempts_record_is_not_reported(tmp_path, capsys):
+    """A requeued run that fails before it keeps a record of its own (in the same $RUN_DIR)
+    names no hang from the records its previous attempt left."""
+    (tmp_path / "collectives-rank0.txt").write_text(
+        "rank=0 node=n01 gpu=cuda:0 pid=1\n1 all_reduce 10 40 1 backward.bucket0\n")
+    assert not hangs.report(tmp_path, wait_s=0)
+    assert not hangs.report(tmp_path, wait_s=0, owner=(0, 2))
+    assert hangs.report(tmp_path, wait_s=0, owner=(0, 1))
+    assert "[HANG] rank=0 node=n01 gpu=cuda:0 waits_in=all_reduce seq=1" in capsys.readouterr().out
