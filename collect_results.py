@@ -138,10 +138,12 @@ def read_explanations(path: Path) -> dict:
 
 
 def _explain_memory(pairs: dict, found: dict) -> None:
-    """A [MEMORY] line whose sizes are all numbers: the predicted memory per GPU."""
+    """A [MEMORY] line whose sizes are all numbers: the predicted memory per GPU. An older
+    line without the later keys (data_mib, inputs_mib) did not count them: "" there."""
     sizes = contract.MEMORY_SIZE_KEYS
-    if all(contract.is_number(pairs.get(k, "")) for k in sizes):
-        found.update((f"predicted_{k}", pairs[k]) for k in sizes)
+    if all(contract.is_number(pairs.get(k, "")) for k in sizes
+           if k not in contract.LATER_MEMORY_KEYS or k in pairs):
+        found.update((f"predicted_{k}", pairs.get(k, "")) for k in sizes)
         found["predicted_variant"] = pairs.get("variant", "")
 
 

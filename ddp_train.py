@@ -362,9 +362,12 @@ def memory_per_gpu(model: nn.Module, args, world: int, saved: memory.Saved,
         parts = memory.zero1_partition(list(model.parameters()), world)
         optimizer = max(memory.param_bytes(part) for part in parts)
     buckets = 0 if args.gradient_as_bucket_view else grads
+    # each rank's loader holds its 1/world of the data and hands over its own batch
+    data, inputs = memory.data_and_inputs(args, world, args.batch_size, args.batch_size)
     return memory.Estimate(STRATEGY, variant, world, args.batch_size, saved, params, grads,
                            optimizer, buffers, comm=buckets,
-                           grads_at_peak=args.gradient_as_bucket_view)
+                           grads_at_peak=args.gradient_as_bucket_view, data=data,
+                           inputs=inputs)
 
 
 if __name__ == "__main__":

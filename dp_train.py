@@ -342,8 +342,12 @@ def memory_per_gpu(model: nn.Module, args, world: int, saved: memory.Saved,
         outputs = 2 * 4 * saved.outputs_per_image  # the logits and their gradient, fp32
         extras = args.batch_size * (world - 1) * image + args.batch_size * world * outputs \
             + grads
+    # one process, one loader: the whole data and the global batch land on GPU 0, of which
+    # GPU 0's model copy trains on its share (the rest of the batch is in extras)
+    data, inputs = memory.data_and_inputs(args, 1, args.batch_size * world, args.batch_size)
     return memory.Estimate(STRATEGY, variant, world, args.batch_size, saved, params, grads,
-                           optimizer, buffers, extras, grads_at_peak=False)
+                           optimizer, buffers, extras, grads_at_peak=False, data=data,
+                           inputs=inputs)
 
 
 if __name__ == "__main__":

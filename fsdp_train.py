@@ -498,9 +498,12 @@ def memory_per_gpu(model: nn.Module, args, world: int, saved: memory.Saved,
         host, params, grads, optimizer = params + grads + optimizer, 0, 0, 0
     notes = ["hybrid: sharded over the GPUs of one node (world_size= here)"] \
         if variant == "hybrid" else []
+    # each rank's loader holds its 1/world of the data and hands over its own batch (hybrid:
+    # counted over the shards of one node, an upper bound across several)
+    data, inputs = memory.data_and_inputs(args, world, args.batch_size, args.batch_size)
     return memory.Estimate(STRATEGY, variant, world, args.batch_size, saved, params, grads,
                            optimizer, buffers, comm, host=host, grads_at_peak=False,
-                           notes=notes)
+                           notes=notes, data=data, inputs=inputs)
 
 
 if __name__ == "__main__":

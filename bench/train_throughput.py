@@ -68,11 +68,13 @@ def plain_throughput(args) -> float:
     data = datautils.SyntheticImages(args.batch_size * args.steps, shape, classes, 0, "train")
     batches = datautils.DeviceResident(data, torch.utils.data.RandomSampler(data), args.batch_size,
                                     True, device)  # as ddp_train.py --data-on-device
+    finish = datautils.DeviceAugment(*datautils.NORMALIZE["synthetic"], crop_flip=False)
     model.train()
     for epoch in range(2):
         measure.synchronize(device)
         t0, n = time.perf_counter(), 0
         for x, y in batches:
+            x = finish(x, train=True)  # uint8 samples normalised on the device, as ddp_train's
             if device.type == "cuda":
                 x = x.contiguous(memory_format=torch.channels_last)
             opt.zero_grad(set_to_none=True)

@@ -250,7 +250,8 @@ def model_markdown(inputs: dict, configs: dict) -> list:
 MEMORY_PARTS = {"params": "Params", "grads": "Grads", "optimizer": "Optimizer",
                 "buffers": "Buffers", "amp_copies": "AMP copies",
                 "activations": "Activations", "comm": "Comm. buffers",
-                "transient": "Backward transient"}
+                "transient": "Backward transient", "data": "Data on GPU",
+                "inputs": "Input batches"}
 
 
 def memory_rows(chosen: dict) -> list:

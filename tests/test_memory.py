@@ -110,7 +110,8 @@ shape = (3, 64, 64)
 model = models.build_model("resnet18", 201, shape)  # 201 classes: uneven shards
 args = argparse.Namespace(amp="off", sharding="full", offload=False, zero1={zero1},
                           momentum=0.9, weight_decay=5e-4, batch_size=2,
-                          gradient_as_bucket_view=True)
+                          gradient_as_bucket_view=True, dataset="synthetic", model="resnet18",
+                          image_size=None, data_on_device=False)
 saved = memory.saved_for_backward(model, shape, "off")
 variant = "{variant}"
 if variant == "full":
@@ -164,6 +165,81 @@ def test_model_states_are_what_two_ranks_hold(tmp_path, variant, zero1):
     assert sorted(r for r, *_ in held) == ["0", "1"]
     if variant != "-":  # sharded: the ranks hold different parts
         assert held[0][1:] != held[1][1:]
+
+
+# Each rank's --data-on-device loaders against the DataLoader's, over two epochs and an epoch
+# resumed after two steps: the same batches, and while training, the bytes they hold on the
+# device (their ``held`` tensors) equal to the memory model's data_mib.
+HELD = r"""
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, {repo!r})
+import ddp_train
+from torch.utils.data import DistributedSampler
+from training import checkpoint, datautils, flags, memory
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+args = ddp_train.build_parser().parse_args({argv!r})
+flags.check_flags(args)  # the defaults that depend on the dataset
+data = datautils.build_data(args)
+batch, cpu = args.batch_size, torch.device("cpu")
+
+
+def loaders(on_device):
+    # as ddp_train.py makes them
+    args.data_on_device = on_device
+    sampler = checkpoint.SkipFirst(DistributedSampler(
+        data.train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True))
+    val = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
+    return (sampler, datautils.make_loader(data.train, sampler, batch, args, cpu, drop_last=True),
+            datautils.make_loader(data.val, val, batch, args, cpu, val=True))
+
+
+(host_sampler, host, host_val), (dev_sampler, dev, dev_val) = loaders(False), loaders(True)
+predicted, _ = memory.data_and_inputs(args, world, batch, batch)
+steps, held = 0, []
+for epoch, skipped in ((0, 0), (1, 0), (1, 2)):  # (1, 2): epoch 1 resumed after two steps
+    for sampler in (host_sampler, dev_sampler):
+        sampler.set_epoch(epoch)
+        sampler.skip_samples = skipped * batch
+    for (x, y), (dx, dy) in zip(host, dev, strict=True):
+        assert torch.equal(x, dx) and torch.equal(y, dy), (epoch, skipped)
+        if not skipped:
+            held.append(sum(t.untyped_storage().nbytes() for t in (*dev.held, *dev_val.held)))
+        steps += 1
+for (x, y, *_), (dx, dy) in zip(host_val, dev_val, strict=True):  # *_: survivors
+    assert torch.equal(x, dx) and torch.equal(y, dy)
+print(f"rank {{rank}} steps {{steps}} held {{set(held)}} predicted {{predicted}}", flush=True)
+assert set(held) == {{predicted}}, (held, predicted)
+dist.destroy_process_group()
+from training.faults import end_process
+end_process(0)
+"""
+
+
+@pytest.mark.parametrize("data,world", [("synthetic", 1), ("synthetic", 2), ("cache", 2)])
+def test_data_on_device_holds_data_mib_and_gives_the_loaders_batches(tiny_imagenet, tmp_path,
+                                                                     data, world):
+    if data == "synthetic":  # 100 over 2 ranks: 50 each, 6 batches of 8 and 2 dropped
+        argv = ["--model", "cnn", "--synthetic-size", "100"]
+    else:  # 160 over 2 ranks: 80 each, 10 batches
+        argv = ["--data-dir", str(tiny_imagenet[0]), "--data-cache", str(tmp_path / "cache"),
+                "--model", "resnet18"]
+    program = tmp_path / "held.py"
+    program.write_text(HELD.format(repo=str(REPO), argv=argv + ["--batch-size", "8",
+                                                                "--num-workers", "0"]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={world}", str(program)], capture_output=True,
+                          text=True, timeout=300, env=env_for_tests(), cwd=tmp_path)
+    check_ok(proc)
+    found = re.findall(r"rank \d steps (\d+) held \{(\d+)\} predicted (\d+)", proc.stdout)
+    assert len(found) == world
+    per_rank = 100 // world // 8 if data == "synthetic" else 10
+    for steps, held, predicted in found:
+        assert int(steps) == 3 * per_rank - 2 and held == predicted
+        if data == "synthetic":  # two splits' prototypes (10 classes, uint8) and the indices
+            assert int(held) == 2 * 10 * 3 * 32 * 32 + per_rank * 8 * 8
+        else:  # the rank's samples of the epoch: uint8 64 x 64 x 3 and an int64 label each
+            assert int(held) == per_rank * 8 * (64 * 64 * 3 + 8)
 
 
 def _memory_lines(stdout: str) -> list:

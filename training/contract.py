@@ -64,9 +64,15 @@ PROFILE_KEYS = ("steps", "step_ms", "compute_ms", "exposed_comm_ms", "data_wait_
 
 #: The keys every ``[MEMORY]`` line has, in order (sizes in MiB, per GPU, one process): the
 #: model states, what the strategy's communication holds, the activations saved for backward,
-#: and their sum, the predicted peak (training/memory.py says what each counts).
+#: the data held on the device and the input batches in flight, and their sum, the predicted
+#: peak (training/memory.py says what each counts).
 MEMORY_SIZE_KEYS = ("params_mib", "grads_mib", "optimizer_mib", "buffers_mib", "amp_copies_mib",
-                    "activations_mib", "comm_mib", "transient_mib", "host_mib", "peak_mib")
+                    "activations_mib", "comm_mib", "transient_mib", "data_mib", "inputs_mib",
+                    "host_mib", "peak_mib")
+
+#: [MEMORY] keys added after the first release: an older log's line without them still parses
+#: (its peak did not count them).
+LATER_MEMORY_KEYS = ("data_mib", "inputs_mib")
 MEMORY_KEYS = ("strategy", "variant", "world_size", "per_gpu_batch", "image_size",
                "amp") + MEMORY_SIZE_KEYS
 

@@ -41,6 +41,8 @@ NORMALIZE = {  # channel mean and std of each dataset's training split
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "mnist": ((0.1307,), (0.3081,)),
     "fashion-mnist": ((0.2860,), (0.3530,)),
+    # SyntheticImages stores 128 + 32 x (prototype + noise) as uint8: this undoes it
+    "synthetic": ((128 / 255,), (32 / 255,)),
 }
 
 
@@ -52,7 +54,7 @@ class DataBundle:
     input_shape: tuple  # (C, H, W)
     name: str
     description: str
-    device_augment: "DeviceAugment | None" = None  # cache path: uint8 batches finished on device
+    device_augment: "DeviceAugment | None" = None  # the cache's and synthetic uint8, finished
 
     def set_epoch(self, epoch: int) -> None:
         """Every epoch, beside the sampler's: the folder path's crops and flips are drawn
@@ -138,8 +140,10 @@ def resize(images: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _mix32(x: int) -> int:
-    """A 32-bit integer hash: nearby inputs give unrelated outputs."""
-    x &= 0xFFFFFFFF
+    """A 32-bit integer hash: nearby inputs give unrelated outputs. Works on a Python int and
+    on an int64 tensor alike (each product stays below 2**63), with the same result on every
+    device: integer arithmetic has no rounding."""
+    x = x & 0xFFFFFFFF  # not in place: it also hashes int64 tensors, element by element
     x = ((x ^ (x >> 16)) * 0x7FEB352D) & 0xFFFFFFFF
     x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
     return x ^ (x >> 16)
@@ -173,26 +177,49 @@ def collate_val(batch):
 class SyntheticImages(Dataset):
     """Learnable, deterministic stand-in data: each class has its own smooth pattern, each
     sample adds its own noise. Loss falls and accuracy rises, so a run shows learning without
-    any download. Sample ``i`` is the same for every rank and every run with the same seed.
+    any download. Sample ``i`` is a function of (seed, split, i) only: the same for every rank,
+    every run and every device, whether one sample is made in a loader worker or a batch of
+    them on the GPU (``make``).
+
+    A sample is stored as the TinyImageNet cache stores an image, uint8 pixels in HWC order
+    (one byte a value, not four), 128 + 32 x (prototype + noise), and DeviceAugment
+    normalises it on the device (NORMALIZE["synthetic"]) back to prototype + noise: prototypes
+    in [-1, 1], noise of standard deviation 1 (the sum of eight 4-bit hashes, nearly normal).
     """
 
     def __init__(self, size: int, shape: tuple, num_classes: int, seed: int, split: str):
         self.size, self.shape, self.num_classes = size, tuple(shape), num_classes
         g = torch.Generator().manual_seed(seed)
         coarse = torch.rand(num_classes, shape[0], 4, 4, generator=g) * 2 - 1
-        self.prototypes = F.interpolate(coarse, size=shape[1:], mode="bilinear",
-                                        align_corners=False)
-        self.base = (seed % 1_000_003) * 4_000_000_000 + (0 if split == "train" else 2**31)
+        smooth = F.interpolate(coarse, size=shape[1:], mode="bilinear", align_corners=False)
+        self.prototypes = (128 + 32 * smooth).round().to(torch.uint8).permute(0, 2, 3, 1)
+        self.prototypes = self.prototypes.contiguous()  # (classes, H, W, C), as the samples
+        self.key = _mix32(seed) ^ (0 if split == "train" else 0x9E3779B9)
         self.targets = [i % num_classes for i in range(size)]
 
     def __len__(self):
         return self.size
 
     def __getitem__(self, index):
-        label = index % self.num_classes
-        g = torch.Generator().manual_seed(self.base + index)
-        noise = torch.randn(self.shape, generator=g)
-        return self.prototypes[label] + noise, label
+        images, _ = self.make(torch.tensor([index]), self.prototypes)
+        return images[0], index % self.num_classes
+
+    def make(self, indices: torch.Tensor, prototypes: torch.Tensor) -> tuple:
+        """(uint8 images N x H x W x C, int64 labels) of the samples ``indices`` (int64), made
+        on the device that holds ``indices`` and ``prototypes`` (this split's, moved there)."""
+        labels = indices % self.num_classes
+        values = math.prod(self.shape)
+        # 32 random bits per value: a hash of (sample's hash, value's hash), so two samples
+        # share no noise pattern, not even shifted
+        element = _mix32(torch.arange(values, device=indices.device))
+        bits = _mix32(element ^ _mix32(indices ^ self.key).view(-1, 1))
+        nibbles = (bits & 0x0F0F0F0F) + ((bits >> 4) & 0x0F0F0F0F)  # four sums of two nibbles
+        nibbles = nibbles + (nibbles >> 8)
+        total = (nibbles + (nibbles >> 16)) & 0xFF  # eight nibbles: mean 60, sd 13.04
+        noise = torch.div((total - 60) * 157 + 32, 64, rounding_mode="floor")  # sd 32 levels
+        pixels = prototypes[labels].view(-1, values) + noise
+        images = pixels.clamp_(0, 255).to(torch.uint8).view(-1, *self.shape[1:], self.shape[0])
+        return images, labels
 
 
 def rank0_first(fn):
@@ -362,12 +389,13 @@ class CachedSplit(Dataset):
 
 class DeviceAugment:
     """What the folder path does per image with PIL, done per batch on the device: uint8 NHWC
-    -> (train) random crop with 4 pixels of zero padding and a random horizontal flip -> float
-    in [0, 1] -> (--image-size) resized -> normalize. Without augmentation the NCHW result
+    -> (train, with ``crop_flip``; synthetic data has none) random crop with 4 pixels of zero
+    padding and a random horizontal flip -> float in [0, 1] -> (--image-size) resized ->
+    normalize. Without augmentation the NCHW result
     keeps the NHWC memory (channels_last)."""
 
-    def __init__(self, mean, std, size: int | None = None):
-        self.mean_std, self.size = (mean, std), size
+    def __init__(self, mean, std, size: int | None = None, crop_flip: bool = True):
+        self.mean_std, self.size, self.crop_flip = (mean, std), size, crop_flip
         self._cache = {}
 
     def _stats(self, device):
@@ -379,7 +407,7 @@ class DeviceAugment:
 
     def __call__(self, images: torch.Tensor, train: bool) -> torch.Tensor:
         x = images.permute(0, 3, 1, 2)  # uint8 NCHW view: crop and flip 1-byte pixels
-        if train:
+        if train and self.crop_flip:
             b, c, h, w = x.shape
             pad = CROP_PADDING
             x = F.pad(x, (pad, pad, pad, pad))  # zeros, as the folder path pads its images
@@ -450,7 +478,8 @@ def build_data(args) -> DataBundle:
             SyntheticImages(n_val, shape, classes, args.seed, "val"), classes, shape,
             "synthetic", f"synthetic (built-in, learnable; no dataset read): "
                          f"{args.synthetic_size} train / {n_val} val, {classes} classes, "
-                         f"{'x'.join(map(str, shape))}")
+                         f"{'x'.join(map(str, shape))}",
+            DeviceAugment(*NORMALIZE["synthetic"], crop_flip=False))
     if args.dataset == "tinyimagenet":
         if not args.data_dir:
             raise UsageError("--dataset tinyimagenet needs --data-dir (or $DATA_DIR) pointing "
@@ -505,28 +534,50 @@ def report_unreadable_images(metrics: dict, train_expected: int, val_total: int)
 
 
 class DeviceResident:
-    """--data-on-device: a whole split as two tensors on the device; each epoch's batches are
-    slices of the sampler's order, indexed there (one host-to-device copy of the order per
-    epoch, none per step). Iterates like the DataLoader it replaces."""
+    """--data-on-device: batches made on the device from what this rank holds there, in the
+    sampler's order (so each rank gets the very samples the DataLoader would give it, resumed
+    epochs included); iterates like the DataLoader it replaces, with no host work per step.
+
+    What a rank holds (``held``, counted as data_mib by the memory model):
+    - synthetic data: its class prototypes only. Sample i is a function of (seed, i), so each
+      batch is made where it is used, from the indices of the batch (SyntheticImages.make);
+    - the TinyImageNet cache: the samples its sampler gives it this epoch, read from the
+      memory-mapped cache at the epoch's start in the sampler's order, so each batch is a
+      slice. The sampler reshuffles the whole split every epoch, so these are a new 1/world
+      of it each epoch; they are let go when the epoch's batches end.
+    Neither path makes a host copy of the whole split: at most the rank's shard, once."""
 
     def __init__(self, dataset, sampler, batch_size: int, drop_last: bool, device):
-        if isinstance(dataset, CachedSplit):
-            images, labels = torch.from_numpy(np.array(dataset.images)), dataset.labels
-        else:  # SyntheticImages: the samples, made once
-            images = torch.stack([dataset[i][0] for i in range(len(dataset))])
-            labels = torch.as_tensor(dataset.targets)
-        self.images, self.labels = images.to(device), labels.to(device)
-        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+        self.dataset, self.sampler, self.device = dataset, sampler, device
+        self.batch_size, self.drop_last = batch_size, drop_last
+        self.held = ()  # the tensors this rank holds on the device now
+        if isinstance(dataset, SyntheticImages):
+            self.prototypes = dataset.prototypes.to(device)
+            self.held = (self.prototypes,)
 
     def __len__(self):
         n = len(self.sampler)
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def __iter__(self):
-        order = torch.as_tensor(list(self.sampler), dtype=torch.int64).to(self.images.device)
-        for k in range(len(self)):
-            idx = order[k * self.batch_size:(k + 1) * self.batch_size]
-            yield self.images[idx], self.labels[idx]
+        # the epoch's indices for this rank, without those of a last batch that drop_last drops
+        order = torch.tensor(list(self.sampler)[:len(self) * self.batch_size], dtype=torch.int64)
+        before = self.held
+        if isinstance(self.dataset, SyntheticImages):
+            order = order.to(self.device)  # one host-to-device copy of the order per epoch
+            self.held = (self.prototypes, order)
+        else:  # CachedSplit: this epoch's shard, read in the sampler's order (a host copy of
+            # the shard, not of the memory-mapped split), then moved to the device
+            self.held = tuple(t.to(self.device) for t in self.dataset[order.numpy()])
+        try:
+            for k in range(len(self)):
+                part = slice(k * self.batch_size, (k + 1) * self.batch_size)
+                if isinstance(self.dataset, SyntheticImages):
+                    yield self.dataset.make(order[part], self.prototypes)
+                else:
+                    yield tuple(t[part] for t in self.held)  # views of the shard: no copy
+        finally:
+            self.held = before  # the epoch's shard (or order) is let go
 
 
 def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool = False,

@@ -84,10 +84,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "that is read-only) and augment batches on the device; far faster than "
                         "decoding JPEGs every epoch")
     g.add_argument("--data-on-device", action="store_true",
-                   help="hold the whole dataset on the device and index batches there: no "
-                        "DataLoader, no host-to-device copy (needs --data-cache or synthetic "
-                        "data; TinyImageNet's uint8 train split takes 1.2 GB, counted in the "
-                        "peak memory)")
+                   help="hold each rank's data on its device and make batches there: no "
+                        "DataLoader, no host-to-device copy per step (needs --data-cache or "
+                        "synthetic data; the cache: the rank's samples of the epoch, 1/world "
+                        "of TinyImageNet's 1.2 GB uint8 train split; synthetic: made per "
+                        "batch; the [MEMORY] line's data_mib)")
     g.add_argument("--synthetic-size", type=int, default=2048,
                    help="training samples of the synthetic dataset (validation gets a quarter)")
     g.add_argument("--image-size", type=int, default=None, metavar="N",

@@ -16,7 +16,12 @@ What a step keeps on one GPU, and how each part is counted here:
 - **transient**: during backward, the gradient of the largest saved activation and of its
   input exist beside the activations (twice the largest one);
 - **communication buffers**: DDP's gradient buckets, FSDP's unsharded parameters and
-  gradients of the blocks in flight, DataParallel's whole batch and gathered outputs on GPU 0.
+  gradients of the blocks in flight, DataParallel's whole batch and gathered outputs on GPU 0;
+- **data** (``--data-on-device``): what the rank's DeviceResident loaders hold on the GPU,
+  in the dtype stored (``data_and_inputs`` says what that is for each kind of data);
+- **inputs**: the input batches the step holds at its peak: the loader's batch being trained
+  on and the next one, copied ahead while the step computes, as the loader hands them over,
+  and the batch finished on the device (normalised, in float32) that the model gets.
 
 Not counted, and stated with every table: cuDNN's workspace, the caching allocator's
 fragmentation, and the CUDA context (about 0.5 GB that nvidia-smi sees and
@@ -26,16 +31,20 @@ fragmentation, and the CUDA context (about 0.5 GB that nvidia-smi sees and
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from training import contract, flags, models
+from training import contract, flags, models, tinyimagenet
 from training.common import print0
+from training.faults import UsageError
 
 MIB = 2**20
+CACHE_IMAGE = 64 * 64 * 3  # bytes of one image of the TinyImageNet cache (uint8 HWC)
 COUNT_BATCHES = (2, 4)  # the two forwards; 2, not 1: BatchNorm needs two values per channel
 
 
@@ -150,6 +159,8 @@ class Estimate:
     buffers: float
     comm: float
     host: float = 0.0  # kept in host memory instead (--offload)
+    data: float = 0.0  # --data-on-device: the data the rank holds on the GPU
+    inputs: float = 0.0  # the input batches in flight at the peak
     grads_at_peak: bool = True  # False when they are freed before each step, made in backward
     notes: list = field(default_factory=list)
 
@@ -172,13 +183,14 @@ class Estimate:
     def peak(self) -> float:
         """The components that are all resident at once, at the end of the forward."""
         return (self.params + self.optimizer + self.buffers + self.amp_copies + self.activations
-                + self.comm + self.transient + (self.grads if self.grads_at_peak else 0))
+                + self.comm + self.transient + self.data + self.inputs
+                + (self.grads if self.grads_at_peak else 0))
 
     def values(self) -> dict:
         sizes = dict(params=self.params, grads=self.grads, optimizer=self.optimizer,
                      buffers=self.buffers, amp_copies=self.amp_copies,
                      activations=self.activations, comm=self.comm, transient=self.transient,
-                     host=self.host, peak=self.peak)
+                     data=self.data, inputs=self.inputs, host=self.host, peak=self.peak)
         return dict(strategy=self.strategy, variant=self.variant, world_size=self.world_size,
                     per_gpu_batch=self.per_gpu_batch, image_size=self.saved.input_shape[-1],
                     amp=self.saved.amp) | {f"{k}_mib": round(v / MIB, 1) for k, v in sizes.items()}
@@ -188,6 +200,51 @@ class Estimate:
         values = self.values()
         return contract.MEMORY_PREFIX + " " + " ".join(f"{k}={values[k]}"
                                                        for k in contract.MEMORY_KEYS)
+
+
+def train_samples(args) -> int:
+    """The training samples of the run's data: --synthetic-size, or the TinyImageNet cache's
+    count, read from its labels file (the only data --data-on-device can hold)."""
+    if args.dataset == "synthetic":
+        return args.synthetic_size
+    labels = tinyimagenet.cache_dir(args.data_dir, args.data_cache) / "train_labels.npy"
+    if not labels.is_file():
+        raise UsageError(f"--data-on-device's data are counted from the cache, and {labels} is "
+                         f"not there yet: build it first (python prepare_tinyimagenet.py "
+                         f"{args.data_dir} {labels.parent}) or drop --data-on-device")
+    return len(np.load(labels, mmap_mode="r"))
+
+
+def data_and_inputs(args, processes: int, loader_batch: int, model_batch: int) -> tuple:
+    """(data, inputs): the bytes one GPU holds of the data and of the input batches at the
+    peak, on a GPU, with the batches DeviceResident or the DataLoader hands over (the same
+    samples either way). ``processes``: the ranks the training set is split over;
+    ``loader_batch``: one batch of the loader (DataParallel's is the global batch);
+    ``model_batch``: the images of it that the GPU's model copy trains on.
+
+    data, with --data-on-device only (DeviceResident says what it holds, in ``held``):
+    synthetic data: the class prototypes of the training and of the validation split (uint8,
+    C x H x W each) and the epoch's sample indices of this rank (int64), its batches made from
+    them as they are used; the TinyImageNet cache: this rank's training samples of the epoch,
+    N // processes rounded down to whole batches, uint8 64 x 64 x 3 and an int64 label each
+    (the validation samples are held during evaluation only, when training holds less).
+
+    inputs: two loader batches, the one the step trains on and the next, which to_device copies
+    (or DeviceResident makes) while the step computes, as the loader hands them over (uint8 for
+    the cache and synthetic data, float32 otherwise; int64 labels), none for the cache held on
+    the device, whose batches are views of its shard; and under --amp the float32 batch the
+    model gets (with --amp off the first layer saves that batch for backward: an activation)."""
+    shape, classes = flags.input_shape(args)
+    image = math.prod(shape)
+    cache = args.dataset == "tinyimagenet" and bool(args.data_cache)
+    stored = CACHE_IMAGE if cache else image if args.dataset == "synthetic" else 4 * image
+    data = 0
+    if args.data_on_device:
+        samples = train_samples(args) // processes // loader_batch * loader_batch
+        data = samples * (stored + 8) if cache else 2 * classes * image + samples * 8
+    in_flight = 0 if args.data_on_device and cache else 2 * loader_batch * (stored + 8)
+    finished = model_batch * image * 4 if args.amp != "off" else 0
+    return data, in_flight + finished
 
 
 def model_states(model: nn.Module, momentum: float) -> tuple:
@@ -200,7 +257,8 @@ def model_states(model: nn.Module, momentum: float) -> tuple:
 
 COLUMNS = (("params", "params"), ("grads", "grads"), ("optimizer", "optim"),
            ("buffers", "buffers"), ("amp_copies", "amp copies"), ("activations", "activations"),
-           ("comm", "comm"), ("transient", "transient"), ("peak", "peak"), ("host", "host"))
+           ("comm", "comm"), ("transient", "transient"), ("data", "data"),
+           ("inputs", "inputs"), ("peak", "peak"), ("host", "host"))
 
 
 def table(estimates: list) -> list:
@@ -234,6 +292,10 @@ def print_estimates(estimates: list, model_name: str) -> None:
     print0(f"activations: {saved.per_image / MIB:.2f} MiB per image saved for backward, counted "
            f"with saved-tensor hooks in two forwards on the CPU (batch {COUNT_BATCHES[0]} and "
            f"{COUNT_BATCHES[1]}; linear in the batch)")
+    print0("data: what --data-on-device holds on each GPU (synthetic: the class prototypes "
+           "and the epoch's indices; the cache: the rank's samples of the epoch, uint8); "
+           "inputs: the batch trained on and the next one, as the loader hands them over, and "
+           "under --amp the float32 batch the model gets")
     print0("peak: every column left of it that is resident at once at the end of the forward"
            + ("; * gradients are freed before each step and made during backward, as "
               "activations are freed" if any(not e.grads_at_peak for e in estimates) else ""))
