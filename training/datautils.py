@@ -184,8 +184,12 @@ class SyntheticImages(Dataset):
     A sample is stored as the TinyImageNet cache stores an image, uint8 pixels in HWC order
     (one byte a value, not four), 128 + 32 x (prototype + noise), and DeviceAugment
     normalises it on the device (NORMALIZE["synthetic"]) back to prototype + noise: prototypes
-    in [-1, 1], noise of standard deviation 1 (the sum of eight 4-bit hashes, nearly normal).
+    in [-1, 1], noise of standard deviation 1. Sample i's noise is a window of one fixed noise
+    field, at an offset hashed from i: a batch is made with one gather (cheap on a GPU, where
+    the batches of --data-on-device are made during training), not with a hash per value.
     """
+
+    NOISE_SHIFTS = 65536  # the distinct windows of the noise field
 
     def __init__(self, size: int, shape: tuple, num_classes: int, seed: int, split: str):
         self.size, self.shape, self.num_classes = size, tuple(shape), num_classes
@@ -194,6 +198,10 @@ class SyntheticImages(Dataset):
         smooth = F.interpolate(coarse, size=shape[1:], mode="bilinear", align_corners=False)
         self.prototypes = (128 + 32 * smooth).round().to(torch.uint8).permute(0, 2, 3, 1)
         self.prototypes = self.prototypes.contiguous()  # (classes, H, W, C), as the samples
+        # one field for both splits, in noise levels (sd 32, int16: values below 0 and above
+        # 255 before the clamp); the splits take their windows at different offsets
+        field = torch.randn(math.prod(shape) + self.NOISE_SHIFTS, generator=g)
+        self.noise = (32 * field).round().to(torch.int16)
         self.key = _mix32(seed) ^ (0 if split == "train" else 0x9E3779B9)
         self.targets = [i % num_classes for i in range(size)]
 
@@ -201,23 +209,21 @@ class SyntheticImages(Dataset):
         return self.size
 
     def __getitem__(self, index):
-        images, _ = self.make(torch.tensor([index]), self.prototypes)
+        images, _ = self.make(torch.tensor([index]), self.prototypes, self.noise)
         return images[0], index % self.num_classes
 
-    def make(self, indices: torch.Tensor, prototypes: torch.Tensor) -> tuple:
+    def make(self, indices: torch.Tensor, prototypes: torch.Tensor, noise: torch.Tensor) -> tuple:
         """(uint8 images N x H x W x C, int64 labels) of the samples ``indices`` (int64), made
-        on the device that holds ``indices`` and ``prototypes`` (this split's, moved there)."""
+        on the device that holds ``indices``, ``prototypes`` and ``noise`` (this split's, moved
+        there): the class's prototype plus the sample's window of the noise field."""
         labels = indices % self.num_classes
         values = math.prod(self.shape)
-        # 32 random bits per value: a hash of (sample's hash, value's hash), so two samples
-        # share no noise pattern, not even shifted
-        element = _mix32(torch.arange(values, device=indices.device))
-        bits = _mix32(element ^ _mix32(indices ^ self.key).view(-1, 1))
-        nibbles = (bits & 0x0F0F0F0F) + ((bits >> 4) & 0x0F0F0F0F)  # four sums of two nibbles
-        nibbles = nibbles + (nibbles >> 8)
-        total = (nibbles + (nibbles >> 16)) & 0xFF  # eight nibbles: mean 60, sd 13.04
-        noise = torch.div((total - 60) * 157 + 32, 64, rounding_mode="floor")  # sd 32 levels
-        pixels = prototypes[labels].view(-1, values) + noise
+        offsets = _mix32(indices ^ self.key) % self.NOISE_SHIFTS
+        windows = noise.unfold(0, values, 1)  # a view: window k starts at value k
+        # index_select, not windows[offsets]: advanced indexing checks the overlapping view
+        # first, which costs milliseconds a call on the CPU
+        pixels = (prototypes[labels].view(-1, values).to(torch.int16)
+                  + torch.index_select(windows, 0, offsets))
         images = pixels.clamp_(0, 255).to(torch.uint8).view(-1, *self.shape[1:], self.shape[0])
         return images, labels
 
@@ -539,8 +545,9 @@ class DeviceResident:
     epochs included); iterates like the DataLoader it replaces, with no host work per step.
 
     What a rank holds (``held``, counted as data_mib by the memory model):
-    - synthetic data: its class prototypes only. Sample i is a function of (seed, i), so each
-      batch is made where it is used, from the indices of the batch (SyntheticImages.make);
+    - synthetic data: its class prototypes and noise field only. Sample i is a function of
+      (seed, i), so each batch is made where it is used, from the batch's indices
+      (SyntheticImages.make);
     - the TinyImageNet cache: the samples its sampler gives it this epoch, read from the
       memory-mapped cache at the epoch's start in the sampler's order, so each batch is a
       slice. The sampler reshuffles the whole split every epoch, so these are a new 1/world
@@ -552,8 +559,8 @@ class DeviceResident:
         self.batch_size, self.drop_last = batch_size, drop_last
         self.held = ()  # the tensors this rank holds on the device now
         if isinstance(dataset, SyntheticImages):
-            self.prototypes = dataset.prototypes.to(device)
-            self.held = (self.prototypes,)
+            self.prototypes, self.noise = dataset.prototypes.to(device), dataset.noise.to(device)
+            self.held = (self.prototypes, self.noise)
 
     def __len__(self):
         n = len(self.sampler)
@@ -565,7 +572,7 @@ class DeviceResident:
         before = self.held
         if isinstance(self.dataset, SyntheticImages):
             order = order.to(self.device)  # one host-to-device copy of the order per epoch
-            self.held = (self.prototypes, order)
+            self.held = (self.prototypes, self.noise, order)
         else:  # CachedSplit: this epoch's shard, read in the sampler's order (a host copy of
             # the shard, not of the memory-mapped split), then moved to the device
             self.held = tuple(t.to(self.device) for t in self.dataset[order.numpy()])
@@ -573,7 +580,7 @@ class DeviceResident:
             for k in range(len(self)):
                 part = slice(k * self.batch_size, (k + 1) * self.batch_size)
                 if isinstance(self.dataset, SyntheticImages):
-                    yield self.dataset.make(order[part], self.prototypes)
+                    yield self.dataset.make(order[part], self.prototypes, self.noise)
                 else:
                     yield tuple(t[part] for t in self.held)  # views of the shard: no copy
         finally:

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from training import contract, flags, models, tinyimagenet
+from training import contract, datautils, flags, models, tinyimagenet
 from training.common import print0
 from training.faults import UsageError
 
@@ -223,9 +223,9 @@ def data_and_inputs(args, processes: int, loader_batch: int, model_batch: int) -
     ``model_batch``: the images of it that the GPU's model copy trains on.
 
     data, with --data-on-device only (DeviceResident says what it holds, in ``held``):
-    synthetic data: the class prototypes of the training and of the validation split (uint8,
-    C x H x W each) and the epoch's sample indices of this rank (int64), its batches made from
-    them as they are used; the TinyImageNet cache: this rank's training samples of the epoch,
+    synthetic data: the class prototypes (uint8, C x H x W each) and the noise field (int16,
+    C x H x W + NOISE_SHIFTS values) of the training and of the validation split, and the
+    epoch's sample indices of this rank (int64), its batches made from them as they are used; the TinyImageNet cache: this rank's training samples of the epoch,
     N // processes rounded down to whole batches, uint8 64 x 64 x 3 and an int64 label each
     (the validation samples are held during evaluation only, when training holds less).
 
@@ -241,7 +241,8 @@ def data_and_inputs(args, processes: int, loader_batch: int, model_batch: int) -
     data = 0
     if args.data_on_device:
         samples = train_samples(args) // processes // loader_batch * loader_batch
-        data = samples * (stored + 8) if cache else 2 * classes * image + samples * 8
+        noise = 2 * (image + datautils.SyntheticImages.NOISE_SHIFTS)  # int16
+        data = samples * (stored + 8) if cache else 2 * (classes * image + noise) + samples * 8
     in_flight = 0 if args.data_on_device and cache else 2 * loader_batch * (stored + 8)
     finished = model_batch * image * 4 if args.amp != "off" else 0
     return data, in_flight + finished
