@@ -57,8 +57,8 @@ def track_jump(loss, step: int, last, jump, floor: float) -> None:
     host sync."""
     loss = loss.detach().to(last.dtype)
     jumped = (loss > JUMP * last) & (loss > floor) & (jump[0] < 0)
-    jump.copy_(torch.where(jumped, torch.stack([torch.full_like(loss, step), last, loss]), jump))
-    last.copy_(torch.where(torch.isfinite(loss), loss, last))  # a NaN or inf is not kept
+    torch.where(jumped, torch.stack([torch.full_like(loss, step), last, loss]), jump, out=jump)
+    torch.where(torch.isfinite(loss), loss, last, out=last)  # a NaN or inf is not kept
 
 
 def name_jump(jump, epoch: int) -> None:
