@@ -218,6 +218,11 @@ def train(args, env: distributed.DistEnv) -> int:
             loss = criterion(outputs, labels)
         # backward: DDP all-reduces (averages) each gradient bucket across all ranks
         scaler.scale(loss).backward()
+        # --clip-grad-norm: the averaged gradients are the same on every rank, and so is their
+        # norm (no collective); fp16: unscaled first, so that the true gradients are clipped
+        if args.clip_grad_norm:
+            scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
         scaler.step(optimizer)
         scaler.update()
         return outputs, loss
@@ -230,7 +235,7 @@ def train(args, env: distributed.DistEnv) -> int:
     stop = stopping.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks
     ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint)
     start_epoch, resume_step = ckpt.resume(steps)
-    losses = lossguard.LossWatch(device, scaler)  # NaN/inf losses, without a sync per step
+    losses = lossguard.LossWatch(device, scaler, data.num_classes)  # NaN/inf, jumps: no sync a step
 
     local_devices = [device]  # the GPU (or CPU) this process drives, for syncs and peak memory
     meter = measure.StepMeter(args, steps, global_batch)  # progress, data wait

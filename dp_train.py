@@ -204,6 +204,11 @@ def train(args, env: distributed.DistEnv) -> int:
             loss = criterion(outputs, labels)
         # backward: the replicas' gradients are summed into the master copy on GPU 0
         scaler.scale(loss).backward()
+        # --clip-grad-norm: the master copy's gradients (the whole batch's, on GPU 0); fp16:
+        # unscaled first, so that the true gradients are clipped
+        if args.clip_grad_norm:
+            scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
         scaler.step(optimizer)
         scaler.update()
         return outputs, loss
@@ -213,7 +218,7 @@ def train(args, env: distributed.DistEnv) -> int:
     stop = stopping.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM: save, then stop
     ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint)
     start_epoch, resume_step = ckpt.resume(steps)
-    losses = lossguard.LossWatch(device, scaler)  # NaN/inf losses, without a sync per step
+    losses = lossguard.LossWatch(device, scaler, data.num_classes)  # NaN/inf, jumps: no sync a step
 
     local_devices = [torch.device("cuda", i) for i in gpu_ids] or [device]  # GPU 0 holds the most
     meter = measure.StepMeter(args, steps, global_batch)  # progress, data wait

@@ -334,6 +334,12 @@ def train(args, env: distributed.DistEnv) -> int:
         # forward), then reduce-scatters the gradients: each rank keeps the averaged
         # gradient of its own shard (hybrid then all-reduces it across the nodes)
         scaler.scale(loss).backward()
+        # --clip-grad-norm: each rank holds a shard of every gradient (a DTensor), so the
+        # global norm adds up the shards' squares over the shard group: one all-reduce of one
+        # number, inside clip_grad_norm_; fp16: unscaled first, so the true gradients are clipped
+        if args.clip_grad_norm:
+            scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
         scaler.step(optimizer)  # updates only this rank's shard
         scaler.update()
         return outputs, loss
@@ -345,7 +351,7 @@ def train(args, env: distributed.DistEnv) -> int:
     stop = stopping.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks
     ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint)
     start_epoch, resume_step = ckpt.resume(steps)
-    losses = lossguard.LossWatch(device, scaler)  # NaN/inf losses, without a sync per step
+    losses = lossguard.LossWatch(device, scaler, data.num_classes)  # NaN/inf, jumps: no sync a step
 
     local_devices = [device]  # the GPU (or CPU) this process drives, for syncs and peak memory
     meter = measure.StepMeter(args, steps, global_batch)  # progress, data wait
