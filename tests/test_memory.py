@@ -237,9 +237,9 @@ def test_data_on_device_holds_data_mib_and_gives_the_loaders_batches(tiny_imagen
     for steps, held, predicted in found:
         assert int(steps) == 3 * per_rank - 2 and held == predicted
         if data == "synthetic":  # two splits' prototypes (10 classes, uint8), their noise
-            # fields (int16) and the indices
+            # fields (int16), and a noise offset and a label for each sample
             assert int(held) == (2 * 10 * 3 * 32 * 32 + 2 * 2 * (3 * 32 * 32 + 65536)
-                                 + per_rank * 8 * 8)
+                                 + per_rank * 8 * 16)
         else:  # the rank's samples of the epoch: uint8 64 x 64 x 3 and an int64 label each
             assert int(held) == per_rank * 8 * (64 * 64 * 3 + 8)
 

@@ -209,23 +209,28 @@ class SyntheticImages(Dataset):
         return self.size
 
     def __getitem__(self, index):
-        images, _ = self.make(torch.tensor([index]), self.prototypes, self.noise)
-        return images[0], index % self.num_classes
+        offsets, labels = self.locate(torch.tensor([index]))
+        return self.make(offsets, labels, self.prototypes, self.noise)[0], index % self.num_classes
 
-    def make(self, indices: torch.Tensor, prototypes: torch.Tensor, noise: torch.Tensor) -> tuple:
-        """(uint8 images N x H x W x C, int64 labels) of the samples ``indices`` (int64), made
-        on the device that holds ``indices``, ``prototypes`` and ``noise`` (this split's, moved
-        there): the class's prototype plus the sample's window of the noise field."""
-        labels = indices % self.num_classes
+    def locate(self, indices: torch.Tensor) -> tuple:
+        """(noise offsets, labels) of the samples ``indices`` (int64): all that make() needs
+        to know of them. DeviceResident locates a whole epoch's samples at its start, so that
+        making a batch during training costs a gather and a few elementwise kernels."""
+        return _mix32(indices ^ self.key) % self.NOISE_SHIFTS, indices % self.num_classes
+
+    def make(self, offsets: torch.Tensor, labels: torch.Tensor, prototypes: torch.Tensor,
+             noise: torch.Tensor) -> torch.Tensor:
+        """uint8 images N x H x W x C of the samples that locate() gave ``offsets`` and
+        ``labels``, made on the device that holds them, ``prototypes`` and ``noise`` (this
+        split's, moved there): the class's prototype plus the sample's window of the noise
+        field."""
         values = math.prod(self.shape)
-        offsets = _mix32(indices ^ self.key) % self.NOISE_SHIFTS
         windows = noise.unfold(0, values, 1)  # a view: window k starts at value k
         # index_select, not windows[offsets]: advanced indexing checks the overlapping view
         # first, which costs milliseconds a call on the CPU
         pixels = (prototypes[labels].view(-1, values).to(torch.int16)
                   + torch.index_select(windows, 0, offsets))
-        images = pixels.clamp_(0, 255).to(torch.uint8).view(-1, *self.shape[1:], self.shape[0])
-        return images, labels
+        return pixels.clamp_(0, 255).to(torch.uint8).view(-1, *self.shape[1:], self.shape[0])
 
 
 def rank0_first(fn):
@@ -545,9 +550,9 @@ class DeviceResident:
     epochs included); iterates like the DataLoader it replaces, with no host work per step.
 
     What a rank holds (``held``, counted as data_mib by the memory model):
-    - synthetic data: its class prototypes and noise field only. Sample i is a function of
-      (seed, i), so each batch is made where it is used, from the batch's indices
-      (SyntheticImages.make);
+    - synthetic data: its class prototypes and noise field, and its samples of the epoch as
+      a noise offset and a label each. Sample i is a function of (seed, i), so each batch is
+      made where it is used (SyntheticImages.locate at the epoch's start, make per batch);
     - the TinyImageNet cache: the samples its sampler gives it this epoch, read from the
       memory-mapped cache at the epoch's start in the sampler's order, so each batch is a
       slice. The sampler reshuffles the whole split every epoch, so these are a new 1/world
@@ -571,8 +576,9 @@ class DeviceResident:
         order = torch.tensor(list(self.sampler)[:len(self) * self.batch_size], dtype=torch.int64)
         before = self.held
         if isinstance(self.dataset, SyntheticImages):
-            order = order.to(self.device)  # one host-to-device copy of the order per epoch
-            self.held = (self.prototypes, self.noise, order)
+            # one host-to-device copy of the order per epoch, located there at once
+            offsets, labels = self.dataset.locate(order.to(self.device))
+            self.held = (self.prototypes, self.noise, offsets, labels)
         else:  # CachedSplit: this epoch's shard, read in the sampler's order (a host copy of
             # the shard, not of the memory-mapped split), then moved to the device
             self.held = tuple(t.to(self.device) for t in self.dataset[order.numpy()])
@@ -580,7 +586,8 @@ class DeviceResident:
             for k in range(len(self)):
                 part = slice(k * self.batch_size, (k + 1) * self.batch_size)
                 if isinstance(self.dataset, SyntheticImages):
-                    yield self.dataset.make(order[part], self.prototypes, self.noise)
+                    yield (self.dataset.make(offsets[part], labels[part], self.prototypes,
+                                             self.noise), labels[part])
                 else:
                     yield tuple(t[part] for t in self.held)  # views of the shard: no copy
         finally:

@@ -225,7 +225,8 @@ def data_and_inputs(args, processes: int, loader_batch: int, model_batch: int) -
     data, with --data-on-device only (DeviceResident says what it holds, in ``held``):
     synthetic data: the class prototypes (uint8, C x H x W each) and the noise field (int16,
     C x H x W + NOISE_SHIFTS values) of the training and of the validation split, and the
-    epoch's sample indices of this rank (int64), its batches made from them as they are used; the TinyImageNet cache: this rank's training samples of the epoch,
+    epoch's samples of this rank as a noise offset and a label each (int64), its batches made
+    from them as they are used; the TinyImageNet cache: this rank's training samples of the epoch,
     N // processes rounded down to whole batches, uint8 64 x 64 x 3 and an int64 label each
     (the validation samples are held during evaluation only, when training holds less).
 
@@ -242,7 +243,7 @@ def data_and_inputs(args, processes: int, loader_batch: int, model_batch: int) -
     if args.data_on_device:
         samples = train_samples(args) // processes // loader_batch * loader_batch
         noise = 2 * (image + datautils.SyntheticImages.NOISE_SHIFTS)  # int16
-        data = samples * (stored + 8) if cache else 2 * (classes * image + noise) + samples * 8
+        data = samples * (stored + 8) if cache else 2 * (classes * image + noise) + samples * 16
     in_flight = 0 if args.data_on_device and cache else 2 * loader_batch * (stored + 8)
     finished = model_batch * image * 4 if args.amp != "off" else 0
     return data, in_flight + finished
