@@ -228,3 +228,28 @@ def test_a_previous_attempts_record_is_not_reported(tmp_path, capsys):
     assert not hangs.report(tmp_path, wait_s=0, owner=(0, 2))
     assert hangs.report(tmp_path, wait_s=0, owner=(0, 1))
     assert "[HANG] rank=0 node=n01 gpu=cuda:0 waits_in=all_reduce seq=1" in capsys.readouterr().out
+
+
+def test_a_half_written_dump_is_one_note_not_an_exception(tmp_path, capsys):
+    """A dump cut short (NCCL still writing it, the node dying) must not raise out of
+    report(): the watchdog that calls it must still end its frozen rank."""
+    (tmp_path / "collectives-rank0.txt").write_text(
+        "rank=0 node=n01 gpu=cuda:0 pid=1\n1 all_reduce 10 40 1 backward.bucket0\n")
+    _dump(tmp_path / "nccl_trace_rank_1", [_entry(1, "all_reduce", [[10]], "started")])
+    data = (tmp_path / "nccl_trace_rank_1").read_bytes()
+    (tmp_path / "nccl_trace_rank_1").write_bytes(data[:len(data) // 2])
+    assert not hangs.report(tmp_path, wait_s=0, owner=(0, 1))
+    assert "note: could not read the collectives' record" in capsys.readouterr().out
+
+
+def test_dumps_and_records_are_not_compared_seq_by_seq(tmp_path):
+    """NCCL's sequence numbers count DDP's C++ collectives too, the toolkit's record does not:
+    a rank with a dump beside a rank with only the record (killed before NCCL dumped) gives
+    no made-up disagreement."""
+    _dump(tmp_path / "nccl_trace_rank_0", [_entry(1, "all_reduce", [[6]], "started")])
+    (tmp_path / "collectives-rank1.txt").write_text(
+        "rank=1 node=n02 gpu=cuda:1 pid=1\n1 all_reduce 6 24 1 backward.bucket0\n")
+    lines = hangs.hang_lines(hangs.read_all(tmp_path))
+    assert lines[1] == ("[HANG] rank=1 node=n02 gpu=cuda:1 waits_in=all_reduce seq=1 numel=6 "
+                        "bytes=24 step=1 phase=backward.bucket0")
+    assert lines[2].startswith("[HANG] first_disagreement seq=unknown (ranks 0 left NCCL's")

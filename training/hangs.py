@@ -17,6 +17,7 @@ can read the records without torch; ``watch`` imports torch when a run installs 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import tempfile
@@ -203,8 +204,11 @@ def read_record(path: Path) -> dict:
     for line in lines:
         fields = line.split()
         if len(fields) == 6 and fields[0].isdigit():
-            entries.append(dict(zip(("seq", "kind", "numel", "bytes", "step", "phase"),
-                                    [int(fields[0])] + fields[1:]), done=False))
+            entry = dict(zip(("seq", "kind", "numel", "bytes", "step", "phase"),
+                             [int(fields[0])] + fields[1:]), done=False)
+            for key in ("numel", "bytes"):  # numbers, as the flight recorder's are ("-": none)
+                entry[key] = int(entry[key]) if entry[key].isdigit() else entry[key]
+            entries.append(entry)
             now = None
         elif len(fields) == 2 and fields[1] == "done" and entries:
             if entries[-1]["seq"] == int(fields[0]):
@@ -213,7 +217,7 @@ def read_record(path: Path) -> dict:
         elif len(fields) == 3 and fields[0] == "-":
             now = dict(step=fields[1], phase=fields[2])
     return {"rank": int(header.get("rank", -1)), "node": header.get("node", "?"),
-            "gpu": header.get("gpu", "?"), "entries": entries, "now": now}
+            "gpu": header.get("gpu", "?"), "entries": entries, "now": now, "source": "record"}
 
 
 def read_flight_recorder(path: Path) -> dict:
@@ -242,7 +246,8 @@ def read_flight_recorder(path: Path) -> dict:
     if waiting:
         entries = entries[:entries.index(waiting[0]) + 1]
     return {"rank": rank, "node": "?", "gpu": "?", "entries": entries,
-            "now": None if waiting or not entries else {"step": "-", "phase": "-"}}
+            "now": None if waiting or not entries else {"step": "-", "phase": "-"},
+            "source": "flight recorder"}
 
 
 _DTYPE_BYTES = {"Float": 4, "Half": 2, "BFloat16": 2, "Double": 8, "Long": 8, "Int": 4,
@@ -306,6 +311,13 @@ def hang_lines(records: list) -> list:
         state = f" state={e['state']}" if "state" in e else ""
         lines.append(f"{where} waits_in={e['kind']} seq={e['seq']} numel={e['numel']} "
                      f"bytes={e['bytes']} step={e['step']} phase={e['phase']}{state}")
+    sources = {r["source"] for r in records}
+    if len(sources) > 1:  # NCCL's count includes DDP's C++ collectives, the record's does not
+        dumped = ",".join(str(r["rank"]) for r in records if r["source"] == "flight recorder")
+        lines.append(f"[HANG] first_disagreement seq=unknown (ranks {dumped} left NCCL's "
+                     f"dumps, the others only the toolkit's record: their sequence numbers "
+                     f"count different collectives)")
+        return lines
     seq, seen = first_disagreement(records)
     if seq is not None:
         there = " ".join(f"rank{rank}={e['kind']}/{e['numel']}/{e['phase']}" if e else
@@ -336,6 +348,14 @@ def _recorded_by(folder: Path, rank: int, pid: int) -> bool:
         return False
 
 
+def _has_fr_trace() -> bool:
+    """Whether the installed torch has its flight-recorder analysis (fr_trace), found without
+    importing torch: the watchdog calls report() too, and it starts without torch."""
+    spec = importlib.util.find_spec("torch")
+    return bool(spec and spec.origin) and (
+        Path(spec.origin).parent / "distributed" / "flight_recorder" / "fr_trace.py").exists()
+
+
 def report(folder: Path | None = None, wait_s: float = 1.0, owner: tuple | None = None) -> bool:
     """Print the [HANG] lines once per run, from whichever process gets here first (a rank
     whose collective timed out, or a watchdog that ends a frozen rank); the others return
@@ -356,11 +376,13 @@ def report(folder: Path | None = None, wait_s: float = 1.0, owner: tuple | None 
         lines = hang_lines(read_all(folder))
     except FileExistsError:
         return False
-    except (OSError, ValueError, KeyError, EOFError) as err:
-        print(f"note: could not read the collectives' record in {folder}: {err}", flush=True)
+    except Exception as err:  # noqa: BLE001 (a half-written dump or record: the run is
+        # ending anyway, and the watchdog that calls this must still end its rank)
+        print(f"note: could not read the collectives' record in {folder}: "
+              f"{type(err).__name__}: {err}", flush=True)
         return False
     lines.append(f"[HANG] record={folder}")
-    if any(folder.glob(FLIGHT_RECORDER_PREFIX + "*")):  # NCCL's dumps: torch's own analysis
+    if any(folder.glob(FLIGHT_RECORDER_PREFIX + "*")) and _has_fr_trace():  # torch's analysis
         lines.append(f"[HANG] analyse: python -m torch.distributed.flight_recorder.fr_trace "
                      f"{folder} --prefix {FLIGHT_RECORDER_PREFIX} --allow-incomplete-ranks")
     print("\n".join(lines), flush=True)

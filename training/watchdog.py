@@ -104,9 +104,11 @@ def main() -> None:
         if launcher and parent != launcher:
             end(worker, rank, f"its launcher (torchrun, pid {launcher}) is gone")
         if time.monotonic() - last > timeout:
-            hangs.report(owner=(rank, worker))  # where every rank waits, before this one is ended
-            end(worker, rank, f"no sign of life for {timeout} s "
-                              f"({'stopped' if state == 'T' else 'hung'})")
+            try:
+                hangs.report(owner=(rank, worker))  # where every rank waits, before the end
+            finally:  # whatever the report meets, the frozen rank is ended
+                end(worker, rank, f"no sign of life for {timeout} s "
+                                  f"({'stopped' if state == 'T' else 'hung'})")
 
 
 if __name__ == "__main__":
