@@ -16,7 +16,7 @@ import torch
 from training import contract
 from conftest import FAST, REPO, check_ok, env_for_tests, epoch_lines, metrics, run_script
 
-# --clip-grad-norm 0.1: below every step's gradient norm (0.3 and more here), so each strategy
+# --clip-grad-norm 0.1: below every step's gradient norm (about 0.2 and more here), so each strategy
 # clips every step, and ends with DDP's weights only if it finds the same global norm.
 EQUIV = ["--model", "cnn", "--synthetic-size", "320", "--epochs", "2", "--num-workers", "0",
          "--amp", "off", "--seed", "5", "--lr", "0.02", "--clip-grad-norm", "0.1"]

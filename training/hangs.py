@@ -8,7 +8,8 @@ collective, those DDP issues from C++ included, and dumps them into the same fol
 timeout (``flight_recorder_env``). When a collective times out (common.run) or the watchdog
 ends a frozen rank, ``report`` reads every rank's record, from either source, and prints
 
-    [HANG] rank=1 node=n01 gpu=cuda:1 waits_in=all_reduce seq=412 numel=... bytes=... step=37 phase=backward.bucket3
+    [HANG] rank=1 node=n01 gpu=cuda:1 waits_in=all_reduce seq=412 numel=... bytes=...
+           step=37 phase=backward.bucket3   (one line, cut here)
     [HANG] first_disagreement seq=412 rank0=all_reduce/2359296 rank1=all_reduce/6
 
 The module imports the standard library only, so the watchdog (``python -m training.watchdog``)
@@ -37,7 +38,8 @@ FLIGHT_RECORDER_PREFIX = "nccl_trace_rank_"
 #: The collectives of torch.distributed the record wraps, and which argument holds the input.
 COLLECTIVES = {"all_reduce": 0, "broadcast": 0, "reduce": 0, "all_gather": 1,
                "all_gather_into_tensor": 1, "reduce_scatter": 1, "reduce_scatter_tensor": 1,
-               "all_to_all_single": 1, "all_gather_single": 1, "reduce_scatter_single": 1, "gather": 0, "scatter": 1, "barrier": None,
+               "all_to_all_single": 1, "all_gather_single": 1, "reduce_scatter_single": 1,
+               "gather": 0, "scatter": 1, "barrier": None,
                "all_gather_object": None, "broadcast_object_list": None, "gather_object": None}
 
 
