@@ -296,8 +296,9 @@ def print_estimates(estimates: list, model_name: str) -> None:
            f"{COUNT_BATCHES[1]}; linear in the batch)")
     print0("data: what --data-on-device holds on each GPU (synthetic: the class prototypes, "
            "a noise field, and the epoch's samples as a noise offset and a label each; the "
-           "cache: the rank's samples of the epoch, uint8); inputs: the batch trained on and the next one, as the loader hands them over, and "
-           "under --amp the float32 batch the model gets")
+           "cache: the rank's samples of the epoch, uint8); inputs: the batch trained on and "
+           "the next one, as the loader hands them over, and under --amp the float32 batch "
+           "the model gets")
     print0("peak: every column left of it that is resident at once at the end of the forward"
            + ("; * gradients are freed before each step and made during backward, as "
               "activations are freed" if any(not e.grads_at_peak for e in estimates) else ""))
