@@ -28,16 +28,17 @@ def _hang_lines(out: str) -> list:
 
 @pytest.mark.parametrize("patch,due", [
     # rank 1 skips the epoch's metric reduction: its next all-reduce (the epoch's times, 2
-    # numbers) meets rank 0's reduction of the metrics (6 numbers)
+    # numbers) meets rank 0's reduction of the metrics (6 numbers). The sequence numbers
+    # count every collective before, the loss watch's vote on a jump included
     ("rank1_skips_an_all_reduce",
-     ["rank=0 node=", "waits_in=all_reduce seq=6 numel=6 bytes=48 step=2 phase=evaluation",
-      "rank=1 node=", "waits_in=all_reduce seq=6 numel=2 bytes=16 step=2 phase=evaluation",
-      "first_disagreement seq=6 rank0=all_reduce/6/evaluation rank1=all_reduce/2/evaluation"]),
+     ["rank=0 node=", "waits_in=all_reduce seq=7 numel=6 bytes=48 step=2 phase=evaluation",
+      "rank=1 node=", "waits_in=all_reduce seq=7 numel=2 bytes=16 step=2 phase=evaluation",
+      "first_disagreement seq=7 rank0=all_reduce/6/evaluation rank1=all_reduce/2/evaluation"]),
     # rank 0 all-reduces inside its checkpoint write while rank 1 gathers the checkpoint's verdict
     ("rank0_saves_alone",
-     ["rank=0 node=", "waits_in=all_reduce seq=10 numel=3 bytes=12 step=2 phase=checkpoint",
-      "rank=1 node=", "waits_in=all_gather_object seq=10", "phase=checkpoint",
-      "first_disagreement seq=10 rank0=all_reduce/3/checkpoint rank1=all_gather_object"]),
+     ["rank=0 node=", "waits_in=all_reduce seq=11 numel=3 bytes=12 step=2 phase=checkpoint",
+      "rank=1 node=", "waits_in=all_gather_object seq=11", "phase=checkpoint",
+      "first_disagreement seq=11 rank0=all_reduce/3/checkpoint rank1=all_gather_object"]),
     # rank 1 ends its epoch a step early; rank 0 waits in DDP's own (C++) broadcast that opens
     # its second step, which the record names by its place: after seq 2, step 2's forward
     ("rank1_one_batch_fewer",
