@@ -75,7 +75,9 @@ def test_two_processes_equal_one_process_with_double_batch(tmp_path):
         torch.testing.assert_close(w1[k], w2[k], rtol=1e-3, atol=5e-4)
         diff = max(diff, (w1[k] - w2[k]).abs().max().item())
         moved = max(moved, (w1[k] - fresh[k]).abs().max().item())
-    assert moved > 1000 * diff  # training moved the weights far more than the two runs differ
+    # training moved the weights far more than the two runs differ (0.37 against 4e-4 with
+    # the uint8 synthetic data; a wrong average, ~0.1 apart, fails this as it fails the above)
+    assert moved > 100 * diff
     # validation of the same weights: 80 samples split over 2 ranks, counted exactly once
     m1, m2 = metrics(one.stdout)[-1], metrics(two.stdout)[-1]
     assert m1["val_images"] == m2["val_images"] == "80"
