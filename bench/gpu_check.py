@@ -781,6 +781,11 @@ def report(results: list, head: list, gpu: bool, steps: int, tail: list) -> str:
     if checks:
         lines += ["", "targets:"] + [f"- {'met' if ok else 'MISSED'}: {what} ({figure})"
                                      for what, ok, figure in checks]
+        crowded = sum(1 for r in results if r.get("timed") and r.get("beside"))
+        if crowded:  # the other lanes share the GPU: a speed figure may be low for that
+            lines.append(f"- judged on {crowded} timed row(s) that ran beside other rows on "
+                         f"the same GPU (each row's note names them): --lanes 1 times each "
+                         f"row alone")
     return "\n".join(lines + [""] + notes + tail) + "\n"
 
 

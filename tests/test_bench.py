@@ -345,3 +345,19 @@ def test_gpu_check_smoke_of_a_small_plan_in_lanes(gpu_check, monkeypatch, tmp_pa
 
 def row_key(line: dict) -> str:
     return f"{line['label']}, {line['image']} px, batch {line['batch']}"
+
+
+def test_gpu_check_says_when_its_targets_were_timed_beside_other_rows(gpu_check):
+    """A speed target judged on a row that shared the GPU with another lane says so under the
+    targets, with the way to time each row alone; rows timed alone add nothing."""
+    def row(beside):
+        return {"label": gpu_check.GRAPH, "batch": 256, "image": 64, "img_s": 33000.0,
+                "step_ms": 7.7, "timed": True, "beside": beside, "kind": "train",
+                "amp": "bf16", "peak": 1314.0, "predicted": 1280.0, "warmup_s": 4.5}
+
+    crowded = gpu_check.report([row(["equivalence tests on CUDA"])], [], True, 100, [])
+    assert "MISSED: 64 px, batch 256, --cuda-graph >= 35,000 img/s (33,000)" in crowded
+    assert ("- judged on 1 timed row(s) that ran beside other rows on the same GPU (each "
+            "row's note names them): --lanes 1 times each row alone") in crowded
+    alone = gpu_check.report([row([])], [], True, 100, [])
+    assert "MISSED: 64 px" in alone and "judged on" not in alone
