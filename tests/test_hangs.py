@@ -254,3 +254,19 @@ def test_dumps_and_records_are_not_compared_seq_by_seq(tmp_path):
     assert lines[1] == ("[HANG] rank=1 node=n02 gpu=cuda:1 waits_in=all_reduce seq=1 numel=6 "
                         "bytes=24 step=1 phase=backward.bucket0")
     assert lines[2].startswith("[HANG] first_disagreement seq=unknown (ranks 0 left NCCL's")
+
+
+def test_a_clean_end_leaves_no_record(tmp_path, monkeypatch):
+    """Past the last barrier there is no hang to name: the rank's record goes, and the folder
+    with the last one (without the launchers it sits in the temporary directory)."""
+    folder = tmp_path / "collectives"
+    records = [hangs.Record(folder, rank, "cpu") for rank in (0, 1)]
+    for record in records:
+        record.enter("all_reduce", 6, 24)
+    for record in records:
+        monkeypatch.setattr(hangs, "_record", record)
+        assert record.path.exists()
+        hangs.forget()
+        assert not record.path.exists() and hangs._record is None
+    assert not folder.exists()
+    hangs.forget()  # nothing kept (one process): nothing to do

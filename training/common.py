@@ -90,6 +90,7 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         # down; without this barrier a process can abort at exit.
         if distributed.is_distributed():
             dist.barrier()
+        hangs.forget()  # every rank got past the barrier: no hang to name
         return rc
     except UsageError as err:
         return exit_line(fail_cleanly(err, env), env)

@@ -123,6 +123,24 @@ class Record:
 _record: Record | None = None
 
 
+def forget() -> None:
+    """A clean end (every rank past the last barrier): no hang to name, so this rank's record
+    goes, and the folder with the last rank's (one of a run without the launchers would
+    otherwise stay in the temporary directory for good)."""
+    global _record
+    if _record is None:
+        return
+    os.close(_record.fd)
+    folder = _record.path.parent
+    for path in (_record.path, _record.path.with_suffix(".old")):
+        path.unlink(missing_ok=True)
+    _record = None
+    try:
+        folder.rmdir()  # the last rank's turn: the others' records are gone by then
+    except OSError:
+        pass
+
+
 def set_phase(phase: str) -> None:
     """What the code does now, for the next collectives' lines (hooks and the checkpoint call
     it); nothing when no record is kept (one process)."""
