@@ -19,8 +19,8 @@ Per GPU, over its memory.used samples (MiB): Peak = the largest, Avg = the mean,
 most frequent, on a tie, the larger value; Util avg = the mean utilization.gpu when the log
 has it. Per node, psrecord's RSS
 ("Real (MB)") and CPU (100% = one core) of the training process and its children. A study
-gets each run's lines under "== <run directory> ==". The README's "Reading the memory
-summary" says more, --plot's timeline included.
+gets each run's lines under "== <run directory> ==". docs/slurm.md, "Reading the memory
+summary", says more, --plot's timeline included.
 
 Lines that are not a complete sample ([N/A] values, a cut-off last line, malformed lines) are
 skipped and bytes that are not text (a crash's NUL bytes, not UTF-8) ignored, each counted in

@@ -33,7 +33,7 @@ Avg (GPU 0 = index 0 on the job's first node); Parallel Efficiency = Throughput 
 Why not N x: each run's step time (epoch time x global batch / images), its data wait and,
 from the [PROFILE] and [BANDWIDTH] lines of a run with --profile, the step's parts and the bus
 bandwidth of its collectives; from those a weak-scaling model predicts 2 to 64 nodes
-(scaling.predict_step_ms; the formula is in the README, "A scaling model"). Where no multi-node
+(scaling.predict_step_ms; the formula is in docs/slurm.md, "A scaling model"). Where no multi-node
 run measured the bandwidth between nodes, the model assumes --inter-node-busbw.
 
 Exit status: 0 results written (failed runs are results too); 2 a bad path or flag, nothing to

@@ -1,7 +1,7 @@
 """Submit a scaling study: strategies x GPUs per node x nodes, one Slurm job and one run directory
 each, all under one study directory with a manifest (study.json) of the matrix and the exact
 commands. `python collect_results.py STUDY_DIR --plot` then turns it into tables and plots.
-README.md, "The scaling study", explains the matrix, weak and strong scaling, --resume, --local.
+docs/slurm.md, "The scaling study", explains the matrix, weak and strong scaling, --resume, --local.
 
     python launch/run_benchmarks.py --dry-run                      # print the sbatch commands only
     python launch/run_benchmarks.py --strategies ddp fsdp --gpus 1 2 4 8 -- --epochs 3

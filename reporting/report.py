@@ -220,7 +220,7 @@ def model_markdown(inputs: dict, configs: dict) -> list:
                    f"took {num(anchor, 'step_ms'):.1f} ms a step and the model explains "
                    f"{explained:.1f} ms of it")
     lines = [f"step(N) = t1 + max(0, comm(N) - h x t1) + carried, comm(N) = {comm}; efficiency "
-             f"= t1 / step(N). See the README, \"A scaling model\".", "",
+             f"= t1 / step(N). See docs/slurm.md, \"A scaling model\".", "",
              f"- t1 = {t1:.1f} ms (the 1-GPU run); G = {inputs['grad_bytes'] / 1e6:.1f} MB "
              f"(fp32 gradients); h = {hidden}",
              f"- bus bandwidth within a node: {node}",

@@ -3,7 +3,7 @@
 collect_results.py reads the run directories into rows (plain dicts, one per run, the columns of
 results.csv); this module marks which row of each configuration the tables use and adds the
 columns that compare runs: throughput and memory scaling against the 1-GPU run, the step time and
-its data wait, and the scaling model's prediction (the formula is in the README, "A scaling
+its data wait, and the scaling model's prediction (the formula is in docs/slurm.md, "A scaling
 model"). report.py turns the rows into results.md and the plots. No torch, no project imports.
 """
 

@@ -87,7 +87,7 @@ def ranks_markdown(rows: list) -> list:
         ranks = logged.get(str(row.get("epoch"))) or (list(logged.values()) or [None])[-1]
         lines += [f"### {row['run']}", "", f"Epoch {row.get('epoch', '?')}, {summary(row)}. "
                   f"Own time = compute + data wait; a rank waiting for others is not slow "
-                  f"itself (README, \"Which rank holds the others back\").", ""]
+                  f"itself (docs/performance.md, \"Which rank holds the others back\").", ""]
         lines += rank_table(ranks) if ranks else ["(no [RANKS] line in its train.log)"]
         lines.append("")
     if lines:

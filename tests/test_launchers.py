@@ -536,7 +536,7 @@ WATCHDOG_LINE = ("[PG ID 0 PG GUID 0(default_pg) Rank 1] Watchdog caught collect
 def test_an_nccl_watchdog_abort_ends_in_one_sentence(tmp_path, strategy, own_sentence):
     """On GPUs NCCL's watchdog catches a failed or timed-out collective and aborts the process
     (SIGABRT), so the training's own sentence never came: the job ended with torchrun's report
-    or a bare 134. The job now says it once, with the README's exit code for it, 1."""
+    or a bare 134. The job now says it once, with the exit code docs/running.md gives it, 1."""
     fake = tmp_path / "fake_train.py"
     own = "error: rank 1: a collective with the other ranks failed or timed out (DistError: x)"
     fake.write_text("import os, sys\n"

@@ -193,7 +193,7 @@ def stop_line(env: DistEnv) -> list:
     the process that must get it. torchrun passes a SIGTERM on to its workers, while a SIGUSR1
     ends torchrun itself (it has no handler for it) and the work since the last checkpoint is
     lost. One rank that gets it is enough: the ranks vote and all stop at the same step. Under
-    Slurm nothing: scancel and the launchers' traps do it (README, "Fault tolerance")."""
+    Slurm nothing: scancel and the launchers' traps do it (docs/fault-tolerance.md)."""
     if os.environ.get("SLURM_JOB_ID") or env.source == "simulated":
         return []
     if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun, this process's parent
