@@ -270,13 +270,13 @@ def train(args, env: distributed.DistEnv) -> int:
                 if ckpt.due(step + 1, steps, stopping=stop_now):
                     losses.check(epoch)  # a host sync and a vote: no NaN reaches a checkpoint
                     ckpt.save(epoch, step + 1, measure.epoch_so_far(
-                        sums, t0, meter.wait_s, local_devices, earlier))
+                        sums, t0, meter.data_wait_s, local_devices, earlier))
                 if stop_now:  # checkpointed (with a --checkpoint-dir): exit, to be requeued
                     raise stop.requeue(saved=ckpt.enabled)
             measure.synchronize(*local_devices)
             train_time = time.perf_counter() - t0
             # every rank's times to rank 0 (a collective): slowest_rank and rank_spread
-            slowest = rank_clock.end_epoch(epoch + 1, train_time, meter.wait_s)
+            slowest = rank_clock.end_epoch(epoch + 1, train_time, meter.data_wait_s)
             losses.check(epoch)  # a host sync and a vote of all ranks, once per epoch
 
             val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
@@ -285,7 +285,8 @@ def train(args, env: distributed.DistEnv) -> int:
             # nothing to reduce. The host syncs here (each .tolist()) happen once per epoch.
             totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
             # one process: its own training time and the time its loader kept it waiting
-            times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
+            times = torch.tensor([train_time, meter.data_wait_s], device=device,
+                                 dtype=torch.float64)
             epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
             peaks = measure.peak_memory_per_gpu(local_devices)  # each GPU this process drives
             metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(

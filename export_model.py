@@ -8,7 +8,7 @@ that loads anywhere, without this toolkit, a process group or the GPU it was tra
 The checkpoint: a file from ddp_train.py or dp_train.py, a sharded DCP folder from
 fsdp_train.py (read in this one process, at any world size it was written by), or a
 --save-model file. The output: a ``torch.save`` of the model's state_dict alone, CPU tensors
-in the default layout, with plain names (no ``module.`` of DDP or DataParallel, no
+in the default memory format, with plain names (no ``module.`` of DDP or DataParallel, no
 ``_orig_mod.`` of torch.compile, no FSDP wrappers), the optimizer and the run's state left
 out. It is checked by loading it into the bare model, and the lines printed say how to do the
 same elsewhere:
@@ -121,7 +121,7 @@ def plain_name(name: str) -> str:
 
 
 def plain_weights(state_dict: dict) -> dict:
-    """Plain names, CPU tensors in the default layout (a CUDA run's channels_last
+    """Plain names, CPU tensors in the default memory format (a CUDA run's channels_last
     convolutions are contiguous again), nothing but the model's own entries."""
     plain = {}
     for name, value in state_dict.items():

@@ -63,11 +63,11 @@ def rank_table(ranks: list) -> list:
     median = statistics.median(r["own_s"] for r in ranks)
     slowest = max(range(len(ranks)), key=lambda i: ranks[i]["own_s"])
     lines = ["| Rank | Node | Device | Own time (s) | Compute (s) | Data wait (s) | "
-             "Waiting for others (s) | vs median |", "|" + "---|" * 8]
+             "Rank wait (s) | vs median |", "|" + "---|" * 8]
     for i, r in enumerate(ranks):
         ratio = f"{r['own_s'] / median:.2f}×" if median > 0 else "—"
         cells = [str(i), r["node"], r["device"], f"{r['own_s']:.2f}", f"{r['compute_s']:.2f}",
-                 f"{r['data_s']:.2f}", f"{r['wait_s']:.2f}", ratio]
+                 f"{r['data_wait_s']:.2f}", f"{r['rank_wait_s']:.2f}", ratio]
         if i == slowest:
             cells = [f"**{c}**" for c in cells]
         lines.append("| " + " | ".join(cells) + " |")
@@ -86,8 +86,9 @@ def ranks_markdown(rows: list) -> list:
         logged = read_ranks(Path(row["path"]) / "train.log") if row.get("path") else {}
         ranks = logged.get(str(row.get("epoch"))) or (list(logged.values()) or [None])[-1]
         lines += [f"### {row['run']}", "", f"Epoch {row.get('epoch', '?')}, {summary(row)}. "
-                  f"Own time = compute + data wait; a rank waiting for others is not slow "
-                  f"itself (docs/performance.md, \"Which rank holds the others back\").", ""]
+                  f"Own time = compute + data wait; a rank with much rank wait (waiting for "
+                  f"the others) is not slow itself (docs/performance.md, \"Which rank holds "
+                  f"the others back\").", ""]
         lines += rank_table(ranks) if ranks else ["(no [RANKS] line in its train.log)"]
         lines.append("")
     if lines:

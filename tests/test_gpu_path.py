@@ -184,8 +184,8 @@ def test_bf16_on_a_v100_names_fp16(monkeypatch):
     assert "V100" in str(e.value) and "7.0" in str(e.value)
 
 
-# ---- FSDP2: one unit per residual block plus the root; weights in the default layout (FSDP2
-# shards contiguous parameters only), channels_last inputs as on CUDA
+# ---- FSDP2: one unit per residual block plus the root; weights in the default memory format
+# (FSDP2 shards contiguous parameters only), channels_last inputs as on CUDA
 FSDP_UNITS = """
 import torch, torch.distributed as dist, argparse
 from torch.distributed.device_mesh import init_device_mesh

@@ -225,9 +225,9 @@ def test_a_previous_attempts_record_is_not_reported(tmp_path, capsys):
     names no hang from the records its previous attempt left."""
     (tmp_path / "collectives-rank0.txt").write_text(
         "rank=0 node=n01 gpu=cuda:0 pid=1\n1 all_reduce 10 40 1 backward.bucket0\n")
-    assert not hangs.report(tmp_path, wait_s=0)
-    assert not hangs.report(tmp_path, wait_s=0, owner=(0, 2))
-    assert hangs.report(tmp_path, wait_s=0, owner=(0, 1))
+    assert not hangs.report(tmp_path, dump_grace_s=0)
+    assert not hangs.report(tmp_path, dump_grace_s=0, owner=(0, 2))
+    assert hangs.report(tmp_path, dump_grace_s=0, owner=(0, 1))
     assert "[HANG] rank=0 node=n01 gpu=cuda:0 waits_in=all_reduce seq=1" in capsys.readouterr().out
 
 
@@ -239,7 +239,7 @@ def test_a_half_written_dump_is_one_note_not_an_exception(tmp_path, capsys):
     _dump(tmp_path / "nccl_trace_rank_1", [_entry(1, "all_reduce", [[10]], "started")])
     data = (tmp_path / "nccl_trace_rank_1").read_bytes()
     (tmp_path / "nccl_trace_rank_1").write_bytes(data[:len(data) // 2])
-    assert not hangs.report(tmp_path, wait_s=0, owner=(0, 1))
+    assert not hangs.report(tmp_path, dump_grace_s=0, owner=(0, 1))
     assert "note: could not read the collectives' record" in capsys.readouterr().out
 
 

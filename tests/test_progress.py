@@ -270,6 +270,27 @@ def test_first_progress_line_comes_within_seconds_when_steps_are_slow(monkeypatc
     assert lines[0].endswith("| 21.3 img/s | elapsed 0:12 | ETA epoch 1:48, run 1:48 + evaluation")
 
 
+def test_step_meter_counts_the_loaders_wait_as_its_data_wait(monkeypatch):
+    """StepMeter.data_wait_s is the host's wait for each next batch, never the step's own
+    time, and starts again at 0 each epoch (the [RANKS] line's data_wait_s, data_wait_frac)."""
+    import argparse
+    clock = [1000.0]
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+
+    def loader(n):  # 0.5 s to make each batch
+        for i in range(n):
+            clock[0] += 0.5
+            yield i
+    meter = measure.StepMeter(argparse.Namespace(log_every=0, epochs=2), steps=4,
+                              images_per_step=8)
+    for _ in meter.epoch(loader(4), epoch=0, start_step=0):
+        clock[0] += 6.0  # the step
+    assert meter.data_wait_s == pytest.approx(2.0)
+    for _ in meter.epoch(loader(2), epoch=1, start_step=2):
+        clock[0] += 6.0
+    assert meter.data_wait_s == pytest.approx(1.0)
+
+
 def test_profile_tears_cupti_down_after_its_window(tmp_path, monkeypatch):
     """Kineto leaves CUPTI hooked into every CUDA call after the profiler stops unless
     TEARDOWN_CUPTI=1 is in the environment as it stops: with --profile it is, from the

@@ -35,7 +35,7 @@ SLOWED = ["--synthetic-size", "768", "--batch-size", "64"]
 
 
 def rank(**kw) -> dict:
-    return dict(dict(own_s=1.0, compute_s=0.9, data_s=0.1, wait_s=0.2, node="n0",
+    return dict(dict(own_s=1.0, compute_s=0.9, data_wait_s=0.1, rank_wait_s=0.2, node="n0",
                      device="cpu"), **kw)
 
 
@@ -63,7 +63,7 @@ def test_slow_compute_is_named_with_its_cause():
 
 
 def test_slow_loader_is_named_as_data():
-    ranks = [rank(), rank(own_s=1.4, compute_s=0.9, data_s=0.5), rank()]
+    ranks = [rank(), rank(own_s=1.4, compute_s=0.9, data_wait_s=0.5), rank()]
     s = stragglers.analyse(ranks)["straggler"]
     assert (s["rank"], s["cause"]) == (1, "data")
     assert "its loader (data wait)" in stragglers.straggler_line(1, stragglers.analyse(ranks))
@@ -103,6 +103,22 @@ def test_ranks_line_round_trips_and_rejects_cut_lines():
     assert contract.parse_ranks_line("[METRIC] epoch=1") is None
 
 
+def test_an_older_logs_ranks_line_reads_under_todays_names():
+    """Logs written before the data wait and the rank wait were named apart say data_s= and
+    wait_s=: the line still parses, into data_wait_s and rank_wait_s, and reads the same as
+    today's line of the same figures."""
+    old = ("[RANKS] epoch=2 own_s=0.735,2.695 compute_s=0.712,2.681 data_s=0.023,0.014 "
+           "wait_s=2.849,0.797 node=gpu-node07,gpu-node07 device=cuda:0:H100,cuda:1:H100")
+    epoch, ranks = contract.parse_ranks_line(old)
+    assert epoch == "2"
+    assert [(r["data_wait_s"], r["rank_wait_s"]) for r in ranks] == [(0.023, 2.849),
+                                                                     (0.014, 0.797)]
+    assert "data_s" not in ranks[0] and "wait_s" not in ranks[0]
+    today = contract.format_ranks_line(2, ranks)
+    assert " data_wait_s=0.023,0.014 rank_wait_s=2.849,0.797 " in today
+    assert contract.parse_ranks_line(today) == (epoch, ranks)
+
+
 def test_metric_line_without_the_spread_still_formats_as_nan(capsys):
     """A checkpoint written before slowest_rank existed resumes and prints its final line; a
     training epoch without the keys is a bug the writer refuses."""
@@ -139,8 +155,8 @@ def test_dataparallel_devices_are_its_ranks(monkeypatch):
     """DataParallel's per-device path, without GPUs: each device's compute (the spans its
     hooks time) against the one process's training time and data wait."""
     clocks = stragglers.DeviceClocks(torch.nn.Linear(2, 2), [torch.device("cpu")])
-    assert clocks.figures(2.0, 0.5) == [dict(own_s=2.0, compute_s=1.5, data_s=0.5, wait_s=0.0,
-                                             node=clocks.node, device="cpu")]
+    assert clocks.figures(2.0, 0.5) == [dict(own_s=2.0, compute_s=1.5, data_wait_s=0.5,
+                                             rank_wait_s=0.0, node=clocks.node, device="cpu")]
 
     class Fixed:  # a device's spans, as CUDA events would sum them
         def __init__(self, s):
@@ -152,7 +168,7 @@ def test_dataparallel_devices_are_its_ranks(monkeypatch):
     monkeypatch.setattr(stragglers, "device_name", lambda d: f"cuda:{d.index}")
     clocks.compute = {torch.device("cuda", i): Fixed(s) for i, s in enumerate((1.0, 1.6, 1.05))}
     ranks = clocks.figures(2.0, 0.2)
-    assert [r["wait_s"] for r in ranks] == pytest.approx([0.8, 0.2, 0.75])
+    assert [r["rank_wait_s"] for r in ranks] == pytest.approx([0.8, 0.2, 0.75])
     found = stragglers.analyse(ranks)
     assert found["straggler"]["rank"] == 1 and found["straggler"]["device"] == "cuda:1"
     assert "device 1 on" in stragglers.straggler_line(1, found, clocks.what)
@@ -274,7 +290,7 @@ def test_a_slowed_rank_is_named(script):
     assert named[-1][6] == "own compute"
     assert last["slowest_rank"] == "1" and float(last["rank_spread"]) > 1.2
     # the fast rank waited for it in the collectives; the slow one hardly did
-    assert ranks[0]["wait_s"] > ranks[1]["wait_s"]
+    assert ranks[0]["rank_wait_s"] > ranks[1]["rank_wait_s"]
 
 
 @pytest.mark.parametrize("script", ["ddp_train.py", "fsdp_train.py"])
@@ -302,9 +318,9 @@ def test_three_ranks_figures_add_up_to_each_ranks_step_time():
     assert len(ranks) == 3
     epoch_time = float(last["epoch_time_s"])
     for r in ranks:
-        assert r["own_s"] == pytest.approx(r["compute_s"] + r["data_s"], abs=2e-3)
-        assert r["compute_s"] > 0 and r["wait_s"] > 0
-        assert r["own_s"] + r["wait_s"] == pytest.approx(epoch_time, rel=0.05, abs=0.02)
+        assert r["own_s"] == pytest.approx(r["compute_s"] + r["data_wait_s"], abs=2e-3)
+        assert r["compute_s"] > 0 and r["rank_wait_s"] > 0
+        assert r["own_s"] + r["rank_wait_s"] == pytest.approx(epoch_time, rel=0.05, abs=0.02)
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,9 +350,9 @@ def _run_dir(top: Path, name: str, world: int, spread: float, slow: int) -> Path
                                  f"WORLD_SIZE={world}\nNODES=1\n")
     text = ["progress: epoch 1/2, step 3/8 | 470.0 img/s | elapsed 0:00 | ETA epoch 0:00"]
     for epoch in (1, 2):
-        ranks = [rank(own_s=1.0, compute_s=0.95, data_s=0.05, wait_s=1.0, node=f"node{i}",
-                      device=f"cuda:{i}") for i in range(world)]
-        ranks[slow] = dict(ranks[slow], own_s=spread, compute_s=spread - 0.05, wait_s=0.1)
+        ranks = [rank(own_s=1.0, compute_s=0.95, data_wait_s=0.05, rank_wait_s=1.0,
+                      node=f"node{i}", device=f"cuda:{i}") for i in range(world)]
+        ranks[slow] = dict(ranks[slow], own_s=spread, compute_s=spread - 0.05, rank_wait_s=0.1)
         m = _metric(epoch, spread, slow, world_size=world, gpus_per_node=world,
                     global_batch=16 * world, throughput_img_s=100.0 * world / spread,
                     peak_mem_per_gpu_mib=[700.0] * world)
@@ -369,6 +385,8 @@ def test_results_md_shows_and_flags_a_run_held_back_by_one_rank(tmp_path):
                                    if l.startswith("| 2 GPUs, 1 Node"))
     section = md[md.index("## Runs held back by one rank"):md.index("## Notes")]
     assert "### ddp-1n4g" in section and "ddp-1n2g" not in section
+    # the loader's wait and the wait for the other ranks, each under its own name
+    assert "| Compute (s) | Data wait (s) | Rank wait (s) | vs median |" in section
     assert "| **2** | **node2** | **cuda:2** | **1.60** | **1.55** | **0.05** | **0.10** | " \
            "**1.60×** |" in section
     assert "| 0 | node0 | cuda:0 | 1.00 | 0.95 | 0.05 | 1.00 | 1.00× |" in section

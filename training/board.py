@@ -164,7 +164,7 @@ class Board:
             w.add_scalar("step/throughput_img_s", rate, step)
         elapsed = now - meter.epoch_start
         if elapsed > 0:
-            w.add_scalar("step/data_wait_frac", min(1.0, meter.wait_s / elapsed), step)
+            w.add_scalar("step/data_wait_frac", min(1.0, meter.data_wait_s / elapsed), step)
         self.last = (now, step)
 
     def epoch(self, metrics: dict) -> None:

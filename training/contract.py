@@ -219,11 +219,17 @@ def parse_metric_line(line: str) -> dict | None:
 #: training's straggler line, results.md's per-rank tables, the timeline's mark).
 SLOW_RANK_SPREAD = 1.10
 
-#: The ``[RANKS]`` line: per epoch, each rank's seconds of own time (compute + data), compute,
-#: data wait and wait for the other ranks in collectives, its node and device; every value
-#: holds one entry per rank (DataParallel: per device), in rank order, joined by ",".
-RANKS_KEYS = ("epoch", "own_s", "compute_s", "data_s", "wait_s", "node", "device")
-RANKS_NUMBER_KEYS = ("own_s", "compute_s", "data_s", "wait_s")
+#: The ``[RANKS]`` line: per epoch, each rank's seconds of own time (compute + data wait),
+#: compute, data wait (its loader) and rank wait (for the other ranks, in collectives), its
+#: node and device; every value holds one entry per rank (DataParallel: per device), in rank
+#: order, joined by ",".
+RANKS_KEYS = ("epoch", "own_s", "compute_s", "data_wait_s", "rank_wait_s", "node", "device")
+RANKS_NUMBER_KEYS = ("own_s", "compute_s", "data_wait_s", "rank_wait_s")
+
+#: [RANKS] keys renamed since a log was written (old name: new name): an older log's line
+#: still parses into the new names. "wait_s" was the rank wait, and the loader's wait too in
+#: the code, so each got a name of its own.
+RENAMED_RANKS_KEYS = {"data_s": "data_wait_s", "wait_s": "rank_wait_s"}
 
 
 def format_ranks_line(epoch: int, ranks: list) -> str:
@@ -236,12 +242,16 @@ def format_ranks_line(epoch: int, ranks: list) -> str:
 
 
 def parse_ranks_line(line: str) -> tuple | None:
-    """(epoch, [one dict per rank]) of a complete ``[RANKS]`` line (numbers as floats); None
-    when the line is not one, or is cut or garbled (values of unequal counts, not numbers)."""
+    """(epoch, [one dict per rank]) of a complete ``[RANKS]`` line (numbers as floats), an
+    older log's line under today's key names (RENAMED_RANKS_KEYS); None when the line is not
+    one, or is cut or garbled (values of unequal counts, not numbers)."""
     parsed = fields(line, RANKS_PREFIX)
-    if parsed is None or parsed[1] or not all(k in parsed[0] for k in RANKS_KEYS):
+    if parsed is None or parsed[1]:
         return None
-    values = {k: parsed[0][k].split(",") for k in RANKS_KEYS[1:]}
+    found = {RENAMED_RANKS_KEYS.get(k, k): v for k, v in parsed[0].items()}
+    if not all(k in found for k in RANKS_KEYS):
+        return None
+    values = {k: found[k].split(",") for k in RANKS_KEYS[1:]}
     if len({len(v) for v in values.values()}) != 1:
         return None
     ranks = []
@@ -252,4 +262,4 @@ def parse_ranks_line(line: str) -> tuple | None:
             if rank[k] is None:
                 return None
         ranks.append(rank)
-    return parsed[0]["epoch"], ranks
+    return found["epoch"], ranks

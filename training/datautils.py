@@ -656,14 +656,14 @@ def to_device(batches, device: torch.device):
         yield current
 
 
-def batch_finisher(data: DataBundle, layout: torch.memory_format):
+def batch_finisher(data: DataBundle, memory_format: torch.memory_format):
     """``prepare(images, train)``, which finishes a batch on the device: the cache path's
-    augmentation, then the model's memory format (``layout``). Every strategy calls it, so
-    their inputs are identical."""
+    augmentation, then the model's ``memory_format``. Every strategy calls it, so their inputs
+    are identical."""
     augment = data.device_augment
 
     def prepare(images, train: bool):
         if augment is not None:
             images = augment(images, train)
-        return images.contiguous(memory_format=layout)  # no-op when already in that layout
+        return images.contiguous(memory_format=memory_format)  # no-op when already in it
     return prepare

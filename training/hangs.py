@@ -355,7 +355,7 @@ def report_dumps(rank: int, pid: int) -> None:
     process (no Python error, so common.run cannot report), name the hang from the dumps."""
     folder = record_dir()
     if any(folder.glob(FLIGHT_RECORDER_PREFIX + "*")):
-        report(folder, wait_s=2.0, owner=(rank, pid))  # a moment for the other ranks' dumps
+        report(folder, dump_grace_s=2.0, owner=(rank, pid))  # a moment for the other ranks' dumps
 
 
 def _recorded_by(folder: Path, rank: int, pid: int) -> bool:
@@ -376,10 +376,11 @@ def _has_fr_trace() -> bool:
         Path(spec.origin).parent / "distributed" / "flight_recorder" / "fr_trace.py").exists()
 
 
-def report(folder: Path | None = None, wait_s: float = 1.0, owner: tuple | None = None) -> bool:
+def report(folder: Path | None = None, dump_grace_s: float = 1.0,
+           owner: tuple | None = None) -> bool:
     """Print the [HANG] lines once per run, from whichever process gets here first (a rank
     whose collective timed out, or a watchdog that ends a frozen rank); the others return
-    False. ``wait_s``: a moment for the flight recorder's dumps, written on the same
+    False. ``dump_grace_s``: a moment for the flight recorder's dumps, written on the same
     timeout. ``owner``: (rank, pid) of the process the report is for (default: this one),
     which must have kept a record in this run. Never raises: the run is ending anyway."""
     folder = folder or record_dir()
@@ -392,7 +393,7 @@ def report(folder: Path | None = None, wait_s: float = 1.0, owner: tuple | None 
             return False
         fd = os.open(folder / REPORTED, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         os.close(fd)
-        time.sleep(wait_s)
+        time.sleep(dump_grace_s)
         lines = hang_lines(read_all(folder))
     except FileExistsError:
         return False

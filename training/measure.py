@@ -5,7 +5,7 @@ the collectives (--check). Each answers a question a user asks of a running job:
 - "how fast, how good, how much memory?": ``epoch_metrics``, from the sums reduced over ranks,
   and the peak memory of every GPU (``reset_peak_memory``, ``peak_memory_per_gpu``);
 - "is my job alive, and when does it end?": ``StepMeter`` prints rank 0's progress line;
-- "is the loader keeping up?": ``StepMeter.wait_s``, the epoch's ``data_wait_frac``;
+- "is the loader keeping up?": ``StepMeter.data_wait_s``, the epoch's ``data_wait_frac``;
 - "where does a step's time go?": ``StepProfiler`` (--profile) traces a few steps with
   torch.profiler and splits the step into compute, communication not hidden behind compute,
   data wait and the rest (``step_breakdown``);
@@ -94,16 +94,17 @@ def synchronize(*devices: torch.device) -> None:
 # The epoch's figures
 # --------------------------------------------------------------------------------------------
 
-def epoch_so_far(sums: torch.Tensor, t0: float, wait_s: float, devices: list,
+def epoch_so_far(sums: torch.Tensor, t0: float, data_wait_s: float, devices: list,
                  earlier: dict | None) -> dict:
     """Collective (every rank), at a checkpoint inside an epoch: the epoch's training figures
     so far, which the checkpoint carries, so that the epoch resumed from it reports the whole
     epoch and not only the steps after the checkpoint (a fourth of the images, a fourth of the
     time: an outlier on every epoch chart). sums: this rank's [loss x n, correct, n]; t0: when
-    this process began the epoch; ``earlier``: what the checkpoint it resumed from carried."""
+    this process began the epoch; data_wait_s: this rank's wait for its loader so far
+    (StepMeter.data_wait_s); ``earlier``: what the checkpoint it resumed from carried."""
     synchronize(*devices)
     train = all_reduce(sums.clone()).tolist()
-    times = torch.tensor([time.perf_counter() - t0, wait_s], device=sums.device,
+    times = torch.tensor([time.perf_counter() - t0, data_wait_s], device=sums.device,
                          dtype=torch.float64)
     train_time, data_wait = all_reduce(times, dist.ReduceOp.MAX).tolist()
     return with_earlier(dict(train_sums=train, train_time_s=train_time, data_wait_s=data_wait,
@@ -189,9 +190,9 @@ def _clock(seconds: float) -> str:
 
 class StepMeter:
     """The training batches of one epoch, metered: how long the host waited for each next
-    batch (``wait_s``: the loader's share of the epoch), and rank 0's progress line after the
-    first few steps and then every ``every`` seconds, which answers "is my job alive, and when
-    does it end?". It reads only what the host knows (a step count, the clock): no host sync
+    batch (``data_wait_s``: the loader's share of the epoch), and rank 0's progress line after
+    the first few steps and then every ``every`` seconds, which answers "is my job alive, and
+    when does it end?". It reads only what the host knows (a step count, the clock): no host sync
     is added to the step. On a GPU the host runs a few steps ahead of the device, so the rate
     is that of queued steps; it converges to the real one from the second line on."""
 
@@ -204,20 +205,20 @@ class StepMeter:
         self.images_per_step = images_per_step
         self.start = time.perf_counter()
         self.epoch_wall = 0.0  # one whole epoch (training, evaluation, saving), once known
-        self.wait_s = 0.0
+        self.data_wait_s = 0.0
 
     def epoch(self, batches, epoch: int, start_step: int):
         """Yield ``batches``; ``start_step``: the steps a resumed epoch already ran."""
         now = time.perf_counter()
         if hasattr(self, "epoch_start"):
             self.epoch_wall = now - self.epoch_start
-        self.epoch_start, self.wait_s = now, 0.0
+        self.epoch_start, self.data_wait_s = now, 0.0
         self.next_line = now + min(self.every, self.FIRST_WITHIN)
         it, done, first_line = iter(batches), start_step, True
         while True:
             t = time.perf_counter()
             batch = next(it, None)
-            self.wait_s += time.perf_counter() - t  # host time blocked on the loader
+            self.data_wait_s += time.perf_counter() - t  # host time blocked on the loader
             if batch is None:
                 return
             if (first_line and done - start_step == self.FIRST_AFTER) or t >= self.next_line:

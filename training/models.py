@@ -96,7 +96,8 @@ def check_model(name: str, shape: tuple) -> None:
 
 def memory_format(model: nn.Module, device: torch.device) -> torch.memory_format:
     """channels_last for a conv net on CUDA (cuDNN's faster convolutions, above all with
-    AMP), the default layout otherwise. The scripts put the model and the batches in it."""
+    AMP), the default (contiguous) memory format otherwise. The scripts put the model and the
+    batches in it."""
     conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
     return torch.channels_last if device.type == "cuda" and conv else torch.contiguous_format
 

@@ -5,14 +5,14 @@ a busy CPU or a slow disk, and the whole job runs at its pace while the other ra
 collectives. The epoch's time alone cannot say which rank that is, because every rank's epoch
 takes as long as the slowest one's. What tells them apart is where the time went:
 
-- ``wait_s``: time this rank spent blocked in a collective, waiting for the others;
-- ``data_s``: time it waited for its loader (StepMeter.wait_s);
+- ``rank_wait_s``: time this rank spent blocked in a collective, waiting for the others;
+- ``data_wait_s``: time it waited for its loader (StepMeter.data_wait_s);
 - ``compute_s``: the rest of its training time, its own work (forward, backward, optimizer).
 
-A rank's *own* time is compute + data: the slow rank has the most of it, and the ranks that
-wait for it have less own time and more ``wait_s``. Each rank measures its waits on its own,
-without a host sync per step (host clocks on the CPU, CUDA events read at the epoch's end on a
-GPU), and at the epoch's end one gather brings every rank's figures to rank 0.
+A rank's *own* time is compute + data wait: the slow rank has the most of it, and the ranks
+that wait for it have less own time and more ``rank_wait_s``. Each rank measures its waits on
+its own, without a host sync per step (host clocks on the CPU, CUDA events read at the epoch's
+end on a GPU), and at the epoch's end one gather brings every rank's figures to rank 0.
 
 Where the waits are measured, per strategy:
 
@@ -70,11 +70,11 @@ FOLD_AFTER = 256
 # --------------------------------------------------------------------------------------------
 
 def analyse(ranks: list) -> dict:
-    """``ranks``: one dict per rank (own_s, compute_s, data_s, wait_s, node, device), in rank
-    order. Returns slowest_rank, rank_spread (its own time over the median rank's), and, when it
-    is more than SLOW_FACTOR above the median, ``straggler``: its rank, how much slower (%) than
-    the median rank (of two ranks: the other one) and where its extra time went ("compute" or
-    "data")."""
+    """``ranks``: one dict per rank (own_s, compute_s, data_wait_s, rank_wait_s, node, device),
+    in rank order. Returns slowest_rank, rank_spread (its own time over the median rank's), and,
+    when it is more than SLOW_FACTOR above the median, ``straggler``: its rank, how much slower
+    (%) than the median rank (of two ranks: the other one) and where its extra time went
+    ("compute" or "data")."""
     own = [r["own_s"] for r in ranks]
     median = statistics.median(own)
     slowest = max(range(len(own)), key=lambda i: own[i])
@@ -83,7 +83,8 @@ def analyse(ranks: list) -> dict:
     if spread > SLOW_FACTOR:
         extra_compute = ranks[slowest]["compute_s"] - statistics.median(
             r["compute_s"] for r in ranks)
-        extra_data = ranks[slowest]["data_s"] - statistics.median(r["data_s"] for r in ranks)
+        extra_data = ranks[slowest]["data_wait_s"] - statistics.median(
+            r["data_wait_s"] for r in ranks)
         # Of two ranks the median is their mean, no rank's time (a rank 63% slower than the
         # other is 24% above it): the line compares with the other rank then
         against, against_s = ("other", min(own)) if len(own) == 2 else ("median", median)
@@ -189,10 +190,10 @@ class RankClock:
 
     def figures(self, train_time: float, data_wait: float) -> list:
         """This process's figures: one dict per rank it is (DataParallel: per device)."""
-        wait = min(self.waits.seconds(), max(0.0, train_time - data_wait))
-        compute = max(0.0, train_time - data_wait - wait)
-        return [dict(own_s=compute + data_wait, compute_s=compute, data_s=data_wait,
-                     wait_s=wait, node=self.node, device=self.device_label)]
+        rank_wait = min(self.waits.seconds(), max(0.0, train_time - data_wait))
+        compute = max(0.0, train_time - data_wait - rank_wait)
+        return [dict(own_s=compute + data_wait, compute_s=compute, data_wait_s=data_wait,
+                     rank_wait_s=rank_wait, node=self.node, device=self.device_label)]
 
     def end_epoch(self, epoch: int, train_time: float, data_wait: float) -> dict:
         """Collective (every rank), right after the epoch's training (before evaluation, whose
@@ -379,9 +380,10 @@ class DeviceClocks(RankClock):
         rows = []
         for device, spans in self.compute.items():
             compute = spans.seconds()
-            rows.append(dict(own_s=compute + data_wait, compute_s=compute, data_s=data_wait,
-                             wait_s=max(0.0, train_time - data_wait - compute), node=self.node,
-                             device=device_name(device)))
+            rows.append(dict(own_s=compute + data_wait, compute_s=compute,
+                             data_wait_s=data_wait,
+                             rank_wait_s=max(0.0, train_time - data_wait - compute),
+                             node=self.node, device=device_name(device)))
         return rows
 
 
