@@ -34,7 +34,7 @@ from training import (checkpoint, common, contract, cudagraph, datautils, device
                       flags, lossguard, measure, memory, models, schedule, stopping,
                       stragglers)
 from training.board import Board
-from training.common import print0
+from training.distributed import print0
 from training.faults import UsageError, end_process
 
 STRATEGY = "dp"
@@ -283,10 +283,10 @@ def train(args, env: distributed.DistEnv) -> int:
 
             # Metrics: sums of (loss x n, correct, n), then divide; one process, so all_reduce has
             # nothing to reduce. The host syncs here (each .tolist()) happen once per epoch.
-            totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
+            totals = distributed.all_reduce(torch.cat([sums, val_sums])).tolist()
             # one process: its own training time and the time its loader kept it waiting
             times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
-            epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
+            epoch_time, data_wait = distributed.all_reduce(times, dist.ReduceOp.MAX).tolist()
             peaks = measure.peak_memory_per_gpu(local_devices)  # each GPU this process drives
             metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
                 totals, epoch_time, data_wait, peaks, t0, train_time, earlier)

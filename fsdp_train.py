@@ -60,7 +60,7 @@ from training import (checkpoint, common, contract, cudagraph, datautils, device
                       flags, lossguard, measure, memory, models, schedule, simulate, stopping,
                       stragglers)
 from training.board import Board
-from training.common import print0
+from training.distributed import print0
 from training.faults import UsageError, end_process
 
 STRATEGY = "fsdp"
@@ -416,10 +416,10 @@ def train(args, env: distributed.DistEnv) -> int:
 
             # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. The host
             # syncs here (each .tolist()) happen once per epoch, never per step.
-            totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
+            totals = distributed.all_reduce(torch.cat([sums, val_sums])).tolist()
             # the slowest rank sets the pace; data wait: the rank its loader kept waiting longest
             times = torch.tensor([train_time, meter.wait_s], device=device, dtype=torch.float64)
-            epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
+            epoch_time, data_wait = distributed.all_reduce(times, dist.ReduceOp.MAX).tolist()
             peaks = measure.peak_memory_per_gpu(local_devices)  # collective: every rank's GPU
             metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
                 totals, epoch_time, data_wait, peaks, t0, train_time, earlier)

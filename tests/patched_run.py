@@ -161,17 +161,17 @@ def slow_cache_build(out: Path) -> None:
 
 
 def rank1_skips_an_all_reduce(out: Path) -> None:
-    """Rank 1 skips the first epoch's reduction of its metrics (common.all_reduce), a
+    """Rank 1 skips the first epoch's reduction of its metrics (distributed.all_reduce), a
     collective that every rank must call."""
-    from training import common
-    real, skipped = common.all_reduce, []
+    from training import distributed
+    real, skipped = distributed.all_reduce, []
 
     def all_reduce(tensor, *args, **kwargs):
         if RANK == 1 and not skipped:
             skipped.append(True)
             return tensor
         return real(tensor, *args, **kwargs)
-    common.all_reduce = all_reduce
+    distributed.all_reduce = all_reduce
 
 
 def rank0_saves_alone(out: Path) -> None:

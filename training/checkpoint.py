@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 
 from training import hangs
-from training.common import print0
-from training.distributed import every_rank, on_rank0, raise_if_any_rank, rank_and_world
+from training.distributed import every_rank, on_rank0, print0, raise_if_any_rank, rank_and_world
 from training.faults import UsageError, lock_checkpoint_dir
 from training.schedule import place_schedule
 

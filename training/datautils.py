@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset, default_collate
 
 from training import stopping, tinyimagenet
-from training.common import print0
-from training.distributed import (dist_env, on_rank0, raise_if_any_rank, rank_and_world,
+from training.distributed import (dist_env, on_rank0, print0, raise_if_any_rank, rank_and_world,
                                   seed_for_rank)
 from training.faults import DataError, UsageError
 from training.flags import input_shape

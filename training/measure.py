@@ -29,10 +29,9 @@ import torch
 import torch.distributed as dist
 
 from training import cudagraph, network
-from training.common import all_reduce, print0
 from training.contract import (BANDWIDTH_PREFIX, LATER_METRIC_KEYS, PROFILE_KEYS, PROFILE_PREFIX,
                                format_metric_line)
-from training.distributed import every_rank, rank_and_world
+from training.distributed import all_reduce, every_rank, print0, rank_and_world
 
 # --------------------------------------------------------------------------------------------
 # The clock and the peak memory

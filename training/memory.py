@@ -40,7 +40,7 @@ import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from training import contract, datautils, flags, models, tinyimagenet
-from training.common import print0
+from training.distributed import print0
 from training.faults import UsageError
 
 MIB = 2**20

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from training import contract, datautils, memory
-from training.common import print0
+from training.distributed import print0
 from training.measure import synchronize
 
 STEPS = 2

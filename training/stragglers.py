@@ -55,8 +55,7 @@ except ImportError:  # torch before 2.6: common.run() stops the run with one sen
     FSDPModule = None
 
 from training import contract, hangs
-from training.common import print0
-from training.distributed import every_rank, rank_and_world
+from training.distributed import every_rank, print0, rank_and_world
 
 #: A rank whose own time is this much above the median rank's is named.
 SLOW_FACTOR = contract.SLOW_RANK_SPREAD
