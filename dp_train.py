@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.utils.data import DistributedSampler
 
 from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
-                      flags, lossguard, measure, memory, models, schedule, stopping,
+                      flags, lossguard, measure, memory, models, profiling, schedule, stopping,
                       stragglers)
 from training.board import Board
 from training.distributed import print0
@@ -222,7 +222,7 @@ def train(args, env: distributed.DistEnv) -> int:
 
     local_devices = [torch.device("cuda", i) for i in gpu_ids] or [device]  # GPU 0 holds the most
     meter = measure.StepMeter(args, steps, global_batch)  # progress, data wait
-    profiler = measure.StepProfiler(args, steps, device)  # --profile: a window of steps
+    profiler = profiling.StepProfiler(args, steps, device)  # --profile: a window of steps
     # what every [METRIC] line of this run says about the run; each epoch adds its figures
     run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
                     world_size=world, nodes=1, gpus_per_node=world,

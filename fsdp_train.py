@@ -56,9 +56,9 @@ except ImportError:  # torch before 2.6: common.run() stops it with one sentence
     CPUOffloadPolicy = MixedPrecisionPolicy = fully_shard = None
 from torch.utils.data import DistributedSampler
 
-from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
-                      flags, lossguard, measure, memory, models, schedule, simulate, stopping,
-                      stragglers)
+from training import (bandwidth, checkpoint, common, contract, cudagraph, datautils, devices,
+                      distributed, flags, lossguard, measure, memory, models, profiling, schedule,
+                      simulate, stopping, stragglers)
 from training.board import Board
 from training.distributed import print0
 from training.faults import UsageError, end_process
@@ -274,12 +274,12 @@ def train(args, env: distributed.DistEnv) -> int:
     checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
     grad_bytes = memory.param_bytes(model.parameters())  # fp32 gradients, as the parameters
     if args.check:
-        measure.collective_check(device, world, grad_bytes, COLLECTIVES)
+        bandwidth.collective_check(device, world, grad_bytes, COLLECTIVES)
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
     if args.profile and world > 1:  # the bandwidth the step's collectives get
-        measure.bandwidth(device, world, [grad_bytes], COLLECTIVES,
-                          collectives_per_step(model, args))
+        bandwidth.bus_bandwidth(device, world, [grad_bytes], COLLECTIVES,
+                                collectives_per_step(model, args))
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
     # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
     # the same crop as rank 0's i-th sample at every step).
@@ -355,7 +355,7 @@ def train(args, env: distributed.DistEnv) -> int:
 
     local_devices = [device]  # the GPU (or CPU) this process drives, for syncs and peak memory
     meter = measure.StepMeter(args, steps, global_batch)  # progress, data wait
-    profiler = measure.StepProfiler(args, steps, device)  # --profile: a window of steps
+    profiler = profiling.StepProfiler(args, steps, device)  # --profile: a window of steps
     # what every [METRIC] line of this run says about the run; each epoch adds its figures
     run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
                     world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
