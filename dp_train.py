@@ -30,9 +30,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DistributedSampler
 
-from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
-                      flags, lossguard, measure, memory, models, profiling, schedule, stopping,
-                      stragglers)
+from training import (checkpoint, common, contract, cudagraph, datasets, devices, distributed,
+                      flags, loading, lossguard, measure, memory, models, profiling, schedule,
+                      stopping, stragglers)
 from training.board import Board
 from training.distributed import print0
 from training.faults import UsageError, end_process
@@ -136,10 +136,10 @@ def train(args, env: distributed.DistEnv) -> int:
     else:
         print0(f"DataParallel over GPUs {gpu_ids} (scatter from and gather on GPU 0)")
 
-    data = datautils.build_data(args)
+    data = datasets.build_data(args)
     checkpoint.check_writable(args.save_model)
     global_batch = args.batch_size * world
-    datautils.describe(data, global_batch, f"{args.batch_size} per GPU x {world}")
+    datasets.describe(data, global_batch, f"{args.batch_size} per GPU x {world}")
     print0(f"global batch: {global_batch} = {args.batch_size} per GPU x {world} GPU(s), one "
            f"DataLoader batch split by DataParallel")
 
@@ -159,7 +159,7 @@ def train(args, env: distributed.DistEnv) -> int:
     torch.manual_seed(distributed.seed_for_rank(args.seed, rank))
     layout = models.memory_format(model, device)  # channels_last on CUDA: faster convolutions
     model = model.to(memory_format=layout)
-    prepare = datautils.batch_finisher(data, layout)  # augments on the device, sets the layout
+    prepare = loading.batch_finisher(data, layout)  # augments on the device, sets the layout
     # DataParallel: the master copy lives on GPU 0 and is replicated to every GPU each step;
     # each replica runs in its own thread, so autocast is entered inside it.
     inner = torch.compile(model, mode=args.compile) if args.compile else model
@@ -170,13 +170,13 @@ def train(args, env: distributed.DistEnv) -> int:
     # The same sampler as the other scripts at world size 1: the same shuffling order.
     train_sampler = DistributedSampler(data.train, num_replicas=1, rank=0, shuffle=True,
                                        seed=args.seed, drop_last=True)
-    train_batches = checkpoint.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
+    train_batches = loading.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=1, rank=0, shuffle=False)
-    train_loader = datautils.make_loader(data.train, train_batches, batch, args, device,
+    train_loader = loading.make_loader(data.train, train_batches, batch, args, device,
                                          drop_last=True)
-    val_loader = datautils.make_loader(data.val, val_sampler, batch, args, device,
+    val_loader = loading.make_loader(data.val, val_sampler, batch, args, device,
                                        start_now=True, val=True)
-    val_real = datautils.real_samples(val_sampler)
+    val_real = loading.real_samples(val_sampler)
 
     criterion = nn.CrossEntropyLoss()
     steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
@@ -251,7 +251,7 @@ def train(args, env: distributed.DistEnv) -> int:
             rank_clock.start_epoch()
             # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
             # adds up the time spent waiting for the loader
-            batches = meter.epoch(datautils.to_device(train_loader, device), epoch, start_step)
+            batches = meter.epoch(loading.to_device(train_loader, device), epoch, start_step)
             batches = profiler.epoch(batches, start_step)
             for step, (images, labels) in enumerate(batches, start=start_step):
                 if step >= steps:
@@ -295,7 +295,7 @@ def train(args, env: distributed.DistEnv) -> int:
             print0(contract.format_metric_line(metrics))
             # rank 0 names a rank more than 10% slower than the median; [RANKS] has every rank's
             rank_clock.report()
-            datautils.report_unreadable_images(
+            loading.report_unreadable_images(
                 metrics, (steps - start_step) * global_batch + measure.earlier_images(earlier),
                 len(data.val))
             tb.epoch(metrics)  # the same figures as TensorBoard curves

@@ -5,13 +5,14 @@ starts with.
 
 dp_train.py, ddp_train.py and fsdp_train.py each keep inline what a strategy *is* (process
 group, model wrapper, sampler, training step, metric reduction, saving). The flags are in
-flags.py, the rank layout, ``print0`` and the reduction over ranks in distributed.py, the output lines and exit codes in contract.py,
-the models in models.py, the data in datautils.py, checkpoints in checkpoint.py, what
-happens when something goes wrong in faults.py, the stop for a requeue in stopping.py, the
-NaN guard in lossguard.py, the learning-rate schedule in schedule.py, and what a run measures
-about itself beyond the metrics (progress, data wait, peak memory, --profile, --check's
-bandwidth) in measure.py. Importing
-this module has no side effects.
+flags.py; the rank layout, ``print0`` and the reduction over ranks in distributed.py; the
+output lines and exit codes in contract.py; the models in models.py; the datasets in
+datasets.py and the loaders that feed them to the loop in loading.py; checkpoints in
+checkpoint.py; what happens when something goes wrong in faults.py; the stop for a requeue in
+stopping.py; the NaN guard in lossguard.py; the learning-rate schedule in schedule.py; what a
+run measures about itself beyond the metrics (progress, data wait, peak memory) in
+measure.py, --profile's step breakdown in profiling.py and the collectives' bandwidth in
+bandwidth.py. Importing this module has no side effects.
 """
 
 from __future__ import annotations
