@@ -300,9 +300,9 @@ def train(args, env: distributed.DistEnv) -> int:
     train_batches = loading.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
     train_loader = loading.make_loader(data.train, train_batches, batch, args, device,
-                                         drop_last=True)
+                                       drop_last=True)
     val_loader = loading.make_loader(data.val, val_sampler, batch, args, device,
-                                       start_now=True, val=True)
+                                     start_now=True, val=True)
     val_real = loading.real_samples(val_sampler)
 
     criterion = nn.CrossEntropyLoss()

@@ -78,14 +78,14 @@ def main(argv=None) -> int:
     for workers in range(0, (a.max_workers if a.max_workers is not None else cpus) + 1):
         args.num_workers = workers
         loader = loading.make_loader(folder.train, sampler(folder.train), a.batch_size, args,
-                                    device, drop_last=True)
+                                     device, drop_last=True)
         folder_rates[workers] = rate(loader, a.seconds)
     best_w = max(folder_rates, key=folder_rates.get)
     cache_rates = {}
     for workers in (0, 1):
         args.num_workers = workers
         loader = loading.make_loader(cached.train, sampler(cached.train), a.batch_size, args,
-                                    device, drop_last=True)
+                                     device, drop_last=True)
         cache_rates[workers] = rate(loader, a.seconds)
     best_c = max(cache_rates, key=cache_rates.get)
 

@@ -67,7 +67,7 @@ def plain_throughput(args) -> float:
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
     data = datasets.SyntheticImages(args.batch_size * args.steps, shape, classes, 0, "train")
     batches = loading.DeviceResident(data, torch.utils.data.RandomSampler(data), args.batch_size,
-                                    True, device)  # as ddp_train.py --data-on-device
+                                     True, device)  # as ddp_train.py --data-on-device
     finish = datasets.DeviceAugment(*datasets.NORMALIZE["synthetic"], crop_flip=False)
     model.train()
     for epoch in range(2):

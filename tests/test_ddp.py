@@ -393,7 +393,7 @@ def test_started_loader_drops_its_early_batches(tiny_imagenet, tmp_path, cached)
     data = datasets.build_data(args)
     sampler = DistributedSampler(data.val, num_replicas=1, rank=0, shuffle=False)
     loader = loading.make_loader(data.val, sampler, 7, args, torch.device("cpu"),
-                                start_now=True)
+                                 start_now=True)
     assert loader._iterator is not None and loader._iterator._workers[0].is_alive()
     for _ in range(2):
         labels = torch.cat([y for _, y in loader]).tolist()

@@ -46,7 +46,7 @@ def _time_collective(op: str, nbytes: int, device: torch.device, world: int) -> 
 
 
 def bus_bandwidth(device: torch.device, world: int, sizes: list, ops=("all_reduce",),
-              messages: dict | None = None) -> list:
+                  messages: dict | None = None) -> list:
     """One ``[BANDWIDTH]`` line per collective in ``ops`` and message size in ``sizes``
     (bytes, rounded to whole float32 shards), every rank taking part; returns the sizes used.
     Bus bandwidth as nccl-tests report it: the figure to compare with the links' nominal one,
