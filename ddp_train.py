@@ -30,11 +30,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
-                      flags, lossguard, measure, memory, models, schedule, simulate, stopping,
-                      stragglers)
+from training import (bandwidth, checkpoint, common, contract, cudagraph, datasets, devices,
+                      distributed, flags, loading, lossguard, measure, memory, models, profiling,
+                      schedule, simulate, stopping, stragglers)
 from training.board import Board
-from training.common import print0
+from training.distributed import print0
 from training.faults import end_process
 
 STRATEGY = "ddp"
@@ -142,10 +142,10 @@ def train(args, env: distributed.DistEnv) -> int:
         why = "--device cpu" if args.device == "cpu" else "no GPU visible"
         print0(f"note: {why}: training on CPU with the gloo backend")
 
-    data = datautils.build_data(args)
+    data = datasets.build_data(args)
     checkpoint.check_writable(args.save_model)
     global_batch = args.batch_size * world
-    datautils.describe(data, global_batch, f"{args.batch_size} per process x {world}")
+    datasets.describe(data, global_batch, f"{args.batch_size} per process x {world}")
     print0(f"global batch: {global_batch} = {args.batch_size} per process x {world} processes")
 
     # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
@@ -158,19 +158,19 @@ def train(args, env: distributed.DistEnv) -> int:
     checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
     grad_bytes = memory.param_bytes(model.parameters())  # fp32 gradients, as the parameters
     if args.check:
-        measure.collective_check(device, world, grad_bytes, COLLECTIVES)
+        bandwidth.collective_check(device, world, grad_bytes, COLLECTIVES)
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
     if args.profile and world > 1:  # the bandwidth the step's collectives get
-        measure.bandwidth(device, world, [grad_bytes], COLLECTIVES,
-                          collectives_per_step(model, args))
+        bandwidth.bus_bandwidth(device, world, [grad_bytes], COLLECTIVES,
+                                collectives_per_step(model, args))
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
     # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
     # the same crop as rank 0's i-th sample at every step).
     torch.manual_seed(distributed.seed_for_rank(args.seed, rank))
     layout = models.memory_format(model, device)  # channels_last on CUDA: faster convolutions
     model = model.to(memory_format=layout)
-    prepare = datautils.batch_finisher(data, layout)  # augments on the device, sets the layout
+    prepare = loading.batch_finisher(data, layout)  # augments on the device, sets the layout
     # DDP: a full replica per process; backward all-reduces gradient buckets across ranks.
     # BatchNorm statistics are broadcast from rank 0 before every forward, unless there is no
     # other rank. --cuda-graph: DDP is built on the stream its step will be captured on.
@@ -188,13 +188,13 @@ def train(args, env: distributed.DistEnv) -> int:
     # (seed, epoch) only, so all ranks agree on it. drop_last keeps the shards equal.
     train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True,
                                        seed=args.seed, drop_last=True)
-    train_batches = checkpoint.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
+    train_batches = loading.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
-    train_loader = datautils.make_loader(data.train, train_batches, batch, args, device,
-                                         drop_last=True)
-    val_loader = datautils.make_loader(data.val, val_sampler, batch, args, device,
-                                       start_now=True, val=True)
-    val_real = datautils.real_samples(val_sampler)
+    train_loader = loading.make_loader(data.train, train_batches, batch, args, device,
+                                       drop_last=True)
+    val_loader = loading.make_loader(data.val, val_sampler, batch, args, device,
+                                     start_now=True, val=True)
+    val_real = loading.real_samples(val_sampler)
 
     criterion = nn.CrossEntropyLoss()
     steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
@@ -239,7 +239,7 @@ def train(args, env: distributed.DistEnv) -> int:
 
     local_devices = [device]  # the GPU (or CPU) this process drives, for syncs and peak memory
     meter = measure.StepMeter(args, steps, global_batch)  # progress, data wait
-    profiler = measure.StepProfiler(args, steps, device)  # --profile: a window of steps
+    profiler = profiling.StepProfiler(args, steps, device)  # --profile: a window of steps
     # what every [METRIC] line of this run says about the run; each epoch adds its figures
     run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
                     world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
@@ -268,7 +268,7 @@ def train(args, env: distributed.DistEnv) -> int:
             rank_clock.start_epoch()
             # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
             # adds up the time spent waiting for the loader
-            batches = meter.epoch(datautils.to_device(train_loader, device), epoch, start_step)
+            batches = meter.epoch(loading.to_device(train_loader, device), epoch, start_step)
             batches = profiler.epoch(batches, start_step)
             for step, (images, labels) in enumerate(batches, start=start_step):
                 if step >= steps:
@@ -300,11 +300,11 @@ def train(args, env: distributed.DistEnv) -> int:
 
             # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. The host
             # syncs here (each .tolist()) happen once per epoch, never per step.
-            totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
+            totals = distributed.all_reduce(torch.cat([sums, val_sums])).tolist()
             # the slowest rank sets the pace; data wait: the rank its loader kept waiting longest
             times = torch.tensor([train_time, meter.data_wait_s], device=device,
                                  dtype=torch.float64)
-            epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
+            epoch_time, data_wait = distributed.all_reduce(times, dist.ReduceOp.MAX).tolist()
             peaks = measure.peak_memory_per_gpu(local_devices)  # collective: every rank's GPU
             metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
                 totals, epoch_time, data_wait, peaks, t0, train_time, earlier)
@@ -313,7 +313,7 @@ def train(args, env: distributed.DistEnv) -> int:
             print0(contract.format_metric_line(metrics))
             # rank 0 names a rank more than 10% slower than the median; [RANKS] has every rank's
             rank_clock.report()
-            datautils.report_unreadable_images(
+            loading.report_unreadable_images(
                 metrics, (steps - start_step) * global_batch + measure.earlier_images(earlier),
                 len(data.val))
             tb.epoch(metrics)  # the same figures as TensorBoard curves

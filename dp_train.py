@@ -30,11 +30,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DistributedSampler
 
-from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
-                      flags, lossguard, measure, memory, models, schedule, stopping,
-                      stragglers)
+from training import (checkpoint, common, contract, cudagraph, datasets, devices, distributed,
+                      flags, loading, lossguard, measure, memory, models, profiling, schedule,
+                      stopping, stragglers)
 from training.board import Board
-from training.common import print0
+from training.distributed import print0
 from training.faults import UsageError, end_process
 
 STRATEGY = "dp"
@@ -136,10 +136,10 @@ def train(args, env: distributed.DistEnv) -> int:
     else:
         print0(f"DataParallel over GPUs {gpu_ids} (scatter from and gather on GPU 0)")
 
-    data = datautils.build_data(args)
+    data = datasets.build_data(args)
     checkpoint.check_writable(args.save_model)
     global_batch = args.batch_size * world
-    datautils.describe(data, global_batch, f"{args.batch_size} per GPU x {world}")
+    datasets.describe(data, global_batch, f"{args.batch_size} per GPU x {world}")
     print0(f"global batch: {global_batch} = {args.batch_size} per GPU x {world} GPU(s), one "
            f"DataLoader batch split by DataParallel")
 
@@ -159,7 +159,7 @@ def train(args, env: distributed.DistEnv) -> int:
     torch.manual_seed(distributed.seed_for_rank(args.seed, rank))
     layout = models.memory_format(model, device)  # channels_last on CUDA: faster convolutions
     model = model.to(memory_format=layout)
-    prepare = datautils.batch_finisher(data, layout)  # augments on the device, sets the layout
+    prepare = loading.batch_finisher(data, layout)  # augments on the device, sets the layout
     # DataParallel: the master copy lives on GPU 0 and is replicated to every GPU each step;
     # each replica runs in its own thread, so autocast is entered inside it.
     inner = torch.compile(model, mode=args.compile) if args.compile else model
@@ -170,13 +170,13 @@ def train(args, env: distributed.DistEnv) -> int:
     # The same sampler as the other scripts at world size 1: the same shuffling order.
     train_sampler = DistributedSampler(data.train, num_replicas=1, rank=0, shuffle=True,
                                        seed=args.seed, drop_last=True)
-    train_batches = checkpoint.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
+    train_batches = loading.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=1, rank=0, shuffle=False)
-    train_loader = datautils.make_loader(data.train, train_batches, batch, args, device,
-                                         drop_last=True)
-    val_loader = datautils.make_loader(data.val, val_sampler, batch, args, device,
-                                       start_now=True, val=True)
-    val_real = datautils.real_samples(val_sampler)
+    train_loader = loading.make_loader(data.train, train_batches, batch, args, device,
+                                       drop_last=True)
+    val_loader = loading.make_loader(data.val, val_sampler, batch, args, device,
+                                     start_now=True, val=True)
+    val_real = loading.real_samples(val_sampler)
 
     criterion = nn.CrossEntropyLoss()
     steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
@@ -222,7 +222,7 @@ def train(args, env: distributed.DistEnv) -> int:
 
     local_devices = [torch.device("cuda", i) for i in gpu_ids] or [device]  # GPU 0 holds the most
     meter = measure.StepMeter(args, steps, global_batch)  # progress, data wait
-    profiler = measure.StepProfiler(args, steps, device)  # --profile: a window of steps
+    profiler = profiling.StepProfiler(args, steps, device)  # --profile: a window of steps
     # what every [METRIC] line of this run says about the run; each epoch adds its figures
     run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
                     world_size=world, nodes=1, gpus_per_node=world,
@@ -251,7 +251,7 @@ def train(args, env: distributed.DistEnv) -> int:
             rank_clock.start_epoch()
             # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
             # adds up the time spent waiting for the loader
-            batches = meter.epoch(datautils.to_device(train_loader, device), epoch, start_step)
+            batches = meter.epoch(loading.to_device(train_loader, device), epoch, start_step)
             batches = profiler.epoch(batches, start_step)
             for step, (images, labels) in enumerate(batches, start=start_step):
                 if step >= steps:
@@ -283,11 +283,11 @@ def train(args, env: distributed.DistEnv) -> int:
 
             # Metrics: sums of (loss x n, correct, n), then divide; one process, so all_reduce has
             # nothing to reduce. The host syncs here (each .tolist()) happen once per epoch.
-            totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
+            totals = distributed.all_reduce(torch.cat([sums, val_sums])).tolist()
             # one process: its own training time and the time its loader kept it waiting
             times = torch.tensor([train_time, meter.data_wait_s], device=device,
                                  dtype=torch.float64)
-            epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
+            epoch_time, data_wait = distributed.all_reduce(times, dist.ReduceOp.MAX).tolist()
             peaks = measure.peak_memory_per_gpu(local_devices)  # each GPU this process drives
             metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
                 totals, epoch_time, data_wait, peaks, t0, train_time, earlier)
@@ -296,7 +296,7 @@ def train(args, env: distributed.DistEnv) -> int:
             print0(contract.format_metric_line(metrics))
             # rank 0 names a rank more than 10% slower than the median; [RANKS] has every rank's
             rank_clock.report()
-            datautils.report_unreadable_images(
+            loading.report_unreadable_images(
                 metrics, (steps - start_step) * global_batch + measure.earlier_images(earlier),
                 len(data.val))
             tb.epoch(metrics)  # the same figures as TensorBoard curves

@@ -56,11 +56,11 @@ except ImportError:  # torch before 2.6: common.run() stops it with one sentence
     CPUOffloadPolicy = MixedPrecisionPolicy = fully_shard = None
 from torch.utils.data import DistributedSampler
 
-from training import (checkpoint, common, contract, cudagraph, datautils, devices, distributed,
-                      flags, lossguard, measure, memory, models, schedule, simulate, stopping,
-                      stragglers)
+from training import (bandwidth, checkpoint, common, contract, cudagraph, datasets, devices,
+                      distributed, flags, loading, lossguard, measure, memory, models, profiling,
+                      schedule, simulate, stopping, stragglers)
 from training.board import Board
-from training.common import print0
+from training.distributed import print0
 from training.faults import UsageError, end_process
 
 STRATEGY = "fsdp"
@@ -256,10 +256,10 @@ def train(args, env: distributed.DistEnv) -> int:
     print0(f"sharding: {args.sharding} over mesh {tuple(mesh.shape)} "
            f"{mesh.mesh_dim_names}")
 
-    data = datautils.build_data(args)
+    data = datasets.build_data(args)
     checkpoint.check_writable(args.save_model)
     global_batch = args.batch_size * world
-    datautils.describe(data, global_batch, f"{args.batch_size} per process x {world}")
+    datasets.describe(data, global_batch, f"{args.batch_size} per process x {world}")
     print0(f"global batch: {global_batch} = {args.batch_size} per process x {world} processes")
 
     # Same seed on every rank: identical full weights before sharding, so each rank keeps
@@ -274,12 +274,12 @@ def train(args, env: distributed.DistEnv) -> int:
     checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
     grad_bytes = memory.param_bytes(model.parameters())  # fp32 gradients, as the parameters
     if args.check:
-        measure.collective_check(device, world, grad_bytes, COLLECTIVES)
+        bandwidth.collective_check(device, world, grad_bytes, COLLECTIVES)
         print0("preflight OK: data, batch size, devices and checkpoint dir")
         return 0
     if args.profile and world > 1:  # the bandwidth the step's collectives get
-        measure.bandwidth(device, world, [grad_bytes], COLLECTIVES,
-                          collectives_per_step(model, args))
+        bandwidth.bus_bandwidth(device, world, [grad_bytes], COLLECTIVES,
+                                collectives_per_step(model, args))
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
     # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
     # the same crop as rank 0's i-th sample at every step).
@@ -288,7 +288,7 @@ def train(args, env: distributed.DistEnv) -> int:
     # parameters only (a channels_last conv weight raises NotImplementedError). cuDNN still
     # picks its channels_last kernels from the inputs.
     layout = models.memory_format(model, device)
-    prepare = datautils.batch_finisher(data, layout)  # augments on the device, sets the layout
+    prepare = loading.batch_finisher(data, layout)  # augments on the device, sets the layout
     model = apply_fsdp(model, mesh, args, device)
     step_model = torch.compile(model, mode=args.compile) if args.compile else model
 
@@ -297,13 +297,13 @@ def train(args, env: distributed.DistEnv) -> int:
     # (seed, epoch) only, so all ranks agree on it. drop_last keeps the shards equal.
     train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True,
                                        seed=args.seed, drop_last=True)
-    train_batches = checkpoint.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
+    train_batches = loading.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
-    train_loader = datautils.make_loader(data.train, train_batches, batch, args, device,
-                                         drop_last=True)
-    val_loader = datautils.make_loader(data.val, val_sampler, batch, args, device,
-                                       start_now=True, val=True)
-    val_real = datautils.real_samples(val_sampler)
+    train_loader = loading.make_loader(data.train, train_batches, batch, args, device,
+                                       drop_last=True)
+    val_loader = loading.make_loader(data.val, val_sampler, batch, args, device,
+                                     start_now=True, val=True)
+    val_real = loading.real_samples(val_sampler)
 
     criterion = nn.CrossEntropyLoss()
     steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
@@ -355,7 +355,7 @@ def train(args, env: distributed.DistEnv) -> int:
 
     local_devices = [device]  # the GPU (or CPU) this process drives, for syncs and peak memory
     meter = measure.StepMeter(args, steps, global_batch)  # progress, data wait
-    profiler = measure.StepProfiler(args, steps, device)  # --profile: a window of steps
+    profiler = profiling.StepProfiler(args, steps, device)  # --profile: a window of steps
     # what every [METRIC] line of this run says about the run; each epoch adds its figures
     run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
                     world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
@@ -384,7 +384,7 @@ def train(args, env: distributed.DistEnv) -> int:
             rank_clock.start_epoch()
             # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
             # adds up the time spent waiting for the loader
-            batches = meter.epoch(datautils.to_device(train_loader, device), epoch, start_step)
+            batches = meter.epoch(loading.to_device(train_loader, device), epoch, start_step)
             batches = profiler.epoch(batches, start_step)
             for step, (images, labels) in enumerate(batches, start=start_step):
                 if step >= steps:
@@ -416,11 +416,11 @@ def train(args, env: distributed.DistEnv) -> int:
 
             # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. The host
             # syncs here (each .tolist()) happen once per epoch, never per step.
-            totals = common.all_reduce(torch.cat([sums, val_sums])).tolist()
+            totals = distributed.all_reduce(torch.cat([sums, val_sums])).tolist()
             # the slowest rank sets the pace; data wait: the rank its loader kept waiting longest
             times = torch.tensor([train_time, meter.data_wait_s], device=device,
                                  dtype=torch.float64)
-            epoch_time, data_wait = common.all_reduce(times, dist.ReduceOp.MAX).tolist()
+            epoch_time, data_wait = distributed.all_reduce(times, dist.ReduceOp.MAX).tolist()
             peaks = measure.peak_memory_per_gpu(local_devices)  # collective: every rank's GPU
             metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
                 totals, epoch_time, data_wait, peaks, t0, train_time, earlier)
@@ -429,7 +429,7 @@ def train(args, env: distributed.DistEnv) -> int:
             print0(contract.format_metric_line(metrics))
             # rank 0 names a rank more than 10% slower than the median; [RANKS] has every rank's
             rank_clock.report()
-            datautils.report_unreadable_images(
+            loading.report_unreadable_images(
                 metrics, (steps - start_step) * global_batch + measure.earlier_images(earlier),
                 len(data.val))
             tb.epoch(metrics)  # the same figures as TensorBoard curves

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 from torch.utils.data import DistributedSampler  # noqa: E402
 
-from training import datautils, faults, measure  # noqa: E402
+from training import datasets, faults, loading, measure  # noqa: E402
 
 
 def rate(loader, seconds: float, warmup: int = 2) -> float:
@@ -64,9 +64,9 @@ def main(argv=None) -> int:
                               strict=False, num_workers=cpus, data_cache=None, seed=0,
                               data_on_device=False)
     try:
-        folder = datautils.build_data(args)
+        folder = datasets.build_data(args)
         args.data_cache = a.cache_dir
-        cached = datautils.build_data(args)  # builds the cache on first use
+        cached = datasets.build_data(args)  # builds the cache on first use
     except faults.UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -77,15 +77,15 @@ def main(argv=None) -> int:
     folder_rates = {}
     for workers in range(0, (a.max_workers if a.max_workers is not None else cpus) + 1):
         args.num_workers = workers
-        loader = datautils.make_loader(folder.train, sampler(folder.train), a.batch_size, args,
-                                    device, drop_last=True)
+        loader = loading.make_loader(folder.train, sampler(folder.train), a.batch_size, args,
+                                     device, drop_last=True)
         folder_rates[workers] = rate(loader, a.seconds)
     best_w = max(folder_rates, key=folder_rates.get)
     cache_rates = {}
     for workers in (0, 1):
         args.num_workers = workers
-        loader = datautils.make_loader(cached.train, sampler(cached.train), a.batch_size, args,
-                                    device, drop_last=True)
+        loader = loading.make_loader(cached.train, sampler(cached.train), a.batch_size, args,
+                                     device, drop_last=True)
         cache_rates[workers] = rate(loader, a.seconds)
     best_c = max(cache_rates, key=cache_rates.get)
 

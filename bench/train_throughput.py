@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from training import contract, datautils, flags, measure, models, schedule  # noqa: E402
+from training import contract, datasets, flags, loading, measure, models, schedule  # noqa: E402
 
 
 def ddp_throughput(args, extra) -> float:
@@ -65,10 +65,10 @@ def plain_throughput(args) -> float:
     opt = schedule.start_momentum(sgd)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(args.amp)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
-    data = datautils.SyntheticImages(args.batch_size * args.steps, shape, classes, 0, "train")
-    batches = datautils.DeviceResident(data, torch.utils.data.RandomSampler(data), args.batch_size,
-                                    True, device)  # as ddp_train.py --data-on-device
-    finish = datautils.DeviceAugment(*datautils.NORMALIZE["synthetic"], crop_flip=False)
+    data = datasets.SyntheticImages(args.batch_size * args.steps, shape, classes, 0, "train")
+    batches = loading.DeviceResident(data, torch.utils.data.RandomSampler(data), args.batch_size,
+                                     True, device)  # as ddp_train.py --data-on-device
+    finish = datasets.DeviceAugment(*datasets.NORMALIZE["synthetic"], crop_flip=False)
     model.train()
     for epoch in range(2):
         measure.synchronize(device)

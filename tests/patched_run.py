@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from training import datautils  # noqa: E402  (the module objects the script will import too)
+from training import datasets, loading  # noqa: E402  (the modules the script will import too)
 from training import lossguard, stopping  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
@@ -41,7 +41,7 @@ def nan_on_rank1(out: Path) -> None:
 def record_augment(out: Path) -> None:
     """The first training batch's device augmentation, applied to one fixed canary batch:
     saved per rank, so a test compares the crops and flips that the ranks drew."""
-    real = datautils.DeviceAugment.__call__
+    real = datasets.DeviceAugment.__call__
     done = []
 
     def call(self, images, train):
@@ -51,32 +51,32 @@ def record_augment(out: Path) -> None:
             canary = canary.to(torch.uint8).view(8, 64, 64, 3).to(images.device)
             torch.save(real(self, canary, True).cpu(), out / f"augment-rank{RANK}.pt")
         return real(self, images, train)
-    datautils.DeviceAugment.__call__ = call
+    datasets.DeviceAugment.__call__ = call
 
 
 def record_worker_seed(out: Path) -> None:
     """The seed of each DataLoader worker that reads training images (folder path)."""
-    real = datautils.ImageList.__getitem__
+    real = datasets.ImageList.__getitem__
 
     def getitem(self, index):
         mark = out / f"worker-rank{RANK}-pid{os.getpid()}.txt"
         if self.augment_seed is not None and not mark.exists():  # training images
             mark.write_text(str(torch.initial_seed()))
         return real(self, index)
-    datautils.ImageList.__getitem__ = getitem
+    datasets.ImageList.__getitem__ = getitem
 
 
 def slow_loader(out: Path) -> None:
     """Every synthetic sample takes $SLOW_SAMPLE_S seconds (default 0.005) to make: a loader
     too slow for its model."""
     import time
-    real = datautils.SyntheticImages.__getitem__
+    real = datasets.SyntheticImages.__getitem__
     delay = float(os.environ.get("SLOW_SAMPLE_S", "0.005"))
 
     def getitem(self, index):
         time.sleep(delay)
         return real(self, index)
-    datautils.SyntheticImages.__getitem__ = getitem
+    datasets.SyntheticImages.__getitem__ = getitem
 
 
 def record_lr(out: Path) -> None:
@@ -161,17 +161,17 @@ def slow_cache_build(out: Path) -> None:
 
 
 def rank1_skips_an_all_reduce(out: Path) -> None:
-    """Rank 1 skips the first epoch's reduction of its metrics (common.all_reduce), a
+    """Rank 1 skips the first epoch's reduction of its metrics (distributed.all_reduce), a
     collective that every rank must call."""
-    from training import common
-    real, skipped = common.all_reduce, []
+    from training import distributed
+    real, skipped = distributed.all_reduce, []
 
     def all_reduce(tensor, *args, **kwargs):
         if RANK == 1 and not skipped:
             skipped.append(True)
             return tensor
         return real(tensor, *args, **kwargs)
-    common.all_reduce = all_reduce
+    distributed.all_reduce = all_reduce
 
 
 def rank0_saves_alone(out: Path) -> None:
@@ -190,14 +190,13 @@ def rank0_saves_alone(out: Path) -> None:
 def rank1_one_batch_fewer(out: Path) -> None:
     """Rank 1's sampler yields $FEWER_SAMPLES (default 16, one batch) fewer training samples
     than the others': one step fewer in the epoch."""
-    from training import checkpoint
-    real = checkpoint.SkipFirst.__iter__
+    real = loading.SkipFirst.__iter__
     fewer = int(os.environ.get("FEWER_SAMPLES", "16"))
 
     def samples(self):
         indices = list(real(self))
         return iter(indices[:len(indices) - fewer] if RANK == 1 else indices)
-    checkpoint.SkipFirst.__iter__ = samples
+    loading.SkipFirst.__iter__ = samples
 
 
 def old_torch(out: Path) -> None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from training import common, datautils, faults, models, tinyimagenet
+from training import common, datasets, faults, loading, models, tinyimagenet
 from conftest import check_ok, metrics, run_script
 
 CPU = torch.device("cpu")
@@ -62,8 +62,8 @@ def _all_ranks(model, dataset, world, batch, args, prepare=None):
     total = torch.zeros(3, dtype=torch.float64)
     for rank in range(world):
         sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
-        loader = datautils.make_loader(dataset, sampler, batch, args, CPU, val=True)
-        total += common.evaluate(model, loader, CPU, None, datautils.real_samples(sampler), prepare)
+        loader = loading.make_loader(dataset, sampler, batch, args, CPU, val=True)
+        total += common.evaluate(model, loader, CPU, None, loading.real_samples(sampler), prepare)
     return total
 
 
@@ -82,9 +82,9 @@ def damaged(tiny_imagenet, tmp_path_factory):
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_unreadable_val_images_leave_count_and_sums_exact(damaged, world):
     data_dir, model = damaged
-    val = datautils.build_data(_args(data_dir)).val
+    val = datasets.build_data(_args(data_dir)).val
     for n in (37, 40):  # 37 is padded at every world size above 1, 40 at 3
-        subset = datautils.ImageList(val.samples[:n])
+        subset = datasets.ImageList(val.samples[:n])
         want = _truth(model, subset)
         assert want[2] == n - 5
         for batch in (5, 8):  # no batch made of unreadable images only
@@ -99,11 +99,11 @@ def test_cache_path_still_counts_each_val_image_once(damaged, tmp_path, on_devic
     """The cache leaves unreadable images out when it is built: its batches (and
     --data-on-device's) carry no survivors mask, and evaluate() counts them as before."""
     data_dir, model = damaged
-    want = _truth(model, datautils.build_data(_args(data_dir)).val)
+    want = _truth(model, datasets.build_data(_args(data_dir)).val)
     args = _args(data_dir, cache=str(tmp_path / "c"), on_device=on_device)
-    data = datautils.build_data(args)
+    data = datasets.build_data(args)
     assert len(data.val) == 35
-    prepare = datautils.batch_finisher(data, models.memory_format(model, CPU))
+    prepare = loading.batch_finisher(data, models.memory_format(model, CPU))
     got = _all_ranks(model, data.val, 3, 8, args, prepare)
     assert got[2] == want[2] == 35 and got[1] == want[1]
     assert got[0].item() == pytest.approx(want[0].item(), rel=1e-4)
@@ -130,7 +130,7 @@ def test_script_reports_exact_val_metrics_with_an_unreadable_image(tiny_imagenet
     model = models.build_model("squeezenet1_1", 4, (3, 64, 64))
     model.load_state_dict(torch.load(weights, weights_only=True))
     loss_sum, correct, count = _truth(model.eval(),
-                                      datautils.build_data(_args(data_dir)).val).tolist()
+                                      datasets.build_data(_args(data_dir)).val).tolist()
     assert count == 40 - len(drop) - len(unreadable)
     assert int(m["val_images"]) == count
     assert float(m["val_loss"]) == pytest.approx(loss_sum / count, rel=1e-4)
@@ -174,7 +174,7 @@ def test_mnist_without_network_is_one_clean_line(tmp_path, monkeypatch):
     monkeypatch.setattr(torchvision.datasets, "MNIST", offline)
     args = argparse.Namespace(dataset="mnist", data_dir=str(tmp_path))
     with pytest.raises(faults.UsageError) as refused:
-        datautils._torchvision_data(args)
+        datasets._torchvision_data(args)
     assert str(refused.value) == (
         f"could not load mnist from {tmp_path} (RuntimeError: Error downloading "
         f"train-images-idx3-ubyte.gz: <urlopen error [Errno -2] Name or service not known>); "

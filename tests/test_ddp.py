@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 
-from training import contract, datautils, distributed, models, tinyimagenet
+from training import contract, datasets, distributed, loading, models, tinyimagenet
 from conftest import (FAST, REPO, check_ok, env_for_tests, epoch_lines, fake_gpus, metrics,
                       run_script)
 
@@ -97,8 +97,8 @@ def test_validation_counts_each_sample_once_when_world_does_not_divide(tmp_path)
     model = models.build_model("cnn", 10, (3, 32, 32))
     model.load_state_dict(_weights(tmp_path / "m.pt"))
     model.eval()
-    val = datautils.SyntheticImages(65, (3, 32, 32), 10, 0, "val")
-    finish = datautils.DeviceAugment(*datautils.NORMALIZE["synthetic"], crop_flip=False)
+    val = datasets.SyntheticImages(65, (3, 32, 32), 10, 0, "val")
+    finish = datasets.DeviceAugment(*datasets.NORMALIZE["synthetic"], crop_flip=False)
     x = finish(torch.stack([val[i][0] for i in range(65)]), train=False)
     y = torch.tensor([val[i][1] for i in range(65)])
     with torch.no_grad():
@@ -136,7 +136,7 @@ def test_real_samples_matches_padding(n, world):
     counted = []
     for rank in range(world):
         s = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
-        k = datautils.real_samples(s)
+        k = loading.real_samples(s)
         counted += list(s)[:k]
     assert sorted(counted) == dataset
 
@@ -322,9 +322,9 @@ def test_cache_and_folder_paths_give_the_same_pixels_and_labels(tiny_imagenet, t
                               data_on_device=False,
                               strict=False, num_workers=1, data_cache=str(tmp_path / "c"),
                               seed=0)
-    cached = datautils.build_data(args)
+    cached = datasets.build_data(args)
     args.data_cache = None
-    folder = datautils.build_data(args)
+    folder = datasets.build_data(args)
     assert cached.train.targets == folder.train.targets
     assert cached.val.targets == folder.val.targets
     norm = cached.device_augment
@@ -336,7 +336,7 @@ def test_cache_and_folder_paths_give_the_same_pixels_and_labels(tiny_imagenet, t
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     # training pixels: the un-augmented folder image (ToTensor + Normalize) vs the cache
     from torchvision import transforms as T
-    plain = T.Compose([T.ToTensor(), T.Normalize(*datautils.NORMALIZE["tinyimagenet"])])
+    plain = T.Compose([T.ToTensor(), T.Normalize(*datasets.NORMALIZE["tinyimagenet"])])
     tr_u8, _ = cached.train[list(range(8))]
     from PIL import Image
     for i in range(8):
@@ -347,7 +347,7 @@ def test_cache_and_folder_paths_give_the_same_pixels_and_labels(tiny_imagenet, t
     torch.manual_seed(0)
     aug = norm(tr_u8[:4], train=True)
     base = norm(tr_u8[:4], train=False)
-    mean, std = (torch.tensor(v).view(1, -1, 1, 1) for v in datautils.NORMALIZE["tinyimagenet"])
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1) for v in datasets.NORMALIZE["tinyimagenet"])
     padded = torch.nn.functional.pad(base * std + mean, (4, 4, 4, 4))
     padded = (padded - mean) / std
     for b in range(4):
@@ -390,10 +390,10 @@ def test_started_loader_drops_its_early_batches(tiny_imagenet, tmp_path, cached)
                               data_on_device=False,
                               strict=False, num_workers=1, seed=0,
                               data_cache=str(tmp_path / "c") if cached else None)
-    data = datautils.build_data(args)
+    data = datasets.build_data(args)
     sampler = DistributedSampler(data.val, num_replicas=1, rank=0, shuffle=False)
-    loader = datautils.make_loader(data.val, sampler, 7, args, torch.device("cpu"),
-                                start_now=True)
+    loader = loading.make_loader(data.val, sampler, 7, args, torch.device("cpu"),
+                                 start_now=True)
     assert loader._iterator is not None and loader._iterator._workers[0].is_alive()
     for _ in range(2):
         labels = torch.cat([y for _, y in loader]).tolist()

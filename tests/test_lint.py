@@ -5,6 +5,7 @@ here, as flake8 and ruff would skip it."""
 
 from __future__ import annotations
 
+import ast
 import io
 
 import pytest
@@ -57,3 +58,50 @@ def test_a_real_unused_import_is_caught(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import os\nimport sys  # noqa: F401\n")
     assert findings(bad, tmp_path) == ["bad.py:1:1: 'os' imported but unused"]
+
+
+def training_imports() -> dict:
+    """{module: the training modules it imports} for every module of training/, imports inside
+    functions included: a late import hides a circle, it does not remove it."""
+    graph = {}
+    for path in sorted((REPO / "training").glob("*.py")):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module == "training":
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("training."):
+                found.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                found.update(alias.name.split(".")[1] for alias in node.names
+                             if alias.name.startswith("training."))
+        graph[path.stem] = found - {path.stem}
+    return graph
+
+
+def test_training_modules_import_no_circle():
+    """No module of training/ imports one that imports it back, however far round: each can be
+    read, and imported, on its own terms."""
+    graph = training_imports()
+    done, path = set(), []
+
+    def visit(module):
+        if module in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(module):]
+                                                                 + [module]))
+        if module in done:
+            return
+        path.append(module)
+        for other in sorted(graph.get(module, ())):
+            visit(other)
+        path.pop()
+        done.add(module)
+
+    for module in graph:
+        visit(module)
+
+
+def test_printing_imports_nothing_above_it():
+    """print0 and the reductions over ranks live with the rank accessor (distributed.py): no
+    module of training/ imports common, the top of the tree that only the scripts use."""
+    importers = sorted(m for m, imports in training_imports().items() if "common" in imports)
+    assert not importers, f"these modules import training.common: {importers}"

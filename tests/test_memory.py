@@ -175,23 +175,23 @@ import sys, torch, torch.distributed as dist
 sys.path.insert(0, {repo!r})
 import ddp_train
 from torch.utils.data import DistributedSampler
-from training import checkpoint, datautils, flags, memory
+from training import datasets, flags, loading, memory
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 args = ddp_train.build_parser().parse_args({argv!r})
 flags.check_flags(args)  # the defaults that depend on the dataset
-data = datautils.build_data(args)
+data = datasets.build_data(args)
 batch, cpu = args.batch_size, torch.device("cpu")
 
 
 def loaders(on_device):
     # as ddp_train.py makes them
     args.data_on_device = on_device
-    sampler = checkpoint.SkipFirst(DistributedSampler(
+    sampler = loading.SkipFirst(DistributedSampler(
         data.train, num_replicas=world, rank=rank, shuffle=True, seed=args.seed, drop_last=True))
     val = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
-    return (sampler, datautils.make_loader(data.train, sampler, batch, args, cpu, drop_last=True),
-            datautils.make_loader(data.val, val, batch, args, cpu, val=True))
+    return (sampler, loading.make_loader(data.train, sampler, batch, args, cpu, drop_last=True),
+            loading.make_loader(data.val, val, batch, args, cpu, val=True))
 
 
 (host_sampler, host, host_val), (dev_sampler, dev, dev_val) = loaders(False), loaders(True)

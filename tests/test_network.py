@@ -97,23 +97,23 @@ def test_bandwidth_under_its_transports_floor_is_warned():
 
 def test_the_run_reads_its_own_nccl_log_and_warns_for_sockets_beside_infiniband(
         tmp_path, monkeypatch, capsys):
-    """measure.transport on NCCL (its backend and a second node faked, since the CPU has no
+    """bandwidth.transport on NCCL (its backend and a second node faked, since the CPU has no
     NCCL): this process's captured log is read, and the socket fallback on two nodes that have
     InfiniBand devices is warned; without a captured log the transport is unknown, not guessed."""
-    from training import measure
-    monkeypatch.setattr(measure.dist, "get_backend", lambda *a: "nccl")
-    monkeypatch.setattr(measure, "every_rank", lambda mine: [mine, ("gpu-b08", *mine[1:])])
+    from training import bandwidth
+    monkeypatch.setattr(bandwidth.dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(bandwidth, "every_rank", lambda mine: [mine, ("gpu-b08", *mine[1:])])
     (tmp_path / "infiniband" / "mlx5_0").mkdir(parents=True)
     monkeypatch.setattr(network, "IB_SYSFS", str(tmp_path / "infiniband"))
     env = {"RUN_DIR": str(tmp_path)}
     network.capture_nccl_log(env)
     monkeypatch.setenv("NCCL_DEBUG_FILE", env["NCCL_DEBUG_FILE"])
     network.captured_log().write_text((NCCL_LOGS / "socket_fallback.log").read_text())
-    used, warnings = measure.transport()
+    used, warnings = bandwidth.transport()
     assert used == "socket:eth0"
     assert warnings[0].startswith("warning: this 2-node job's NCCL traffic goes over TCP sockets")
     assert f"transport: socket:eth0 (NCCL's INFO lines: {network.captured_log()}" in \
         capsys.readouterr().out
     monkeypatch.delenv("NCCL_DEBUG_FILE")
-    assert measure.transport()[0] == "unknown"
+    assert bandwidth.transport()[0] == "unknown"
     assert "NCCL's INFO lines were not captured" in capsys.readouterr().out

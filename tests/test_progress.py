@@ -11,7 +11,7 @@ import pytest
 from conftest import ON_CUDA, REPO, check_ok, env_for_tests, metrics, run_script
 
 
-from training import contract, measure, schedule
+from training import contract, measure, profiling, schedule
 
 PATCHED = REPO / "tests" / "patched_run.py"
 PROGRESS_RE = re.compile(
@@ -174,8 +174,8 @@ def test_step_breakdown_splits_the_step_into_parts_that_do_not_overlap():
         _x("nccl:all_reduce", 70, 80), _x("gloo:all_reduce", 100, 420, "user_annotation"),
         _x("sgemm", 0, 100, "kernel"), _x("conv", 150, 300, "gpu_memcpy"),
         _x("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 80, 200, "kernel"),
-        _x(measure.WAIT_LABEL, 300, 350, "user_annotation"),
-        _x(measure.WAIT_LABEL, 120, 140, "user_annotation"),
+        _x(profiling.WAIT_LABEL, 300, 350, "user_annotation"),
+        _x(profiling.WAIT_LABEL, 120, 140, "user_annotation"),
         _x("aten::addmm", 0, 400), {"ph": "i", "name": "marker", "ts": 5},
         # the host's launches: 3 kernels, a copy, a graph (2 steps: 2.5 a step); a sync is not one
         _x("cudaLaunchKernel", 1, 2, "cuda_runtime"),
@@ -183,7 +183,7 @@ def test_step_breakdown_splits_the_step_into_parts_that_do_not_overlap():
         _x("cuLaunchKernel", 5, 6, "cuda_driver"), _x("cudaMemcpyAsync", 7, 8, "cuda_runtime"),
         _x("cudaGraphLaunch", 9, 10, "cuda_runtime"),
         _x("cudaStreamSynchronize", 11, 12, "cuda_runtime")]}
-    parts = measure.step_breakdown(gpu, steps=2, window_s=500e-6, gpu=True)
+    parts = profiling.step_breakdown(gpu, steps=2, window_s=500e-6, gpu=True)
     assert parts == pytest.approx(dict(steps=2, step_ms=0.25, compute_ms=0.125,
                                        exposed_comm_ms=0.025, data_wait_ms=0.025,
                                        other_ms=0.075, comm_ms=0.06, launches_per_step=2.5))
@@ -193,8 +193,8 @@ def test_step_breakdown_splits_the_step_into_parts_that_do_not_overlap():
     cpu = {"traceEvents": [
         _x("aten::convolution", 0, 100), _x("aten::convolution", 30, 60),
         _x("gloo:all_reduce", 90, 220, "user_annotation"), _x("c10d::allreduce_", 95, 96),
-        _x(measure.WAIT_LABEL, 200, 250, "user_annotation"), _x("aten::stack", 210, 240)]}
-    parts = measure.step_breakdown(cpu, steps=1, window_s=300e-6, gpu=False)
+        _x(profiling.WAIT_LABEL, 200, 250, "user_annotation"), _x("aten::stack", 210, 240)]}
+    parts = profiling.step_breakdown(cpu, steps=1, window_s=300e-6, gpu=False)
     assert parts == pytest.approx(dict(steps=1, step_ms=0.3, compute_ms=0.1,
                                        exposed_comm_ms=0.1, data_wait_ms=0.05, other_ms=0.05,
                                        comm_ms=0.13, launches_per_step=0))
@@ -216,7 +216,7 @@ def test_profile_writes_a_trace_and_a_step_breakdown_that_adds_up(tmp_path):
         fields = dict(kv.split("=", 1) for kv in lines[0].split()[1:])
         assert fields["trace"] == str(out / "profile_trace_rank0.json")
         trace = json.loads((out / "profile_trace_rank0.json").read_text())
-        assert any(e.get("name") == measure.WAIT_LABEL for e in trace["traceEvents"])
+        assert any(e.get("name") == profiling.WAIT_LABEL for e in trace["traceEvents"])
         step, parts = float(fields["step_ms"]), [float(fields[k]) for k in (
             "compute_ms", "exposed_comm_ms", "data_wait_ms", "other_ms")]
         assert fields["steps"] == "5" and step > 0 and min(parts) >= 0
@@ -300,7 +300,7 @@ def test_profile_tears_cupti_down_after_its_window(tmp_path, monkeypatch):
     import torch
     monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
     quiet = argparse.Namespace(profile=None, cuda_graph=False)
-    measure.StepProfiler(quiet, 10, torch.device("cpu"))
+    profiling.StepProfiler(quiet, 10, torch.device("cpu"))
     assert "TEARDOWN_CUPTI" not in os.environ  # without --profile: no profiler, nothing set
     at_stop, stop = [], torch.profiler.profile.stop
 
@@ -309,12 +309,12 @@ def test_profile_tears_cupti_down_after_its_window(tmp_path, monkeypatch):
         stop(self)
     monkeypatch.setattr(torch.profiler.profile, "stop", record)
     profiled = argparse.Namespace(profile=str(tmp_path), cuda_graph=False)
-    profiler = measure.StepProfiler(profiled, 10, torch.device("cpu"))
+    profiler = profiling.StepProfiler(profiled, 10, torch.device("cpu"))
     for _ in profiler.epoch(([torch.ones(64, 64) @ torch.ones(64, 64)] for _ in range(10)), 0):
         pass
     assert at_stop == ["1"]
     monkeypatch.setenv("TEARDOWN_CUPTI", "0")
-    measure.StepProfiler(profiled, 10, torch.device("cpu"))
+    profiling.StepProfiler(profiled, 10, torch.device("cpu"))
     assert os.environ["TEARDOWN_CUPTI"] == "0"
 
 

@@ -12,12 +12,12 @@ import time
 import pytest
 import torch
 
-from training import datautils
+from training import datasets
 from training.faults import UsageError
 from conftest import check_ok, metrics, run_script
 
-FOLDER = datautils.FASHION_MNIST_DIR
-NAMES = [n for pair in datautils.FASHION_MNIST_FILES.values() for n in pair]
+FOLDER = datasets.FASHION_MNIST_DIR
+NAMES = [n for pair in datasets.FASHION_MNIST_FILES.values() for n in pair]
 
 
 def _package_present() -> bool:
@@ -53,14 +53,14 @@ def _one_line_error(proc, *fragments):
 
 
 def test_the_package_reads_as_published():
-    data = datautils.build_data(_args())
+    data = datasets.build_data(_args())
     assert (len(data.train), len(data.val), data.num_classes) == (60000, 10000, 10)
     assert data.input_shape == (1, 28, 28)
     for split, per_class in ((data.train, 6000), (data.val, 1000)):  # balanced classes
         assert torch.bincount(split.labels).tolist() == [per_class] * 10
     # the normalisation constants are this training split's own mean and std
     pixels = data.train.images.float() / 255
-    mean, std = datautils.NORMALIZE["fashion-mnist"]
+    mean, std = datasets.NORMALIZE["fashion-mnist"]
     assert pixels.mean().item() == pytest.approx(mean[0], abs=1e-4)
     assert pixels.std().item() == pytest.approx(std[0], abs=1e-4)
     image, label = data.train[0]
@@ -76,14 +76,14 @@ def test_torchvisions_layout_unzipped_reads_the_same(tmp_path):
     for n in NAMES:
         with gzip.open(FOLDER / f"{n}.gz") as src:
             (raw / n).write_bytes(src.read())
-    ours = datautils.build_data(_args(tmp_path))
+    ours = datasets.build_data(_args(tmp_path))
     assert torch.equal(ours.val.images, read_image_file(str(raw / "t10k-images-idx3-ubyte")))
     assert torch.equal(ours.train.labels, read_label_file(str(raw / "train-labels-idx1-ubyte")))
-    assert torch.equal(ours.train.images, datautils.build_data(_args()).train.images)
+    assert torch.equal(ours.train.images, datasets.build_data(_args()).train.images)
 
 
 def test_a_three_channel_model_gets_the_grey_channel_repeated():
-    data = datautils.build_data(_args(model="resnet18"))
+    data = datasets.build_data(_args(model="resnet18"))
     image, _ = data.train[3]
     assert data.input_shape == (3, 28, 28) and image.shape == (3, 28, 28)
     assert torch.equal(image[0], image[1]) and torch.equal(image[0], image[2])
@@ -112,7 +112,7 @@ def test_one_missing_file_is_named(tmp_path):
     for n in NAMES[1:]:
         shutil.copy(FOLDER / f"{n}.gz", tmp_path)
     with pytest.raises(UsageError) as err:
-        datautils.find_fashion_mnist(tmp_path)
+        datasets.find_fashion_mnist(tmp_path)
     assert str(err.value).startswith(f"Fashion-MNIST in {tmp_path} lacks {NAMES[0]}(.gz): put "
                                      f"it there beside the others"), err.value
     assert not any(n in str(err.value) for n in NAMES[1:])

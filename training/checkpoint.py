@@ -15,7 +15,6 @@ stopping.py's, the NaN guard before each checkpoint lossguard.py's.
 from __future__ import annotations
 
 import errno
-import itertools
 import os
 import random
 import re
@@ -28,8 +27,7 @@ from pathlib import Path
 import torch
 
 from training import hangs
-from training.common import print0
-from training.distributed import every_rank, on_rank0, raise_if_any_rank, rank_and_world
+from training.distributed import every_rank, on_rank0, print0, raise_if_any_rank, rank_and_world
 from training.faults import UsageError, lock_checkpoint_dir
 from training.schedule import place_schedule
 
@@ -249,7 +247,7 @@ def check_checkpoint_dir(directory, model) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Resume: the newest checkpoint that loads, the random state, the batches already seen
+# Resume: the newest checkpoint that loads, the random state
 # --------------------------------------------------------------------------------------------
 
 
@@ -411,24 +409,6 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-class SkipFirst(torch.utils.data.Sampler):
-    """Wrap a (Distributed)Sampler and skip the first ``skip_samples`` indices of the next
-    epoch (the samples of the steps a resumed epoch already ran, counted in samples, not
-    steps), so a run resumed mid-epoch does not see the batches it already trained on."""
-
-    def __init__(self, sampler):
-        self.sampler, self.skip_samples = sampler, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-    def __iter__(self):
-        return itertools.islice(iter(self.sampler), self.skip_samples, None)
-
-    def __len__(self):
-        return max(0, len(self.sampler) - self.skip_samples)
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,17 +1,18 @@
 """What every training script does around its own lesson: ``run(train, parser)``, which each
-script's main() calls (flags, rank layout, stop signals, watchdog, exit codes), ``print0``,
-the evaluation pass (every validation sample counted exactly once), the metric reduction and
-the provenance lines a run starts with.
+script's main() calls (flags, rank layout, stop signals, watchdog, exit codes), the
+evaluation pass (every validation sample counted exactly once) and the provenance lines a run
+starts with.
 
 dp_train.py, ddp_train.py and fsdp_train.py each keep inline what a strategy *is* (process
 group, model wrapper, sampler, training step, metric reduction, saving). The flags are in
-flags.py, the rank layout in distributed.py, the output lines and exit codes in contract.py,
-the models in models.py, the data in datautils.py, checkpoints in checkpoint.py, what
-happens when something goes wrong in faults.py, the stop for a requeue in stopping.py, the
-NaN guard in lossguard.py, the learning-rate schedule in schedule.py, and what a run measures
-about itself beyond the metrics (progress, data wait, peak memory, --profile, --check's
-bandwidth) in measure.py. Importing
-this module has no side effects.
+flags.py; the rank layout, ``print0`` and the reduction over ranks in distributed.py; the
+output lines and exit codes in contract.py; the models in models.py; the datasets in
+datasets.py and the loaders that feed them to the loop in loading.py; checkpoints in
+checkpoint.py; what happens when something goes wrong in faults.py; the stop for a requeue in
+stopping.py; the NaN guard in lossguard.py; the learning-rate schedule in schedule.py; what a
+run measures about itself beyond the metrics (progress, data wait, peak memory) in
+measure.py, --profile's step breakdown in profiling.py and the collectives' bandwidth in
+bandwidth.py. Importing this module has no side effects.
 """
 
 from __future__ import annotations
@@ -26,26 +27,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from training import allocation, contract, devices, distributed, hangs, network, watchdog
-from training.distributed import DistEnv, dist_env, rank_and_world
+from training.distributed import DistEnv, dist_env, print0
 from training.faults import (UsageError, collective_failed, crashed, exit_line, fail_cleanly,
                              is_collective_failure)
 from training.flags import AMP_TEXT, check_flags, default_workers
 from training.lossguard import NonFiniteLoss
 from training.stopping import Requeue, catch_stop_signals
-
-
-_prefix = ""  # --simulate-world-size: every line says it is a simulation
-
-
-def print0(*values) -> None:
-    """print on rank 0 only, flushed: logs are read with tail -f."""
-    if rank_and_world()[0] == 0:
-        print(_prefix + " ".join(map(str, values)), flush=True)
-
-
-def set_print_prefix(prefix: str) -> None:
-    global _prefix
-    _prefix = prefix
 
 
 def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
@@ -73,7 +60,7 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         if args.simulate_world_size:  # rank 0 of N, on the fake process group
             env = distributed.simulated(args.simulate_world_size, env)
             distributed.set_layout(env)
-            set_print_prefix(f"simulation, rank 0 of {env.world_size}: ")
+            distributed.set_print_prefix(f"simulation, rank 0 of {env.world_size}: ")
         # The launch against what Slurm gave the job, before any collective: one sentence
         # that names the #SBATCH line to change (launch/job.sh's runs and --check alike).
         workers = args.num_workers if args.num_workers is not None else default_workers(env)
@@ -150,14 +137,6 @@ def evaluate(model, loader, device, dtype, n_real: int, prepare=None) -> torch.T
             sums[1] += (logits.argmax(1) == labels).sum()
             sums[2] += keep
     return sums
-
-
-def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """``dist.all_reduce`` in place over every rank (a collective: all ranks call it). Without
-    a process group it does nothing: DataParallel's one process holds every GPU's numbers."""
-    if rank_and_world()[1] > 1:
-        dist.all_reduce(tensor, op=op)
-    return tensor
 
 
 def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:

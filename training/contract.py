@@ -15,11 +15,11 @@ Every line a launcher or a parser reacts to is ``[TAG] key=value ...``:
   joined by ","), written by training/stragglers.py, read by collect_results.py.
 
 The training scripts write the epoch and ``[METRIC]`` lines, checkpoint.py the ``[STOP]`` line,
-faults.py the ``[EXIT]`` line, measure.py the ``[PROFILE]`` and ``[BANDWIDTH]`` lines; the
-parsers read them with ``fields`` (a value with ``number``). A ``[METRIC]`` line is read by one
-set of rules, ``read_metric_line``'s, whether a log's lines (``metric_lines``) or one line of
-output (``parse_metric_line``). This module imports no torch, so the parsers run on a login
-node without it.
+faults.py the ``[EXIT]`` line, profiling.py the ``[PROFILE]`` line, bandwidth.py the
+``[BANDWIDTH]`` lines; the parsers read them with ``fields`` (a value with ``number``). A
+``[METRIC]`` line is read by one set of rules, ``read_metric_line``'s, whether a log's lines
+(``metric_lines``) or one line of output (``parse_metric_line``). This module imports no
+torch, so the parsers run on a login node without it.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import contextlib
 
 import torch
 
-from training.common import print0
+from training.distributed import print0
 from training.faults import UsageError
 
 # --cuda-graph: the peak of the captured step, per device. A replay allocates nothing (its

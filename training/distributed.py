@@ -4,7 +4,9 @@ torchrun describes the layout in RANK / WORLD_SIZE / LOCAL_RANK and friends; ``s
 torchrun in SLURM_PROCID / SLURM_NTASKS and the node list. ``dist_env`` reads either into one
 ``DistEnv``; ``gpu_index`` picks this rank's GPU; ``init_process_group`` joins the others;
 ``on_rank0`` and ``raise_if_any_rank`` make every rank act on what one rank found. Once the
-group is up, ``rank_and_world()`` is the one answer to "which rank am I, how many are we".
+group is up, ``rank_and_world()`` is the one answer to "which rank am I, how many are we";
+``print0`` prints on rank 0 and ``all_reduce`` sums over every rank, so that a module that only
+prints or reduces imports nothing above this one.
 """
 
 from __future__ import annotations
@@ -417,6 +419,28 @@ def rank_and_world() -> tuple:
     if _layout is not None:
         return _layout.rank, _layout.world_size
     return 0, 1
+
+
+_prefix = ""  # --simulate-world-size: every line says it is a simulation
+
+
+def print0(*values) -> None:
+    """print on rank 0 only, flushed: logs are read with tail -f."""
+    if rank_and_world()[0] == 0:
+        print(_prefix + " ".join(map(str, values)), flush=True)
+
+
+def set_print_prefix(prefix: str) -> None:
+    global _prefix
+    _prefix = prefix
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``dist.all_reduce`` in place over every rank (a collective: all ranks call it). Without
+    a process group it does nothing: DataParallel's one process holds every GPU's numbers."""
+    if rank_and_world()[1] > 1:
+        dist.all_reduce(tensor, op=op)
+    return tensor
 
 
 def on_rank0(fn):

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from training.distributed import rank_and_world
+from training.distributed import print0, rank_and_world
 
 
 class NonFiniteLoss(Exception):
@@ -74,7 +74,6 @@ def name_jump(jump, epoch: int) -> None:
             enumerate(rows.tolist()) if step >= 0]
     if not seen:
         return
-    from training.common import print0  # here: common imports this module
     step, r, before, after = min(seen)
     where = f" on rank {r}" if world > 1 else ""
     print0(f"warning: the loss jumped from {before:.4g} to {after:.4g} at epoch {epoch + 1}, "

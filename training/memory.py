@@ -39,8 +39,8 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from training import contract, datautils, flags, models, tinyimagenet
-from training.common import print0
+from training import contract, datasets, flags, models, tinyimagenet
+from training.distributed import print0
 from training.faults import UsageError
 
 MIB = 2**20
@@ -242,7 +242,7 @@ def data_and_inputs(args, processes: int, loader_batch: int, model_batch: int) -
     data = 0
     if args.data_on_device:
         samples = train_samples(args) // processes // loader_batch * loader_batch
-        noise = 2 * (image + datautils.SyntheticImages.NOISE_SHIFTS)  # int16
+        noise = 2 * (image + datasets.SyntheticImages.NOISE_SHIFTS)  # int16
         data = samples * (stored + 8) if cache else 2 * (classes * image + noise) + samples * 16
     in_flight = 0 if args.data_on_device and cache else 2 * loader_batch * (stored + 8)
     finished = model_batch * image * 4 if args.amp != "off" else 0

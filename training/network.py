@@ -8,7 +8,7 @@ NET/Socket/0``, ``via P2P/IPC``, ``via SHM/direct/direct``). A multi-node job th
 back to TCP sockets is as slow as one node, or slower, and nothing else says why. So --check and
 --profile capture NCCL's INFO lines in a file per process (``capture_nccl_log``, called before
 the process group starts, because NCCL reads its environment once, at its first use), and
-measure.py reports what ``parse_nccl_log`` reads there as the ``transport=`` key of its
+bandwidth.py reports what ``parse_nccl_log`` reads there as the ``transport=`` key of its
 ``[BANDWIDTH]`` lines. gloo (the CPU) always talks TCP, over GLOO_SOCKET_IFNAME or the interface
 of the host name's address (``gloo_transport``).
 

@@ -17,8 +17,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from training import contract, datautils, memory
-from training.common import print0
+from training import contract, loading, memory
+from training.distributed import print0
 from training.measure import synchronize
 
 STEPS = 2
@@ -105,7 +105,7 @@ def report(train_step, wrapper: nn.Module, model: nn.Module, optimizer, loader, 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     wrapper.train()
-    for step, (images, labels) in enumerate(datautils.to_device(loader, device)):
+    for step, (images, labels) in enumerate(loading.to_device(loader, device)):
         if step == STEPS:
             break
         train_step(prepare(images, train=True), labels)

@@ -47,6 +47,7 @@ import time
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 try:
@@ -54,9 +55,8 @@ try:
 except ImportError:  # torch before 2.6: common.run() stops the run with one sentence
     FSDPModule = None
 
-from training import contract, hangs
-from training.common import print0
-from training.distributed import every_rank, rank_and_world
+from training import contract, hangs, torch_private
+from training.distributed import every_rank, print0, rank_and_world
 
 #: A rank whose own time is this much above the median rank's is named.
 SLOW_FACTOR = contract.SLOW_RANK_SPREAD
@@ -260,10 +260,15 @@ def watch_ddp(replica, optimizer, device: torch.device, args) -> RankClock:
 
     replica.register_comm_hook(None, arrive)
     optimizer.register_step_pre_hook(lambda *_: clock.waits.close())
-    if callable(getattr(optimizer, "_sync_params", None)):
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
         # --zero1: after its step each rank broadcasts its partition of the parameters, and
         # every rank receives the others': a wait for the rank that steps slowest
-        optimizer._sync_params = _timed(optimizer._sync_params, clock.waits)
+        try:
+            torch_private.wrap_zero_broadcast(optimizer, lambda sync: _timed(sync, clock.waits))
+        except torch_private.TorchInternalMoved as moved:
+            print0(f"note: {moved}; the waits for other ranks are not measured and no "
+                   f"straggler can be named (rank_spread=nan)")
+            return RankClock(device, measured=False)
     has_buffers = any(True for _ in replica.module.buffers())
     # DDP broadcasts rank 0's buffers before each forward (not timed under --compile, whose
     # trace would take the forward hooks in)
@@ -273,36 +278,31 @@ def watch_ddp(replica, optimizer, device: torch.device, args) -> RankClock:
     return clock
 
 
-def _fsdp_groups(unit) -> list:
-    """The parameter groups FSDP2 made for ``unit`` (torch 2.9: one; later: a list)."""
-    state = unit._get_fsdp_state() if hasattr(unit, "_get_fsdp_state") else None
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return list(groups)
-
-
 def watch_fsdp(units: list, device: torch.device) -> RankClock:
     """FSDP2: the time each unit's parameter group spends in FSDP's unshard (issuing the
     all-gather, which blocks on gloo) and its wait for it, in forward and backward, and in its
     post-backward (the gradients' reduce-scatter, which blocks on gloo; on a GPU it runs on
     FSDP's own stream, and the compute stream waits for it here and at the end of backward,
     in finalize_backward, also timed): every rank takes part in each of
-    these collectives, so this is where a fast rank waits for a slow one. Private methods of
-    FSDP's parameter groups (torch 2.9 to 2.14): a group without them is left untimed."""
+    these collectives, so this is where a fast rank waits for a slow one. These are private
+    methods of FSDP's parameter groups, reached through torch_private.py: on a torch that
+    moved them nothing is timed, and a note says so."""
     clock = RankClock(device)
     # On the CPU, gloo's collectives block the host where FSDP issues them; on a GPU they run
     # on FSDP's own streams, and the compute stream waits for them in only these two
     names = (("wait_for_unshard", "finalize_backward") if device.type == "cuda" else
              ("unshard", "wait_for_unshard", "post_backward", "finalize_backward"))
     timed = 0
-    for unit in units:
-        for group in _fsdp_groups(unit):
-            for name in names:
-                if callable(getattr(group, name, None)):
-                    setattr(group, name, _timed(getattr(group, name), clock.waits))
-                    timed += 1
+    try:
+        for unit in units:
+            for group in torch_private.fsdp_param_groups(unit):
+                torch_private.wrap_fsdp_group_methods(group, names,
+                                                      lambda method: _timed(method, clock.waits))
+                timed += 1
+    except torch_private.TorchInternalMoved as moved:
+        print0(f"note: {moved}; the waits for other ranks are not measured and no straggler "
+               f"can be named (rank_spread=nan)")
+        return RankClock(device, measured=False)
     if not timed:
         print0(f"note: this torch ({torch.__version__}) hides FSDP's parameter groups: the "
                f"waits for other ranks are not measured and no straggler can be named "

@@ -3,7 +3,7 @@ of it in memory-mapped uint8 arrays, the input of --data-cache (``prepare``; the
 prepare_tinyimagenet.py builds it ahead, the training on each node's local rank 0 otherwise).
 
 The cache holds, per split, {split}_u8.npy (N x 64 x 64 x 3), {split}_labels.npy and
-{split}_meta.json; datautils.CachedSplit reads them. The meta file holds a checksum of the file
+{split}_meta.json; datasets.CachedSplit reads them. The meta file holds a checksum of the file
 list (names, labels, sizes): when the dataset changes the cache is rebuilt, otherwise reused.
 Unreadable images are left out and counted, an image of another size than 64x64 is resized
 with a warning naming it (--strict: stop and name the first of either).
@@ -211,7 +211,7 @@ SIZE = 64  # every TinyImageNet image is 64x64 pixels
 def load_rgb(path):
     """An image as RGB at TinyImageNet's 64x64, and its own (width, height) when it had
     another size and was resized (None when it had the right one). The folder path
-    (datautils.ImageList) and the cache share it, so both treat an odd image the same way.
+    (datasets.ImageList) and the cache share it, so both treat an odd image the same way.
     Raises PIL's errors for a file that cannot be read."""
     from PIL import Image  # imported here: runs on synthetic data or the cache never need it
     with Image.open(path) as img:  # some TinyImageNet images are greyscale

@@ -1,0 +1,70 @@
+"""The private torch internals this project reaches into, each behind one function.
+
+A private name can move in any torch release without notice. Kept here, each one is found in
+one place, names the torch versions it was checked on, and says in one sentence when this torch
+no longer has it (``TorchInternalMoved``), instead of an AttributeError deep in a run or a
+measurement that silently stops. tests/test_torch_private.py uses each on the installed torch,
+so a torch that moves one fails there first.
+
+- ``fsdp_param_groups``: the parameter groups FSDP2's ``fully_shard`` made for a module;
+- ``wrap_fsdp_group_methods``: a wrapper around some of a parameter group's methods (its
+  unshard, its wait for it, its post-backward), which issue or wait for the collectives;
+- ``wrap_zero_broadcast``: a wrapper around ZeroRedundancyOptimizer's broadcast of the updated
+  parameters after its step.
+
+stragglers.py times the waits for other ranks with them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: The torch versions each internal was checked on: 2.9.0 and 2.14.1 on the CPU (the oldest
+#: torch requirements.txt allows, and the one installed here), 2.11 on the GPU.
+FSDP_STATE_CHECKED = "2.9.0, 2.11 and 2.14.1"  # FSDPModule._get_fsdp_state, its param groups
+FSDP_GROUP_CHECKED = "2.9.0, 2.11 and 2.14.1"  # FSDPParamGroup's unshard ... finalize_backward
+ZERO_BROADCAST_CHECKED = "2.9.0, 2.11 and 2.14.1"  # ZeroRedundancyOptimizer._sync_params
+
+
+class TorchInternalMoved(RuntimeError):
+    """A private torch name this project uses is gone from the installed torch."""
+
+
+def _moved(name: str, checked: str) -> TorchInternalMoved:
+    return TorchInternalMoved(f"{name} is gone from torch {torch.__version__} (checked on torch "
+                              f"{checked}): training/torch_private.py needs updating for it")
+
+
+def fsdp_param_groups(unit) -> list:
+    """The parameter groups FSDP2 made for ``unit``, a module ``fully_shard`` wrapped: one at
+    most on torch 2.9 (``_fsdp_param_group``), a list on later ones (``_fsdp_param_groups``);
+    [] for a unit that holds no parameters of its own."""
+    get_state = getattr(unit, "_get_fsdp_state", None)
+    if not callable(get_state):
+        raise _moved("FSDPModule._get_fsdp_state", FSDP_STATE_CHECKED)
+    state = get_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    if hasattr(state, "_fsdp_param_group"):
+        group = state._fsdp_param_group
+        return [group] if group is not None else []
+    raise _moved("FSDPState._fsdp_param_groups", FSDP_STATE_CHECKED)
+
+
+def wrap_fsdp_group_methods(group, names: tuple, wrap) -> None:
+    """Replace each method ``names`` of FSDP2's parameter ``group`` by ``wrap(method)``; all
+    or none: a group that lacks one is left as it was."""
+    missing = [name for name in names if not callable(getattr(group, name, None))]
+    if missing:
+        raise _moved(f"FSDPParamGroup.{missing[0]}", FSDP_GROUP_CHECKED)
+    for name in names:
+        setattr(group, name, wrap(getattr(group, name)))
+
+
+def wrap_zero_broadcast(optimizer, wrap) -> None:
+    """Replace ZeroRedundancyOptimizer's ``_sync_params`` (after its step, each rank broadcasts
+    its partition of the updated parameters and receives the others') by ``wrap(it)``."""
+    sync = getattr(optimizer, "_sync_params", None)
+    if not callable(sync):
+        raise _moved("ZeroRedundancyOptimizer._sync_params", ZERO_BROADCAST_CHECKED)
+    optimizer._sync_params = wrap(sync)
