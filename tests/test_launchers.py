@@ -51,6 +51,12 @@ JOB_TIMEOUT_S = 600  # from submission; a chained job also waits for its predece
 # Long enough to meet the time-limit warning: 8 epochs of 4000 images, ~45 s on 2 idle cores.
 REQUEUE_RUN = ["--model", "cnn", "--synthetic-size", "4000", "--batch-size", "16", "--epochs",
                "8", "--num-workers", "0", "--amp", "off", *CPU]
+# Without Slurm a test sends the stop signal itself, right after the first epoch, to job.sh
+# (which waits in the background, so its trap runs at once) or to every process of the job:
+# the training votes on a stop at every step, so two more epochs of about 30 steps are ample for the
+# signal to land, and a continued run has little left to do.
+LOCAL_STOP_RUN = ["--model", "cnn", "--synthetic-size", "1000", "--batch-size", "16", "--epochs",
+                  "3", "--num-workers", "0", "--amp", "off", *CPU]
 # A rank frozen by SIGSTOP: a run still training when it is frozen (200 epochs of 800 images,
 # ~2 s each on 2 idle cores), a short --dist-timeout, and how long the job may take to end after.
 STOP_DIST_TIMEOUT_S = 20
@@ -361,10 +367,10 @@ def test_local_sh_usr1_checkpoints_then_run_dir_resumes(tmp_path):
     job exits 75; RUN_DIR=<that dir> continues it to the end, keeping both attempts' logs."""
     env = base_env(tmp_path)
     env["RUNS_DIR"] = str(tmp_path / "runs")
-    cmd = ["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--", *REQUEUE_RUN]
+    cmd = ["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--", *LOCAL_STOP_RUN]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    head = read_until(proc, "Epoch [1/8]")
+    head = read_until(proc, "Epoch [1/3]")
     proc.send_signal(signal.SIGUSR1)  # to job.sh, as Slurm's --signal=B:USR1 does
     out = head + proc.communicate(timeout=300)[0]
     assert proc.returncode == 75, out
@@ -380,8 +386,8 @@ def test_local_sh_usr1_checkpoints_then_run_dir_resumes(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"continuing in RUN_DIR={run_dir}" in res.stdout
     log = (run_dir / "train.log").read_text()
-    assert "Resumed from epoch" in log and log.count("Epoch [8/8]") == 1
-    assert sorted({int(e) for e, t in EPOCH_RE.findall(log) if t == "8"}) == list(range(1, 9))
+    assert "Resumed from epoch" in log and log.count("Epoch [3/3]") == 1
+    assert sorted({int(e) for e, t in EPOCH_RE.findall(log) if t == "3"}) == [1, 2, 3]
     assert read_env_file(run_dir / "job.env")["EXIT_CODE"] == "0"
     if has_tool("psrecord", env):
         node = read_env_file(run_dir / "job.env")["NODELIST"]
@@ -397,10 +403,10 @@ def test_a_sigterm_to_every_process_of_the_job_keeps_the_stop_record(tmp_path):
     never reached train.log (it ended in "--- Logging error ---")."""
     env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
     proc = subprocess.Popen(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--",
-                             *REQUEUE_RUN], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             *LOCAL_STOP_RUN], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        head = read_until(proc, "Epoch [1/8]")
+        head = read_until(proc, "Epoch [1/3]")
         os.killpg(proc.pid, signal.SIGTERM)  # every process of the job, as Slurm does
         out = head + proc.communicate(timeout=300)[0]
     finally:

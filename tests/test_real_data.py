@@ -129,22 +129,25 @@ def test_a_damaged_file_is_named(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# Training on real data (CPU, gloo). Four runs of 2 epochs, 2.5 to 4 minutes each on 2 cores.
+# Training on real data (CPU, gloo): one run of 2 epochs (2 processes) for the published
+# accuracy, then one epoch of each other strategy and world size, compared with that run's
+# first epoch. About 2.5 minutes and 1.5 minutes each on 2 cores.
 # --------------------------------------------------------------------------------------------
 
 # --lr 0.03: 89.2% after 2 epochs on the 2-core CI machine; the default 0.01 gives 87.6%,
 # too close to the 87% this test asks for.
-TRAIN = ["--dataset", "fashion-mnist", "--epochs", "2", "--lr", "0.03", "--num-workers", "0",
-         "--amp", "off", "--log-every", "0"]
+TRAIN = ["--dataset", "fashion-mnist", "--lr", "0.03", "--num-workers", "0", "--amp", "off",
+         "--log-every", "0"]
 
 
-def _train(script, nproc=None, batch=64):
+def _train(script, nproc=None, batch=64, epochs=2):
     started = time.monotonic()
-    proc = run_script(script, [*TRAIN, "--batch-size", str(batch)], nproc=nproc, timeout=600)
+    proc = run_script(script, [*TRAIN, "--epochs", str(epochs), "--batch-size", str(batch)],
+                      nproc=nproc, timeout=600)
     check_ok(proc)
-    final = metrics(proc.stdout)[-1]
-    assert final["dataset"] == "fashion-mnist" and int(final["global_batch"]) == 128
-    return final, time.monotonic() - started
+    lines = metrics(proc.stdout)
+    assert all(m["dataset"] == "fashion-mnist" and int(m["global_batch"]) == 128 for m in lines)
+    return lines, time.monotonic() - started
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +157,10 @@ def ddp_two_processes():
 
 def test_ddp_two_processes_reach_the_published_accuracy(ddp_two_processes):
     """The published table: two convolutions and pooling reach 87.6-91.6% test accuracy."""
-    final, seconds = ddp_two_processes
+    lines, seconds = ddp_two_processes
+    final = lines[-1]
     print(f"ddp, 2 processes, 2 epochs: {final['val_acc']}% in {seconds:.0f} s")
-    assert float(final["val_acc"]) >= 87.0
+    assert final["epoch"] == "2" and float(final["val_acc"]) >= 87.0
     assert int(final["train_images"]) == 468 * 128  # a whole epoch: 60,000 in steps of 128
 
 
@@ -166,10 +170,14 @@ def test_ddp_two_processes_reach_the_published_accuracy(ddp_two_processes):
 def test_every_strategy_and_world_size_reaches_the_same_accuracy(ddp_two_processes, script,
                                                                  nproc, batch):
     """Seed 000: "metrics should match the behavior of single-node runs with the same global
-    batch size". The same global batch of 128 and the same 936 steps, within 1 point."""
-    reference, _ = ddp_two_processes
-    final, seconds = _train(script, nproc=nproc, batch=batch)
-    print(f"{script} nproc={nproc}: {final['val_acc']}% in {seconds:.0f} s "
-          f"(ddp at 2: {reference['val_acc']}%)")
+    batch size". The same global batch of 128 and the same 468 steps, within 1 point of the
+    reference's first epoch. One epoch is enough: the schedule does not depend on --epochs
+    (no decay before --step-size epochs), so a 1-epoch run is the 2-epoch run's first epoch."""
+    reference = next(m for m in ddp_two_processes[0] if m["epoch"] == "1")
+    lines, seconds = _train(script, nproc=nproc, batch=batch, epochs=1)
+    final = lines[-1]
+    print(f"{script} nproc={nproc}, 1 epoch: {final['val_acc']}% in {seconds:.0f} s "
+          f"(ddp at 2, epoch 1: {reference['val_acc']}%)")
+    assert final["epoch"] == "1" and final["lr"] == reference["lr"]
     assert final["train_images"] == reference["train_images"]
     assert abs(float(final["val_acc"]) - float(reference["val_acc"])) <= 1.0
