@@ -117,6 +117,35 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         distributed.set_layout(None)  # the run is over: nobody is any rank any more
 
 
+def choose_device(args, env: DistEnv) -> tuple:
+    """(device, backend, shared) of one rank of a process group, chosen in one place for
+    ddp_train.py and fsdp_train.py: with --device and a torch that can run on the GPU, this
+    rank's GPU (made current before any CUDA work, so that NCCL binds the right one) and NCCL;
+    ranks that share a GPU (--share-gpus, ``shared``) talk over gloo instead. Otherwise the
+    CPU and gloo. (dp_train.py is one process over several GPUs: it chooses its own.)"""
+    if not devices.use_gpu(args):
+        return torch.device("cpu"), "gloo", False
+    visible = torch.cuda.device_count()
+    gpu = distributed.gpu_index(visible, env.local_rank, env.local_world_size, env.source,
+                                args.share_gpus)
+    device = torch.device("cuda", gpu)
+    torch.cuda.set_device(device)
+    torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels
+    shared = distributed.sharing_gpus(visible, env, args.share_gpus)
+    return device, "gloo" if shared else "nccl", shared
+
+
+def print_start(args, env: DistEnv, device: torch.device, backend: str,
+                on_cpu: str = "training on CPU with the gloo backend") -> None:
+    """Rank 0's first lines: the provenance (versions, devices, layout, the resolved flags),
+    and why a run trains on the CPU when it does (``on_cpu``: how)."""
+    for line in provenance(args, env, device, backend):
+        print0(line)
+    if device.type == "cpu":
+        why = "--device cpu" if args.device == "cpu" else "no GPU visible"
+        print0(f"note: {why}: {on_cpu}")
+
+
 @torch.no_grad()
 def evaluate(model, loader, device, dtype, n_real: int, prepare=None) -> torch.Tensor:
     """Local validation sums [loss x n, correct, n] on ``device`` (no host sync here).
