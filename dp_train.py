@@ -166,7 +166,7 @@ def train(args, env: distributed.DistEnv) -> int:
     if args.estimate_memory is not None:  # a prediction only: no GPU, no process group
         return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
     device, gpu_ids = setup_devices(args, env)
-    flags.resolve_args(args, env, device)
+    flags.resolve_args(args, env, device)  # what needs the device: --amp, --num-workers
     cudagraph.check(args, device, STRATEGY)  # --cuda-graph where it cannot capture
     world = max(1, len(gpu_ids))  # no process group: one process, `world` GPUs
     common.print_start(args, env, device, "none (single process)",

@@ -301,7 +301,7 @@ def train(args, env: distributed.DistEnv) -> int:
     if args.estimate_memory is not None:  # a prediction only: no GPU, no process group
         return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
     device, backend, mesh = setup_distributed(args, env)
-    flags.resolve_args(args, env, device)
+    flags.resolve_args(args, env, device)  # what needs the device: --amp, --num-workers
     cudagraph.check(args, device, STRATEGY)  # --cuda-graph where it cannot capture
     rank, world = distributed.rank_and_world()  # the process group's, now that it is up
     common.print_start(args, env, device, backend)

@@ -1,11 +1,13 @@
 """What every training script does around its own lesson: ``run(train, parser)``, which each
 script's main() calls (flags, rank layout, stop signals, watchdog, exit codes), ``print0``,
-the evaluation pass (every validation sample counted exactly once), the metric reduction and
-the provenance lines a run starts with.
+a rank's device and backend (``choose_device``), the evaluation pass (every validation sample
+counted exactly once), the sum over ranks (``all_reduce``) and the provenance lines a run
+starts with.
 
 dp_train.py, ddp_train.py and fsdp_train.py each keep inline what a strategy *is* (process
-group, model wrapper, sampler, training step, metric reduction, saving). The flags are in
-flags.py, the rank layout in distributed.py, the output lines and exit codes in contract.py,
+group, model wrapper, sampler, training step, saving) and a short loop around the step; the
+loop's bookkeeping (progress, metrics and their reduction, checkpoint and stop calls) is
+loop.py's. The flags are in flags.py, the rank layout in distributed.py, the output lines and exit codes in contract.py,
 the models in models.py, the data in datautils.py, checkpoints in checkpoint.py, what
 happens when something goes wrong in faults.py, the stop for a requeue in stopping.py, the
 NaN guard in lossguard.py, the learning-rate schedule in schedule.py, and what a run measures
