@@ -280,8 +280,9 @@ def test_save_model_writes_cpu_tensors_of_a_model_on_the_gpu(monkeypatch, tmp_pa
 @pytest.mark.parametrize("script", ["ddp_train.py", "dp_train.py", "fsdp_train.py"])
 def test_every_strategy_saves_its_model_through_save_model(script):
     text = (REPO / script).read_text()
-    saving = text[text.index("    if args.save_model"):text.index("    measure.print_final(")]
+    saving = text[text.index("def save_model("):text.index("\n\n\n", text.index("def save_model("))]
     assert "checkpoint.save_model(" in saving and "atomic_save" not in saving, saving
+    assert "save_model(model, args.save_model)" in text  # train() calls it
 
 
 # ---- fused SGD on CUDA, with fp16 too: tests/test_cuda_graph.py (its momentum made first)
