@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import time
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -56,10 +55,8 @@ except ImportError:  # torch before 2.6: common.run() stops it with one sentence
     CPUOffloadPolicy = MixedPrecisionPolicy = fully_shard = None
 from torch.utils.data import DistributedSampler
 
-from training import (bandwidth, checkpoint, common, contract, cudagraph, datasets, devices,
-                      distributed, flags, loading, lossguard, measure, memory, models, profiling,
-                      schedule, simulate, stopping, stragglers)
-from training.board import Board
+from training import (bandwidth, checkpoint, common, cudagraph, datasets, distributed, flags,
+                      loading, loop, memory, models, schedule, simulate, stopping)
 from training.distributed import print0
 from training.faults import UsageError, end_process
 
@@ -97,24 +94,15 @@ def setup_distributed(args, env: distributed.DistEnv):
     if args.sharding == "hybrid" and env.nodes * env.local_world_size != env.world_size:
         raise UsageError("--sharding hybrid needs the same number of processes on every node: "
                          "one torchrun --nproc-per-node, or srun --ntasks-per-node, for all")
-    if devices.use_gpu(args):  # --device, and whether this torch can run on the GPU
-        visible = torch.cuda.device_count()
-        gpu = distributed.gpu_index(visible, env.local_rank, env.local_world_size, env.source,
-                                    args.share_gpus)
-        device = torch.device("cuda", gpu)
-        torch.cuda.set_device(device)  # before any CUDA work, so NCCL binds the right GPU
-        torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels
-        # NCCL: a GPU per rank; ranks that share one (--share-gpus) talk over gloo instead.
+    device, backend, shared = common.choose_device(args, env)  # this rank's GPU and NCCL
+    if backend == "nccl" and args.offload:
         # --offload: the gradient shards live on the CPU, and fp16's GradScaler all-reduces
         # its inf check of them: a CPU backend beside NCCL carries that
-        shared = distributed.sharing_gpus(visible, env, args.share_gpus)
-        backend = "gloo" if shared else "cpu:gloo,cuda:nccl" if args.offload else "nccl"
-    else:
-        device, backend, shared = torch.device("cpu"), "gloo", False
+        backend = "cpu:gloo,cuda:nccl"
     distributed.init_process_group(backend, env, args.dist_timeout)
     mesh = build_mesh(device.type, backend, env, args.sharding, args.dist_timeout)
-    if shared:
-        print0(*distributed.shared_gpu_lines(visible, env))
+    if shared:  # ranks that share a GPU (--share-gpus) talk over gloo
+        print0(*distributed.shared_gpu_lines(torch.cuda.device_count(), env))
         # on the groups FSDP will use: the mesh's, and every rank's for the metrics
         uses = [("all_gather", mesh.get_group("shard")),
                 ("reduce_scatter_avg", mesh.get_group("shard")),
@@ -240,89 +228,52 @@ def load_checkpoint(path, state: dict) -> dict:
     return meta
 
 
-def train(args, env: distributed.DistEnv) -> int:
-    if args.estimate_memory is not None:  # a prediction only: no GPU, no process group
-        return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
-    device, backend, mesh = setup_distributed(args, env)
-    flags.resolve_args(args, env, device)
-    cudagraph.check(args, device, STRATEGY)  # --cuda-graph where it cannot capture
-    rank, world = distributed.rank_and_world()  # the process group's, now that it is up
-    is_main = rank == 0
-    for line in common.provenance(args, env, device, backend):
-        print0(line)
-    if device.type == "cpu":
-        why = "--device cpu" if args.device == "cpu" else "no GPU visible"
-        print0(f"note: {why}: training on CPU with the gloo backend")
-    print0(f"sharding: {args.sharding} over mesh {tuple(mesh.shape)} "
-           f"{mesh.mesh_dim_names}")
+def save_model(model: nn.Module, path) -> None:
+    """--save-model. Collective: every rank sends its shards; rank 0 receives the full
+    tensors on the CPU and writes them."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    if distributed.rank_and_world()[0] == 0:
+        checkpoint.save_model(full, path)
+        print0(f"saved full (unsharded) model state_dict to {path}")
 
-    data = datasets.build_data(args)
-    checkpoint.check_writable(args.save_model)
-    global_batch = args.batch_size * world
-    datasets.describe(data, global_batch, f"{args.batch_size} per process x {world}")
-    print0(f"global batch: {global_batch} = {args.batch_size} per process x {world} processes")
 
-    # Same seed on every rank: identical full weights before sharding, so each rank keeps
-    # its slice of the same model.
-    torch.manual_seed(args.seed)
-    model = models.build_model(args.model, data.num_classes, data.input_shape)
-    if is_main:  # the predicted memory per GPU, which collect_results.py sets beside the peak
+def preflight(args, model: nn.Module, data, device: torch.device, world: int, mesh) -> bool:
+    """Before training, with the whole model still on the CPU: rank 0's predicted memory per
+    GPU (the [MEMORY] line, which collect_results.py sets beside the peak) and room in the
+    checkpoint folder; --check: FSDP's collectives timed, then True (nothing to train);
+    --profile: the bandwidth the step's collectives get."""
+    if distributed.rank_and_world()[0] == 0:
         saved = memory.saved_for_backward(model, data.input_shape, args.amp)
         shards = mesh.shape[-1]  # the world size; hybrid: the GPUs of one node
         print0(memory_per_gpu(model, args, shards, saved, memory_variant(args)).line())
-    model = model.to(device)
     checkpoint.check_checkpoint_dir(args.checkpoint_dir, model)
     grad_bytes = memory.param_bytes(model.parameters())  # fp32 gradients, as the parameters
     if args.check:
         bandwidth.collective_check(device, world, grad_bytes, COLLECTIVES)
         print0("preflight OK: data, batch size, devices and checkpoint dir")
-        return 0
-    if args.profile and world > 1:  # the bandwidth the step's collectives get
+        return True
+    if args.profile and world > 1:
         bandwidth.bus_bandwidth(device, world, [grad_bytes], COLLECTIVES,
-                                collectives_per_step(model, args))
-    # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
-    # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
-    # the same crop as rank 0's i-th sample at every step).
-    torch.manual_seed(distributed.seed_for_rank(args.seed, rank))
-    # The batches go channels_last on CUDA, but not the weights: FSDP2 shards contiguous
-    # parameters only (a channels_last conv weight raises NotImplementedError). cuDNN still
-    # picks its channels_last kernels from the inputs.
-    layout = models.memory_format(model, device)
-    prepare = loading.batch_finisher(data, layout)  # augments on the device, sets the layout
-    model = apply_fsdp(model, mesh, args, device)
-    step_model = torch.compile(model, mode=args.compile) if args.compile else model
+                          collectives_per_step(model, args))
+    return False
 
-    batch = args.batch_size  # one DataLoader batch: this process's share of the global batch
-    # Each rank reads a disjoint shard of the training set; the permutation depends on
-    # (seed, epoch) only, so all ranks agree on it. drop_last keeps the shards equal.
-    train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True,
-                                       seed=args.seed, drop_last=True)
-    train_batches = loading.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
-    val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
-    train_loader = loading.make_loader(data.train, train_batches, batch, args, device,
-                                       drop_last=True)
-    val_loader = loading.make_loader(data.val, val_sampler, batch, args, device,
-                                     start_now=True, val=True)
-    val_real = loading.real_samples(val_sampler)
 
+def build_optimizer(model: nn.Module, lr: float, args):
+    """SGD with momentum over the sharded parameters: its momentum buffers are sharded too.
+    (No fused=True here: DTensor has no fused SGD kernel; the foreach one is the default.)"""
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
+                           weight_decay=args.weight_decay)
+
+
+def build_train_step(step_model, model, optimizer, scaler, args, device: torch.device):
+    """The strategy's step, train_step(images, labels): forward under autocast (each unit
+    gathers its parameters), loss, scaled backward (the gradients reduce-scattered), the
+    optimizer step on this rank's shard. Returns (outputs, loss), still on the device."""
     criterion = nn.CrossEntropyLoss()
-    steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
-    lr = schedule.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
-    # The optimizer sees the sharded parameters: its momentum buffers are sharded too. (No
-    # fused=True here: DTensor has no fused SGD kernel; the foreach one is the default.)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay)
-    # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_factor(args, steps))
     dtype = flags.amp_dtype(args)
-    # Each rank checks only its gradient shard for inf/NaN; with FSDP2's DTensor gradients the
-    # plain GradScaler all-reduces that verdict, so every rank skips (or takes) the same steps.
-    # Without a fused optimizer, fp16 also costs a host sync per step (the scaler reads it).
-    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     def train_step(images, labels):
-        """One optimizer step on this rank's batch: forward under autocast, loss, scaled
-        backward, the optimizer step. Returns (outputs, loss), still on the device."""
         optimizer.zero_grad(set_to_none=True)
         # forward: each unit gathers its parameters from its shard group; full/hybrid free
         # them after
@@ -343,111 +294,96 @@ def train(args, env: distributed.DistEnv) -> int:
         scaler.step(optimizer)  # updates only this rank's shard
         scaler.update()
         return outputs, loss
+    return train_step
+
+
+def train(args, env: distributed.DistEnv) -> int:
+    if args.estimate_memory is not None:  # a prediction only: no GPU, no process group
+        return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
+    device, backend, mesh = setup_distributed(args, env)
+    flags.resolve_args(args, env, device)  # what needs the device: --amp, --num-workers
+    cudagraph.check(args, device, STRATEGY)  # --cuda-graph where it cannot capture
+    rank, world = distributed.rank_and_world()  # the process group's, now that it is up
+    common.print_start(args, env, device, backend)
+    print0(f"sharding: {args.sharding} over mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}")
+
+    data = datasets.build_data(args)
+    checkpoint.check_writable(args.save_model)
+    global_batch = args.batch_size * world
+    datasets.describe(data, global_batch, f"{args.batch_size} per process x {world}")
+    print0(f"global batch: {global_batch} = {args.batch_size} per process x {world} processes")
+
+    # Same seed on every rank: identical full weights before sharding, so each rank keeps
+    # its slice of the same model.
+    torch.manual_seed(args.seed)
+    model = models.build_model(args.model, data.num_classes, data.input_shape)
+    if preflight(args, model, data, device, world, mesh):  # --check: a preflight, no training
+        return 0
+    # From here on, randomness is per rank: crops, flips, dropout and the loader workers'
+    # seeds differ between ranks (with one seed everywhere, rank r's i-th sample would get
+    # the same crop as rank 0's i-th sample at every step).
+    torch.manual_seed(distributed.seed_for_rank(args.seed, rank))
+    # The batches go channels_last on CUDA, but not the weights: FSDP2 shards contiguous
+    # parameters only (a channels_last conv weight raises NotImplementedError). cuDNN still
+    # picks its channels_last kernels from the inputs.
+    memory_format = models.memory_format(model, device)
+    prepare = loading.batch_finisher(data, memory_format)  # augments, sets the format
+    model = apply_fsdp(model.to(device), mesh, args, device)
+    step_model = torch.compile(model, mode=args.compile) if args.compile else model
+
+    batch = args.batch_size  # one DataLoader batch: this process's share of the global batch
+    # Each rank reads a disjoint shard of the training set; the permutation depends on
+    # (seed, epoch) only, so all ranks agree on it. drop_last keeps the shards equal.
+    train_sampler = DistributedSampler(data.train, num_replicas=world, rank=rank, shuffle=True,
+                                       seed=args.seed, drop_last=True)
+    train_batches = loading.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
+    val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
+    train_loader = loading.make_loader(data.train, train_batches, batch, args, device,
+                                         drop_last=True)
+    val_loader = loading.make_loader(data.val, val_sampler, batch, args, device,
+                                       start_now=True, val=True)
+
+    steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
+    lr = schedule.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
+    optimizer = build_optimizer(model, lr, args)  # SGD over the shards: its state sharded
+    # per step: warm-up (--warmup-epochs), then x --gamma every --step-size epochs
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_factor(args, steps))
+    # Each rank checks only its gradient shard for inf/NaN; with FSDP2's DTensor gradients the
+    # plain GradScaler all-reduces that verdict, so every rank skips (or takes) the same steps.
+    # Without a fused optimizer, fp16 also costs a host sync per step (the scaler reads it).
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    train_step = build_train_step(step_model, model, optimizer, scaler, args, device)
     if args.simulate_world_size:  # rank 0 of N on the fake process group: its memory, no more
         return simulate.report(train_step, model, model, optimizer, train_loader, prepare,
                                device, world, args.offload, shard_units(model))
 
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
     stop = stopping.StopRequest(args.dist_timeout)  # SIGUSR1/SIGTERM, agreed by all ranks
-    ckpt = checkpoint.Checkpoints(args, state, save_checkpoint, load_checkpoint)
-    start_epoch, resume_step = ckpt.resume(steps)
-    losses = lossguard.LossWatch(device, scaler, data.num_classes)  # NaN/inf, jumps: no sync a step
-
-    local_devices = [device]  # the GPU (or CPU) this process drives, for syncs and peak memory
-    meter = measure.StepMeter(args, steps, global_batch)  # progress, data wait
-    profiler = profiling.StepProfiler(args, steps, device)  # --profile: a window of steps
-    # what every [METRIC] line of this run says about the run; each epoch adds its figures
-    run_info = dict(strategy=STRATEGY, model=args.model, dataset=data.name, device=device.type,
-                    world_size=world, nodes=env.nodes, gpus_per_node=env.local_world_size,
-                    per_gpu_batch=args.batch_size, global_batch=global_batch, amp=args.amp,
-                    image_size=data.input_shape[-1], epochs=args.epochs, lr_peak=lr,
-                    lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs)
-    # each rank's own time and its waits for the others: which rank holds the others back
-    rank_clock = stragglers.watch(step_model, optimizer, device, args)
-    # --tensorboard; the with block closes its files however the run ends
-    with Board(args, run_info, steps, start_epoch * steps + resume_step) as tb:
-        start = time.perf_counter()
-        for epoch in range(start_epoch, args.epochs):
+    ckpt = checkpoint.Checkpoints(checkpoint.Settings.of(args), state, save_checkpoint,
+                                  load_checkpoint)  # FSDP's: a DCP folder, from every rank
+    start = ckpt.resume(steps)  # (epoch, step): (0, 0) for a fresh start
+    info = loop.run_info(STRATEGY, args, data, device, world, env.nodes, env.local_world_size, lr)
+    with loop.Run(args, info, steps, start, stop, ckpt, step_model, optimizer, scaler,
+                  device, [device], data) as run:
+        for epoch in run.epochs():
             train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
             data.set_epoch(epoch)  # and new crops and flips (TinyImageNet's folder path)
-            # the steps a resumed epoch already ran (0 in every other epoch), and their figures
-            start_step = resume_step if epoch == start_epoch else 0
-            earlier = ckpt.earlier if epoch == start_epoch else None
-            train_batches.skip_samples = start_step * batch  # the same steps, in samples
-            epoch_lr = optimizer.param_groups[0]["lr"]  # at this run's first step of the epoch
+            train_batches.skip_samples = run.start_step * batch  # a resumed epoch's, in samples
             step_model.train()
-            # [loss x n, correct, n] of this rank, kept on the device: no host sync per step
-            sums = torch.zeros(3, device=device, dtype=torch.float64)
-            measure.reset_peak_memory(*local_devices)  # this epoch's peak, not the whole run's
-            measure.synchronize(*local_devices)
-            t0 = time.perf_counter()
-            rank_clock.start_epoch()
-            # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
-            # adds up the time spent waiting for the loader
-            batches = meter.epoch(loading.to_device(train_loader, device), epoch, start_step)
-            batches = profiler.epoch(batches, start_step)
-            for step, (images, labels) in enumerate(batches, start=start_step):
-                if step >= steps:
-                    break
+            for step, (images, labels) in run.batches(train_loader):
                 images = prepare(images, train=True)
                 outputs, loss = train_step(images, labels)  # forward, backward, optimizer step
-                # TensorBoard: the loss and the learning rate, every --tensorboard-every s
-                tb.step(epoch, step + 1, loss, optimizer, meter)
+                run.step_done(step, loss, outputs, labels)  # the epoch's sums, on the device
                 scheduler.step()
-                sums[0] += loss.detach().double() * labels.size(0)
-                sums[1] += (outputs.argmax(1) == labels).sum()
-                sums[2] += labels.size(0)
-                losses.track(loss, step)  # counted on the device: no host sync here
-                stop_now = stop.at_step(epoch, step + 1, steps)  # the same step on every rank
-                # a checkpoint every --checkpoint-every steps, and one before a stop
-                if ckpt.due(step + 1, steps, stopping=stop_now):
-                    losses.check(epoch)  # a host sync and a vote: no NaN reaches a checkpoint
-                    ckpt.save(epoch, step + 1, measure.epoch_so_far(
-                        sums, t0, meter.data_wait_s, local_devices, earlier))
-                if stop_now:  # checkpointed (with a --checkpoint-dir): exit, to be requeued
-                    raise stop.requeue(saved=ckpt.enabled)
-            measure.synchronize(*local_devices)
-            train_time = time.perf_counter() - t0
-            # every rank's times to rank 0 (a collective): slowest_rank and rank_spread
-            slowest = rank_clock.end_epoch(epoch + 1, train_time, meter.data_wait_s)
-            losses.check(epoch)  # a host sync and a vote of all ranks, once per epoch
-
-            val_sums = common.evaluate(step_model, val_loader, device, dtype, val_real, prepare)
-
-            # Metric reduction, all ranks: sum of (loss x n, correct, n), then divide. The host
-            # syncs here (each .tolist()) happen once per epoch, never per step.
-            totals = distributed.all_reduce(torch.cat([sums, val_sums])).tolist()
-            # the slowest rank sets the pace; data wait: the rank its loader kept waiting longest
-            times = torch.tensor([train_time, meter.data_wait_s], device=device,
-                                 dtype=torch.float64)
-            epoch_time, data_wait = distributed.all_reduce(times, dist.ReduceOp.MAX).tolist()
-            peaks = measure.peak_memory_per_gpu(local_devices)  # collective: every rank's GPU
-            metrics = run_info | dict(epoch=epoch + 1, lr=epoch_lr) | measure.epoch_metrics(
-                totals, epoch_time, data_wait, peaks, t0, train_time, earlier)
-            metrics |= slowest
-            print0(contract.format_epoch_line(metrics))
-            print0(contract.format_metric_line(metrics))
-            # rank 0 names a rank more than 10% slower than the median; [RANKS] has every rank's
-            rank_clock.report()
-            loading.report_unreadable_images(
-                metrics, (steps - start_step) * global_batch + measure.earlier_images(earlier),
-                len(data.val))
-            tb.epoch(metrics)  # the same figures as TensorBoard curves
-            ckpt.end_epoch(epoch, metrics)  # the epoch's checkpoint, with its metrics
-            if stop.at_epoch_end(epoch, args.epochs):  # a stop signal by the epoch's end
-                raise stop.requeue(saved=ckpt.enabled)
-        stop.finish()
-        total_time = time.perf_counter() - start
+                run.save_or_stop(step)  # a checkpoint when due; a stop: the same step everywhere
+            run.end_training()  # every rank's times, and the loss check
+            val_sums = common.evaluate(step_model, val_loader, device, flags.amp_dtype(args),
+                                       loading.real_samples(val_sampler), prepare)
+            run.end_epoch(val_sums)  # reduced over all ranks: the epoch and [METRIC] lines
+        run.finish()
         if args.save_model:
-            # collective: every rank sends its shards; rank 0 receives the full tensors on CPU
-            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                        cpu_offload=True))
-            if is_main:
-                checkpoint.save_model(full, args.save_model)
-                print0(f"saved full (unsharded) model state_dict to {args.save_model}")
-        # TensorBoard: the hyperparameters beside the final metrics, and --profile's trace
-        tb.finish(ckpt.metrics)
-    measure.print_final(ckpt.metrics, total_time, trained=start_epoch < args.epochs)
+            save_model(model, args.save_model)
+        run.final_report()
     return 0
 
 

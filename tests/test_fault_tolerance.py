@@ -414,7 +414,6 @@ def test_resume_at_a_larger_world_size_keeps_the_new_ranks_own_seed(monkeypatch,
     """A 1-process checkpoint resumed by 2 ranks: rank 0 gets the saved random state back,
     rank 1 (which the saved run did not have) keeps the seed the script gave it. Rank 0's
     saved state on rank 1 too would give both ranks the same crops and flips."""
-    import argparse
     from training import distributed
     torch.manual_seed(0)
     saved = checkpoint.rng_state()
@@ -423,10 +422,11 @@ def test_resume_at_a_larger_world_size_keeps_the_new_ranks_own_seed(monkeypatch,
     monkeypatch.setattr(checkpoint, "load_newest", lambda candidates, load, explicit: meta)
     torch.manual_seed(distributed.seed_for_rank(0, rank))  # as the script seeds each rank
     own = torch.get_rng_state()
-    args = argparse.Namespace(checkpoint_dir=None, resume="auto", amp="off", dist_timeout=600)
+    settings = checkpoint.Settings(folder=None, resume="auto", every=0, keep=2,
+                                   flags={"amp": "off"})
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    ckpt = checkpoint.Checkpoints(args, dict(optimizer=optimizer, scheduler=scheduler), None,
+    ckpt = checkpoint.Checkpoints(settings, dict(optimizer=optimizer, scheduler=scheduler), None,
                                   None)
     assert ckpt.resume(10) == (1, 0)
     assert torch.equal(torch.get_rng_state(), saved["torch"] if rank == 0 else own)

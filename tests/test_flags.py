@@ -81,3 +81,16 @@ def test_share_gpus_on_the_cpu_is_said(capsys, device_flag, why):
     out = capsys.readouterr().out
     assert (f"note: --share-gpus does nothing here: the ranks train on the CPU ({why}), each "
             f"on its own cores; drop --share-gpus") in out
+
+
+def test_estimate_memory_leaves_the_flags_as_resolved(capsys):
+    """--estimate-memory assumes a GPU run's --amp bf16 for its figures, on a copy: the flags
+    are resolved once (check_flags, then resolve_args after the device) and nothing changes
+    them afterwards."""
+    from training import memory
+    script = importlib.import_module("ddp_train")
+    args = _parse("ddp_train", ["--model", "cnn", "--estimate-memory", "1"])
+    flags.check_flags(args)
+    assert memory.estimate_only(args, script.memory_per_gpu, script.MEMORY_VARIANTS) == 0
+    assert "note: --amp bf16 assumed" in capsys.readouterr().out
+    assert args.amp is None

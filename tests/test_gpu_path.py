@@ -17,7 +17,7 @@ from conftest import FAST, REPO, check_ok, env_for_tests, fake_gpus, metrics, ru
 
 from training import distributed
 
-from training import faults, flags, measure, stopping
+from training import devices, faults, flags, measure, stopping
 
 PATCHED = REPO / "tests" / "patched_run.py"
 
@@ -280,8 +280,9 @@ def test_save_model_writes_cpu_tensors_of_a_model_on_the_gpu(monkeypatch, tmp_pa
 @pytest.mark.parametrize("script", ["ddp_train.py", "dp_train.py", "fsdp_train.py"])
 def test_every_strategy_saves_its_model_through_save_model(script):
     text = (REPO / script).read_text()
-    saving = text[text.index("    if args.save_model"):text.index("    measure.print_final(")]
+    saving = text[text.index("def save_model("):text.index("\n\n\n", text.index("def save_model("))]
     assert "checkpoint.save_model(" in saving and "atomic_save" not in saving, saving
+    assert "save_model(model, args.save_model)" in text  # train() calls it
 
 
 # ---- fused SGD on CUDA, with fp16 too: tests/test_cuda_graph.py (its momentum made first)
@@ -324,7 +325,7 @@ def test_fsdp_offload_gets_a_cpu_backend_beside_nccl(monkeypatch, extra, backend
     monkeypatch.setattr(distributed, "check_gloo_on_cuda", lambda device, ops: None)
     mesh = SimpleNamespace(get_group=lambda dim: None)  # its groups go to the probe only
     monkeypatch.setattr(fsdp_train, "build_mesh", lambda *a, **k: mesh)
-    monkeypatch.setattr(fsdp_train.devices, "use_gpu", lambda args: True)
+    monkeypatch.setattr(devices, "use_gpu", lambda args: True)  # common.choose_device asks it
     args = fsdp_train.build_parser().parse_args(extra)
     world = 2 if "--share-gpus" in extra else 1
     fsdp_train.setup_distributed(args, distributed.DistEnv(0, 0, world, world, "torchrun"))
@@ -347,7 +348,7 @@ def test_fsdp_ranks_sharing_a_gpu_probe_the_meshs_groups(monkeypatch, sharding):
         made.append((device_type, backend, sharding))
         return mesh
     monkeypatch.setattr(fsdp_train, "build_mesh", build_mesh)
-    monkeypatch.setattr(fsdp_train.devices, "use_gpu", lambda args: True)
+    monkeypatch.setattr(devices, "use_gpu", lambda args: True)  # common.choose_device asks it
     args = fsdp_train.build_parser().parse_args(["--share-gpus", "--sharding", sharding])
     fsdp_train.setup_distributed(args, distributed.DistEnv(0, 0, 2, 2, "torchrun"))
     assert made == [("cuda", "gloo", sharding)]

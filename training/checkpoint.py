@@ -1,11 +1,12 @@
 """Checkpoints and resume, as one object the training loop calls by name: ``Checkpoints``
-resumes once (resume), decides after every step whether a checkpoint is due (due: every
---checkpoint-every steps, or now, when the run stops for a requeue), saves one (save) and
-takes the epoch's own (end_epoch).
+resumes once (resume), saves after a step when a checkpoint is due (save_if_due: every
+--checkpoint-every steps, or now, when the run stops for a requeue) and takes the epoch's own
+(end_epoch).
 
-How each strategy saves and loads stays in its script (``save_checkpoint(path, state, meta)``,
-``load_checkpoint(path, state)``): DDP and DataParallel write one file from rank 0, FSDP a
-sharded DCP folder from every rank. What this module adds is the same for all three: names
+How each strategy saves stays in its script (``save_checkpoint(path, state, meta)``): DDP and
+DataParallel write one file from rank 0, FSDP a sharded DCP folder from every rank. The
+one-file formats load with ``load_one_file`` here; FSDP's folder with its script's
+``load_checkpoint``. What this module adds is the same for all three: names
 that sort in training order, atomic writes, pruning to --keep-checkpoints, the newest usable
 checkpoint on resume, the random state of every rank, and the steps a resumed epoch already
 ran with their figures (so that its line covers the whole epoch). The stop for a requeue is
@@ -22,6 +23,7 @@ import shutil
 import tempfile
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -251,17 +253,18 @@ def check_checkpoint_dir(directory, model) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def resume_candidates(args) -> list:
-    """Checkpoints to try, newest first: [] for a fresh start."""
-    if args.resume == "never":
+def resume_candidates(resume: str, folder) -> list:
+    """Checkpoints to try, newest first: [] for a fresh start. ``resume``: --resume (auto,
+    never or a path); ``folder``: --checkpoint-dir."""
+    if resume == "never":
         return []
-    if args.resume != "auto":
-        if list_checkpoints(args.resume):  # a folder of checkpoints, not one checkpoint
-            raise UsageError(f"--resume {args.resume} is a folder of checkpoints: pass it as "
-                             f"--checkpoint-dir {args.resume} (the newest is resumed), or "
+    if resume != "auto":
+        if list_checkpoints(resume):  # a folder of checkpoints, not one checkpoint
+            raise UsageError(f"--resume {resume} is a folder of checkpoints: pass it as "
+                             f"--checkpoint-dir {resume} (the newest is resumed), or "
                              f"--resume with one checkpoint in it")
-        return [Path(args.resume)]
-    return list_checkpoints(args.checkpoint_dir)
+        return [Path(resume)]
+    return list_checkpoints(folder)
 
 
 def load_newest(candidates: list, load_one, explicit: bool = False):
@@ -396,6 +399,19 @@ def _resume_path_error(path, what: str | None, exc: BaseException) -> str:
             f"or of another --model loads only with those; {fix}")
 
 
+def load_one_file(path, state: dict) -> dict:
+    """Load a one-file checkpoint (ddp_train.py's and dp_train.py's: rank 0 wrote every
+    object's state_dict into one file) into ``state``; returns what the file holds."""
+    # weights_only: a checkpoint holds only tensors and plain values, so loading it cannot
+    # run code.
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    for name, obj in state.items():
+        # A run without fp16 saved its disabled GradScaler as an empty dict: keep the new one.
+        if saved[name]:
+            obj.load_state_dict(saved[name])
+    return saved
+
+
 def rng_state() -> dict:
     """This process's random state (torch CPU and current CUDA device, Python)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -416,18 +432,41 @@ def set_rng_state(state: dict) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What Checkpoints uses of the flags: ``folder`` (--checkpoint-dir; None: no
+    checkpoints), ``resume`` (--resume: auto, never or a path), ``every`` (--checkpoint-every
+    steps; 0: at the epochs' ends only), ``keep`` (--keep-checkpoints), and ``flags``, all of
+    them as plain values, written into every checkpoint (a resumed run compares their --amp
+    with its own)."""
+    folder: str | None
+    resume: str
+    every: int
+    keep: int
+    flags: dict
+
+    @classmethod
+    def of(cls, args) -> "Settings":
+        """The section of the resolved flags that checkpoints use."""
+        return cls(args.checkpoint_dir, args.resume, args.checkpoint_every or 0,
+                   args.keep_checkpoints, dict(vars(args)))
+
+
 class Checkpoints:
-    """The run's checkpoints in --checkpoint-dir: resume() from the newest usable one, due()
-    every --checkpoint-every steps, save() one (pruned to --keep-checkpoints). Without a
-    --checkpoint-dir it is disabled (``enabled`` False) and resume() starts afresh.
+    """The run's checkpoints in ``settings.folder`` (--checkpoint-dir): resume() from the
+    newest usable one, save_if_due() after a step, end_epoch() at each epoch's end, pruned to
+    ``settings.keep``. Without a folder it is disabled (``enabled`` False) and resume() starts
+    afresh.
 
     ``save(path, state, meta)`` and ``load(path, state) -> meta`` are the strategy's own:
     ``state`` holds the model, optimizer, scheduler and scaler (each has a state_dict),
-    ``meta`` the plain values (epoch, step, metrics, the RNG state of every rank, args)."""
+    ``meta`` the plain values (epoch, step, metrics, the RNG state of every rank, flags)."""
 
-    def __init__(self, args, state: dict, save, load):
-        self.args, self.state, self._save, self._load = args, state, save, load
-        self.dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    def __init__(self, settings: Settings, state: dict, save, load):
+        self.dir = Path(settings.folder) if settings.folder else None
+        self.resume_from, self.every, self.keep = settings.resume, settings.every, settings.keep
+        self.flags = settings.flags
+        self.state, self._save, self._load = state, save, load
         self.metrics = {}  # the last finished epoch's (from the checkpoint, after a resume)
         self.steps = 0  # this run's steps per epoch, set by resume()
         # a checkpoint inside an epoch: the figures of that epoch's steps before it
@@ -441,15 +480,15 @@ class Checkpoints:
         placed at the same point of training, the same epoch and fraction of it."""
         self.steps = steps
         optimizer, scheduler = self.state["optimizer"], self.state["scheduler"]
-        claim_checkpoint_dir(self.dir, fresh=self.args.resume == "never")  # lock it, tidy it
+        claim_checkpoint_dir(self.dir, fresh=self.resume_from == "never")  # lock it, tidy it
         # This run's hyperparameters (its flags, its peak learning rate): loading the
         # optimizer's and the scheduler's state would bring back the saved run's.
         fresh = [{k: v for k, v in group.items() if k != "params"}
                  for group in optimizer.param_groups]
         peak = list(scheduler.base_lrs)
-        meta = load_newest(resume_candidates(self.args),
+        meta = load_newest(resume_candidates(self.resume_from, self.dir),
                            lambda path: dict(self._load(path, self.state), path=path),
-                           explicit=self.args.resume not in ("auto", "never"))
+                           explicit=self.resume_from not in ("auto", "never"))
         if not meta:
             return 0, 0
         rank, _ = rank_and_world()
@@ -466,7 +505,8 @@ class Checkpoints:
         print0(f"Resumed from epoch {meta['epoch'] + 1}, step {meta['step']} ({meta['path']})"
                + (f"; at this run's {steps} steps per epoch (the checkpoint's: {saved_steps}), "
                   f"step {step}" if saved_steps != steps else ""))
-        saved_amp, amp = meta["args"].get("amp", self.args.amp), self.args.amp
+        amp = self.flags.get("amp")
+        saved_amp = meta["args"].get("amp", amp)
         if saved_amp != amp:  # e.g. requeued from an A100 (default bf16) onto a V100 (fp16)
             print0(f"warning: the checkpoint was trained with --amp {saved_amp}; this run goes on "
                    f"with --amp {amp} (another GPU type?)" + (
@@ -478,12 +518,18 @@ class Checkpoints:
         """A --checkpoint-dir was given."""
         return self.dir is not None
 
-    def due(self, done: int, steps: int, stopping: bool = False) -> bool:
-        """Whether to checkpoint after step ``done`` of ``steps``: every --checkpoint-every
-        steps (the epoch's end has its own), and at once when the run is ``stopping`` for a
-        requeue. Never without a --checkpoint-dir."""
-        every = self.args.checkpoint_every
-        return self.enabled and (stopping or (bool(every) and done % every == 0 and done < steps))
+    def save_if_due(self, epoch: int, done: int, stopping: bool = False,
+                    so_far=lambda: None) -> bool:
+        """After step ``done`` (1-based) of ``epoch``: save a checkpoint if one is due, every
+        ``every`` steps (the epoch's end has its own, end_epoch), and at once when the run is
+        ``stopping`` for a requeue; never without a folder. ``so_far()`` is called only then,
+        before the save: the epoch's figures so far (measure.epoch_so_far), which the loop
+        gives after its own checks. Returns whether it saved. Collective when it saves."""
+        due = stopping or (bool(self.every) and done % self.every == 0 and done < self.steps)
+        if not (self.enabled and due):
+            return False
+        self.save(epoch, done, so_far())
+        return True
 
     def end_epoch(self, epoch: int, metrics: dict) -> None:
         """Every rank, after ``epoch``'s losses were checked and its metrics reduced: the
@@ -500,7 +546,7 @@ class Checkpoints:
         hangs.set_phase("checkpoint")
         rngs = every_rank(rng_state())
         meta = dict(epoch=epoch, step=step, steps=self.steps, metrics=self.metrics, rng=rngs,
-                    args=vars(self.args), world_size=len(rngs), earlier=earlier)
+                    args=self.flags, world_size=len(rngs), earlier=earlier)
         error = None
         try:
             self._save(self.dir / checkpoint_name(epoch, step), self.state, meta)
@@ -509,5 +555,4 @@ class Checkpoints:
         # every rank waits here until the checkpoint is complete, and learns whether it is
         raise_if_any_rank(error)
         if rank_and_world()[0] == 0:
-            prune_checkpoints(self.dir, self.args.keep_checkpoints)
-
+            prune_checkpoints(self.dir, self.keep)

@@ -1,18 +1,19 @@
 """What every training script does around its own lesson: ``run(train, parser)``, which each
-script's main() calls (flags, rank layout, stop signals, watchdog, exit codes), the
-evaluation pass (every validation sample counted exactly once) and the provenance lines a run
-starts with.
+script's main() calls (flags, rank layout, stop signals, watchdog, exit codes), a rank's device
+and backend (``choose_device``), the evaluation pass (every validation sample counted exactly
+once) and the provenance lines a run starts with.
 
 dp_train.py, ddp_train.py and fsdp_train.py each keep inline what a strategy *is* (process
-group, model wrapper, sampler, training step, metric reduction, saving). The flags are in
-flags.py; the rank layout, ``print0`` and the reduction over ranks in distributed.py; the
-output lines and exit codes in contract.py; the models in models.py; the datasets in
-datasets.py and the loaders that feed them to the loop in loading.py; checkpoints in
-checkpoint.py; what happens when something goes wrong in faults.py; the stop for a requeue in
-stopping.py; the NaN guard in lossguard.py; the learning-rate schedule in schedule.py; what a
-run measures about itself beyond the metrics (progress, data wait, peak memory) in
-measure.py, --profile's step breakdown in profiling.py and the collectives' bandwidth in
-bandwidth.py. Importing this module has no side effects.
+group, model wrapper, sampler, training step, saving) and a short loop around the step; the
+loop's bookkeeping (progress, metrics and their reduction, checkpoint and stop calls) is
+loop.py's. The flags are in flags.py; the rank layout, ``print0`` and the reduction over ranks
+in distributed.py; the output lines and exit codes in contract.py; the models in models.py;
+the datasets in datasets.py and the loaders that feed them to the loop in loading.py;
+checkpoints in checkpoint.py; what happens when something goes wrong in faults.py; the stop
+for a requeue in stopping.py; the NaN guard in lossguard.py; the learning-rate schedule in
+schedule.py; what a run measures about itself beyond the metrics (progress, data wait, peak
+memory) in measure.py, --profile's step breakdown in profiling.py and the collectives'
+bandwidth in bandwidth.py. Importing this module has no side effects.
 """
 
 from __future__ import annotations
@@ -102,6 +103,35 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         if distributed.is_distributed():
             dist.destroy_process_group()
         distributed.set_layout(None)  # the run is over: nobody is any rank any more
+
+
+def choose_device(args, env: DistEnv) -> tuple:
+    """(device, backend, shared) of one rank of a process group, chosen in one place for
+    ddp_train.py and fsdp_train.py: with --device and a torch that can run on the GPU, this
+    rank's GPU (made current before any CUDA work, so that NCCL binds the right one) and NCCL;
+    ranks that share a GPU (--share-gpus, ``shared``) talk over gloo instead. Otherwise the
+    CPU and gloo. (dp_train.py is one process over several GPUs: it chooses its own.)"""
+    if not devices.use_gpu(args):
+        return torch.device("cpu"), "gloo", False
+    visible = torch.cuda.device_count()
+    gpu = distributed.gpu_index(visible, env.local_rank, env.local_world_size, env.source,
+                                args.share_gpus)
+    device = torch.device("cuda", gpu)
+    torch.cuda.set_device(device)
+    torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels
+    shared = distributed.sharing_gpus(visible, env, args.share_gpus)
+    return device, "gloo" if shared else "nccl", shared
+
+
+def print_start(args, env: DistEnv, device: torch.device, backend: str,
+                on_cpu: str = "training on CPU with the gloo backend") -> None:
+    """Rank 0's first lines: the provenance (versions, devices, layout, the resolved flags),
+    and why a run trains on the CPU when it does (``on_cpu``: how)."""
+    for line in provenance(args, env, device, backend):
+        print0(line)
+    if device.type == "cpu":
+        why = "--device cpu" if args.device == "cpu" else "no GPU visible"
+        print0(f"note: {why}: {on_cpu}")
 
 
 @torch.no_grad()

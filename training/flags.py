@@ -362,7 +362,10 @@ def input_shape(args, data_known: bool = True) -> tuple:
 
 
 def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -> None:
-    """Fill the defaults that depend on the machine; check the paths (check_flags did values)."""
+    """Fill the defaults that depend on the device, right after a script chose it and never
+    changed afterwards (check_flags filled the rest, right after parsing): --amp (bf16 needs a
+    GPU of compute capability 8.0) and --num-workers (at least 1 on a GPU); check the paths
+    (check_flags did values)."""
     if device.type == "cuda":
         cc = torch.cuda.get_device_capability(device)
         bf16_ok = cc >= (8, 0)  # Ampere and newer: bf16 tensor cores

@@ -30,6 +30,7 @@ fragmentation, and the CUDA context (about 0.5 GB that nvidia-smi sees and
 
 from __future__ import annotations
 
+import argparse
 import copy
 import math
 from dataclasses import dataclass, field
@@ -319,7 +320,8 @@ def estimate_only(args, memory_per_gpu, variants: tuple) -> int:
     group, no dataset."""
     shape, classes = flags.input_shape(args)
     if args.amp is None:  # what a GPU run picks (both 16-bit types save the same bytes)
-        args.amp = "bf16"
+        # a copy with it: the run's flags stay as parsed and resolved, never changed here
+        args = argparse.Namespace(**vars(args) | {"amp": "bf16"})
         print0("note: --amp bf16 assumed, a GPU run's default (fp16 saves the same bytes; "
                "--amp off for fp32)")
     torch.manual_seed(args.seed)

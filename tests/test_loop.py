@@ -1,0 +1,83 @@
+"""training/loop.py and the checkpointer it calls: the cadence is Checkpoints' own decision
+(save_if_due), the checkpointer is handed a section of the flags, not the namespace, and the
+loop's batches end where the epoch does. In one process, no script run: a second or less."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from training import checkpoint, loop
+
+
+def _checkpoints(tmp_path, every: int, folder=True) -> tuple:
+    """A Checkpoints over a tiny SGD whose saves are recorded, not written: (ckpt, saves)."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    settings = checkpoint.Settings(folder=str(tmp_path) if folder else None, resume="never",
+                                   every=every, keep=2, flags={"amp": "off"})
+    saves = []
+    ckpt = checkpoint.Checkpoints(settings, dict(optimizer=optimizer, scheduler=scheduler),
+                                  lambda path, state, meta: saves.append(
+                                      (path.name, meta["earlier"])),
+                                  None)
+    assert ckpt.resume(5) == (0, 0)
+    return ckpt, saves
+
+
+def test_save_if_due_saves_every_n_steps_but_the_epochs_last(tmp_path):
+    """--checkpoint-every 2 over 5 steps: after steps 2 and 4; step 5 is the epoch's end,
+    which end_epoch saves. The figures so far are asked for only when a save is due."""
+    ckpt, saves = _checkpoints(tmp_path, every=2)
+    asked = []
+
+    def so_far():
+        asked.append(True)
+        return {"train_sums": [0.0, 0.0, 0.0]}
+    saved = [ckpt.save_if_due(0, done, stopping=False, so_far=so_far) for done in range(1, 6)]
+    assert saved == [False, True, False, True, False]
+    assert [name for name, _ in saves] == ["ckpt-e0000-s0000002", "ckpt-e0000-s0000004"]
+    assert len(asked) == 2 and saves[0][1] == {"train_sums": [0.0, 0.0, 0.0]}
+
+
+def test_save_if_due_saves_at_once_before_a_stop_and_never_without_a_folder(tmp_path):
+    ckpt, saves = _checkpoints(tmp_path, every=0)
+    assert not ckpt.save_if_due(0, 3)  # no --checkpoint-every: the epochs' ends only
+    assert ckpt.save_if_due(0, 3, stopping=True)
+    assert [name for name, _ in saves] == ["ckpt-e0000-s0000003"]
+    ckpt, saves = _checkpoints(tmp_path, every=1, folder=False)
+
+    def never():
+        raise AssertionError("a run without --checkpoint-dir computed the figures of a save")
+    assert not ckpt.save_if_due(0, 1, stopping=True, so_far=never)
+    assert saves == [] and not ckpt.enabled
+
+
+def test_the_checkpointer_gets_its_section_not_the_flags_namespace():
+    """Settings.of takes what checkpoints use, as plain values: a change to the namespace
+    afterwards does not reach the flags written into a checkpoint."""
+    args = argparse.Namespace(checkpoint_dir="ck", resume="auto", checkpoint_every=None,
+                              keep_checkpoints=3, amp="bf16")
+    settings = checkpoint.Settings.of(args)
+    assert (settings.folder, settings.resume, settings.every, settings.keep) == \
+        ("ck", "auto", 0, 3)
+    args.amp = "fp16"
+    assert settings.flags["amp"] == "bf16"
+    with pytest.raises(AttributeError):  # frozen: no part of the run changes it
+        settings.every = 5
+
+
+def test_the_loops_batches_run_from_the_resumed_step_to_the_epochs_end():
+    """run.batches yields the steps start_step .. steps-1 (a resumed epoch's rest, cut at
+    --max-steps-per-epoch), numbered as the epoch counts them."""
+    run = loop.Run.__new__(loop.Run)  # the bookkeeping's parts, without a process group
+    run.device, run.devices, run.steps, run.epoch, run.start_step = \
+        torch.device("cpu"), [torch.device("cpu")], 4, 0, 1
+    run.rank_clock = type("Clock", (), {"start_epoch": lambda self: None})()
+    run.meter = type("Meter", (), {"epoch": lambda self, b, epoch, start: b})()
+    run.profiler = type("Profiler", (), {"epoch": lambda self, b, start: b})()
+    batches = [(torch.zeros(1), torch.tensor([i])) for i in range(6)]
+    steps = [(step, int(labels)) for step, (_, labels) in run.batches(batches)]
+    assert steps == [(1, 0), (2, 1), (3, 2)]
