@@ -203,9 +203,9 @@ def train(args, env: distributed.DistEnv) -> int:
     train_batches = loading.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=1, rank=0, shuffle=False)
     train_loader = loading.make_loader(data.train, train_batches, batch, args, device,
-                                         drop_last=True)
+                                       drop_last=True)
     val_loader = loading.make_loader(data.val, val_sampler, batch, args, device,
-                                       start_now=True, val=True)
+                                     start_now=True, val=True)
 
     steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
     lr = schedule.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch

@@ -255,7 +255,7 @@ def preflight(args, model: nn.Module, data, device: torch.device, world: int, me
         return True
     if args.profile and world > 1:
         bandwidth.bus_bandwidth(device, world, [grad_bytes], COLLECTIVES,
-                          collectives_per_step(model, args))
+                                collectives_per_step(model, args))
     return False
 
 
@@ -339,9 +339,9 @@ def train(args, env: distributed.DistEnv) -> int:
     train_batches = loading.SkipFirst(train_sampler)  # skips what a resumed epoch already saw
     val_sampler = DistributedSampler(data.val, num_replicas=world, rank=rank, shuffle=False)
     train_loader = loading.make_loader(data.train, train_batches, batch, args, device,
-                                         drop_last=True)
+                                       drop_last=True)
     val_loader = loading.make_loader(data.val, val_sampler, batch, args, device,
-                                       start_now=True, val=True)
+                                     start_now=True, val=True)
 
     steps = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
     lr = schedule.peak_lr(args, global_batch)  # --lr, or --lr scaled with the global batch
