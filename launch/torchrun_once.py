@@ -5,10 +5,11 @@
 The arguments are torchrun's (python -m torch.distributed.run --help). Slurm ends a job
 (scancel, scontrol requeue, preemption, the time limit) with a SIGTERM to every process of it,
 torchrun too; node.sh, and under Slurm job.sh, pass the stop on once more, because either may
-be the only process that got it. torchrun raises on every stop signal, so the second one cut
-its shutdown short: its "Received 15 death signal" line ended in "--- Logging error ---", or it
-stopped waiting for its workers and signalled them again. Here a repeat is ignored: torchrun
-signals its workers once, waits for them (their checkpoint sentence and [STOP] line) and ends.
+be the only process that got it. torchrun's own handler raises on every stop signal, so the
+second one cuts its shutdown short: its "Received 15 death signal" line ends in "--- Logging
+error ---" in train.log, or it stops waiting for its workers and signals them again. Here a
+repeat is ignored: torchrun signals its workers once, waits for them (their checkpoint sentence
+and [STOP] line) and ends.
 """
 
 import sys
