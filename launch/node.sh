@@ -28,7 +28,9 @@
 # processes only: torchrun's workers, or the one dp process. Everything this script starts runs
 # with SIGUSR1 ignored, so a USR1 sent to the whole step cannot kill torchrun or a logger; the
 # training scripts install their own handler. SIGTERM ends the training (torchrun forwards it to
-# its workers, which checkpoint and exit 75) and then the loggers.
+# its workers, which checkpoint and exit 75) and then the loggers. torchrun runs as
+# launch/torchrun_once.py, which acts on the first stop signal only: a SIGTERM to every process
+# of the job reaches it, and this script passes it on once more.
 # The script is one { } block, which bash reads whole before it runs any of it: bash reads a
 # script as it runs it, so an edit of this file while a job runs (hours) would otherwise
 # become the rest of that job.
@@ -37,8 +39,9 @@
 trap '' USR1
 {
 set -euo pipefail
+launch_dir=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=/dev/null  # launch/lib.sh, checked on its own
-source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+source "$launch_dir/lib.sh"
 
 # GPUs on this node: what Slurm gave the step, else the CUDA_VISIBLE_DEVICES list (set but empty:
 # GPUs hidden, 1), else, outside Slurm, the GPUs nvidia-smi lists, else 1. (A Slurm job that asked
@@ -128,7 +131,8 @@ echo "[$node] NCCL's interface: ${NCCL_SOCKET_IFNAME:-NCCL chooses (NCCL_SOCKET_
 
 cmd=("${python_cmd[@]}")
 if [ "$launcher" = torchrun ]; then
-  cmd+=(-m torch.distributed.run  # = torchrun, from the chosen interpreter
+  # torchrun, from the chosen interpreter, acting on its first stop signal only (see there)
+  cmd+=("$launch_dir/torchrun_once.py"
     --nnodes="${NNODES:-${SLURM_NNODES:-1}}" --nproc-per-node="$nproc")
   if [ -n "${RDZV_ENDPOINT:-}" ]; then
     cmd+=(--rdzv-backend=c10d --rdzv-id="${RDZV_ID:-${SLURM_JOB_ID:-local}}"

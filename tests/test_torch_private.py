@@ -5,6 +5,7 @@ silently go missing. One process, a gloo group of one, tiny models: a few second
 from __future__ import annotations
 
 import re
+import signal
 
 import pytest
 import torch
@@ -92,6 +93,27 @@ def test_a_group_missing_one_method_is_left_as_it_was():
     with pytest.raises(torch_private.TorchInternalMoved, match="wait_for_unshard"):
         torch_private.wrap_fsdp_group_methods(group, ("unshard", "wait_for_unshard"), id)
     assert group.unshard() == "unshard"
+
+
+def test_torchruns_stop_handler_is_where_torch_keeps_it_and_acts_once(monkeypatch):
+    """torchrun's agent installs the module's handler by name; after torchrun_stops_once the
+    first stop signal still raises torch's SignalException (the agent's shutdown), a repeat
+    returns without a word. launch/torchrun_once.py runs torchrun so."""
+    from torch.distributed.elastic.multiprocessing import api
+    monkeypatch.setattr(api, "_terminate_process_handler", api._terminate_process_handler)
+    torch_private.torchrun_stops_once()
+    with pytest.raises(api.SignalException):
+        api._terminate_process_handler(signal.SIGTERM, None)
+    assert api._terminate_process_handler(signal.SIGTERM, None) is None
+    assert api._terminate_process_handler(signal.SIGINT, None) is None
+
+
+def test_a_moved_torchrun_handler_is_one_sentence(monkeypatch):
+    from torch.distributed.elastic.multiprocessing import api
+    monkeypatch.delattr(api, "_terminate_process_handler")
+    with pytest.raises(torch_private.TorchInternalMoved, match="^torch.distributed.elastic."
+                       "multiprocessing.api._terminate_process_handler is gone from torch "):
+        torch_private.torchrun_stops_once()
 
 
 def test_stragglers_reach_these_internals_only_through_torch_private():

@@ -10,9 +10,11 @@ so a torch that moves one fails there first.
 - ``wrap_fsdp_group_methods``: a wrapper around some of a parameter group's methods (its
   unshard, its wait for it, its post-backward), which issue or wait for the collectives;
 - ``wrap_zero_broadcast``: a wrapper around ZeroRedundancyOptimizer's broadcast of the updated
-  parameters after its step.
+  parameters after its step;
+- ``torchrun_stops_once``: torchrun's handler for its stop signals, made to act on the first.
 
-stragglers.py times the waits for other ranks with them.
+stragglers.py times the waits for other ranks with the first three; launch/torchrun_once.py
+runs torchrun with the last.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 FSDP_STATE_CHECKED = "2.9.0, 2.11 and 2.14.1"  # FSDPModule._get_fsdp_state, its param groups
 FSDP_GROUP_CHECKED = "2.9.0, 2.11 and 2.14.1"  # FSDPParamGroup's unshard ... finalize_backward
 ZERO_BROADCAST_CHECKED = "2.9.0, 2.11 and 2.14.1"  # ZeroRedundancyOptimizer._sync_params
+TORCHRUN_SIGNAL_CHECKED = "2.14.1"  # elastic.multiprocessing.api._terminate_process_handler
 
 
 class TorchInternalMoved(RuntimeError):
@@ -68,3 +71,29 @@ def wrap_zero_broadcast(optimizer, wrap) -> None:
     if not callable(sync):
         raise _moved("ZeroRedundancyOptimizer._sync_params", ZERO_BROADCAST_CHECKED)
     optimizer._sync_params = wrap(sync)
+
+
+def torchrun_stops_once() -> None:
+    """Make torchrun's agent, run in this process, act on its first stop signal only.
+
+    Its handler for SIGTERM, SIGINT, SIGHUP and SIGQUIT (``_terminate_process_handler``, which
+    the agent installs when it starts the workers) raises on every signal. A second one lands
+    in the agent's shutdown and cuts it short: inside its logging call ("--- Logging error ---")
+    or in its wait for the workers, which it then signals again. The agent looks the handler up
+    by name when it installs it, so replacing the module's function is enough."""
+    from torch.distributed.elastic.multiprocessing import api
+    handler = getattr(api, "_terminate_process_handler", None)
+    if not callable(handler):
+        raise _moved("torch.distributed.elastic.multiprocessing.api._terminate_process_handler",
+                     TORCHRUN_SIGNAL_CHECKED)
+    stopping = []
+
+    def first_only(signum, frame):
+        # Nothing is printed for a repeat: a print here could land inside another write to the
+        # same stream and fail there, which is the very thing this avoids.
+        if stopping:
+            return  # the agent is already stopping its workers, within its own timeout
+        stopping.append(signum)
+        handler(signum, frame)
+
+    api._terminate_process_handler = first_only
