@@ -227,8 +227,8 @@ def train(args, env: distributed.DistEnv) -> int:
                                   checkpoint.load_one_file)  # DDP's: one file, from rank 0
     start = ckpt.resume(steps)  # (epoch, step): (0, 0) for a fresh start
     info = loop.run_info(STRATEGY, args, data, device, world, env.nodes, env.local_world_size, lr)
-    with loop.Run(args, info, steps, start, stop, ckpt, step_model, optimizer, scaler,
-                  device, [device], data) as run:
+    with loop.Run(loop.Settings.of(args), info, steps, start, stop, ckpt, step_model, optimizer,
+                  scaler, device, [device], data) as run:
         for epoch in run.epochs():
             train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
             data.set_epoch(epoch)  # and new crops and flips (TinyImageNet's folder path)

@@ -224,8 +224,8 @@ def train(args, env: distributed.DistEnv) -> int:
     start = ckpt.resume(steps)  # (epoch, step): (0, 0) for a fresh start
     info = loop.run_info(STRATEGY, args, data, device, world, 1, world, lr)  # 1 node
     local_devices = [torch.device("cuda", i) for i in gpu_ids] or [device]  # GPU 0: the most
-    with loop.Run(args, info, steps, start, stop, ckpt, step_model, optimizer, scaler,
-                  device, local_devices, data) as run:
+    with loop.Run(loop.Settings.of(args), info, steps, start, stop, ckpt, step_model, optimizer,
+                  scaler, device, local_devices, data) as run:
         for epoch in run.epochs():
             train_sampler.set_epoch(epoch)  # reshuffle: a new permutation every epoch
             data.set_epoch(epoch)  # and new crops and flips (TinyImageNet's folder path)

@@ -363,8 +363,8 @@ def train(args, env: distributed.DistEnv) -> int:
                                   load_checkpoint)  # FSDP's: a DCP folder, from every rank
     start = ckpt.resume(steps)  # (epoch, step): (0, 0) for a fresh start
     info = loop.run_info(STRATEGY, args, data, device, world, env.nodes, env.local_world_size, lr)
-    with loop.Run(args, info, steps, start, stop, ckpt, step_model, optimizer, scaler,
-                  device, [device], data) as run:
+    with loop.Run(loop.Settings.of(args), info, steps, start, stop, ckpt, step_model, optimizer,
+                  scaler, device, [device], data) as run:
         for epoch in run.epochs():
             train_sampler.set_epoch(epoch)  # reshuffle: same permutation on all ranks
             data.set_epoch(epoch)  # and new crops and flips (TinyImageNet's folder path)

@@ -1,6 +1,6 @@
 """training/loop.py and the checkpointer it calls: the cadence is Checkpoints' own decision
-(save_if_due), the checkpointer is handed a section of the flags, not the namespace, and the
-loop's batches end where the epoch does. In one process, no script run: a second or less."""
+(save_if_due), the checkpointer and the run's other parts are handed their section of the
+flags, not the namespace, and the loop's batches end where the epoch does. In one process, no script run: a second or less."""
 
 from __future__ import annotations
 
@@ -81,3 +81,24 @@ def test_the_loops_batches_run_from_the_resumed_step_to_the_epochs_end():
     batches = [(torch.zeros(1), torch.tensor([i])) for i in range(6)]
     steps = [(step, int(labels)) for step, (_, labels) in run.batches(batches)]
     assert steps == [(1, 0), (2, 1), (3, 2)]
+
+
+def test_the_runs_parts_get_their_values_not_the_flags_namespace():
+    """loop.Settings.of takes what the run's parts use once, as plain values (a later change
+    to the namespace reaches none of them), and no part is handed the namespace itself."""
+    import inspect
+    from training import board, measure, profiling, stragglers
+    args = argparse.Namespace(log_every=30.0, profile=None, cuda_graph=False, epochs=2,
+                              tensorboard="off", tensorboard_every=5.0, checkpoint_dir="ck")
+    settings = loop.Settings.of(args)  # dp_train.py's and fsdp_train.py's: no --broadcast-buffers
+    assert (settings.log_every, settings.profile, settings.cuda_graph,
+            settings.broadcast_buffers) == (30.0, None, False, False)
+    assert settings.tensorboard == board.Settings("off", 5.0, None, "ck", vars(args))
+    args.log_every, args.broadcast_buffers = 0.0, True
+    assert settings.log_every == 30.0 and settings.tensorboard.flags["log_every"] == 30.0
+    assert loop.Settings.of(args).broadcast_buffers  # ddp_train.py's flag, when it has one
+    with pytest.raises(AttributeError):  # frozen: no part of the run changes it
+        settings.tensorboard.every = 0.0
+    for part in (loop.Run, measure.StepMeter, profiling.StepProfiler, board.Board,
+                 stragglers.watch, stragglers.watch_ddp, board.log_dir):
+        assert "args" not in inspect.signature(part).parameters, part

@@ -257,11 +257,9 @@ def test_profile_needs_a_writable_folder(tmp_path):
 def test_first_progress_line_comes_within_seconds_when_steps_are_slow(monkeypatch, capsys):
     """6 s a step (ResNet-50 on a 2-core CPU): the first line comes at the first step boundary
     10 s into the epoch (after 2 steps), not after 3 steps (18 s); then every --log-every."""
-    import argparse
     clock = [1000.0]
     monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
-    args = argparse.Namespace(log_every=30, epochs=1, profile=None)
-    meter = measure.StepMeter(args, steps=20, images_per_step=128)
+    meter = measure.StepMeter(every=30, epochs=1, steps=20, images_per_step=128)
     for _ in meter.epoch(range(20), epoch=0, start_step=0):
         clock[0] += 6.0  # the step
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("progress")]
@@ -273,7 +271,6 @@ def test_first_progress_line_comes_within_seconds_when_steps_are_slow(monkeypatc
 def test_step_meter_counts_the_loaders_wait_as_its_data_wait(monkeypatch):
     """StepMeter.data_wait_s is the host's wait for each next batch, never the step's own
     time, and starts again at 0 each epoch (the [RANKS] line's data_wait_s, data_wait_frac)."""
-    import argparse
     clock = [1000.0]
     monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
 
@@ -281,8 +278,7 @@ def test_step_meter_counts_the_loaders_wait_as_its_data_wait(monkeypatch):
         for i in range(n):
             clock[0] += 0.5
             yield i
-    meter = measure.StepMeter(argparse.Namespace(log_every=0, epochs=2), steps=4,
-                              images_per_step=8)
+    meter = measure.StepMeter(every=0, epochs=2, steps=4, images_per_step=8)
     for _ in meter.epoch(loader(4), epoch=0, start_step=0):
         clock[0] += 6.0  # the step
     assert meter.data_wait_s == pytest.approx(2.0)
@@ -295,12 +291,10 @@ def test_profile_tears_cupti_down_after_its_window(tmp_path, monkeypatch):
     """Kineto leaves CUPTI hooked into every CUDA call after the profiler stops unless
     TEARDOWN_CUPTI=1 is in the environment as it stops: with --profile it is, from the
     profiler's making on (rank 0, the one that traces), and a value the user set is kept."""
-    import argparse
     import os
     import torch
     monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
-    quiet = argparse.Namespace(profile=None, cuda_graph=False)
-    profiling.StepProfiler(quiet, 10, torch.device("cpu"))
+    profiling.StepProfiler(None, False, 10, torch.device("cpu"))
     assert "TEARDOWN_CUPTI" not in os.environ  # without --profile: no profiler, nothing set
     at_stop, stop = [], torch.profiler.profile.stop
 
@@ -308,13 +302,12 @@ def test_profile_tears_cupti_down_after_its_window(tmp_path, monkeypatch):
         at_stop.append(os.environ.get("TEARDOWN_CUPTI"))
         stop(self)
     monkeypatch.setattr(torch.profiler.profile, "stop", record)
-    profiled = argparse.Namespace(profile=str(tmp_path), cuda_graph=False)
-    profiler = profiling.StepProfiler(profiled, 10, torch.device("cpu"))
+    profiler = profiling.StepProfiler(str(tmp_path), False, 10, torch.device("cpu"))
     for _ in profiler.epoch(([torch.ones(64, 64) @ torch.ones(64, 64)] for _ in range(10)), 0):
         pass
     assert at_stop == ["1"]
     monkeypatch.setenv("TEARDOWN_CUPTI", "0")
-    profiling.StepProfiler(profiled, 10, torch.device("cpu"))
+    profiling.StepProfiler(str(tmp_path), False, 10, torch.device("cpu"))
     assert os.environ["TEARDOWN_CUPTI"] == "0"
 
 

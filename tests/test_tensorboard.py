@@ -139,17 +139,16 @@ def test_the_printed_command_gives_the_run_its_name(tmp_path, monkeypatch, capsy
                                                     run_dir, logdir):
     """Following the printed `tensorboard --logdir DIR` named the only run "." in every
     dashboard: DIR held the run's event files themselves."""
-    import argparse
     from training import board
     monkeypatch.chdir(tmp_path)
     if run_dir:
         monkeypatch.setenv("RUN_DIR", run_dir.format(tmp=tmp_path))
     else:
         monkeypatch.delenv("RUN_DIR", raising=False)
-    args = argparse.Namespace(tensorboard=flag.format(tmp=tmp_path), tensorboard_every=5,
-                              profile=None, checkpoint_dir="ck")
+    settings = board.Settings(tensorboard=flag.format(tmp=tmp_path), every=5, profile=None,
+                              checkpoint_dir="ck", flags={})
     info = dict(strategy="ddp", nodes=1, gpus_per_node=2, global_batch=32)
-    tb = board.Board(args, info, steps=4, start_global_step=0)
+    tb = board.Board(settings, info, steps=4, start_global_step=0)
     tb.close()
     out = capsys.readouterr().out
     assert f"(view: tensorboard --logdir {logdir.format(tmp=tmp_path)})" in out, out

@@ -24,6 +24,7 @@ import shutil
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -67,15 +68,35 @@ def check_flags(args) -> None:
                          f"got {args.tensorboard_every:g}")
 
 
-def log_dir(args, strategy: str, nodes: int, gpus_per_node: int) -> Path:
+@dataclass(frozen=True)
+class Settings:
+    """What Board uses of the flags: ``tensorboard`` (--tensorboard: a DIR, "auto", the
+    launchers' default, "off" or None), ``every`` (--tensorboard-every, in seconds),
+    ``profile`` (--profile's DIR, whose trace goes beside the curves), ``checkpoint_dir``
+    (--checkpoint-dir, whose name names the default folder) and ``flags``."""
+    tensorboard: str | None
+    every: float
+    profile: str | None
+    checkpoint_dir: str | None
+    # All the flags, as plain values: the run's configuration table shows every one of them.
+    flags: dict
+
+    @classmethod
+    def of(cls, args) -> "Settings":
+        """The section of the resolved flags that TensorBoard uses."""
+        return cls(args.tensorboard, args.tensorboard_every, args.profile, args.checkpoint_dir,
+                   dict(vars(args)))
+
+
+def log_dir(settings: Settings, strategy: str, nodes: int, gpus_per_node: int) -> Path:
     """Where this run writes: the flag's DIR; under the launchers $RUN_DIR/tensorboard; else
     runs/tensorboard/<strategy>-<nodes>n<gpus>g-<the --checkpoint-dir's name, so that a resumed
     run finds its curves again, or the time>."""
-    if args.tensorboard not in ("auto", UNDER_LAUNCHER):
-        return Path(args.tensorboard)
+    if settings.tensorboard not in ("auto", UNDER_LAUNCHER):
+        return Path(settings.tensorboard)
     if os.environ.get("RUN_DIR"):
         return Path(os.environ["RUN_DIR"]) / "tensorboard"
-    name = (Path(args.checkpoint_dir).resolve().name if args.checkpoint_dir
+    name = (Path(settings.checkpoint_dir).resolve().name if settings.checkpoint_dir
             else f"{datetime.now():%Y%m%d-%H%M%S}")
     return Path("runs/tensorboard") / f"{strategy}-{nodes}n{gpus_per_node}g-{name}"
 
@@ -108,13 +129,14 @@ def set_aside_curves(path: Path) -> Path | None:
 
 class Board:
     """Rank 0's TensorBoard writer for one run (a no-op on the other ranks and without
-    --tensorboard). ``start_global_step``: the global step the run starts at (a resumed run's,
-    counted over all epochs). A context manager: ``with Board(...) as tb:`` closes the files
-    however the run ends (finished, stopped for a requeue, failed)."""
+    --tensorboard). ``settings``: its Settings; ``start_global_step``: the global step the run
+    starts at (a resumed run's, counted over all epochs). A context manager: ``with
+    Board(...) as tb:`` closes the files however the run ends (finished, stopped for a
+    requeue, failed)."""
 
-    def __init__(self, args, run_info: dict, steps: int, start_global_step: int):
+    def __init__(self, settings: Settings, run_info: dict, steps: int, start_global_step: int):
         self.writer, self.steps = None, steps
-        if rank_and_world()[0] != 0 or args.tensorboard in (None, OFF):
+        if rank_and_world()[0] != 0 or settings.tensorboard in (None, OFF):
             return
         if not available():  # only the launchers' default gets here without it
             print("note: the tensorboard package is not installed, so this run writes no "
@@ -123,7 +145,7 @@ class Board:
             return
         # imported here: the tensorboard package it needs is optional (available() checked)
         from torch.utils.tensorboard import SummaryWriter
-        self.path = log_dir(args, run_info["strategy"], run_info["nodes"],
+        self.path = log_dir(settings, run_info["strategy"], run_info["nodes"],
                             run_info["gpus_per_node"])
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -139,13 +161,13 @@ class Board:
         # first step this run takes on (the checkpoint's own step, an epoch's end, stays)
         self.writer = SummaryWriter(str(self.path), purge_step=start_global_step + 1
                                     if start_global_step else None)
-        self.every, self.profile = args.tensorboard_every, args.profile
+        self.every, self.profile = settings.every, settings.profile
         self.images_per_step = run_info["global_batch"]
         self.last = None  # (time, global step) of the last point
-        rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(vars(args).items()))
+        rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(settings.flags.items()))
         self.writer.add_text("config", "| flag | value |\n|---|---|\n" + rows, start_global_step)
         print(f"tensorboard: writing to {self.path} (view: tensorboard --logdir "
-              f"{view_dir(self.path, args.tensorboard == UNDER_LAUNCHER)})", flush=True)
+              f"{view_dir(self.path, settings.tensorboard == UNDER_LAUNCHER)})", flush=True)
 
     def step(self, epoch: int, done: int, loss, optimizer, meter) -> None:
         """After a training step (``done`` steps of ``epoch`` taken): a point, if

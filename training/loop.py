@@ -1,7 +1,7 @@
 """The epoch loop's bookkeeping, written once for the three scripts: ``Run``. Each script keeps
 its own loop, the strategy's step inside it, and calls the run in a few named places:
 
-    with loop.Run(args, info, steps, start, stop, ckpt, ...) as run:
+    with loop.Run(loop.Settings.of(args), info, steps, start, stop, ckpt, ...) as run:
         for epoch in run.epochs():
             train_sampler.set_epoch(epoch)
             for step, (images, labels) in run.batches(train_loader):
@@ -27,12 +27,13 @@ the ``with`` block closes the TensorBoard files however the run ends.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from training import contract, distributed, loading, lossguard, measure, profiling, stragglers
-from training.board import Board
+from training import (board, contract, distributed, loading, lossguard, measure, profiling,
+                      stragglers)
 from training.distributed import print0
 
 
@@ -47,31 +48,59 @@ def run_info(strategy: str, args, data, device: torch.device, world: int, nodes:
                 lr_scaling=args.lr_scaling, warmup_epochs=args.warmup_epochs)
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What the run's parts use of the resolved flags, each its own values: ``log_every``
+    (--log-every s: the progress line), ``profile`` (--profile's DIR, or None: its window of
+    steps), ``cuda_graph`` (--cuda-graph: the window starts after the capture; the straggler
+    clock's hooks do not run in the replay), ``broadcast_buffers`` (DDP's --broadcast-buffers:
+    the straggler clock times that broadcast) and ``tensorboard``, TensorBoard's own section."""
+    log_every: float
+    profile: str | None
+    cuda_graph: bool
+    broadcast_buffers: bool
+    tensorboard: board.Settings
+
+    @classmethod
+    def of(cls, args) -> "Settings":
+        """The section of the resolved flags that the run's parts use."""
+        # --broadcast-buffers is ddp_train.py's alone; the straggler clock reads it for a DDP
+        # model only
+        return cls(args.log_every, args.profile, args.cuda_graph,
+                   getattr(args, "broadcast_buffers", False), board.Settings.of(args))
+
+
 class Run:
     """One training run's epochs, from ``start`` (epoch, step: where the checkpoint left off)
-    to --epochs, of ``steps`` steps each. ``info``: run_info(); ``stop``: the
-    stopping.StopRequest made before the resume; ``ckpt``: the run's checkpoint.Checkpoints;
-    ``step_model``: the model the step runs (the straggler clock hooks into it); ``scaler``:
-    the GradScaler (an fp16 step it skipped is no NaN); ``device``: where this process keeps
-    its sums; ``devices``: the GPUs it drives (DataParallel: all of them), for the syncs and
-    the peak memory; ``data``: the datasets.DataBundle (its classes, its validation
-    images)."""
+    to --epochs, of ``steps`` steps each. ``settings``: its Settings; ``info``: run_info()
+    (it reads the epochs and the global batch there); ``stop``: the stopping.StopRequest made
+    before the resume; ``ckpt``: the run's checkpoint.Checkpoints; ``step_model``: the model
+    the step runs (the straggler clock hooks into it); ``scaler``: the GradScaler (an fp16
+    step it skipped is no NaN); ``device``: where this process keeps its sums; ``devices``:
+    the GPUs it drives (DataParallel: all of them), for the syncs and the peak memory;
+    ``data``: the datasets.DataBundle (its classes, its validation images)."""
 
-    def __init__(self, args, info: dict, steps: int, start: tuple, stop, ckpt, step_model,
-                 optimizer, scaler, device: torch.device, devices: list, data):
+    def __init__(self, settings: Settings, info: dict, steps: int, start: tuple, stop, ckpt,
+                 step_model, optimizer, scaler, device: torch.device, devices: list, data):
         self.info, self.steps, self.stop, self.ckpt = info, steps, stop, ckpt
         self.start_epoch, self.resume_step = start
-        self.last_epoch = args.epochs
+        self.last_epoch = info["epochs"]
         self.optimizer, self.device, self.devices = optimizer, device, devices
         self.val_images = len(data.val)
         # NaN/inf and jumps of the loss, counted on the device: no host sync a step
         self.losses = lossguard.LossWatch(device, scaler, data.num_classes)
-        self.meter = measure.StepMeter(args, steps, info["global_batch"])  # progress, data wait
-        self.profiler = profiling.StepProfiler(args, steps, device)  # --profile: a window of steps
+        # progress lines and data wait
+        self.meter = measure.StepMeter(settings.log_every, self.last_epoch, steps,
+                                       info["global_batch"])
+        # --profile: a window of steps
+        self.profiler = profiling.StepProfiler(settings.profile, settings.cuda_graph, steps,
+                                               device)
         # each rank's own time and its waits for the others: which rank holds the others back
-        self.rank_clock = stragglers.watch(step_model, optimizer, device, args)
+        self.rank_clock = stragglers.watch(step_model, optimizer, device, settings.cuda_graph,
+                                           settings.broadcast_buffers)
         # --tensorboard, from the global step the run starts at
-        self.tb = Board(args, info, steps, self.start_epoch * steps + self.resume_step)
+        self.tb = board.Board(settings.tensorboard, info, steps,
+                              self.start_epoch * steps + self.resume_step)
         self.start = time.perf_counter()
 
     def __enter__(self) -> "Run":

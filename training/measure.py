@@ -189,8 +189,10 @@ class StepMeter:
     # steps are slow (ResNet-50 on a CPU: 6 s a step): the user knows within seconds it runs.
     FIRST_AFTER, FIRST_WITHIN = 3, 10.0  # steps, seconds
 
-    def __init__(self, args, steps: int, images_per_step: int):
-        self.every, self.epochs, self.steps = args.log_every, args.epochs, steps
+    def __init__(self, every: float, epochs: int, steps: int, images_per_step: int):
+        """``every``: --log-every, in seconds (0: no lines); ``epochs``: --epochs; ``steps``:
+        an epoch's."""
+        self.every, self.epochs, self.steps = every, epochs, steps
         self.images_per_step = images_per_step
         self.start = time.perf_counter()
         self.epoch_wall = 0.0  # one whole epoch (training, evaluation, saving), once known

@@ -122,8 +122,9 @@ class StepProfiler:
 
     AFTER, STEPS = 3, 5  # skip 3 steps (warm-up), trace 5
 
-    def __init__(self, args, steps: int, device: torch.device):
-        self.out_dir = args.profile if rank_and_world()[0] == 0 else None
+    def __init__(self, out_dir: str | None, cuda_graph: bool, steps: int, device: torch.device):
+        """``out_dir``: --profile's DIR (None: no window); ``cuda_graph``: --cuda-graph."""
+        self.out_dir = out_dir if rank_and_world()[0] == 0 else None
         self.steps, self.device = steps, device
         if self.out_dir:
             # Kineto leaves CUPTI hooked into every CUDA call after the profiler stops, unless
@@ -135,7 +136,7 @@ class StepProfiler:
             # before CUDA 12.6 (where torch.compile's graphs run, torch's profiler sets it to 0).
             os.environ.setdefault("TEARDOWN_CUPTI", "1")
         # --cuda-graph: the eager steps, the capture and a first replay come before the window
-        self.graph = bool(args.cuda_graph)
+        self.graph = cuda_graph
         self.after = self.AFTER + (cudagraph.DDP_WARMUP_STEPS if self.graph else 0)
 
     def epoch(self, batches, start_step: int):

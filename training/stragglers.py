@@ -223,9 +223,12 @@ class RankClock:
 # Per strategy: where the waits are
 # --------------------------------------------------------------------------------------------
 
-def watch(step_model: nn.Module, optimizer, device: torch.device, args) -> RankClock:
+def watch(step_model: nn.Module, optimizer, device: torch.device, cuda_graph: bool,
+          broadcast_buffers: bool) -> RankClock:
     """The clock of this script's step, by the strategy its model is wrapped in (under
-    --compile, the module compiled): DataParallel's devices, DDP's comm hook, FSDP's units."""
+    --compile, the module compiled): DataParallel's devices, DDP's comm hook, FSDP's units.
+    ``cuda_graph``: --cuda-graph, whose replay runs no hooks; ``broadcast_buffers``: DDP's
+    --broadcast-buffers."""
     model = getattr(step_model, "_orig_mod", step_model)
     if isinstance(model, nn.DataParallel):
         devices = [torch.device("cuda", i) for i in model.device_ids] or [device]
@@ -234,17 +237,20 @@ def watch(step_model: nn.Module, optimizer, device: torch.device, args) -> RankC
         return RankClock(device)
     hangs.watch(step_model, optimizer, device)  # every rank's collectives on record
     if isinstance(model, DistributedDataParallel):
-        return watch_ddp(model, optimizer, device, args)
+        return watch_ddp(model, optimizer, device, cuda_graph, broadcast_buffers,
+                         compiled=model is not step_model)
     units = [m for m in model.modules() if FSDPModule and isinstance(m, FSDPModule)]
     return watch_fsdp(units, device) if units else RankClock(device)  # FSDP: the root too
 
 
-def watch_ddp(replica, optimizer, device: torch.device, args) -> RankClock:
+def watch_ddp(replica, optimizer, device: torch.device, cuda_graph: bool,
+              broadcast_buffers: bool, compiled: bool) -> RankClock:
     """DDP: the wait from this rank's last gradient bucket to the end of backward (a comm hook
     wrapping the default all-reduce, and the optimizer's step pre-hook), and the broadcast of
-    BatchNorm buffers before each forward (but under --compile). Under --cuda-graph nothing is
-    timed: the replay runs no hooks."""
-    if args.cuda_graph:
+    BatchNorm buffers before each forward (with ``broadcast_buffers``, but not when
+    ``compiled``, under --compile). Under --cuda-graph (``cuda_graph``) nothing is timed: the
+    replay runs no hooks."""
+    if cuda_graph:
         print0("note: --cuda-graph: graph replay runs no Python hooks, so the waits for other "
                "ranks are not measured and no straggler can be named (rank_spread=nan)")
         return RankClock(device, measured=False)
@@ -272,7 +278,7 @@ def watch_ddp(replica, optimizer, device: torch.device, args) -> RankClock:
     has_buffers = any(True for _ in replica.module.buffers())
     # DDP broadcasts rank 0's buffers before each forward (not timed under --compile, whose
     # trace would take the forward hooks in)
-    if has_buffers and args.broadcast_buffers and not args.compile:
+    if has_buffers and broadcast_buffers and not compiled:
         replica.register_forward_pre_hook(lambda *_: clock.waits.open())
         replica.module.register_forward_pre_hook(lambda *_: clock.waits.close())
     return clock
