@@ -16,7 +16,7 @@
 #   TRAIN_SCRIPT  run this script instead of ${STRATEGY}_train.py
 #   REPO_DIR      repository root (the .slurm files find it; see there)
 #   PYTHON        interpreter command, split on spaces (python), e.g.
-#                 "apptainer exec --nv img.sif python"; torchrun = "$PYTHON -m torch.distributed.run"
+#                 "apptainer exec --nv img.sif python"; torchrun = "$PYTHON launch/torchrun_once.py"
 #   DATA_DIR      dataset root, read by the training script (unset: synthetic data)
 #   RUNS_DIR      parent of the run directories ($SLURM_SUBMIT_DIR/runs, locally $PWD/runs)
 #   LOG_INTERVAL  seconds between memory samples (5)

@@ -280,7 +280,7 @@ def test_local_sh_prepares_the_data_cache_before_the_training(tmp_path, tiny_ima
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
     prepared = out.index("data cache: decoded 160 train images")
-    assert prepared < out.index("torch.distributed.run")  # before the training started
+    assert prepared < out.index("torchrun_once.py")  # before the training started
     assert f"data cache ready: {cache}" in out
     assert "data cache: building" not in out[prepared + 1:].split("data cache ready")[1]
     (run_dir,) = (tmp_path / "runs").iterdir()
@@ -878,9 +878,9 @@ def check_slurm_job(job: Job, nodes: int, gpus: int, fake_gpus: bool, strategy: 
         assert line in out
     if strategy == "dp":  # one plain python process, no torchrun
         assert f"[{node_names[0]}] running: python {REPO}/dp_train.py --model" in out
-        assert "torch.distributed.run" not in out
+        assert "torchrun_once.py" not in out
     else:
-        assert f"-m torch.distributed.run --nnodes={nodes} --nproc-per-node={gpus} " \
+        assert f"{REPO}/launch/torchrun_once.py --nnodes={nodes} --nproc-per-node={gpus} " \
                f"--rdzv-backend=c10d --rdzv-id={job.id} " \
                f"--rdzv-endpoint={node_names[0]}:{info['MASTER_PORT']} {REPO}/{strategy}_train.py" \
                in out
