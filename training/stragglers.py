@@ -243,6 +243,14 @@ def watch(step_model: nn.Module, optimizer, device: torch.device, cuda_graph: bo
     return watch_fsdp(units, device) if units else RankClock(device)  # FSDP: the root too
 
 
+def unmeasured(device: torch.device, why: str) -> RankClock:
+    """A clock that measures no waits, after rank 0's note of ``why`` (the words before "the
+    waits ..."): its [METRIC] line says rank_spread=nan rather than a spread of zeros."""
+    print0(f"note: {why} the waits for other ranks are not measured and no straggler can be "
+           f"named (rank_spread=nan)")
+    return RankClock(device, measured=False)
+
+
 def watch_ddp(replica, optimizer, device: torch.device, cuda_graph: bool,
               broadcast_buffers: bool, compiled: bool) -> RankClock:
     """DDP: the wait from this rank's last gradient bucket to the end of backward (a comm hook
@@ -251,9 +259,7 @@ def watch_ddp(replica, optimizer, device: torch.device, cuda_graph: bool,
     ``compiled``, under --compile). Under --cuda-graph (``cuda_graph``) nothing is timed: the
     replay runs no hooks."""
     if cuda_graph:
-        print0("note: --cuda-graph: graph replay runs no Python hooks, so the waits for other "
-               "ranks are not measured and no straggler can be named (rank_spread=nan)")
-        return RankClock(device, measured=False)
+        return unmeasured(device, "--cuda-graph: graph replay runs no Python hooks, so")
     clock = RankClock(device)
 
     def arrive(process_group, bucket):
@@ -272,9 +278,7 @@ def watch_ddp(replica, optimizer, device: torch.device, cuda_graph: bool,
         try:
             torch_private.wrap_zero_broadcast(optimizer, lambda sync: _timed(sync, clock.waits))
         except torch_private.TorchInternalMoved as moved:
-            print0(f"note: {moved}; the waits for other ranks are not measured and no "
-                   f"straggler can be named (rank_spread=nan)")
-            return RankClock(device, measured=False)
+            return unmeasured(device, f"{moved};")
     has_buffers = any(True for _ in replica.module.buffers())
     # DDP broadcasts rank 0's buffers before each forward (not timed under --compile, whose
     # trace would take the forward hooks in)
@@ -306,14 +310,10 @@ def watch_fsdp(units: list, device: torch.device) -> RankClock:
                                                       lambda method: _timed(method, clock.waits))
                 timed += 1
     except torch_private.TorchInternalMoved as moved:
-        print0(f"note: {moved}; the waits for other ranks are not measured and no straggler "
-               f"can be named (rank_spread=nan)")
-        return RankClock(device, measured=False)
+        return unmeasured(device, f"{moved};")
     if not timed:
-        print0(f"note: this torch ({torch.__version__}) hides FSDP's parameter groups: the "
-               f"waits for other ranks are not measured and no straggler can be named "
-               f"(rank_spread=nan)")
-        return RankClock(device, measured=False)
+        return unmeasured(device, f"this torch ({torch.__version__}) hides FSDP's parameter "
+                                  f"groups:")
     return clock
 
 
