@@ -49,6 +49,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 try:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch before 2.6: common.run() stops it with one sentence (the floor)
@@ -231,11 +232,41 @@ def load_checkpoint(path, state: dict) -> dict:
 def save_model(model: nn.Module, path) -> None:
     """--save-model. Collective: every rank sends its shards; rank 0 receives the full
     tensors on the CPU and writes them."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
+    if dist.get_backend() == "gloo":
+        full = full_state_from_host_copies(model)
+    else:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
     if distributed.rank_and_world()[0] == 0:
         checkpoint.save_model(full, path)
         print0(f"saved full (unsharded) model state_dict to {path}")
+
+
+def full_state_from_host_copies(model: nn.Module) -> dict:
+    """The full (unsharded) state dict on rank 0, {} on the others, gathered over gloo from
+    host copies of the shards. With --share-gpus the shards are on a GPU, and gathering them
+    as they are would take gloo's paths for CUDA tensors: the ones training uses work, but on
+    torch 2.11 the three FSDP runs that ended with --save-model died in SIGSEGV on both ranks
+    (gloo's coalesced all-gather copies CUDA memory as if it were the host's, PyTorch issue
+    152645). A shard copied to the host first is gathered the way every CPU run gathers it.
+    Collective: every rank gathers every tensor, in the same order."""
+    rank = dist.get_rank()
+    full, on_host = {}, {}  # the meshes, each once with the same groups on the host
+    for name, value in get_model_state_dict(model).items():  # sharded, as FSDP holds them
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh
+            if id(mesh) not in on_host:
+                groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+                on_host[id(mesh)] = DeviceMesh.from_group(
+                    groups if mesh.ndim > 1 else groups[0], "cpu",
+                    mesh=mesh.mesh if mesh.ndim > 1 else None,
+                    mesh_dim_names=mesh.mesh_dim_names)
+            value = DTensor.from_local(value.to_local().cpu(), on_host[id(mesh)],
+                                       value.placements, shape=value.shape,
+                                       stride=value.stride(), run_check=False).full_tensor()
+        if rank == 0:
+            full[name] = value.detach().cpu() if torch.is_tensor(value) else value
+    return full
 
 
 def preflight(args, model: nn.Module, data, device: torch.device, world: int, mesh) -> bool:
