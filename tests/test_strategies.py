@@ -306,3 +306,53 @@ def test_train_differs_from_ddp_by_a_strategys_worth_of_lines(other, budget):
                                                   lineterm="", n=0)
             if line[:1] in "+-" and not line.startswith(("+++", "---"))]
     assert len(diff) <= budget, "\n".join(diff)
+
+
+GATHER_FROM_HOST = r'''
+import sys
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+sys.path.insert(0, sys.argv[1])
+import fsdp_train
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+meshes = {"1-D": DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("shard",)),
+          "2-D": DeviceMesh.from_group([dist.new_group([0]) if rank == 0 else dist.new_group([1]),
+                                        dist.group.WORLD], "cpu",
+                                       mesh=torch.arange(2).view(1, 2),
+                                       mesh_dim_names=("replicate", "shard"))}
+for name, mesh in meshes.items():
+    torch.manual_seed(0)
+    # uneven shards: 3 rows over 2 ranks (2 + 1), and 1 row (rank 1 holds none); a buffer
+    model = nn.Sequential(nn.Linear(5, 3), nn.BatchNorm1d(3), nn.Linear(3, 1))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ours = fsdp_train.full_state_from_host_copies(model)
+    torch_s = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+    if rank == 0:
+        assert ours.keys() == torch_s.keys(), (name, ours.keys(), torch_s.keys())
+        for k in ours:
+            assert ours[k].device.type == "cpu" and torch.equal(ours[k], torch_s[k]), (name, k)
+        print(name, "same", sorted(ours))
+    else:
+        assert ours == {}, name
+dist.destroy_process_group()
+'''
+
+
+def test_fsdp_save_model_over_gloo_gathers_host_copies_into_torchs_full_state(tmp_path):
+    """--save-model over gloo gathers host copies of the shards (on a GPU shared by ranks,
+    gloo's gathers of CUDA shards were the suspect of a crash): the full state dict it gives
+    rank 0 is torch's own, uneven shards, an empty shard, buffers and a 2-D mesh included."""
+    script = tmp_path / "gather.py"
+    script.write_text(GATHER_FROM_HOST)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", str(script), str(REPO)], capture_output=True,
+                          text=True, timeout=300, env=env_for_tests())
+    check_ok(proc)
+    assert "1-D same" in proc.stdout and "2-D same" in proc.stdout, proc.stdout
+    assert "1.running_mean" in proc.stdout  # the buffers came along
