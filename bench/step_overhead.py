@@ -59,10 +59,8 @@ def main(argv=None) -> int:
     criterion = torch.nn.CrossEntropyLoss()
     scaler = torch.amp.GradScaler(device.type, enabled=False)  # as in an fp32 run
     stop = stopping.StopRequest()
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    correct = torch.zeros((), device=device, dtype=torch.float64)
-    bad = torch.zeros((), device=device, dtype=torch.int64)
-    first_bad = torch.full((), -1, device=device, dtype=torch.int64)
+    sums = torch.zeros(3, device=device, dtype=torch.float64)  # as loop.Run keeps them
+    watch = lossguard.LossWatch(device, scaler, classes, args.steps)
     times = {k: [] for k in variants}
     names = list(variants)
     for rnd in range(args.rounds):
@@ -79,9 +77,10 @@ def main(argv=None) -> int:
                     scaler.scale(loss).backward()
                     scaler.step(opt)
                     scaler.update()
-                    loss_sum += loss.detach().double() * y.size(0)
-                    correct += (out.argmax(1) == y).sum()
-                    lossguard.track_finite(loss, i, bad, first_bad)
+                    sums[0].add_(loss.detach(), alpha=y.size(0))
+                    sums[1].add_((out.argmax(1) == y).sum())
+                    sums[2].add_(y.size(0))
+                    watch.track(loss, i)
                     stop.should_stop()
                 else:
                     loss.backward()

@@ -29,13 +29,13 @@ RANK = int(os.environ.get("RANK", "0"))
 def nan_on_rank1(out: Path) -> None:
     """Rank 1 alone records a non-finite loss at step index 2 (its gradients stay finite, so
     the other ranks see nothing wrong): only a vote can stop every rank together."""
-    real = lossguard.track_finite
+    real = lossguard.LossWatch.track
 
-    def track_finite(loss, step, bad_steps, first_bad):
+    def track(self, loss, step):
         if RANK == 1 and step == 2:
             loss = torch.full_like(loss, float("nan"))
-        real(loss, step, bad_steps, first_bad)
-    lossguard.track_finite = track_finite
+        real(self, loss, step)
+    lossguard.LossWatch.track = track
 
 
 def record_augment(out: Path) -> None:
@@ -107,13 +107,13 @@ def usr1_at_an_epochs_last_step(out: Path) -> None:
 def bug_at_step_3(out: Path) -> None:
     """A bug: the main process raises a plain ValueError at the fourth training step, while
     its DataLoader workers are alive."""
-    real = lossguard.track_finite
+    real = lossguard.LossWatch.track
 
-    def track_finite(loss, step, bad_steps, first_bad):
+    def track(self, loss, step):
         if step == 3:
             raise ValueError("a bug planted by the test")
-        real(loss, step, bad_steps, first_bad)
-    lossguard.track_finite = track_finite
+        real(self, loss, step)
+    lossguard.LossWatch.track = track
 
 
 def record_buffer_sync(out: Path) -> None:

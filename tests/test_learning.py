@@ -68,7 +68,7 @@ def test_without_the_clip_the_collapse_is_named_in_its_epoch():
 def _watch(losses, num_classes=10):
     """A LossWatch of one process that has tracked these per-step losses."""
     watch = lossguard.LossWatch(torch.device("cpu"), torch.amp.GradScaler("cpu", enabled=False),
-                                num_classes)
+                                num_classes, len(losses))
     for step, loss in enumerate(losses):
         watch.track(torch.tensor(loss), step)
     return watch
@@ -91,9 +91,18 @@ def test_a_jump_is_named_once_with_its_step_and_the_noise_near_zero_is_not():
     assert line.startswith("warning: the loss jumped from 0.0001 to 1.35 at epoch 1, step 31, ")
     assert line.count("\n") == 0  # the first jump only, once
     assert _watched([2.3, 2.31, 2.4, 2.2]) == ""  # a loss at chance's level is no jump
-    # a NaN is no jump, and the next loss is compared with the last finite one
-    watch = _watch([0.001, float("nan")])
-    assert watch.last.item() == pytest.approx(0.001) and watch.jump[0].item() == -1
+    # a NaN is no jump, and the next loss is compared with the last finite one; an inf after
+    # a finite loss is one; either then stops the run, at the first of them
+    nan, inf = float("nan"), float("inf")
+    for losses, named in (([0.001, 0.0011, nan, 0.0012], ""),
+                          ([0.001, 0.0011, nan, nan, 1.35], "from 0.0011 to 1.35 at epoch 1, "
+                                                            "step 5,"),
+                          ([2.0, 0.01, inf], "from 0.01 to inf at epoch 1, step 3,")):
+        out = io.StringIO()
+        with (contextlib.redirect_stdout(out),
+              pytest.raises(lossguard.NonFiniteLoss, match="at epoch 1, step 3;")):
+            _watch(losses, num_classes=1).check(epoch=0)
+        assert (named in out.getvalue()) if named else out.getvalue() == "", losses
 
 
 @pytest.mark.parametrize("extra, expected", [([], 1.0), (["--model", "resnet18"], 0.0),

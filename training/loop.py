@@ -87,8 +87,8 @@ class Run:
         self.last_epoch = info["epochs"]
         self.optimizer, self.device, self.devices = optimizer, device, devices
         self.val_images = len(data.val)
-        # NaN/inf and jumps of the loss, counted on the device: no host sync a step
-        self.losses = lossguard.LossWatch(device, scaler, data.num_classes)
+        # NaN/inf and jumps of the loss: each step's loss noted on the device, no host sync
+        self.losses = lossguard.LossWatch(device, scaler, data.num_classes, steps)
         # progress lines and data wait
         self.meter = measure.StepMeter(settings.log_every, self.last_epoch, steps,
                                        info["global_batch"])
@@ -144,9 +144,11 @@ class Run:
         rate (every --tensorboard-every s), the epoch's sums and the loss watch, all on the
         device."""
         self.tb.step(self.epoch, step + 1, loss, self.optimizer, self.meter)
-        self.sums[0] += loss.detach().double() * labels.size(0)
-        self.sums[1] += (outputs.argmax(1) == labels).sum()
-        self.sums[2] += labels.size(0)
+        # add_ on a view: one kernel each (``+=`` on an item would copy it back as well), and
+        # alpha scales the loss in the sums' float64
+        self.sums[0].add_(loss.detach(), alpha=labels.size(0))
+        self.sums[1].add_((outputs.argmax(1) == labels).sum())
+        self.sums[2].add_(labels.size(0))
         self.losses.track(loss, step)
 
     def save_or_stop(self, step: int) -> None:

@@ -2,9 +2,9 @@
 without a host sync in the training step. And the jump guard: a loss that jumps by orders of
 magnitude is named in one line, in the epoch it happens.
 
-``LossWatch.track`` counts non-finite losses and notes the first jump on the device at every
-step; ``LossWatch.check``, before each checkpoint and at each epoch's end, reads them (host
-syncs) after a vote of all ranks: rank 0 names the earliest jump of any rank, and every rank
+``LossWatch.track`` notes each step's loss on the device; ``LossWatch.check``, before each
+checkpoint and at each epoch's end, reads the losses noted since the last check (a host sync)
+and votes with all ranks: rank 0 names the earliest jump of any rank, and every rank
 raises ``NonFiniteLoss`` together, which common.run() maps to contract.NONFINITE_EXIT.
 """
 
@@ -51,16 +51,6 @@ def check_finite(bad_steps: torch.Tensor, first_bad: torch.Tensor, epoch: int, s
 JUMP = 10
 
 
-def track_jump(loss, step: int, last, jump, floor: float) -> None:
-    """Device-side: ``jump`` keeps the first jump since the last check, [step, loss before,
-    loss] (step -1: none yet); ``last`` is the last finite loss (inf before the first). No
-    host sync."""
-    loss = loss.detach().to(last.dtype)
-    jumped = (loss > JUMP * last) & (loss > floor) & (jump[0] < 0)
-    torch.where(jumped, torch.stack([torch.full_like(loss, step), last, loss]), jump, out=jump)
-    torch.where(torch.isfinite(loss), loss, last, out=last)  # a NaN or inf is not kept
-
-
 def name_jump(jump, epoch: int) -> None:
     """Host sync, at the same calls as check_finite, on every rank: each rank puts its first
     jump in its own row, one all-reduce (every rank of the group) gives every rank all rows,
@@ -81,36 +71,42 @@ def name_jump(jump, epoch: int) -> None:
            f"too large for the model; clip the gradients (--clip-grad-norm 1) or lower --lr")
 
 
-def track_finite(loss, step: int, bad_steps, first_bad) -> None:
-    """Device-side bookkeeping of non-finite losses: no host sync in the training step."""
-    bad = ~torch.isfinite(loss.detach())
-    bad_steps += bad.to(bad_steps.dtype)
-    first_bad.copy_(torch.where(bad & (first_bad < 0), torch.full_like(first_bad, step),
-                                first_bad))
-
-
 class LossWatch:
-    """NaN and inf losses and jumps of the loss, noted on the device at every step (``track``:
-    no host sync in the step) and checked by a vote of all ranks before each checkpoint and at
-    each epoch's end (``check``: names the first jump, raises NonFiniteLoss on every rank
-    together)."""
+    """NaN and inf losses and jumps of the loss. ``track`` notes each step's loss on the device,
+    one copy into a buffer of the epoch's steps (no host sync, one kernel on a GPU: few
+    launches a step count under --cuda-graph, where a step is one graph and the kernels around
+    it). ``check``, before each checkpoint and at each epoch's end, reads the losses noted
+    since the last check (a host sync), then votes with all ranks: rank 0 names the first jump,
+    and every rank raises NonFiniteLoss together."""
 
-    def __init__(self, device: torch.device, scaler, num_classes: int):
-        self.scaler = scaler
-        self.bad_steps = torch.zeros((), device=device, dtype=torch.int64)
-        self.first_bad = torch.full((), -1, device=device, dtype=torch.int64)
+    def __init__(self, device: torch.device, scaler, num_classes: int, steps: int):
+        self.scaler, self.device = scaler, device
         self.floor = math.log(num_classes) / 2  # half of chance's loss
-        self.last = torch.full((), math.inf, device=device, dtype=torch.float64)
-        self.jump = torch.tensor([-1.0, 0.0, 0.0], device=device, dtype=torch.float64)
+        self.losses = torch.zeros(max(steps, 1), device=device, dtype=torch.float64)
+        self.first, self.upto = None, 0  # the steps noted since the last check
+        self.last = math.inf  # the last finite loss checked (inf: none yet)
 
     def track(self, loss, step: int) -> None:
-        track_finite(loss, step, self.bad_steps, self.first_bad)
-        track_jump(loss, step, self.last, self.jump, self.floor)
+        """After ``step`` (0-based, in the epoch, below the ``steps`` it was made for)."""
+        self.losses[step].copy_(loss.detach())
+        if self.first is None:
+            self.first = step
+        self.upto = step + 1
 
     def check(self, epoch: int) -> None:
         """Host syncs and votes (every rank): the jump is named before a NaN stops the run."""
-        name_jump(self.jump, epoch)
-        self.jump[0] = -1
-        check_finite(self.bad_steps, self.first_bad, epoch, self.scaler)
-        self.bad_steps.zero_()
-        self.first_bad.fill_(-1)
+        first = self.upto if self.first is None else self.first
+        losses = self.losses[first:self.upto].tolist()
+        self.first = None
+        jump, bad = [-1.0, 0.0, 0.0], []  # [step, loss before, loss] of the first jump
+        for step, loss in enumerate(losses, start=first):
+            # a jump from the last finite loss (an inf after a finite loss is one, a NaN not)
+            if jump[0] < 0 and loss > JUMP * self.last and loss > self.floor:
+                jump = [float(step), self.last, loss]
+            if math.isfinite(loss):
+                self.last = loss
+            else:
+                bad.append(step)
+        name_jump(torch.tensor(jump, device=self.device, dtype=torch.float64), epoch)
+        check_finite(torch.tensor(len(bad), device=self.device),
+                     torch.tensor(bad[0] if bad else -1, device=self.device), epoch, self.scaler)
