@@ -157,8 +157,9 @@ def versions(gpu: bool) -> list:
 
 
 def plan(which: str, gpu: bool) -> list:
-    """The rows of ``which`` (speed, targets, memory, compile, all): the timed rows in the order they
-    run, then the untimed ones in the order the lanes take them (the longest first)."""
+    """The rows of ``which`` (speed, targets, memory, compile, all): the timed rows in the
+    order they run, then the untimed ones in the order the lanes take them (the longest
+    first)."""
     small, big, huge = (256, 1024, 2048) if gpu else (8, 16, 32)
     side = 224 if gpu else 96  # the seed's setting (the CPU smoke run: smaller)
     synth, graph, profile = ["--data-on-device"], ["--cuda-graph"], ["--profile", "{profile}"]
