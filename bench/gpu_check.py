@@ -297,11 +297,11 @@ def row_args(row: Row, model: str, steps: int, paths: dict) -> list:
             "--batch-size", str(row.batch), "--log-every", "0"] + args
 
 
-def raw_args(row: Row, model: str, steps: int) -> list:
+def raw_args(row: Row, model: str, steps: int, gpu: bool) -> list:
     """bench/raw_step.py's arguments: ``steps`` timed steps of the row's mode and size, after
-    as many warm-up steps, 10 at most (the CPU smoke run times 3)."""
+    its 10 warm-up steps on a GPU (cuDNN's autotuning); on the CPU (the smoke run) one."""
     return [*row.args, "--model", model, "--image-size", str(row.image), "--batch-size",
-            str(row.batch), "--steps", str(steps), "--warmup", str(min(steps, 10))]
+            str(row.batch), "--steps", str(steps)] + ([] if gpu else ["--warmup", "1"])
 
 
 def run_raw(row: Row, args: list, timeout: float) -> dict:
@@ -925,8 +925,8 @@ def report(results: list, head: list, gpu: bool, steps: int, tail: list) -> str:
               "(--lanes 1: nothing)"]
     if any(r["kind"] == "raw" for r in results):
         lines.append("raw step: bench/raw_step.py, the plain PyTorch step of the same model "
-                     "(no DDP, no loader, no metrics, one static batch on the device): as many "
-                     "steps warmed up as timed (10 at most), then the timed steps, one process")
+                     "(no DDP, no loader, no metrics, one static batch on the device): its warm-up "
+                     "steps (10 on a GPU), then the timed steps, one process")
     lines += (["error: (predicted - measured) / measured peak, measured as "
                "torch.cuda.max_memory_allocated over the second epoch"] if gpu else
               ["peak memory on the CPU is the process's peak RSS: no prediction to compare "
@@ -1113,7 +1113,7 @@ def main(argv=None) -> int:
         if row.kind == "save-model":
             return run_save_model(row, work, gpu, timeout)
         if row.kind == "raw":
-            return run_raw(row, raw_args(row, model, row_steps(row, steps)), timeout)
+            return run_raw(row, raw_args(row, model, row_steps(row, steps), gpu), timeout)
         if row.kind == "launcher":
             return run_launcher(row, model, row_steps(row, steps), work, keep, timeout)
         return run_training(row, row_args(row, model, row_steps(row, steps), paths), timeout,
