@@ -248,7 +248,8 @@ def plan(which: str, gpu: bool) -> list:
                      args=synth + extra + ["--compile", mode], image=px, cuda_only=True,
                      headline=True, need_s=COMPILE_GUESS[mode])
                  for mode in flags.COMPILE_MODES for batch, px, extra in sizes]
-    # --rows targets: only the rows targets() reads, for figures no other row disturbs
+    # --rows targets: the headline rows, those targets() reads and the raw eager step beside
+    # them, for figures no other row disturbs
     rows = {"speed": timed + untimed, "targets": [row for row in timed if row.headline],
             "memory": memory, "compile": compiled,
             "all": timed + compiled + untimed + memory}[which]

@@ -56,9 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="resnet50",
                    help="a model of training/models.py: resnet50, cnn, mnist_net or a "
                         "torchvision classification model such as resnet18")
-    p.add_argument("--image-size", type=int, default=64,
-                   help="side of the square input images in pixels (cnn and mnist_net take "
-                        "their own fixed size)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="side of the square input images in pixels (default: the model's "
+                        "synthetic size, as in ddp_train.py: 64 for ResNet-50; cnn and "
+                        "mnist_net take only their own)")
     p.add_argument("--batch-size", type=int, default=256, help="images per step")
     p.add_argument("--steps", type=int, default=100, help="timed steps")
     p.add_argument("--warmup", type=int, default=10,
@@ -66,14 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="default: cuda when a GPU is visible, else cpu")
     return p
-
-
-def input_shape(model_name: str, image_size: int) -> tuple:
-    """(C, H, W) and the number of classes, as ddp_train.py's synthetic data gives them."""
-    shape, classes = models.synthetic_shape(model_name)
-    if model_name not in ("cnn", "mnist_net"):
-        shape = (shape[0], image_size, image_size)
-    return shape, classes
 
 
 def amp_dtype(device: torch.device) -> torch.dtype | None:
@@ -125,7 +118,9 @@ def synchronize(device: torch.device) -> None:
 
 def run(args, device: torch.device) -> dict:
     torch.backends.cudnn.benchmark = True  # fixed input shapes, as in the training scripts
-    shape, classes = input_shape(args.model, args.image_size)
+    # (C, H, W) and the classes of ddp_train.py's synthetic data for these flags
+    shape, classes = flags.input_shape(argparse.Namespace(
+        dataset="synthetic", model=args.model, image_size=args.image_size))
     torch.manual_seed(0)
     model = models.build_model(args.model, classes, shape)
     memory_format = models.memory_format(model, device)
@@ -172,7 +167,7 @@ def run(args, device: torch.device) -> dict:
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
-    if min(args.batch_size, args.steps, args.image_size) < 1 or args.warmup < 0:
+    if min(args.batch_size, args.steps, args.image_size or 1) < 1 or args.warmup < 0:
         p.error("--batch-size, --steps and --image-size must be above 0, --warmup at least 0")
     gpu = torch.cuda.is_available()
     if args.device == "cuda" and not gpu:
