@@ -172,7 +172,9 @@ def main(argv=None) -> int:
     gpu = torch.cuda.is_available()
     if args.device == "cuda" and not gpu:
         p.error("--device cuda was given and no GPU is visible: drop --device to run on the CPU")
-    device = torch.device(args.device or ("cuda" if gpu else "cpu"))
+    on_gpu = (args.device or ("cuda" if gpu else "cpu")) == "cuda"
+    # one process on the first GPU, by index: torch.cuda.set_device refuses a bare "cuda"
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     if args.mode == "graph" and device.type != "cuda":
         why = "--device cpu was given" if args.device == "cpu" else "no GPU is visible"
         p.error(f"--mode graph captures the step in a CUDA graph and {why}: use --mode eager "
