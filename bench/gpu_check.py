@@ -10,8 +10,8 @@ What it does: a list of rows, each in its own process with its own timeout, run 
 timed rows (a training run whose img/s is a figure) run one after another in the first lane;
 the untimed rows (the equivalence tests, the shared-GPU tests, the rank-0-of-8 memory rows,
 kill-and-resume, the profiled launch counts, the launchers, building the tree) run in the other
-lanes beside them, since a peak is per process and a count is a count (--lanes, default 4;
---lanes 1 runs every row alone). A row is started only when the time left of --minutes is at
+lanes beside them, since a peak is per process and a count is a count (--lanes, default 4,
+1 with --rows targets; --lanes 1 runs every row alone). A row is started only when the time left of --minutes is at
 least its time estimate: the seconds it took in an earlier run (the JSON lines beside --out, or
 --estimates), else the plan's guess. Each finished row is appended at once to a JSON-lines file
 beside --out with its seconds (and the markdown report rewritten), so a run cut short keeps
