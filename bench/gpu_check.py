@@ -2,6 +2,7 @@
 
     python bench/gpu_check.py --out bench/results/gpu.md          # at most 8 minutes
     python bench/gpu_check.py --out bench/results/gpu.md --continue   # the rows a cut run left
+    python bench/gpu_check.py --rows targets --out bench/results/gpu-targets.md  # one lane
     python bench/gpu_check.py --rows compile --minutes 12 --out bench/results/gpu-compile.md
     python bench/gpu_check.py --dry-run                            # the lanes, estimated
 
@@ -9,8 +10,8 @@ What it does: a list of rows, each in its own process with its own timeout, run 
 timed rows (a training run whose img/s is a figure) run one after another in the first lane;
 the untimed rows (the equivalence tests, the shared-GPU tests, the rank-0-of-8 memory rows,
 kill-and-resume, the profiled launch counts, the launchers, building the tree) run in the other
-lanes beside them, since a peak is per process and a count is a count (--lanes, default 4;
---lanes 1 runs every row alone). A row is started only when the time left of --minutes is at
+lanes beside them, since a peak is per process and a count is a count (--lanes, default 4,
+1 with --rows targets; --lanes 1 runs every row alone). A row is started only when the time left of --minutes is at
 least its time estimate: the seconds it took in an earlier run (the JSON lines beside --out, or
 --estimates), else the plan's guess. Each finished row is appended at once to a JSON-lines file
 beside --out with its seconds (and the markdown report rewritten), so a run cut short keeps
@@ -18,14 +19,17 @@ every row it finished, and --continue runs only the rows not yet there.
 
 The rows (--rows speed, the default; ResNet-50, bf16 unless said):
 - timed: ddp_train.py on synthetic data held on the device (no loader, no copy: the compute
-  ceiling) at 64 x 64 pixels, batch 256 and 1024, eagerly and with --cuda-graph; fp16 (fused
-  SGD, no host sync); at 224 x 224 DDP eagerly and with --cuda-graph, FSDP full; then, over
+  ceiling) at 64 x 64 pixels, batch 256 and 1024, eagerly and with --cuda-graph; the raw step
+  at 64 px, batch 256 (bench/raw_step.py: the same model's plain PyTorch step, no DDP, no
+  loader, eagerly and as one CUDA graph: the yardstick of --cuda-graph); fp16 (fused SGD, no
+  host sync); at 224 x 224 DDP eagerly and with --cuda-graph, FSDP full; then, over
   30-step windows (their figure is no headline), batch 2048, FSDP full, --offload with fp16 and
   DataParallel (one GPU) at 64 px, and the input paths: the uint8 cache, held on the device, the
   JPEG folder.
 - untimed: the CUDA equivalence tests (tests marked cuda_ok: DDP, FSDP, ZeRO-1, DataParallel
   and --cuda-graph against eager), the same at 2 ranks sharing the GPU, a 2-rank FSDP run
-  killed and resumed, the host's kernel launches per step and where a step's time goes
+  killed and resumed, a 2-rank FSDP --save-model run sharing the GPU (the file must load and
+  hold every weight whole), the host's kernel launches per step and where a step's time goes
   (--profile, in rows of their own so that no timed row runs under the profiler), one GPU as
   rank 0 of 8 for each ZeRO rung at 64 and 224 px (--simulate-world-size: 2 steps), and the
   launchers on a real GPU (launch/local.sh with its nvidia-smi and psrecord logs, then
@@ -35,6 +39,12 @@ The rows (--rows speed, the default; ResNet-50, bf16 unless said):
   rows run --steps steps an epoch (100 by default), the others 30. The first epoch holds every
   warm-up (cuDNN's autotuning, --cuda-graph's capture, --compile's compilation): the table's
   warm-up column is how much longer it took than the second.
+- The rows that start ranks (the equivalence tests, kill-and-resume, --save-model) run with
+  PYTHONFAULTHANDLER=1: where a rank crashed (SIGSEGV), the first lines of its Python stack
+  are in the row's note.
+- --rows targets: only the rows the targets are judged on (the headline timed rows and the
+  raw step), one lane by default (an explicit --lanes still wins), so no other row shares the
+  GPU with them: about 7 minutes on an H200 by the plan's guesses.
 - --rows compile, sized for an allocation of its own: eager, --cuda-graph and each --compile
   mode at 64 px batch 1024 and at 224 px batch 256, one after another, with a persistent
   Inductor cache (TORCHINDUCTOR_CACHE_DIR: inductor-cache beside --out), so a second run
@@ -76,12 +86,15 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import torch  # noqa: E402
 
-from training import contract, flags, simulate  # noqa: E402
+from bench import raw_step  # noqa: E402
+from training import contract, flags, models, simulate  # noqa: E402
 from make_tinyimagenet import make_tree, make_tree_parallel  # noqa: E402
 
 CEILING = "ddp, synthetic on device"
 GRAPH = "ddp --cuda-graph, synthetic on device"
 FSDP = "fsdp full, synthetic on device"
+RAW_EAGER = "raw step, eager"  # bench/raw_step.py: the plain step, nothing of the toolkit
+RAW_GRAPH = "raw step, whole-step CUDA graph"
 WINDOW = 30  # steps an epoch of a row whose figure is no headline: enough for a steady rate
 # a guess at each --compile mode's row until one is measured (ResNet-50, a cold cache)
 COMPILE_GUESS = {"default": 150, "reduce-overhead": 180, "max-autotune-no-cudagraphs": 300,
@@ -99,8 +112,8 @@ class Row:
     cuda_only: bool = False
     needs_data: bool = False  # the TinyImageNet tree and its cache
     need_s: int = 45  # the plan's guess of what it takes on one GPU, before a run measured it
-    kind: str = "train"  # or "held" (--simulate-world-size), "profile", "tests", "shared
-    # tests", "launcher", "kill-resume", "data"
+    kind: str = "train"  # or "raw" (bench/raw_step.py), "held" (--simulate-world-size),
+    # "profile", "tests", "shared tests", "launcher", "kill-resume", "save-model", "data"
     headline: bool = False  # a target's figure: --steps steps an epoch, not WINDOW
     timed: bool = True  # a training row whose img/s is a figure (--rows memory: the peak is)
 
@@ -111,7 +124,7 @@ class Row:
     @property
     def in_timed_lane(self) -> bool:
         """Whether the row runs in the timed lane, where no other timed row runs beside it."""
-        return self.kind == "train" and self.timed
+        return self.kind in ("train", "raw") and self.timed
 
 
 def row_key(label: str, image: int, batch: int) -> str:
@@ -144,8 +157,9 @@ def versions(gpu: bool) -> list:
 
 
 def plan(which: str, gpu: bool) -> list:
-    """The rows of ``which`` (speed, memory, compile, all): the timed rows in the order they
-    run, then the untimed ones in the order the lanes take them (the longest first)."""
+    """The rows of ``which`` (speed, targets, memory, compile, all): the timed rows in the
+    order they run, then the untimed ones in the order the lanes take them (the longest
+    first)."""
     small, big, huge = (256, 1024, 2048) if gpu else (8, 16, 32)
     side = 224 if gpu else 96  # the seed's setting (the CPU smoke run: smaller)
     synth, graph, profile = ["--data-on-device"], ["--cuda-graph"], ["--profile", "{profile}"]
@@ -158,6 +172,11 @@ def plan(which: str, gpu: bool) -> list:
     timed = [
         Row(CEILING, small, args=synth, headline=True, need_s=25),
         Row(GRAPH, small, args=synth + graph, cuda_only=True, headline=True, need_s=25),
+        # the plain step without the toolkit, right after the two it is the yardstick of
+        Row(RAW_EAGER, small, "bench/raw_step.py", ["--mode", "eager"], kind="raw",
+            headline=True, need_s=15),
+        Row(RAW_GRAPH, small, "bench/raw_step.py", ["--mode", "graph"], kind="raw",
+            cuda_only=True, headline=True, need_s=15),
         Row(CEILING, big, args=synth, headline=True, need_s=35),
         Row(GRAPH, big, args=synth + graph, cuda_only=True, headline=True, need_s=35),
         Row("ddp fp16 (fused SGD), synthetic on device", small,
@@ -196,6 +215,10 @@ def plan(which: str, gpu: bool) -> list:
         Row("equivalence tests on CUDA", 0, kind="tests", cuda_only=True, need_s=150),
         Row("kill and resume: fsdp_train.py, 2 ranks sharing the GPU", 16, "fsdp_train.py",
             kind="kill-resume", need_s=60),
+        # the case the shared-GPU equivalence tests add to a plain shared-GPU run (the full
+        # state dict gathered over gloo from CUDA shards), alone: it ended in SIGSEGV in them
+        Row("fsdp --save-model, 2 ranks sharing the GPU", 16, "fsdp_train.py",
+            kind="save-model", cuda_only=True, need_s=40),
         Row("launchers: local.sh, its memory logs, analyze_memory.py --plot", small,
             kind="launcher", need_s=60),
         # offload's gradient shards on the CPU under fp16's GradScaler: gloo beside NCCL (what
@@ -225,7 +248,10 @@ def plan(which: str, gpu: bool) -> list:
                      args=synth + extra + ["--compile", mode], image=px, cuda_only=True,
                      headline=True, need_s=COMPILE_GUESS[mode])
                  for mode in flags.COMPILE_MODES for batch, px, extra in sizes]
-    rows = {"speed": timed + untimed, "memory": memory, "compile": compiled,
+    # --rows targets: the headline rows, those targets() reads and the raw eager step beside
+    # them, for figures no other row disturbs
+    rows = {"speed": timed + untimed, "targets": [row for row in timed if row.headline],
+            "memory": memory, "compile": compiled,
             "all": timed + compiled + untimed + memory}[which]
     once = {}  # "all": the eager and --cuda-graph rows of both groups run once
     for row in rows:
@@ -270,6 +296,28 @@ def row_args(row: Row, model: str, steps: int, paths: dict) -> list:
     epochs = "1" if row.kind == "profile" else "2"
     return ["--model", model, "--epochs", epochs, "--max-steps-per-epoch", str(steps),
             "--batch-size", str(row.batch), "--log-every", "0"] + args
+
+
+def raw_args(row: Row, model: str, steps: int, gpu: bool) -> list:
+    """bench/raw_step.py's arguments: ``steps`` timed steps of the row's mode and size, after
+    its 10 warm-up steps on a GPU (cuDNN's autotuning); on the CPU (the smoke run) one."""
+    return [*row.args, "--model", model, "--image-size", str(row.image), "--batch-size",
+            str(row.batch), "--steps", str(steps)] + ([] if gpu else ["--warmup", "1"])
+
+
+def run_raw(row: Row, args: list, timeout: float) -> dict:
+    """bench/raw_step.py: its [RAW] line's img/s and ms a step, or the reason it failed."""
+    cmd = [sys.executable, str(REPO / row.script), *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {timeout:.0f} s", "cmd": cmd}
+    raw = _first(proc.stdout.splitlines(), raw_step.RAW_PREFIX)
+    if proc.returncode != 0 or not raw:
+        return {"error": _failure(proc), "cmd": cmd}
+    return {"img_s": float(raw["img_per_s"]), "step_ms": float(raw["ms_per_step"]),
+            "amp": raw["amp"], "steps": int(raw["steps"]), "warmup_s": None,
+            "peak": float(raw["peak_mib"]), "predicted": None, "cmd": cmd}
 
 
 def _first(lines: list, prefix: str) -> dict | None:
@@ -354,37 +402,66 @@ def recompiles_between(log: str, start: float, end: float) -> int:
     return count
 
 
+# A crash (SIGSEGV) prints every thread's Python stack: the rows that start ranks set this
+FAULTHANDLER = {"PYTHONFAULTHANDLER": "1"}
+FATAL_LINES = 15  # of the first such stack, kept in the row's note
+
+
+def fatal_stack(text: str, limit: int = FATAL_LINES) -> list:
+    """The first "Fatal Python error" of ``text`` and the stack of the thread that crashed
+    (faulthandler's "Current thread", else the first one it printed), at most ``limit``
+    lines; [] when nothing crashed."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if "Fatal Python error" in line), None)
+    if start is None:
+        return []
+    after = lines[start + 1:]
+    current = next((i for i, line in enumerate(after) if "Current thread" in line), None)
+    if current is None:
+        current = next((i for i, line in enumerate(after) if "(most recent call first)" in line),
+                       len(after))
+    stack = after[current:current + 1]
+    for line in after[current + 1:]:
+        if 'File "' not in line or len(stack) == limit - 1:  # the stack's frames, no more
+            break
+        stack.append(line)
+    return [lines[start].strip()[:300]] + [line.rstrip()[:300] for line in stack]
+
+
 def _pytest(args: list, env: dict, timeout: float) -> tuple:
-    """(passed, pytest's last line, its FAILED/ERROR lines): which test failed, not only how
-    many."""
+    """(passed, pytest's last line, its FAILED/ERROR lines, the first crash's stack): which
+    test failed, not only how many, and where a crashed rank was."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
                               cwd=REPO)
     except subprocess.TimeoutExpired:
-        return False, f"no result within {timeout:.0f} s", []
+        return False, f"no result within {timeout:.0f} s", [], []
     lines = proc.stdout.strip().splitlines() or ["no output"]
     failed = [line[:300] for line in lines if line.startswith(("FAILED ", "ERROR "))]
-    return proc.returncode == 0, lines[-1], failed[:10]
+    return (proc.returncode == 0, lines[-1], failed[:10],
+            fatal_stack(proc.stdout + "\n" + proc.stderr))
 
 
 def equivalence_tests(gpus: int, timeout: float, shared: bool = False) -> tuple:
     """The suite's equivalence tests (marked cuda_ok), run on this machine's device (CUDA
     here): the strategies against DDP, and --cuda-graph against the eager step. ``shared``:
-    the strategies' tests at 2 ranks on however many GPUs there are (--share-gpus, gloo)."""
+    the strategies' tests at 2 ranks on however many GPUs there are (--share-gpus, gloo).
+    Returns (passed, the summary, the first crash's stack)."""
     if importlib.util.find_spec("pytest") is None:  # run as python -m pytest below
-        return None, "skipped: pytest is not installed (pip install -r requirements-test.txt)"
+        return (None, "skipped: pytest is not installed (pip install -r "
+                      "requirements-test.txt)", [])
     nproc = 2 if gpus >= 2 or shared else 1
     # without DPT_TEST_DEVICE=cuda the tests hide the GPUs from their runs (tests/conftest.py)
     env = dict(os.environ, DPT_TEST_NPROC=str(nproc), DPT_TEST_DEVICE="cuda",
-               DPT_TEST_SHARE_GPUS="1" if shared else "0")
+               DPT_TEST_SHARE_GPUS="1" if shared else "0", **FAULTHANDLER)
     # test_hangs.py: NCCL's flight recorder dump read back by the code that names a hang
     files = ([] if shared else [str(REPO / "tests" / "test_cuda_graph.py"),
                                 str(REPO / "tests" / "test_hangs.py")]) + [
         str(REPO / "tests" / "test_strategies.py")]
-    passed, summary, failed = _pytest(files + ["-m", "cuda_ok"], env, timeout)
+    passed, summary, failed, fatal = _pytest(files + ["-m", "cuda_ok"], env, timeout)
     how = "2 ranks sharing the GPU(s), gloo" if shared and gpus < 2 else "NCCL"
-    return passed, "; ".join([f"{summary} ({nproc} process(es) per run, {how})"] + failed)
+    return passed, "; ".join([f"{summary} ({nproc} process(es) per run, {how})"] + failed), fatal
 
 
 def whole_suite(timeout: float) -> tuple:
@@ -395,7 +472,7 @@ def whole_suite(timeout: float) -> tuple:
         return None, "skipped: pytest is not installed (pip install -r requirements-test.txt)"
     env = {k: v for k, v in os.environ.items() if k not in ("DPT_TEST_DEVICE", "DPT_TEST_NPROC")}
     env["LAUNCHER_TESTS_SLURM"] = "0"
-    passed, summary, failed = _pytest(["-ra", str(REPO / "tests")], env, timeout)
+    passed, summary, failed, _ = _pytest(["-ra", str(REPO / "tests")], env, timeout)
     return passed, "; ".join([summary] + failed)
 
 
@@ -458,6 +535,12 @@ def _descendants(pid: int) -> list:
     return found
 
 
+def two_ranks(script: str, args: list) -> list:
+    """torchrun's command for 2 ranks of ``script`` on this node."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            str(REPO / script), *args]
+
+
 def run_kill_resume(row: Row, work: Path, gpu: bool, timeout: float) -> dict:
     """A 2-rank FSDP run (sharing the GPU) killed whole after its first checkpoint, as a node
     failure would, then run again: it must resume from that checkpoint and finish."""
@@ -466,10 +549,12 @@ def run_kill_resume(row: Row, work: Path, gpu: bool, timeout: float) -> dict:
     args = ["--model", "resnet18", "--synthetic-size", "320", "--batch-size", str(row.batch),
             "--epochs", "2", "--num-workers", "0", "--log-every", "0", "--checkpoint-dir",
             str(ckpt), "--checkpoint-every", "3"] + (["--share-gpus"] if gpu else [])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(REPO / row.script), *args]
+    cmd = two_ranks(row.script, args)
+    env = dict(os.environ, **FAULTHANDLER)
     t0 = time.monotonic()
-    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    first_log = work / "kill-resume-first.log"  # where a crash before the kill says where
+    with open(first_log, "w") as log:
+        first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=REPO, env=env)
     while not list(ckpt.glob("ckpt-*")) and first.poll() is None and \
             time.monotonic() - t0 < timeout / 2:
         time.sleep(0.5)
@@ -483,17 +568,64 @@ def run_kill_resume(row: Row, work: Path, gpu: bool, timeout: float) -> dict:
         time.sleep(0.2)
     saved = sorted(p.name for p in ckpt.glob("ckpt-*"))
     if not saved:
-        return {"error": "no checkpoint before the kill", "cmd": cmd}
+        return {"error": "no checkpoint before the kill", "cmd": cmd,
+                "fatal": fatal_stack(first_log.read_text(errors="replace"))}
     try:
-        again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
+        again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env,
                                timeout=max(10.0, timeout - (time.monotonic() - t0)))
     except subprocess.TimeoutExpired:
         return {"error": "the resumed run gave no result in time", "cmd": cmd}
     resumed = [line for line in again.stdout.splitlines() if "Resumed from epoch" in line]
     if again.returncode != 0 or not resumed:
-        return {"error": _failure(again, "resume: exit"), "cmd": cmd}
+        return {"error": _failure(again, "resume: exit"), "cmd": cmd,
+                "fatal": fatal_stack(again.stderr)}
     return {"passed": True, "text": f"killed after {saved[-1]}; {resumed[0].split(': ')[-1]}"
                                     f", then finished", "cmd": cmd}
+
+
+def run_save_model(row: Row, work: Path, gpu: bool, timeout: float) -> dict:
+    """A short 2-rank FSDP run of the CIFAR CNN (sharing the GPU) with --save-model: it must
+    exit 0 and leave a file that torch.load reads, holding every weight whole (unsharded: the
+    shapes of the model's own state dict)."""
+    path = work / "save-model" / "model.pt"
+    shutil.rmtree(path.parent, ignore_errors=True)
+    path.parent.mkdir(parents=True)
+    args = ["--model", "cnn", "--synthetic-size", str(4 * row.batch), "--batch-size",
+            str(row.batch), "--epochs", "1", "--max-steps-per-epoch", "2", "--num-workers", "0",
+            "--log-every", "0", "--save-model", str(path)] + (["--share-gpus"] if gpu else [])
+    cmd = two_ranks(row.script, args)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout,
+                              env=dict(os.environ, **FAULTHANDLER))
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {timeout:.0f} s", "cmd": cmd}
+    if proc.returncode != 0:
+        return {"error": _failure(proc), "cmd": cmd, "fatal": fatal_stack(proc.stderr)}
+    wrong = whole_weights("cnn", path)
+    if wrong:
+        return {"error": wrong, "cmd": cmd}
+    return {"passed": True, "text": f"{path.name} loads with torch.load and holds every "
+                                    f"weight whole", "cmd": cmd}
+
+
+def whole_weights(model: str, path: Path) -> str | None:
+    """What is wrong with the --save-model file at ``path``, or None: it must load with
+    torch.load (weights only) and hold every tensor of ``model``'s state dict at its full
+    shape, as plain tensors (a DTensor is a shard)."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a missing or unreadable file: the row fails, saying why
+        return f"torch.load({path.name}) failed: {type(exc).__name__}: {str(exc)[:200]}"
+    shape, classes = models.synthetic_shape(model)
+    full = {name: tuple(t.shape) for name, t in
+            models.build_model(model, classes, shape).state_dict().items()}
+    got = {name: tuple(t.shape) for name, t in saved.items() if type(t) is torch.Tensor}
+    wrong = sorted((set(full) ^ set(got)) | {k for k in full.keys() & got.keys()
+                                             if full[k] != got[k]})
+    if wrong:
+        return (f"{path.name} does not hold the whole weights: {len(wrong)} of {len(full)} "
+                f"differ or are missing ({', '.join(wrong[:3])})")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -658,10 +790,14 @@ def measured_seconds(rows: list, device: str) -> dict:
 
 
 def targets(results: list) -> list:
-    """Issue 39's and 48's targets where their rows ran: (what, met, the figures)."""
+    """Issue 39's and 48's targets where their rows ran: (what, met, the figures); met is
+    None where a target's row is in the results without a figure (failed, not started)."""
+    def rows(label, batch, image=64):
+        return [r for r in results if r.get("label") == label and r.get("batch") == batch
+                and r.get("image") == image]
+
     def rate(label, batch, image=64):
-        found = [r["img_s"] for r in results if r.get("label") == label
-                 and r.get("batch") == batch and r.get("image") == image and "img_s" in r]
+        found = [r["img_s"] for r in rows(label, batch, image) if "img_s" in r]
         return found[0] if found else None
 
     checks = []
@@ -670,6 +806,17 @@ def targets(results: list) -> list:
     if graph_256:
         checks.append(("64 px, batch 256, --cuda-graph >= 35,000 img/s", graph_256 >= 35000,
                        f"{graph_256:,.0f}"))
+    raw_graph = rate(RAW_GRAPH, 256)
+    if graph_256 and raw_graph:
+        checks.append(("64 px, batch 256, --cuda-graph >= 0.97x the raw whole-step graph",
+                       graph_256 >= 0.97 * raw_graph,
+                       f"{graph_256 / raw_graph:.2f}x: {graph_256:,.0f} against "
+                       f"{raw_graph:,.0f} img/s"))
+    elif rows(GRAPH, 256) or rows(RAW_GRAPH, 256):  # planned, and one of them has no figure
+        missing = [label for label, figure in ((GRAPH, graph_256), (RAW_GRAPH, raw_graph))
+                   if not figure]
+        checks.append(("64 px, batch 256, --cuda-graph >= 0.97x the raw whole-step graph",
+                       None, f"no figure from: {'; '.join(missing)}"))
     if graph_256 and best_1024:
         checks.append(("64 px, batch 256, --cuda-graph >= 0.75x the best batch-1024 rate",
                        graph_256 >= 0.75 * best_1024, f"{graph_256 / best_1024:.2f}x"))
@@ -712,7 +859,7 @@ def report(results: list, head: list, gpu: bool, steps: int, tail: list) -> str:
                     "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     notes = []
     for r in results:
-        shows_image = r["kind"] in ("train", "held", "profile")
+        shows_image = r["kind"] in ("train", "raw", "held", "profile")
         where = f"| {r['label']} | {r['image'] if shows_image else ''} | {r['batch'] or ''} |"
         if "img_s" in r:
             key = (r["batch"], r["image"])
@@ -757,6 +904,8 @@ def report(results: list, head: list, gpu: bool, steps: int, tail: list) -> str:
                          f"| | | | | | | |")
         if "text" in r:
             notes.append(f"{r['label']}: {r['text']}")
+        if r.get("fatal"):  # a crashed rank's stack (PYTHONFAULTHANDLER), its first lines
+            notes += [f"{r['label']}: where it crashed:"] + [f"    {line}" for line in r["fatal"]]
         if r.get("recompiles_timed") is not None:
             notes.append(f"{r['label']}, {r['image']} px, batch {r['batch']}: "
                          f"{r['recompiles_timed']} recompilation(s) inside the timed epoch "
@@ -775,13 +924,18 @@ def report(results: list, head: list, gpu: bool, steps: int, tail: list) -> str:
               "timed rows run one after another, untimed rows (tests, profiles, memory) in "
               "other lanes beside them; each timed row's note names what ran beside it "
               "(--lanes 1: nothing)"]
+    if any(r["kind"] == "raw" for r in results):
+        lines.append("raw step: bench/raw_step.py, the plain PyTorch step of the same model "
+                     "(no DDP, no loader, no metrics, one static batch on the device): its warm-up "
+                     "steps (10 on a GPU), then the timed steps, one process")
     lines += (["error: (predicted - measured) / measured peak, measured as "
                "torch.cuda.max_memory_allocated over the second epoch"] if gpu else
               ["peak memory on the CPU is the process's peak RSS: no prediction to compare "
                "it with (error: n/a)"])
     checks = targets(results) if gpu else []
     if checks:
-        lines += ["", "targets:"] + [f"- {'met' if ok else 'MISSED'}: {what} ({figure})"
+        verdict = {True: "met", False: "MISSED", None: "not measured"}
+        lines += ["", "targets:"] + [f"- {verdict[ok]}: {what} ({figure})"
                                      for what, ok, figure in checks]
         crowded = sum(1 for r in results if r.get("timed") and r.get("beside"))
         if crowded:  # the other lanes share the GPU: a speed figure may be low for that
@@ -798,15 +952,20 @@ def main(argv=None) -> int:
                    help="time budget: a row is started only while the time left is at least "
                         "its time estimate, and its timeout ends with the budget, so the run "
                         "ends within this")
-    p.add_argument("--rows", choices=("speed", "memory", "compile", "all"), default="speed",
-                   help="speed: throughput, --cuda-graph, fp16, FSDP, the launchers, the "
-                        "equivalence tests, rank 0 of 8; memory: every strategy's predicted "
-                        "against measured peak memory, at 64 and 224 pixels; compile: eager, "
-                        "--cuda-graph and each --compile mode (an allocation of its own)")
-    p.add_argument("--lanes", type=int, default=4,
+    p.add_argument("--rows", choices=("speed", "targets", "memory", "compile", "all"),
+                   default="speed",
+                   help="speed: throughput, --cuda-graph, fp16, FSDP, the raw step, the "
+                        "launchers, the equivalence tests, rank 0 of 8; targets: only the rows "
+                        "the targets are judged on (the headline timed rows and the raw step), "
+                        "one lane by default, for undisturbed figures (about 7 minutes on an "
+                        "H200); memory: every strategy's predicted against measured peak "
+                        "memory, at 64 and 224 pixels; compile: eager, --cuda-graph and each "
+                        "--compile mode (an allocation of its own)")
+    p.add_argument("--lanes", type=int, default=None,
                    help="rows run at once: the timed rows one after another in the first lane, "
                         "the untimed rows (tests, profiles, memory, launchers) in the others; "
-                        "1: every row alone, in the plan's order")
+                        "1: every row alone, in the plan's order (default: 1 with --rows "
+                        "targets, else 4)")
     p.add_argument("--continue", dest="continue_run", action="store_true",
                    help="keep the rows in the JSON lines beside --out and run only those not "
                         "there yet (a row that was not started runs); the report has both")
@@ -840,6 +999,8 @@ def main(argv=None) -> int:
     p.add_argument("--suite-timeout", type=int, default=3600,
                    help="seconds the whole test suite may take")
     args = p.parse_args(argv)
+    if args.lanes is None:  # the target rows alone: no other row beside them on the GPU
+        args.lanes = 1 if args.rows == "targets" else 4
     if args.minutes <= 0 or (args.steps is not None and args.steps < 1) or args.lanes < 1:
         p.error("--minutes, --steps and --lanes must be above 0")
     if args.data_dir and not Path(args.data_dir).is_dir():
@@ -944,12 +1105,16 @@ def main(argv=None) -> int:
         if row.needs_data and data_error:
             return {"error": data_error[0]}
         if row.kind in ("tests", "shared tests"):
-            passed, text = equivalence_tests(torch.cuda.device_count(), timeout,
-                                             shared=row.kind == "shared tests")
-            return dict(passed=passed, text=text) | ({"error": "see below"}
-                                                     if passed is False else {})
+            passed, text, fatal = equivalence_tests(torch.cuda.device_count(), timeout,
+                                                    shared=row.kind == "shared tests")
+            return dict(passed=passed, text=text, fatal=fatal) | (
+                {"error": "see below"} if passed is False else {})
         if row.kind == "kill-resume":
             return run_kill_resume(row, work, gpu, timeout)
+        if row.kind == "save-model":
+            return run_save_model(row, work, gpu, timeout)
+        if row.kind == "raw":
+            return run_raw(row, raw_args(row, model, row_steps(row, steps), gpu), timeout)
         if row.kind == "launcher":
             return run_launcher(row, model, row_steps(row, steps), work, keep, timeout)
         return run_training(row, row_args(row, model, row_steps(row, steps), paths), timeout,

@@ -56,7 +56,12 @@ def test_gpu_check_runs_on_cpu_with_a_notice(tmp_path):
                       r"dp \(one GPU\), synthetic on device|ddp, cache|ddp, JPEG folder) \| "
                       r"64 \| \d+ \| off \| ([\d,]+) \| [\d.]+ \|", report, re.M)
     assert len(rows) == 6 and all(int(v.replace(",", "")) > 0 for _, v in rows), report
-    assert report.count("skipped (CUDA only)") == 12
+    # the raw step (bench/raw_step.py) eagerly, in the timed lane; its CUDA graph is skipped
+    assert re.search(r"^\| raw step, eager \| 64 \| 8 \| off \| [\d,]+ \| [\d.]+ \| \| [\d,]+ "
+                     r"\| n/a \| n/a \| [\d.]+x \|", report, re.M), report
+    assert re.search(r"^\| raw step, whole-step CUDA graph \| 64 \| 8 \| +\| skipped \(CUDA "
+                     r"only\)", report, re.M), report
+    assert report.count("skipped (CUDA only)") == 14
     # rank 0 of 8 for each ZeRO rung: what it holds beside what the memory model predicts
     held = re.findall(r"^memory at 8 GPUs: (.*), 64 px: held params \+ grads \+ optimizer \+ "
                       r"host ([\d.]+) \+ ([\d.]+) \+ ([\d.]+) \+ "
@@ -97,6 +102,9 @@ def test_gpu_check_runs_on_cpu_with_a_notice(tmp_path):
     assert all(line["seconds"] > 0 for line in ran) and {line["lane"] for line in ran} == {
         0, 1, 2, 3}
     assert {line["lane"] for line in ran if line.get("timed")} == {0}
+    (raw,) = [line for line in lines if line["kind"] == "raw" and "skipped" not in line]
+    assert raw["timed"] and raw["img_s"] > 0 and raw["step_ms"] > 0 and "--mode eager" in raw[
+        "cmd"]
 
 
 def test_gpu_check_starts_no_row_it_has_no_time_for(tmp_path):
@@ -122,8 +130,8 @@ def test_gpu_check_names_the_equivalence_test_that_failed(monkeypatch):
            "[full] - AssertionError: Tensor-likes are not close!\n1 failed, 2 passed in 55s\n")
     monkeypatch.setattr(gpu_check.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
         a, 1, stdout=out, stderr=""))
-    passed, text = gpu_check.equivalence_tests(1, 60)
-    assert passed is False
+    passed, text, fatal = gpu_check.equivalence_tests(1, 60)
+    assert passed is False and fatal == []
     assert text.startswith("1 failed, 2 passed in 55s (1 process(es) per run, NCCL); FAILED "
                            "tests/test_strategies.py::test_fsdp_ends_with_the_same_weights_as_"
                            "ddp[full] - AssertionError")
@@ -339,3 +347,156 @@ def test_gpu_check_says_when_its_targets_were_timed_beside_other_rows(gpu_check)
             "row's note names them): --lanes 1 times each row alone") in crowded
     alone = gpu_check.report([row([])], [], True, 100, [])
     assert "MISSED: 64 px" in alone and "judged on" not in alone
+
+
+# --------------------------------------------------------------------------------------------
+# The raw step (bench/raw_step.py), its rows and target, --rows targets, and what a crashed rank
+# leaves in a row's note (issue 48 follow-up)
+# --------------------------------------------------------------------------------------------
+
+def test_raw_step_times_the_plain_step_on_the_cpu():
+    from bench import raw_step
+    from training import contract
+    out = run_bench("raw_step.py", "--mode", "eager", "--device", "cpu", "--model", "cnn",
+                    "--batch-size", "4", "--steps", "2", "--warmup", "1", timeout=120)
+    (raw,) = [found for found, _ in filter(None, (contract.fields(line, raw_step.RAW_PREFIX)
+                                                   for line in out.splitlines()))]
+    assert tuple(raw) == raw_step.RAW_KEYS, out
+    assert (raw["mode"], raw["model"], raw["image"], raw["batch"], raw["steps"], raw["amp"]) == (
+        "eager", "cnn", "32", "4", "2", "off")
+    assert float(raw["img_per_s"]) > 0 and float(raw["ms_per_step"]) > 0, out
+    assert re.search(r"^cnn, 32 px, batch 4, off, eager: [\d,]+ img/s", out, re.M), out
+
+
+@pytest.mark.parametrize("flags, why", [(["--device", "cpu"], "--device cpu was given"),
+                                        ([], "no GPU is visible")])
+def test_raw_step_graph_without_a_gpu_is_one_sentence_and_exit_2(flags, why):
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "raw_step.py"), "--mode", "graph",
+                           "--model", "cnn", *flags], capture_output=True, text=True,
+                          env=env_for_tests({"CUDA_VISIBLE_DEVICES": ""}), timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"raw_step.py: error: --mode graph captures the step in a CUDA graph and {why}: use "
+        f"--mode eager on the CPU"), proc.stderr
+
+
+def test_gpu_check_judges_cuda_graph_against_the_raw_graph(gpu_check):
+    """64 px, batch 256: --cuda-graph >= 0.97x the raw whole-step graph; "not measured" when
+    one of the two rows ran without a figure; nothing when neither was in the run."""
+    def row(label, img_s=None):
+        found = {"label": label, "batch": 256, "image": 64, "kind": "train"}
+        return found | ({"img_s": img_s} if img_s else {"error": "exit 1: boom"})
+
+    what = "64 px, batch 256, --cuda-graph >= 0.97x the raw whole-step graph"
+
+    def judged(results):
+        return [c[1:] for c in gpu_check.targets(results) if c[0] == what]
+
+    raw = gpu_check.RAW_GRAPH
+    assert judged([row(gpu_check.GRAPH, 34700.0), row(raw, 35728.0)]) == [
+        (True, "0.97x: 34,700 against 35,728 img/s")]
+    assert judged([row(gpu_check.GRAPH, 33398.0), row(raw, 35728.0)]) == [
+        (False, "0.93x: 33,398 against 35,728 img/s")]
+    assert judged([row(gpu_check.GRAPH, 33398.0), row(raw)]) == [
+        (None, f"no figure from: {raw}")]
+    assert judged([row(gpu_check.CEILING, 8000.0)]) == []
+    report = gpu_check.report([row(gpu_check.GRAPH, 33398.0) | {"step_ms": 7.7, "amp": "bf16",
+                                                                "peak": 1314.0, "predicted": None},
+                               row(raw) | {"kind": "raw"}], [], True, 100, [])
+    assert f"- not measured: {what} (no figure from: {raw})" in report
+
+
+def test_gpu_check_rows_targets_are_the_rows_the_targets_read_in_one_lane(gpu_check, monkeypatch,
+                                                                         capsys):
+    rows = gpu_check.plan("targets", gpu=True)
+    assert [row.key for row in rows] == [
+        f"{gpu_check.CEILING}, 64 px, batch 256", f"{gpu_check.GRAPH}, 64 px, batch 256",
+        f"{gpu_check.RAW_EAGER}, 64 px, batch 256", f"{gpu_check.RAW_GRAPH}, 64 px, batch 256",
+        f"{gpu_check.CEILING}, 64 px, batch 1024", f"{gpu_check.GRAPH}, 64 px, batch 1024",
+        "ddp fp16 (fused SGD), synthetic on device, 64 px, batch 256",
+        f"{gpu_check.CEILING}, 224 px, batch 256", f"{gpu_check.GRAPH}, 224 px, batch 256",
+        f"{gpu_check.FSDP}, 224 px, batch 256"]
+    assert all(row.in_timed_lane and row.headline for row in rows)
+    read = [False] * len(rows)
+    for order in (1, -1):  # each way round, so that each of eager and graph is once the best
+        results = [{"label": row.label, "batch": row.batch, "image": row.image,
+                    "img_s": 1000.0 + order * i} for i, row in enumerate(rows)]
+        every = gpu_check.targets(results)
+        assert len(every) == 7 and None not in [ok for _, ok, _ in every], every
+        # a row is read when without it a target changes (its figure) or goes
+        read = [was or gpu_check.targets(results[:i] + results[i + 1:]) != every
+                for i, was in enumerate(read)]
+    # the raw eager row is no target's figure: it shows what the host costs the eager rows
+    assert read == [row.label != gpu_check.RAW_EAGER for row in rows], read
+    # one lane unless --lanes says otherwise; the plan fits the default 8 minutes
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    assert gpu_check.main(["--dry-run", "--rows", "targets"]) == 0
+    out = capsys.readouterr().out
+    ends = re.findall(r"^lane (\d+): 10 job\(s\), ends at about (\d+) s$", out, re.M)
+    assert len(ends) == 1 and ends[0][0] == "0" and int(ends[0][1]) <= 8 * 60, out
+    assert "lane 1" not in out and "not started" not in out, out
+    assert gpu_check.main(["--dry-run", "--rows", "targets", "--lanes", "2"]) == 0
+    assert "lane 1: 0 job(s)" in capsys.readouterr().out
+
+
+FAULTHANDLER_DUMP = """\
+E       AssertionError: rank 1 exit -11
+E       Fatal Python error: Segmentation fault
+E
+E       Thread 0x00007f01 (most recent call first):
+E         File "/repo/training/watchdog.py", line 80 in _watch
+E         File "/usr/lib/python3.12/threading.py", line 1010 in run
+E
+E       Current thread 0x00007f00 (most recent call first):
+""" + "".join(f'E         File "/torch/frame{i}.py", line {i} in f{i}\n' for i in range(30)) + \
+    "E\nE       Extension modules: numpy\n"
+
+
+def test_gpu_check_keeps_the_first_lines_of_a_crashed_ranks_stack(gpu_check, monkeypatch):
+    """The rows that start ranks run with PYTHONFAULTHANDLER=1; a SIGSEGV's "Fatal Python
+    error" and the crashed thread's first frames (15 lines at most) reach the row's note."""
+    stack = gpu_check.fatal_stack(FAULTHANDLER_DUMP)
+    assert stack[0] == "E       Fatal Python error: Segmentation fault"
+    assert "Current thread 0x00007f00" in stack[1] and "frame0.py" in stack[2]
+    assert len(stack) == 15 and "watchdog" not in "".join(stack)
+    assert gpu_check.fatal_stack("1 failed, 2 passed") == []
+    seen = {}
+
+    def run(cmd, **kwargs):
+        seen.update(kwargs["env"])
+        return subprocess.CompletedProcess(cmd, 1, stdout=FAULTHANDLER_DUMP + "1 failed",
+                                           stderr="")
+    monkeypatch.setattr(gpu_check.subprocess, "run", run)
+    passed, text, fatal = gpu_check.equivalence_tests(1, 60, shared=True)
+    assert seen["PYTHONFAULTHANDLER"] == "1" and passed is False and fatal == stack
+    result = {"label": "equivalence tests, 2 ranks sharing a GPU", "batch": 0, "image": 64,
+              "kind": "shared tests", "passed": False, "text": text, "fatal": fatal,
+              "error": "see below"}
+    report = gpu_check.report([result], [], True, 100, [])
+    assert ("equivalence tests, 2 ranks sharing a GPU: where it crashed:\n"
+            "    E       Fatal Python error: Segmentation fault\n") in report, report
+    assert "frame12.py" in report and "frame13.py" not in report
+
+
+def test_gpu_check_save_model_row_wants_the_whole_weights(gpu_check, tmp_path):
+    """The --save-model row passes on a file torch.load reads with every weight whole, and
+    names what is wrong otherwise (a shard's shape, a weight missing, no file)."""
+    import torch
+    from training import models
+    shape, classes = models.synthetic_shape("cnn")
+    state = models.build_model("cnn", classes, shape).state_dict()
+    torch.save(state, tmp_path / "whole.pt")
+    assert gpu_check.whole_weights("cnn", tmp_path / "whole.pt") is None
+    first = next(iter(state))
+    torch.save(state | {first: state[first][: len(state[first]) // 2]}, tmp_path / "half.pt")
+    assert gpu_check.whole_weights("cnn", tmp_path / "half.pt") == (
+        f"half.pt does not hold the whole weights: 1 of {len(state)} differ or are missing "
+        f"({first})")
+    assert "1 of" in gpu_check.whole_weights("cnn", tmp_path / "half.pt")
+    torch.save({k: v for k, v in state.items() if k != first}, tmp_path / "less.pt")
+    assert f"({first})" in gpu_check.whole_weights("cnn", tmp_path / "less.pt")
+    assert gpu_check.whole_weights("cnn", tmp_path / "none.pt").startswith(
+        "torch.load(none.pt) failed: FileNotFoundError")
+    plan = {row.label: row for row in gpu_check.plan("speed", gpu=True)}
+    row = plan["fsdp --save-model, 2 ranks sharing the GPU"]
+    assert row.cuda_only and row.kind == "save-model" and not row.in_timed_lane
