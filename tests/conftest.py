@@ -152,8 +152,17 @@ def wait_for(predicate, timeout=240) -> bool:
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, \
-        f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    """The run exited 0; else its output's ends, and where a rank crashed (faulthandler's
+    "Fatal Python error", PYTHONFAULTHANDLER=1) the start of that stack, which the two ranks'
+    dumps and torchrun's summary push out of the last 3,000 characters."""
+    if proc.returncode == 0:
+        return
+    stderr = proc.stderr or ""
+    crash = stderr.find("Fatal Python error")
+    first_crash = ("\n--- the first crash ---\n" + stderr[crash:crash + 2000]
+                   if crash >= 0 and crash < len(stderr) - 3000 else "")
+    raise AssertionError(f"exit {proc.returncode}\n{(proc.stdout or '')[-3000:]}\n"
+                         f"{stderr[-3000:]}{first_crash}")
 
 
 @pytest.fixture(scope="session")

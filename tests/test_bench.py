@@ -505,3 +505,16 @@ def test_gpu_check_save_model_row_wants_the_whole_weights(gpu_check, tmp_path):
     plan = {row.label: row for row in gpu_check.plan("speed", gpu=True)}
     row = plan["fsdp --save-model, 2 ranks sharing the GPU"]
     assert row.cuda_only and row.kind == "save-model" and not row.in_timed_lane
+
+
+def test_a_failed_runs_message_keeps_the_first_crash(tmp_path):
+    """check_ok (every test's "the run exited 0"): a crash's stack, pushed out of the last
+    3,000 characters by the other rank's dump and torchrun's summary, still reaches the
+    message, where gpu_check's shared-GPU row reads it."""
+    from conftest import check_ok
+    stderr = ("Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call "
+              "first):\n  File \"/repo/fsdp_train.py\", line 240 in save_model\n" + "x" * 5000)
+    with pytest.raises(AssertionError) as failed:
+        check_ok(subprocess.CompletedProcess([], -11, "", stderr))
+    assert 'line 240 in save_model' in str(failed.value)
+    check_ok(subprocess.CompletedProcess([], 0, "", stderr))  # exit 0: nothing to say
