@@ -117,7 +117,8 @@ def test_fsdp_saves_over_its_checkpoints_and_falls_back_past_a_truncated_shard(t
     damaged newest checkpoint, both crashed at their next save (Directory not empty) and left a
     .tmp- folder; a truncated .distcp gave a CheckpointException traceback (BaseException)."""
     ck = tmp_path / "ck"
-    args = RUN + ["--checkpoint-dir", str(ck)]
+    # 2 steps an epoch: four 2-process runs, each about its checkpoints, not its training
+    args = RUN + ["--synthetic-size", "64", "--checkpoint-dir", str(ck)]
     check_ok(run_script("fsdp_train.py", args, nproc=2))
     newest, previous = checkpoint.list_checkpoints(ck)
     again = run_script("fsdp_train.py", args + ["--resume", "never"], nproc=2)
