@@ -221,7 +221,7 @@ def test_frozen_rank_on_another_node_ends_the_job_on_every_node():
     node B's torchrun waited on its frozen worker: forever in the reported case; here 51 s for
     a timeout of 20, when B noticed the rendezvous store had gone with A and gave the frozen
     worker torchrun's 30 s grace before SIGKILL."""
-    timeout = 20
+    timeout = 10  # the old way takes it plus 30 s; the sign of life comes every second
     a, b, _ = _two_nodes(LONG + ["--dist-timeout", str(timeout)])
     frozen = _workers(b)[0]
     try:
@@ -244,7 +244,7 @@ def test_frozen_rank_on_another_node_ends_the_job_on_every_node():
 def test_frozen_rank_on_one_node_ends_within_the_timeout():
     """Before: --dist-timeout plus torchrun's 30 s grace for the frozen worker (51.9 s for a
     timeout of 20 here; 62.6 s for 30 in the report)."""
-    timeout = 20
+    timeout = 10  # the old way takes it plus 30 s; the sign of life comes every second
     proc = _start(_torchrun("ddp_train.py", LONG + ["--dist-timeout", str(timeout)]))
     try:
         read_until(proc, "Epoch [1/")
