@@ -117,7 +117,8 @@ def test_fsdp_saves_over_its_checkpoints_and_falls_back_past_a_truncated_shard(t
     damaged newest checkpoint, both crashed at their next save (Directory not empty) and left a
     .tmp- folder; a truncated .distcp gave a CheckpointException traceback (BaseException)."""
     ck = tmp_path / "ck"
-    args = RUN + ["--checkpoint-dir", str(ck)]
+    # 2 steps an epoch: four 2-process runs, each about its checkpoints, not its training
+    args = RUN + ["--synthetic-size", "64", "--checkpoint-dir", str(ck)]
     check_ok(run_script("fsdp_train.py", args, nproc=2))
     newest, previous = checkpoint.list_checkpoints(ck)
     again = run_script("fsdp_train.py", args + ["--resume", "never"], nproc=2)
@@ -220,7 +221,7 @@ def test_frozen_rank_on_another_node_ends_the_job_on_every_node():
     node B's torchrun waited on its frozen worker: forever in the reported case; here 51 s for
     a timeout of 20, when B noticed the rendezvous store had gone with A and gave the frozen
     worker torchrun's 30 s grace before SIGKILL."""
-    timeout = 20
+    timeout = 10  # the old way takes it plus 30 s; the sign of life comes every second
     a, b, _ = _two_nodes(LONG + ["--dist-timeout", str(timeout)])
     frozen = _workers(b)[0]
     try:
@@ -243,7 +244,7 @@ def test_frozen_rank_on_another_node_ends_the_job_on_every_node():
 def test_frozen_rank_on_one_node_ends_within_the_timeout():
     """Before: --dist-timeout plus torchrun's 30 s grace for the frozen worker (51.9 s for a
     timeout of 20 here; 62.6 s for 30 in the report)."""
-    timeout = 20
+    timeout = 10  # the old way takes it plus 30 s; the sign of life comes every second
     proc = _start(_torchrun("ddp_train.py", LONG + ["--dist-timeout", str(timeout)]))
     try:
         read_until(proc, "Epoch [1/")
