@@ -283,13 +283,21 @@ forward_stop() {  # SIGNAL [later: once every node.sh is running the training, n
   # repeat it every 10 s until the training has stopped (the handler only sets a flag).
   [ "$1" = USR1 ] || return 0
   (
-    trap - USR1 TERM
+    trap - USR1
+    # Killed once the training has ended: its sleep goes with it. Left running, the sleep would
+    # hold the job's output and train.log's pipe open, and the job would wait up to 10 s for
+    # its tee (and whoever reads its output for the end of it).
+    exec {log_fd}>&-
+    sleeper=
+    trap 'kill $sleeper 2>/dev/null || true; exit 0' TERM
     if [ "${2:-}" = later ]; then
       nodes_ready
       send_stop "$1"
     fi
     while kill -0 "$launch_pid" 2>/dev/null; do
-      sleep 10
+      sleep 10 &
+      sleeper=$!
+      wait "$sleeper" || true
       send_stop "$1"
     done
   ) &

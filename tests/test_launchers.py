@@ -475,13 +475,22 @@ def test_a_stop_signal_before_the_training_starts_is_passed_on(tmp_path, when):
     env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs"), "PYTHON": str(slow)}
     if when == "before job.sh":  # what the .slurm file's trap hands on
         env |= {"EARLY_SIGNAL": "USR1", "EARLY_AT": "12:00:00"}
-    proc = subprocess.Popen(["bash", str(LAUNCH / "local.sh"), "--", *REQUEUE_RUN],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    assert wait_for(lambda: (tmp_path / "checking").exists(), 60)
-    if when == "during the flag check":
-        proc.send_signal(signal.SIGUSR1)  # to job.sh
-    out = proc.communicate(timeout=300)[0]
+    log = tmp_path / "launcher.out"  # a file, not a pipe: the launcher's end is its exit
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(["bash", str(LAUNCH / "local.sh"), "--", *REQUEUE_RUN],
+                                cwd=tmp_path, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        assert wait_for(lambda: (tmp_path / "checking").exists(), 60)
+        if when == "during the flag check":
+            proc.send_signal(signal.SIGUSR1)  # to job.sh
+        assert wait_for(lambda: "[STOP] " in log.read_text(), 300), log.read_text()
+        stopped = time.monotonic()  # the training's last line: it is on its way out
+        proc.wait(timeout=300)
+    out = log.read_text()
+    # the job ends with its training: job.sh's resend of the USR1 (every 10 s until the
+    # training stopped) goes with its sleep, which held train.log's tee open, and the job
+    # with it, for up to 10 s more (10 s here: the first resend stopped the training)
+    ended = time.monotonic() - stopped
+    assert ended < 5, f"the launcher ended {ended:.1f} s after the training's [STOP] line"
     if when == "before job.sh":
         assert "job received SIGUSR1 at 12:00:00" in out and "EARLY_SIGNAL" not in out
     assert proc.returncode == 75, out
