@@ -69,14 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def amp_dtype(device: torch.device) -> torch.dtype | None:
-    """ddp_train.py's default --amp: bf16 from compute capability 8.0, fp16 before, none on
-    the CPU."""
-    if device.type != "cuda":
-        return None
-    return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
-
-
 def build_step(model: nn.Module, optimizer, scaler, dtype, device: torch.device):
     """ddp_train.py's train_step without DDP and without --clip-grad-norm (off by default)."""
     criterion = nn.CrossEntropyLoss()
@@ -111,11 +103,6 @@ def capture(step, optimizer, images, labels, warmup: int) -> torch.cuda.CUDAGrap
     return graph
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run(args, device: torch.device) -> dict:
     torch.backends.cudnn.benchmark = True  # fixed input shapes, as in the training scripts
     # (C, H, W) and the classes of ddp_train.py's synthetic data for these flags
@@ -131,7 +118,8 @@ def run(args, device: torch.device) -> dict:
                                 weight_decay=defaults.get_default("weight_decay"),
                                 fused=schedule.fused_sgd(device))
     schedule.start_momentum(optimizer)
-    dtype = amp_dtype(device)
+    amp = flags.default_amp(device)  # ddp_train.py's --amp on this device
+    dtype = flags.amp_dtype(argparse.Namespace(amp=amp))
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     step = build_step(model, optimizer, scaler, dtype, device)
     # one static batch on the device, as the --data-on-device path hands it to the step
@@ -150,15 +138,15 @@ def run(args, device: torch.device) -> dict:
             step(images, labels)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    synchronize(device)  # the warm-up's work is done before the clock starts
+    measure.synchronize(device)  # the warm-up's work is done before the clock starts
     t0 = time.perf_counter()
     for _ in range(args.steps):
         run_once()
-    synchronize(device)  # and the last step's before it stops
+    measure.synchronize(device)  # and the last step's before it stops
     seconds = time.perf_counter() - t0
     return {"mode": args.mode, "model": args.model, "image": shape[-1],
             "batch": args.batch_size, "steps": args.steps,
-            "amp": {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "off"),
+            "amp": amp,
             "img_per_s": f"{args.batch_size * args.steps / seconds:.1f}",
             "ms_per_step": f"{1e3 * seconds / args.steps:.3f}",
             "peak_mib": f"{measure.peak_memory_mib(device):.1f}"}

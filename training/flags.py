@@ -366,18 +366,14 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
     changed afterwards (check_flags filled the rest, right after parsing): --amp (bf16 needs a
     GPU of compute capability 8.0) and --num-workers (at least 1 on a GPU); check the paths
     (check_flags did values)."""
-    if device.type == "cuda":
+    if args.amp is None:
+        args.amp = default_amp(device)
+    elif device.type == "cuda" and args.amp == "bf16" and default_amp(device) != "bf16":
         cc = torch.cuda.get_device_capability(device)
-        bf16_ok = cc >= (8, 0)  # Ampere and newer: bf16 tensor cores
-        if args.amp is None:  # bf16 needs no GradScaler; fp16 (the workshop's) on V100 and older
-            args.amp = "bf16" if bf16_ok else "fp16"
-        elif args.amp == "bf16" and not bf16_ok:
-            raise UsageError(f"--amp bf16 needs a GPU of compute capability 8.0 or newer (A100, "
-                             f"H100, ...); {torch.cuda.get_device_name(device)} has "
-                             f"{cc[0]}.{cc[1]}: use --amp fp16")
-    elif args.amp is None:
-        args.amp = "off"
-    elif args.amp != "off" and env.rank == 0:  # autocast on a CPU: it depends on the CPU
+        raise UsageError(f"--amp bf16 needs a GPU of compute capability 8.0 or newer (A100, "
+                         f"H100, ...); {torch.cuda.get_device_name(device)} has "
+                         f"{cc[0]}.{cc[1]}: use --amp fp16")
+    elif device.type != "cuda" and args.amp != "off" and env.rank == 0:  # autocast on a CPU
         print(devices.cpu_amp_note(args.amp, devices.cpu_flags()), file=sys.stderr, flush=True)
     if args.num_workers is None:
         args.num_workers = default_workers(env)
@@ -402,6 +398,15 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
         if not os.access(args.profile, os.W_OK):
             raise UsageError(f"--profile {args.profile}: that folder is not writable: give a "
                              f"writable directory")
+
+
+def default_amp(device: torch.device) -> str:
+    """--amp's default on ``device``: bf16 on GPUs of compute capability 8.0 and newer (bf16
+    tensor cores, no GradScaler), fp16 with its GradScaler on older ones (the workshop's, V100
+    and before), off on the CPU."""
+    if device.type != "cuda":
+        return "off"
+    return "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "fp16"
 
 
 def amp_dtype(args) -> torch.dtype | None:
