@@ -78,17 +78,21 @@ def test_hang_is_named_per_rank(tmp_path, patch, due):
     assert time.time() - t0 < 80
 
 
-def _dump(path, entries):
+def _dump(path, entries, groups=None):
     """A flight-recorder dump in torch's documented format (version 2.x: a pickled dict of
-    "version", "pg_config", "pg_status", "entries")."""
+    "version", "pg_config", "pg_status", "entries"). ``groups``: {name: ranks}, the rank's
+    process groups (default: the run's own, of 2 ranks)."""
+    groups = groups or {"0": [0, 1]}
+    config = {name: {"name": name, "desc": "default_pg" if name == "0" else "undefined",
+                     "ranks": str(ranks)} for name, ranks in groups.items()}
     with open(path, "wb") as f:
-        pickle.dump({"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg",
-                                                            "ranks": "[0, 1]"}},
-                     "pg_status": {}, "entries": entries}, f)
+        pickle.dump({"version": "2.10", "pg_config": config, "pg_status": {},
+                     "entries": entries}, f)
 
 
-def _entry(seq, name, sizes, state, dtype="Float"):
-    return {"record_id": seq - 1, "pg_id": 0, "process_group": ("0", "default_pg"),
+def _entry(seq, name, sizes, state, dtype="Float", group="0", record_id=None):
+    return {"record_id": seq - 1 if record_id is None else record_id, "pg_id": int(group),
+            "process_group": (group, "default_pg" if group == "0" else "undefined"),
             "collective_seq_id": seq, "p2p_seq_id": 0, "op_id": seq,
             "profiling_name": f"nccl:{name}", "time_created_ns": seq, "input_sizes": sizes,
             "input_dtypes": [dtype] * len(sizes), "output_sizes": sizes,
@@ -120,6 +124,53 @@ def test_flight_recorder_dumps_name_the_hang(tmp_path):
                         "bytes=56 step=- phase=- state=scheduled")
     assert lines[2].startswith("[HANG] first_disagreement seq=3 rank0=all_reduce/2000/- "
                                "rank1=broadcast/7/-")
+
+
+def test_a_hang_in_a_subgroup_is_named_with_its_group(tmp_path):
+    """--sharding hybrid on 2 nodes x 2 GPUs: FSDP's collectives run on the shard groups
+    ("1": ranks 0,1; "2": ranks 2,3) and the replicate groups ("3": 0,2; "4": 1,3), each
+    counting from 1. Rank 3 went to an all-reduce of the run's own group while rank 2 waits
+    for it in their shard group's all-gather, and ranks 0 and 1 wait for ranks 2 and 3 in the
+    replicate groups' all-reduce: each rank's line names the group it waits in, and each group
+    whose members disagree has its own first_disagreement line."""
+    start = _entry(1, "broadcast", [[10]], "completed", record_id=0)
+    groups = {0: {"0": [0, 1, 2, 3], "1": [0, 1], "3": [0, 2]},
+              1: {"0": [0, 1, 2, 3], "1": [0, 1], "4": [1, 3]},
+              2: {"0": [0, 1, 2, 3], "2": [2, 3], "3": [0, 2]},
+              3: {"0": [0, 1, 2, 3], "2": [2, 3], "4": [1, 3]}}
+    shard_done = [_entry(1, "_all_gather_base", [[100]], "completed", group="1", record_id=1),
+                  _entry(2, "_reduce_scatter_base", [[200]], "completed", group="1",
+                         record_id=2)]
+    entries = {0: shard_done + [_entry(1, "all_reduce", [[50]], "started", group="3",
+                                       record_id=3)],
+               1: shard_done + [_entry(1, "all_reduce", [[50]], "started", group="4",
+                                       record_id=3)],
+               2: [_entry(1, "_all_gather_base", [[100]], "started", group="2", record_id=1),
+                   _entry(2, "_reduce_scatter_base", [[200]], "scheduled", group="2",
+                          record_id=2)],
+               3: [_entry(2, "all_reduce", [[3]], "started", record_id=1)]}
+    for rank in range(4):
+        _dump(tmp_path / f"nccl_trace_rank_{rank}", [start] + entries[rank], groups[rank])
+    lines = hangs.hang_lines(hangs.read_all(tmp_path))
+    assert lines == [
+        "[HANG] rank=0 node=? gpu=? waits_in=all_reduce group=3 seq=1 numel=50 bytes=200 "
+        "step=- phase=- state=started",
+        "[HANG] rank=1 node=? gpu=? waits_in=all_reduce group=4 seq=1 numel=50 bytes=200 "
+        "step=- phase=- state=started",
+        "[HANG] rank=2 node=? gpu=? waits_in=_all_gather_base group=2 seq=1 numel=100 "
+        "bytes=400 step=- phase=- state=started",
+        "[HANG] rank=3 node=? gpu=? waits_in=all_reduce seq=2 numel=3 bytes=12 step=- phase=- "
+        "state=started",
+        "[HANG] first_disagreement seq=2 rank0=none rank1=none rank2=none "
+        "rank3=all_reduce/3/-",
+        "[HANG] first_disagreement group=2 ranks=2,3 seq=1 rank2=_all_gather_base/100/- "
+        "rank3=none",
+        "[HANG] first_disagreement group=3 ranks=0,2 seq=1 rank0=all_reduce/50/- rank2=none",
+        "[HANG] first_disagreement group=4 ranks=1,3 seq=1 rank1=all_reduce/50/- rank3=none"]
+    # a rank past its last collective, last in a subgroup: "after_group=1 seq=2"
+    _dump(tmp_path / "nccl_trace_rank_0", [start] + shard_done, groups[0])
+    assert hangs.hang_lines(hangs.read_all(tmp_path))[0] == (
+        "[HANG] rank=0 node=? gpu=? waits_in=unrecorded after_group=1 seq=2 step=- phase=-")
 
 
 def test_watchdog_names_the_hang_of_a_frozen_rank(tmp_path):

@@ -242,22 +242,26 @@ def read_record(path: Path) -> dict:
 
 def read_flight_recorder(path: Path) -> dict:
     """One rank's flight-recorder dump (a pickle: "entries" of dicts with profiling_name such
-    as "nccl:all_reduce", collective_seq_id, input_sizes, input_dtypes, state), in the shape of
-    read_record. Its collectives are those of every process group, DDP's C++ ones included;
-    the step and the phase are not in it (-)."""
+    as "nccl:all_reduce", process_group, collective_seq_id, input_sizes, input_dtypes, state;
+    "pg_config": the groups the rank is in), in the shape of read_record. Its collectives are those
+    of every process group the rank is in, DDP's C++ ones included: each entry names its group
+    ("0": the run's own; --sharding hybrid's shard and replicate groups have others), and
+    each group counts its collectives from 1. The step and the phase are not in it (-)."""
     import pickle
     with open(path, "rb") as f:
         dump = pickle.load(f)
     rank = int(path.name[len(FLIGHT_RECORDER_PREFIX):])
+    groups = {str(name) for name in dump.get("pg_config") or {}}  # those the rank is in
     entries = []
-    for e in dump.get("entries", []):
-        # the run's own group ("0"): each group counts its collectives from 1
-        if e.get("is_p2p") or str(e.get("process_group", ("0",))[0]) != "0":
+    for e in sorted(dump.get("entries", []), key=lambda e: e.get("record_id", 0)):
+        if e.get("is_p2p"):
             continue
         numel = sum(_product(s) for s in e.get("input_sizes", []))
         nbytes = sum(_product(s) * _DTYPE_BYTES.get(d, 0) for s, d in
                      zip(e.get("input_sizes", []), e.get("input_dtypes", [])))
-        entries.append({"seq": int(e["collective_seq_id"]),
+        group = str(e.get("process_group", ("0",))[0])
+        groups.add(group)
+        entries.append({"seq": int(e["collective_seq_id"]), "group": group,
                         "kind": e["profiling_name"].split(":", 1)[-1], "numel": numel,
                         "bytes": nbytes or "-", "step": "-", "phase": "-",
                         "state": e.get("state", "?")})
@@ -265,7 +269,7 @@ def read_flight_recorder(path: Path) -> dict:
     waiting = [e for e in entries if e["state"] != "completed"]
     if waiting:
         entries = entries[:entries.index(waiting[0]) + 1]
-    return {"rank": rank, "node": "?", "gpu": "?", "entries": entries,
+    return {"rank": rank, "node": "?", "gpu": "?", "entries": entries, "groups": groups,
             "now": None if waiting or not entries else {"step": "-", "phase": "-"},
             "source": "flight recorder"}
 
@@ -300,36 +304,52 @@ def _signature(entry: dict) -> tuple:
     return entry["kind"], entry["numel"]
 
 
-def first_disagreement(records: list):
-    """The first sequence number at which the ranks' collectives differ (another kind or
-    size, or a rank that has none there while another does), with what each rank has there;
-    (None, {}) when they agree as far as they go."""
-    by_rank = [{e["seq"]: e for e in r["entries"]} for r in records]
-    seqs = sorted(set().union(*by_rank)) if by_rank else []
-    for seq in seqs:
-        seen = {r["rank"]: ranks.get(seq) for r, ranks in zip(records, by_rank)}
-        if len({_signature(e) if e else None for e in seen.values()}) > 1:
-            return seq, seen
-    return None, {}
+def _where(entry: dict) -> str:
+    """A collective's place: its sequence number, after its group where that is not the run's
+    own ("0"; the flight recorder's subgroups, such as --sharding hybrid's)."""
+    group = entry.get("group", "0")
+    return f"seq={entry['seq']}" if group == "0" else f"group={group} seq={entry['seq']}"
+
+
+def first_disagreements(records: list) -> list:
+    """For each process group in which the ranks' collectives differ, the first sequence
+    number at which they do (another kind or size, or a member that has none there while
+    another does), as (group, seq, {rank: entry or None} over the group's members); [] when
+    they agree as far as they go. The toolkit's record knows one group ("0", every rank);
+    the flight recorder names each entry's group and each rank's groups."""
+    found, groups = [], {}  # group -> the records of its members
+    for r in records:
+        for group in {"0"} | r.get("groups", set()):
+            groups.setdefault(group, []).append(r)
+    for group in sorted(groups, key=lambda g: (len(g), g)):  # "0", "1", ... "10"
+        members = groups[group]
+        by_rank = [{e["seq"]: e for e in r["entries"] if e.get("group", "0") == group}
+                   for r in members]
+        for seq in sorted(set().union(*by_rank)) if by_rank else []:
+            seen = {r["rank"]: ranks.get(seq) for r, ranks in zip(members, by_rank)}
+            if len({_signature(e) if e else None for e in seen.values()}) > 1:
+                found.append((group, seq, seen))
+                break
+    return found
 
 
 def hang_lines(records: list) -> list:
-    """The [HANG] lines: one per rank (where it waits: its last collective entered), then the
-    first sequence number at which the ranks disagree."""
+    """The [HANG] lines: one per rank (where it waits: its last collective entered), then, for
+    each group whose ranks disagree, the first sequence number at which they do."""
     lines = []
     for r in records:
         where = f"[HANG] rank={r['rank']} node={r['node']} gpu={r['gpu']}"
-        last = r["entries"][-1]["seq"] if r["entries"] else 0
         if r["now"] is not None or not r["entries"]:
             # past its last collective: in one the record cannot see (DDP's C++ broadcasts),
             # or not in a collective at all
             now = r["now"] or {"step": 0, "phase": "start"}
-            lines.append(f"{where} waits_in=unrecorded after_seq={last} step={now['step']} "
+            last = _where(r["entries"][-1]) if r["entries"] else "seq=0"
+            lines.append(f"{where} waits_in=unrecorded after_{last} step={now['step']} "
                          f"phase={now['phase']}")
             continue
         e = r["entries"][-1]
         state = f" state={e['state']}" if "state" in e else ""
-        lines.append(f"{where} waits_in={e['kind']} seq={e['seq']} numel={e['numel']} "
+        lines.append(f"{where} waits_in={e['kind']} {_where(e)} numel={e['numel']} "
                      f"bytes={e['bytes']} step={e['step']} phase={e['phase']}{state}")
     sources = {r["source"] for r in records}
     if len(sources) > 1:  # NCCL's count includes DDP's C++ collectives, the record's does not
@@ -338,12 +358,12 @@ def hang_lines(records: list) -> list:
                      f"dumps, the others only the toolkit's record: their sequence numbers "
                      f"count different collectives)")
         return lines
-    seq, seen = first_disagreement(records)
-    if seq is not None:
+    for group, seq, seen in first_disagreements(records):
         there = " ".join(f"rank{rank}={e['kind']}/{e['numel']}/{e['phase']}" if e else
                          f"rank{rank}=none" for rank, e in seen.items())
-        lines.append(f"[HANG] first_disagreement seq={seq} {there}")
-    else:
+        members = "" if group == "0" else f"group={group} ranks={','.join(map(str, seen))} "
+        lines.append(f"[HANG] first_disagreement {members}seq={seq} {there}")
+    if not lines[len(records):]:
         lines.append("[HANG] first_disagreement seq=none (the ranks' records agree as far as "
                      "they go)")
     return lines
