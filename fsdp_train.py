@@ -183,11 +183,34 @@ def apply_fsdp(model: nn.Module, mesh, args, device: torch.device) -> nn.Module:
     return model
 
 
+def average_batchnorm_statistics(model: nn.Module) -> None:
+    """BatchNorm's running statistics are buffers, which FSDP neither shards nor keeps equal:
+    each rank's follow its own batches (DDP instead copies rank 0's before every forward).
+    Averaged over all ranks, in one all-reduce, before each evaluation and each checkpoint: every
+    rank evaluates the same model, and the checkpoint and --save-model hold the statistics the
+    evaluation used. The weights do not depend on them (training normalises with each batch's
+    own statistics). Collective: every rank takes part."""
+    world = dist.get_world_size()
+    stats = [buf for m in model.modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+             for buf in (m.running_mean, m.running_var)]
+    if world == 1 or not stats:
+        return
+    flat = torch.cat([buf.reshape(-1) for buf in stats])
+    dist.all_reduce(flat)  # a sum: gloo has no average
+    flat /= world
+    for buf, mean in zip(stats, flat.split([buf.numel() for buf in stats])):
+        buf.copy_(mean.view_as(buf))
+
+
 def save_checkpoint(path, state: dict, meta: dict) -> None:
     """FSDP: every rank writes its own shards with torch.distributed.checkpoint (DCP) into one
     folder, rank 0 adds the small rest (scheduler, scaler, every rank's RNG state, epoch and
     step), then renames the folder into place (it appears complete or not at all).
     Collective: every rank takes part. DCP can load it back at another world size."""
+    # the same BatchNorm statistics on every rank: those DCP keeps of the replicated buffers
+    # are then every rank's, and a resumed run goes on as the uninterrupted one does
+    average_batchnorm_statistics(state["model"])
     tmp = path.with_name(f".tmp-{path.name}")
     rank, _ = distributed.rank_and_world()
     if rank == 0:
@@ -408,6 +431,7 @@ def train(args, env: distributed.DistEnv) -> int:
                 scheduler.step()
                 run.save_or_stop(step)  # a checkpoint when due; a stop: the same step everywhere
             run.end_training()  # every rank's times, and the loss check
+            average_batchnorm_statistics(model)  # every rank evaluates the same model
             val_sums = common.evaluate(step_model, val_loader, device, flags.amp_dtype(args),
                                        loading.real_samples(val_sampler), prepare)
             run.end_epoch(val_sums)  # reduced over all ranks: the epoch and [METRIC] lines

@@ -7,14 +7,16 @@ import difflib
 import importlib
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from training import contract
+from training import checkpoint, contract, datasets, loading, models
 from conftest import FAST, REPO, check_ok, env_for_tests, epoch_lines, metrics, run_script
 
 # --clip-grad-norm 0.1: below every step's gradient norm (about 0.2 and more here), so each strategy
@@ -342,6 +344,65 @@ for name, mesh in meshes.items():
         assert ours == {}, name
 dist.destroy_process_group()
 '''
+
+
+# ResNet-18 (BatchNorm) under FSDP, 8 steps a rank, a checkpoint every 3
+BN_RUN = ["--model", "resnet18", "--dataset", "synthetic", "--image-size", "32",
+          "--synthetic-size", "128", "--batch-size", "8", "--epochs", "1", "--num-workers", "0",
+          "--amp", "off", "--checkpoint-every", "3", "--keep-checkpoints", "5"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_batchnorm_run(tmp_path_factory):
+    """(folder, stdout) of an FSDP run of BN_RUN with its checkpoints and --save-model."""
+    folder = tmp_path_factory.mktemp("fsdp-bn")
+    proc = run_script("fsdp_train.py", BN_RUN + ["--checkpoint-dir", str(folder / "ck"),
+                                                 "--save-model", str(folder / "model.pt")],
+                      nproc=2)
+    check_ok(proc)
+    return folder, proc.stdout
+
+
+def test_fsdp_ranks_evaluate_the_batchnorm_statistics_they_save(fsdp_batchnorm_run):
+    """FSDP leaves BatchNorm's running statistics to each rank (each follows its own batches);
+    averaged before the evaluation and the saves, every rank evaluates the model that
+    --save-model writes: that file alone, on the whole validation set, gives the run's
+    val_loss (with each rank's own statistics it gave another)."""
+    folder, stdout = fsdp_batchnorm_run
+    reported = metrics(stdout)[-1]
+    args = importlib.import_module("fsdp_train").build_parser().parse_args(BN_RUN)
+    data = datasets.build_data(args)
+    model = models.build_model(args.model, data.num_classes, data.input_shape)
+    model.load_state_dict(torch.load(folder / "model.pt", weights_only=True))
+    images, labels = zip(*(data.val[i] for i in range(len(data.val))))
+    prepare = loading.batch_finisher(data, torch.contiguous_format)
+    with torch.no_grad():
+        logits = model.eval()(prepare(torch.stack(images), train=False))
+    assert reported["val_images"] == str(len(labels)) == "32"
+    loss = F.cross_entropy(logits, torch.tensor(labels)).item()
+    assert loss == pytest.approx(float(reported["val_loss"]), rel=1e-5), (loss, reported)
+
+
+def test_fsdp_resumed_mid_epoch_ends_with_the_same_batchnorm_statistics(fsdp_batchnorm_run,
+                                                                         tmp_path):
+    """Resumed from the run's first checkpoint (step 3), the run ends with exactly the
+    uninterrupted run's weights and BatchNorm statistics: the checkpoint holds the averaged
+    statistics every rank had there (it held one rank's, and the resumed run's statistics
+    differed)."""
+    folder, _ = fsdp_batchnorm_run
+    first = checkpoint.list_checkpoints(folder / "ck")[-1]  # newest first
+    assert first.name == "ckpt-e0000-s0000003"
+    shutil.copytree(first, tmp_path / "ck" / first.name)
+    proc = run_script("fsdp_train.py", BN_RUN + ["--checkpoint-dir", str(tmp_path / "ck"),
+                                                 "--save-model", str(tmp_path / "model.pt")],
+                      nproc=2)
+    check_ok(proc)
+    assert "Resumed from epoch 1, step 3" in proc.stdout
+    ref = torch.load(folder / "model.pt", weights_only=True)
+    resumed = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert ref.keys() == resumed.keys() and any("running_var" in k for k in ref)
+    for k in ref:
+        assert torch.equal(resumed[k], ref[k]), k
 
 
 def test_fsdp_save_model_over_gloo_gathers_host_copies_into_torchs_full_state(tmp_path):
