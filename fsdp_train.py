@@ -128,9 +128,9 @@ def build_mesh(device_type: str, backend: str, env: distributed.DistEnv, shardin
     # Collective: every rank creates every group of a dimension, in the same order.
     timeout = timedelta(seconds=timeout_s)
     shard, _ = dist.new_subgroups_by_enumeration(layout.tolist(), timeout=timeout,
-                                                 backend=backend)
+                                                 backend=backend, group_desc="shard")
     replicate, _ = dist.new_subgroups_by_enumeration(layout.t().tolist(), timeout=timeout,
-                                                     backend=backend)
+                                                     backend=backend, group_desc="replicate")
     return DeviceMesh.from_group([replicate, shard], device_type, mesh=layout,
                                  mesh_dim_names=("replicate", "shard"))
 

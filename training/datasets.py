@@ -426,7 +426,7 @@ def _cached_tinyimagenet(args, classes, train, val) -> DataBundle:
     # (--simulate-world-size's fake process group has no peer to wait for)
     if rank_and_world()[1] > 1 and dist.get_backend() != "fake":
         # made by every rank before any build starts (making a group is itself a rendezvous)
-        wait = dist.new_group(backend="gloo", timeout=CACHE_BUILD_WAIT)
+        wait = dist.new_group(backend="gloo", timeout=CACHE_BUILD_WAIT, group_desc="cache_wait")
     if dist_env().local_rank == 0:  # one builder per node
         try:
             tinyimagenet.prepare(args.data_dir, args.data_cache, args.strict,

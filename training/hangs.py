@@ -19,6 +19,7 @@ can read the records without torch; ``watch`` imports torch when a run installs 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import platform
 import tempfile
@@ -76,7 +77,9 @@ def flight_recorder_env() -> None:
 
 class Record:
     """This rank's record file: a header line (rank, node, GPU), then one line per event:
-    ``seq kind numel bytes step phase`` as it enters a collective, ``seq done`` when a
+    ``seq kind numel bytes step phase`` as it enters a collective (and `` group`` after it
+    where the group is not the run's own, "0": --sharding hybrid's subgroups; each group
+    counts its collectives from 1, as NCCL's flight recorder does), ``seq done`` when a
     blocking one returns, ``- step phase`` when the code's phase changes. Appended with one
     unbuffered write each (no host sync: sizes come from the tensors' shapes); rolled over
     every RECORD_LINES lines."""
@@ -91,7 +94,8 @@ class Record:
             old.unlink(missing_ok=True)
         (folder / REPORTED).unlink(missing_ok=True)
         self.fd = self._open()
-        self.rank, self.seq, self.step, self.phase, self.lines = rank, 0, 0, "start", 0
+        self.rank, self.step, self.phase, self.lines = rank, 0, "start", 0
+        self.seqs = {}  # group -> its collectives so far
 
     def _open(self) -> int:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
@@ -106,10 +110,11 @@ class Record:
         os.write(self.fd, line.encode())
         self.lines += 1
 
-    def enter(self, kind: str, numel, nbytes) -> int:
-        self.seq += 1
-        self._write(f"{self.seq} {kind} {numel} {nbytes} {self.step} {self.phase}\n")
-        return self.seq
+    def enter(self, kind: str, numel, nbytes, group: str = "0") -> int:
+        seq = self.seqs[group] = self.seqs.get(group, 0) + 1
+        place = "" if group == "0" else f" {group}"
+        self._write(f"{seq} {kind} {numel} {nbytes} {self.step} {self.phase}{place}\n")
+        return seq
 
     def done(self, seq: int) -> None:
         self._write(f"{seq} done\n")
@@ -148,6 +153,14 @@ def set_phase(phase: str) -> None:
         _record.set_phase(phase)
 
 
+def group_label(name, desc) -> str:
+    """How the record and the [HANG] lines name a process group: torch's name (a number,
+    the same on every member) and its description where it has one, e.g. "3:shard"; "0":
+    the run's own (also for group=None)."""
+    name, desc = str(name), str(desc or "")
+    return name if name == "0" or desc in ("", "undefined") else f"{name}:{desc}"
+
+
 def _size(value) -> tuple:
     """(elements, bytes) of a collective's input: a tensor, a list of them, or a list of
     objects (bytes unknown before pickling: -)."""
@@ -160,16 +173,22 @@ def _size(value) -> tuple:
 
 def _wrapped(dist, kind: str, position):
     real = getattr(dist, kind)
+    params = list(inspect.signature(real).parameters)
+
+    def argument(name, args, kwargs):  # passed by position or by name; None: not passed
+        at = params.index(name) if name in params else len(args)
+        return kwargs.get(name, args[at] if at < len(args) else None)
 
     def collective(*args, **kwargs):
         if _record is None:
             return real(*args, **kwargs)
-        given = args[position] if position is not None and len(args) > position else next(
-            (kwargs[k] for k in ("input", "input_tensor", "tensor") if k in kwargs), None)
-        numel, nbytes = ("-", "-") if position is None or given is None else _size(given)
-        seq = _record.enter(kind, numel, nbytes)
+        data = None if position is None else argument(params[position], args, kwargs)
+        numel, nbytes = ("-", "-") if data is None else _size(data)
+        group = argument("group", args, kwargs)
+        seq = _record.enter(kind, numel, nbytes, group_label(
+            getattr(group, "group_name", "0"), getattr(group, "group_desc", "")))
         work = real(*args, **kwargs)
-        if not kwargs.get("async_op"):  # returned: this rank is past it
+        if not argument("async_op", args, kwargs):  # returned: this rank is past it
             _record.done(seq)
         return work
     collective.recorded = True
@@ -212,7 +231,8 @@ REPORTED = "reported"
 
 def read_record(path: Path) -> dict:
     """One rank's record file (and its rolled-over predecessor) as {"rank", "node", "gpu",
-    "entries": [{"seq", "kind", "numel", "bytes", "step", "phase", "done"}, ...], "now":
+    "entries": [{"seq", "kind", "numel", "bytes", "step", "phase", "group", "done"}, ...],
+    "groups", "now":
     {"step", "phase"} where its last line leaves it outside any collective, else None}."""
     lines = []
     for part in (path.with_suffix(".old"), path):
@@ -223,9 +243,9 @@ def read_record(path: Path) -> dict:
     entries, now = [], None
     for line in lines:
         fields = line.split()
-        if len(fields) == 6 and fields[0].isdigit():
-            entry = dict(zip(("seq", "kind", "numel", "bytes", "step", "phase"),
-                             [int(fields[0])] + fields[1:]), done=False)
+        if len(fields) in (6, 7) and fields[0].isdigit():
+            entry = dict(zip(("seq", "kind", "numel", "bytes", "step", "phase", "group"),
+                             [int(fields[0])] + fields[1:] + ["0"]), done=False)
             for key in ("numel", "bytes"):  # numbers, as the flight recorder's are ("-": none)
                 entry[key] = int(entry[key]) if entry[key].isdigit() else entry[key]
             entries.append(entry)
@@ -237,7 +257,8 @@ def read_record(path: Path) -> dict:
         elif len(fields) == 3 and fields[0] == "-":
             now = dict(step=fields[1], phase=fields[2])
     return {"rank": int(header.get("rank", -1)), "node": header.get("node", "?"),
-            "gpu": header.get("gpu", "?"), "entries": entries, "now": now, "source": "record"}
+            "gpu": header.get("gpu", "?"), "entries": entries, "now": now, "source": "record",
+            "groups": {e["group"] for e in entries}}  # those it has entered a collective of
 
 
 def read_flight_recorder(path: Path) -> dict:
@@ -251,7 +272,8 @@ def read_flight_recorder(path: Path) -> dict:
     with open(path, "rb") as f:
         dump = pickle.load(f)
     rank = int(path.name[len(FLIGHT_RECORDER_PREFIX):])
-    groups = {str(name) for name in dump.get("pg_config") or {}}  # those the rank is in
+    groups = {group_label(name, config.get("desc") if isinstance(config, dict) else "")
+              for name, config in (dump.get("pg_config") or {}).items()}  # the rank's
     entries = []
     for e in sorted(dump.get("entries", []), key=lambda e: e.get("record_id", 0)):
         if e.get("is_p2p"):
@@ -259,7 +281,7 @@ def read_flight_recorder(path: Path) -> dict:
         numel = sum(_product(s) for s in e.get("input_sizes", []))
         nbytes = sum(_product(s) * _DTYPE_BYTES.get(d, 0) for s, d in
                      zip(e.get("input_sizes", []), e.get("input_dtypes", [])))
-        group = str(e.get("process_group", ("0",))[0])
+        group = group_label(*(tuple(e.get("process_group") or ("0",)) + ("",))[:2])
         groups.add(group)
         entries.append({"seq": int(e["collective_seq_id"]), "group": group,
                         "kind": e["profiling_name"].split(":", 1)[-1], "numel": numel,
@@ -304,24 +326,27 @@ def _signature(entry: dict) -> tuple:
     return entry["kind"], entry["numel"]
 
 
-def _where(entry: dict) -> str:
+def _where(entry: dict, key: str = "") -> str:
     """A collective's place: its sequence number, after its group where that is not the run's
-    own ("0"; the flight recorder's subgroups, such as --sharding hybrid's)."""
+    own ("0"): --sharding hybrid's shard and replicate groups, the stop vote's. ``key``: a
+    prefix of both keys (after_)."""
     group = entry.get("group", "0")
-    return f"seq={entry['seq']}" if group == "0" else f"group={group} seq={entry['seq']}"
+    seq = f"{key}seq={entry['seq']}"
+    return seq if group == "0" else f"{key}group={group} {seq}"
 
 
 def first_disagreements(records: list) -> list:
     """For each process group in which the ranks' collectives differ, the first sequence
     number at which they do (another kind or size, or a member that has none there while
     another does), as (group, seq, {rank: entry or None} over the group's members); [] when
-    they agree as far as they go. The toolkit's record knows one group ("0", every rank);
-    the flight recorder names each entry's group and each rank's groups."""
+    they agree as far as they go. A group's members: every rank for "0", the run's own; for
+    the others, those whose flight recorder lists the group, or whose record has entered a
+    collective of it."""
     found, groups = [], {}  # group -> the records of its members
     for r in records:
-        for group in {"0"} | r.get("groups", set()):
+        for group in {"0"} | r["groups"]:
             groups.setdefault(group, []).append(r)
-    for group in sorted(groups, key=lambda g: (len(g), g)):  # "0", "1", ... "10"
+    for group in sorted(groups, key=lambda g: (len(g.split(":")[0]), g)):  # "0", "1", "10"
         members = groups[group]
         by_rank = [{e["seq"]: e for e in r["entries"] if e.get("group", "0") == group}
                    for r in members]
@@ -343,8 +368,8 @@ def hang_lines(records: list) -> list:
             # past its last collective: in one the record cannot see (DDP's C++ broadcasts),
             # or not in a collective at all
             now = r["now"] or {"step": 0, "phase": "start"}
-            last = _where(r["entries"][-1]) if r["entries"] else "seq=0"
-            lines.append(f"{where} waits_in=unrecorded after_{last} step={now['step']} "
+            last = _where(r["entries"][-1], "after_") if r["entries"] else "after_seq=0"
+            lines.append(f"{where} waits_in=unrecorded {last} step={now['step']} "
                          f"phase={now['phase']}")
             continue
         e = r["entries"][-1]

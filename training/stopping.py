@@ -133,7 +133,8 @@ class StopRequest:
             # whatever the training backend; it waits as long as the run's collectives
             # (--dist-timeout), not gloo's default of 30 minutes
             self._group = dist.new_group(backend="gloo", timeout=None if timeout_s is None
-                                         else timedelta(seconds=timeout_s))
+                                         else timedelta(seconds=timeout_s),
+                                         group_desc="stop_vote")
         StopSignals.training = True
 
     @property
