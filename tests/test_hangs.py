@@ -220,6 +220,26 @@ def test_the_record_counts_each_group_on_its_own(tmp_path, monkeypatch):
     assert record["groups"] == {"0", "1:shard", "2:stop_vote"}
 
 
+def test_the_record_names_each_phase_of_a_step(tmp_path, monkeypatch):
+    """The hooks watch() installs name the phases of a step as they start: forward, backward
+    (where FSDP's collectives of the backward run; DDP's buckets name themselves after it),
+    optimizer; and evaluation in eval mode."""
+    monkeypatch.setattr(hangs, "COLLECTIVES", {})  # torch.distributed stays as it is
+    monkeypatch.setattr(hangs, "_record", None)
+    monkeypatch.setenv("RUN_DIR", str(tmp_path))
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hangs.watch(model, optimizer, "cpu")
+    for _ in range(2):
+        model(torch.ones(4, 3)).sum().backward()
+        optimizer.step()
+    with torch.no_grad():
+        model.eval()(torch.ones(4, 3))
+    lines = (tmp_path / "collectives" / "collectives-rank0.txt").read_text().splitlines()[1:]
+    assert lines == ["- 1 forward", "- 1 backward", "- 1 optimizer", "- 2 forward",
+                     "- 2 backward", "- 2 optimizer", "- 2 evaluation"]
+
+
 def test_watchdog_names_the_hang_of_a_frozen_rank(tmp_path):
     """The watchdog that ends a rank silent past its time prints the [HANG] lines first (here
     the 'worker' is a sleeping process that never beats, with records two ranks left)."""

@@ -199,9 +199,10 @@ def watch(step_model, optimizer, device) -> None:
     """Keep this rank's record (a multi-process run; stragglers.watch calls it with the model
     it hooks): every collective the toolkit calls through torch.distributed is noted as it
     is entered, with the phase that the model's forward pre-hook (forward, or evaluation in
-    eval mode), DDP's comm hook (backward.bucketN), the optimizer's step pre-hook and the
-    checkpoint (set_phase) name. DDP's own broadcasts run in C++ and are not seen here; on
-    NCCL the flight recorder has them."""
+    eval mode), a hook on the gradient of its output (backward, as the backward starts: what
+    FSDP's gathers and reduce-scatters there get), DDP's comm hook (backward.bucketN), the
+    optimizer's step pre-hook and the checkpoint (set_phase) name. DDP's own broadcasts run in
+    C++ and are not seen here; on NCCL the flight recorder has them."""
     global _record
     import torch.distributed as dist
     from training.distributed import rank_and_world
@@ -216,7 +217,11 @@ def watch(step_model, optimizer, device) -> None:
             _record.set_phase("forward", _record.step + 1)
         else:
             _record.set_phase("evaluation")
+    def backward_starts(module, args, output):
+        if module.training and getattr(output, "requires_grad", False):
+            output.register_hook(lambda grad: set_phase("backward"))  # leaves grad as it is
     step_model.register_forward_pre_hook(forward)
+    step_model.register_forward_hook(backward_starts)
     optimizer.register_step_pre_hook(lambda *_: set_phase("optimizer"))
 
 
