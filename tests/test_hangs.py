@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
+import socket
 import subprocess
 import sys
 import time
@@ -80,6 +82,37 @@ def test_hang_is_named_per_rank(tmp_path, patch, due):
     for piece in due:
         assert piece in text, text
     assert time.time() - t0 < 80
+
+
+def test_a_hybrid_runs_hang_is_named_group_by_group(tmp_path):
+    """fsdp_train.py --sharding hybrid on two torchrun 'nodes' of 2 ranks each, rank 1 one
+    batch short: each rank's line names the group it waits in, FSDP's real collectives read
+    through the record's wrapper (their group and size, passed by keyword or position)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=hybrid-hang",
+         str(REPO / "tests" / "patched_run.py"), "rank1_one_batch_fewer", str(tmp_path),
+         "fsdp_train.py", *RUN, "--synthetic-size", "128", "--sharding", "hybrid"],
+        env=env_for_tests({"RUN_DIR": str(tmp_path)}), cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    out = "".join(p.communicate(timeout=120)[0] for p in procs)
+    assert [p.returncode != 0 for p in procs] == [True, True], out[-3000:]
+    lines = _hang_lines(out)
+    assert len(lines) == 9, out[-3000:]  # 4 ranks, 4 groups that disagree, the record's folder
+    # rank 1 went on to the epoch's end (its metrics: the run's own group, seq 1); rank 0
+    # waits for it in their node's gather, the other node's ranks for ranks 0 and 1 in the
+    # replicate groups' all-reduce of the gradients
+    assert " waits_in=all_gather_object seq=1 " in lines[1], lines
+    assert re.search(r"rank=0 .* waits_in=\w*all_gather\w* group=1:shard seq=\d+ .*"
+                     r"phase=forward$", lines[0]), lines
+    for rank, group in ((2, "3:replicate"), (3, "4:replicate")):
+        assert re.search(rf"rank={rank} .* waits_in=all_reduce group={group} seq=\d+ .*"
+                         r"phase=backward$", lines[rank]), lines
+    assert lines[5].startswith("[HANG] first_disagreement group=1:shard ranks=0,1 seq="), lines
+    assert lines[5].endswith(" rank1=none"), lines
 
 
 def _dump(path, entries, groups=None):
