@@ -207,8 +207,10 @@ def test_a_hang_in_a_subgroup_is_named_with_its_group(tmp_path):
         "rank3=all_reduce/3/-",
         "[HANG] first_disagreement group=2:shard ranks=2,3 seq=1 rank2=_all_gather_base/100/- "
         "rank3=none",
-        "[HANG] first_disagreement group=3:replicate ranks=0,2 seq=1 rank0=all_reduce/50/- rank2=none",
-        "[HANG] first_disagreement group=4:replicate ranks=1,3 seq=1 rank1=all_reduce/50/- rank3=none"]
+        "[HANG] first_disagreement group=3:replicate ranks=0,2 seq=1 rank0=all_reduce/50/- "
+        "rank2=none",
+        "[HANG] first_disagreement group=4:replicate ranks=1,3 seq=1 rank1=all_reduce/50/- "
+        "rank3=none"]
     # a rank past its last collective, last in a subgroup
     _dump(tmp_path / "nccl_trace_rank_0", [start] + shard_done, groups[0])
     assert hangs.hang_lines(hangs.read_all(tmp_path))[0] == (

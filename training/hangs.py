@@ -217,9 +217,11 @@ def watch(step_model, optimizer, device) -> None:
             _record.set_phase("forward", _record.step + 1)
         else:
             _record.set_phase("evaluation")
+
     def backward_starts(module, args, output):
         if module.training and getattr(output, "requires_grad", False):
             output.register_hook(lambda grad: set_phase("backward"))  # leaves grad as it is
+
     step_model.register_forward_pre_hook(forward)
     step_model.register_forward_hook(backward_starts)
     optimizer.register_step_pre_hook(lambda *_: set_phase("optimizer"))
@@ -269,10 +271,10 @@ def read_record(path: Path) -> dict:
 def read_flight_recorder(path: Path) -> dict:
     """One rank's flight-recorder dump (a pickle: "entries" of dicts with profiling_name such
     as "nccl:all_reduce", process_group, collective_seq_id, input_sizes, input_dtypes, state;
-    "pg_config": the groups the rank is in), in the shape of read_record. Its collectives are those
-    of every process group the rank is in, DDP's C++ ones included: each entry names its group
-    ("0": the run's own; --sharding hybrid's shard and replicate groups have others), and
-    each group counts its collectives from 1. The step and the phase are not in it (-)."""
+    "pg_config": the groups the rank is in), in the shape of read_record. Its collectives are
+    those of every process group the rank is in, DDP's C++ ones included: each entry names its
+    group ("0": the run's own; --sharding hybrid's shard and replicate groups have others),
+    and each group counts its collectives from 1. The step and the phase are not in it (-)."""
     import pickle
     with open(path, "rb") as f:
         dump = pickle.load(f)
@@ -286,7 +288,8 @@ def read_flight_recorder(path: Path) -> dict:
         numel = sum(_product(s) for s in e.get("input_sizes", []))
         nbytes = sum(_product(s) * _DTYPE_BYTES.get(d, 0) for s, d in
                      zip(e.get("input_sizes", []), e.get("input_dtypes", [])))
-        group = group_label(*(tuple(e.get("process_group") or ("0",)) + ("",))[:2])
+        name, desc = (list(e.get("process_group") or ["0"]) + [""])[:2]  # (name, description)
+        group = group_label(name, desc)
         groups.add(group)
         entries.append({"seq": int(e["collective_seq_id"]), "group": group,
                         "kind": e["profiling_name"].split(":", 1)[-1], "numel": numel,
