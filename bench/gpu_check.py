@@ -57,7 +57,10 @@ The rows (--rows speed, the default; ResNet-50, bf16 unless said):
 
 Without a GPU it still runs (CI smoke-tests it): a small tree, ResNet-18, a few steps; the
 CUDA-only rows are listed as skipped. Exit code 0 when every row that ran passed, 1 otherwise
-(the table says which failed), 2 for a bad command line.
+(the table says which failed), 2 for a bad command line. Ctrl-C or SIGTERM (an allocation's
+end) starts no more rows and ends the running ones: the report keeps the rows that ended,
+the cut ones are marked interrupted, --continue runs them again; exit code 130 (SIGINT) or
+143 (SIGTERM).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -680,16 +684,16 @@ def run_lanes(pending: list, lanes: int, deadline: float, need, run_row, record)
     running = {}  # key: the keys of the rows that ran beside it so far
 
     def lane_loop(lane: int) -> None:
-        while True:
+        while not STOP.is_set():
             with cond:
                 row = "wait"
-                while row == "wait":  # a row of this lane waits for the data being built
+                while row == "wait" and not STOP.is_set():  # a row waits for the data
                     now = time.monotonic()
                     row = _pick(pending, lane, lanes, deadline - now, need, state["data"],
                                 max(0.0, state["timed_end"] - now))
                     if row == "wait":
                         cond.wait(timeout=1.0)
-                if row is None:
+                if row in (None, "wait"):
                     return
                 pending.remove(row)
                 if row.kind == "data":
@@ -705,6 +709,9 @@ def run_lanes(pending: list, lanes: int, deadline: float, need, run_row, record)
             except Exception as exc:  # one row's bug: that row fails, the other lanes go on
                 traceback.print_exc()
                 result = {"error": f"{type(exc).__name__} in gpu_check: {exc}"}
+            if STOP.is_set():  # cut: its figure (or failure) is the interruption's
+                result = {"skipped": f"{INTERRUPTED} after {time.monotonic() - t0:.0f} s: "
+                                     f"--continue runs it again"}
             with cond:
                 result.update(lane=lane, seconds=round(time.monotonic() - t0, 1),
                               beside=sorted(running.pop(row.key)))
@@ -781,15 +788,52 @@ def read_rows(path: Path) -> tuple:
 
 def finished(row: dict) -> bool:
     """Whether an earlier run's row has its result (passed, failed or not for this device),
-    so --continue leaves it; a row "not started" runs."""
-    return not str(row.get("skipped", "")).startswith("not started")
+    so --continue leaves it; a row "not started", or cut by an interruption, runs."""
+    return not str(row.get("skipped", "")).startswith(("not started", INTERRUPTED))
+
+
+#: Set by Ctrl-C or SIGTERM: no row starts after it; a row that ends after it was cut.
+STOP = threading.Event()
+CAUGHT: list = []  # the signal that set it
+INTERRUPTED = "interrupted"  # the word a cut row's note starts with (--continue runs it)
+
+
+def descendants(pid: int) -> list:
+    """The processes below ``pid`` (children first), read from /proc: the rows' scripts,
+    torchrun and its ranks."""
+    parents = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = Path(stat).read_text()
+        except OSError:  # ended since the listing
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        parents[int(text[:text.index(" ")])] = int(text[text.rindex(")") + 2:].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        found += frontier
+    return found
+
+
+def stop_rows(signum, frame) -> None:
+    """Ctrl-C or SIGTERM: start no more rows and end the running ones (a terminal's Ctrl-C
+    reaches them too; a kill of this process alone would not), so the lanes end at once."""
+    CAUGHT.append(signum)
+    STOP.set()
+    for pid in descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
 
 def measured_seconds(rows: list, device: str) -> dict:
     """{(key, steps per epoch): seconds} of the rows an earlier run ran on ``device``: the
     time estimates of the same rows in this run."""
     return {(row_key(r["label"], r["image"], r["batch"]), r.get("steps_per_epoch")): r["seconds"]
-            for r in rows if r.get("device") == device and r.get("seconds") is not None}
+            for r in rows if r.get("device") == device and r.get("seconds") is not None
+            and "skipped" not in r}  # a cut row's seconds say nothing of the row
 
 
 def targets(results: list) -> list:
@@ -1128,7 +1172,8 @@ def main(argv=None) -> int:
     def record(row: Row, result: dict) -> None:
         lane_seconds[result["lane"]] += result["seconds"]
         if row.kind == "data":
-            data_notes.append(f"{row.label}: {result.get('error') or 'ready'} "
+            note = result.get("error") or result.get("skipped") or "ready"
+            data_notes.append(f"{row.label}: {note} "
                               f"({result['seconds']:.0f} s, lane {result['lane']})")
             print(f"  {data_notes[-1]}", flush=True)
             data_error.extend([result["error"]] if "error" in result else [])
@@ -1145,17 +1190,20 @@ def main(argv=None) -> int:
                  f"optimizer + host), predicted {result['predicted_states']}"
                  if "states" in result else f"{result['launches']} launches per step"
                  if "profile" in result else result.get("error") or result.get("text")
-                 or "done")
+                 or result.get("skipped") or "done")
         print(f"  {row.key}: {shown} ({result['seconds']:.0f} s, lane {result['lane']})",
               flush=True)
         if out:
             out.write_text(report(in_plan_order(results), head, gpu, steps, []))
 
+    for caught in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(caught, stop_rows)
+    left = run_lanes(pending, args.lanes, deadline, need, run_row, record)
     unstarted = [{"label": row.label, "batch": row.batch, "image": row.image,
-                  "kind": row.kind, "skipped": f"not started: --minutes {args.minutes:g} "
-                  f"had no {need(row):.0f} s left for it"}
-                 for row in run_lanes(pending, args.lanes, deadline, need, run_row, record)
-                 if row.kind != "data"]
+                  "kind": row.kind, "skipped": "not started: the run was interrupted"
+                  if STOP.is_set() else f"not started: --minutes {args.minutes:g} had no "
+                  f"{need(row):.0f} s left for it"}
+                 for row in left if row.kind != "data"]
     results += unstarted
     with open(jsonl, "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in unstarted)
@@ -1165,6 +1213,15 @@ def main(argv=None) -> int:
                 f"{args.lanes} lane(s) busy " + ", ".join(f"{s:.0f}" for s in lane_seconds)
                 + " s"]
     tail += data_notes
+    if STOP.is_set():
+        text = report(in_plan_order(results), head, gpu, steps, tail)
+        if out:
+            out.write_text(text)
+        ended = sum(1 for r in results if finished(r) and "skipped" not in r)
+        print(f"gpu_check: interrupted ({signal.Signals(CAUGHT[0]).name}) after "
+              f"{time.monotonic() - t_start:.0f} s: {ended} row(s) ended and are in {jsonl}; "
+              f"the same command with --continue runs the rest", file=sys.stderr)
+        return 128 + CAUGHT[0]
     if args.suite and gpu and not args.skip_suite:
         print("the test suite on this node (its runs on the CPU) ...", flush=True)
         suite_passed, suite = whole_suite(args.suite_timeout)

@@ -522,3 +522,46 @@ def test_a_failed_runs_message_keeps_the_first_crash(tmp_path):
         check_ok(subprocess.CompletedProcess([], -11, "", stderr))
     assert 'line 240 in save_model' in str(failed.value)
     check_ok(subprocess.CompletedProcess([], 0, "", stderr))  # exit 0: nothing to say
+
+
+def test_gpu_check_interrupted_keeps_its_rows_and_ends_the_running_ones(gpu_check, tmp_path):
+    """Ctrl-C (or an allocation's SIGTERM) during the lanes: no traceback, one sentence that
+    names --continue, exit 130; the rows it cut are marked interrupted and their processes
+    ended, the rest not started, and --continue plans every one of them again."""
+    out = tmp_path / "r.md"
+    cmd = [sys.executable, "-u", str(REPO / "bench" / "gpu_check.py"), "--out", str(out),
+           "--work-dir", str(tmp_path / "w")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env_for_tests())
+    try:
+        assert "rows: appended" in proc.stdout.readline() + proc.stdout.readline()
+        deadline = time.monotonic() + 60
+        rows = []
+        while len(rows) < 2 and time.monotonic() < deadline:  # two rows' processes started
+            time.sleep(0.5)
+            rows = gpu_check.descendants(proc.pid)
+        assert rows, "no row started within 60 s"
+        proc.send_signal(gpu_check.signal.SIGINT)  # this process alone, not its group
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr, stderr[-2000:]
+    assert re.search(r"^gpu_check: interrupted \(SIGINT\) after \d+ s: \d+ row\(s\) ended and "
+                     r"are in .*r\.jsonl; the same command with --continue runs the rest$",
+                     stderr, re.M), stderr[-2000:]
+    time.sleep(1)
+    alive = [pid for pid in rows if gpu_check.Path(f"/proc/{pid}").exists()]
+    assert not alive, f"row processes left running: {alive}"
+    lines = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+    cut = [r for r in lines if r.get("skipped", "").startswith("interrupted after ")]
+    later = [r for r in lines if r.get("skipped") == "not started: the run was interrupted"]
+    assert cut and later, lines
+    assert "interrupted after" in out.read_text()
+    plan = subprocess.run(cmd + ["--continue", "--dry-run"], capture_output=True, text=True,
+                          env=env_for_tests(), timeout=120)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    planned = plan.stdout
+    for row in cut + later:
+        key = gpu_check.row_key(row["label"], row["image"], row["batch"])
+        assert key in planned, (key, planned)
