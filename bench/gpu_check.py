@@ -525,8 +525,9 @@ def run_launcher(row: Row, model: str, steps: int, work: Path, keep: Path | None
             "timeline": (run_dir / "timeline.png").is_file(), "cmd": cmd}
 
 
-def _descendants(pid: int) -> list:
-    """The processes below ``pid`` (Linux /proc): torchrun's workers, in sessions of their own."""
+def descendants(pid: int) -> list:
+    """The processes below ``pid`` (Linux /proc): a row's script, torchrun and its workers (in
+    sessions of their own), launch/local.sh's loggers."""
     children = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -565,15 +566,17 @@ def run_kill_resume(row: Row, work: Path, gpu: bool, timeout: float) -> dict:
     while not list(ckpt.glob("ckpt-*")) and first.poll() is None and \
             time.monotonic() - t0 < timeout / 2:
         time.sleep(0.5)
-    for pid in _descendants(first.pid) + [first.pid]:
+    for pid in descendants(first.pid) + [first.pid]:
         try:
             os.kill(pid, 9)
         except ProcessLookupError:
             pass
     first.wait()
-    while any(Path(f"/proc/{pid}").exists() for pid in _descendants(first.pid)):
+    while any(Path(f"/proc/{pid}").exists() for pid in descendants(first.pid)):
         time.sleep(0.2)
     saved = sorted(p.name for p in ckpt.glob("ckpt-*"))
+    if STOP.is_set():  # the run is being interrupted: no new torchrun now
+        return {"error": "interrupted before the resumed run", "cmd": cmd}
     if not saved:
         return {"error": "no checkpoint before the kill", "cmd": cmd,
                 "fatal": fatal_stack(first_log.read_text(errors="replace"))}
@@ -794,38 +797,32 @@ def finished(row: dict) -> bool:
 
 #: Set by Ctrl-C or SIGTERM: no row starts after it; a row that ends after it was cut.
 STOP = threading.Event()
-CAUGHT: list = []  # the signal that set it
+CAUGHT: list = []  # the signals that came, the first of which set it
+MAIN_PID = os.getpid()
 INTERRUPTED = "interrupted"  # the word a cut row's note starts with (--continue runs it)
-
-
-def descendants(pid: int) -> list:
-    """The processes below ``pid`` (children first), read from /proc: the rows' scripts,
-    torchrun and its ranks."""
-    parents = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            text = Path(stat).read_text()
-        except OSError:  # ended since the listing
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
-        parents[int(text[:text.index(" ")])] = int(text[text.rindex(")") + 2:].split()[1])
-    found, frontier = [], [pid]
-    while frontier:
-        frontier = [child for child, parent in parents.items() if parent in frontier]
-        found += frontier
-    return found
 
 
 def stop_rows(signum, frame) -> None:
     """Ctrl-C or SIGTERM: start no more rows and end the running ones (a terminal's Ctrl-C
-    reaches them too; a kill of this process alone would not), so the lanes end at once."""
+    reaches them too; a kill of this process alone would not), so the lanes end at once; a
+    second signal kills what the first did not end."""
+    if os.getpid() != MAIN_PID:  # a forked child (the tree's worker pool) inherited this
+        os._exit(128 + signum)
     CAUGHT.append(signum)
     STOP.set()
-    for pid in descendants(os.getpid()):
+    for pid in descendants(MAIN_PID):
         try:
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGTERM if len(CAUGHT) == 1 else signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def catch_stops() -> None:
+    """stop_rows for SIGINT and SIGTERM, from the start of the run (a SIGINT that the shell
+    ignores, as bash does for a script's background job, stays ignored)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, stop_rows)
 
 
 def measured_seconds(rows: list, device: str) -> dict:
@@ -993,6 +990,16 @@ def report(results: list, head: list, gpu: bool, steps: int, tail: list) -> str:
 
 
 def main(argv=None) -> int:
+    """The run (``acceptance_run``), with the signal handlers it sets put back after it."""
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return acceptance_run(argv)
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+def acceptance_run(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=flags.HelpFormatter)
     p.add_argument("--minutes", type=float, default=8,
@@ -1046,6 +1053,7 @@ def main(argv=None) -> int:
     p.add_argument("--suite-timeout", type=int, default=3600,
                    help="seconds the whole test suite may take")
     args = p.parse_args(argv)
+    catch_stops()  # from here on, Ctrl-C and SIGTERM end the run with its report written
     if args.lanes is None:  # the target rows alone: no other row beside them on the GPU
         args.lanes = 1 if args.rows == "targets" else 4
     if args.minutes <= 0 or (args.steps is not None and args.steps < 1) or args.lanes < 1:
@@ -1126,7 +1134,10 @@ def main(argv=None) -> int:
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
     # the kept rows rewritten whole: a half line a cut run left is gone before any is appended
-    jsonl.write_text("".join(json.dumps(r) + "\n" for r in results))
+    # (through a new file: a stop while writing cannot cut the earlier run's rows short)
+    fresh = jsonl.with_name(jsonl.name + ".new")
+    fresh.write_text("".join(json.dumps(r) + "\n" for r in results))
+    os.replace(fresh, jsonl)
     root = Path(args.data_dir) if args.data_dir else work / "tiny-imagenet-200"
     paths = {"data": str(root), "cache": str(work / "cache"), "profile": str(work / "profile")}
     data_notes, data_error = [], []
@@ -1168,6 +1179,7 @@ def main(argv=None) -> int:
                             inductor_cache)
 
     lane_seconds = [0.0] * args.lanes
+    ended = []  # the rows of this run that ended (not cut by a stop)
 
     def record(row: Row, result: dict) -> None:
         lane_seconds[result["lane"]] += result["seconds"]
@@ -1182,6 +1194,7 @@ def main(argv=None) -> int:
                   "kind": row.kind, "timed": row.in_timed_lane, "device": device,
                   "steps_per_epoch": row_steps(row, steps)} | result
         results.append(result)
+        ended.extend([] if "skipped" in result else [row.key])
         with open(jsonl, "a") as f:  # written at once, so a run cut short keeps this row
             f.write(json.dumps(result | {"cmd": " ".join(map(str, result.get("cmd", [])))})
                     + "\n")
@@ -1196,8 +1209,6 @@ def main(argv=None) -> int:
         if out:
             out.write_text(report(in_plan_order(results), head, gpu, steps, []))
 
-    for caught in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(caught, stop_rows)
     left = run_lanes(pending, args.lanes, deadline, need, run_row, record)
     unstarted = [{"label": row.label, "batch": row.batch, "image": row.image,
                   "kind": row.kind, "skipped": "not started: the run was interrupted"
@@ -1213,20 +1224,11 @@ def main(argv=None) -> int:
                 f"{args.lanes} lane(s) busy " + ", ".join(f"{s:.0f}" for s in lane_seconds)
                 + " s"]
     tail += data_notes
-    if STOP.is_set():
-        text = report(in_plan_order(results), head, gpu, steps, tail)
-        if out:
-            out.write_text(text)
-        ended = sum(1 for r in results if finished(r) and "skipped" not in r)
-        print(f"gpu_check: interrupted ({signal.Signals(CAUGHT[0]).name}) after "
-              f"{time.monotonic() - t_start:.0f} s: {ended} row(s) ended and are in {jsonl}; "
-              f"the same command with --continue runs the rest", file=sys.stderr)
-        return 128 + CAUGHT[0]
-    if args.suite and gpu and not args.skip_suite:
+    if args.suite and gpu and not args.skip_suite and not STOP.is_set():
         print("the test suite on this node (its runs on the CPU) ...", flush=True)
         suite_passed, suite = whole_suite(args.suite_timeout)
         failed = failed or suite_passed is False
-        tail.append(f"test suite on this node: {suite}")
+        tail.append(f"test suite on this node: {INTERRUPTED if STOP.is_set() else suite}")
     else:
         tail.append("test suite on this node: " + (
             "skipped: no GPU (run it directly: python -m pytest)" if not gpu
@@ -1238,6 +1240,12 @@ def main(argv=None) -> int:
         out.write_text(text)
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
+    if STOP.is_set():
+        print(f"gpu_check: interrupted ({signal.Signals(CAUGHT[0]).name}) after "
+              f"{time.monotonic() - t_start:.0f} s: {len(ended)} row(s) of this run ended and "
+              f"are in {jsonl}; the same command with --continue runs the rest",
+              file=sys.stderr)
+        return 128 + CAUGHT[0]
     return 1 if failed else 0
 
 

@@ -547,12 +547,22 @@ def test_gpu_check_interrupted_keeps_its_rows_and_ends_the_running_ones(gpu_chec
         proc.kill()
     assert proc.returncode == 130, stderr[-2000:]
     assert "Traceback" not in stderr, stderr[-2000:]
-    assert re.search(r"^gpu_check: interrupted \(SIGINT\) after \d+ s: \d+ row\(s\) ended and "
-                     r"are in .*r\.jsonl; the same command with --continue runs the rest$",
+    assert re.search(r"^gpu_check: interrupted \(SIGINT\) after \d+ s: \d+ row\(s\) of this run "
+                     r"ended and are in .*r\.jsonl; the same command with --continue runs the "
+                     r"rest$",
                      stderr, re.M), stderr[-2000:]
     time.sleep(1)
     alive = [pid for pid in rows if gpu_check.Path(f"/proc/{pid}").exists()]
     assert not alive, f"row processes left running: {alive}"
+    # nor one started after the signal (kill-and-resume's second torchrun was, once)
+    later_runs = []
+    for cmdline in gpu_check.Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(tmp_path) in cmdline.read_text(errors="replace"):
+                later_runs.append(cmdline.parent.name)
+        except OSError:
+            continue
+    assert not later_runs, f"processes of the run left after it: {later_runs}"
     lines = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
     cut = [r for r in lines if r.get("skipped", "").startswith("interrupted after ")]
     later = [r for r in lines if r.get("skipped") == "not started: the run was interrupted"]
@@ -565,3 +575,25 @@ def test_gpu_check_interrupted_keeps_its_rows_and_ends_the_running_ones(gpu_chec
     for row in cut + later:
         key = gpu_check.row_key(row["label"], row["image"], row["batch"])
         assert key in planned, (key, planned)
+
+
+def test_gpu_check_starts_no_row_once_stopped_and_its_forked_helpers_just_exit(gpu_check):
+    """A stop before the lanes start (during the plan or the imports' aftermath) leaves every
+    row not started; a process forked from the run (the tree's worker pool) that gets the
+    stop exits at once instead of acting as the run (it would never end its pool's join)."""
+    import multiprocessing
+    rows = _small_plan(gpu_check)
+    gpu_check.STOP.set()
+    try:
+        left = gpu_check.run_lanes(rows, 2, time.monotonic() + 60, lambda row: 1,
+                                   lambda row: pytest.fail("a row started after the stop"),
+                                   lambda row, result: None)
+    finally:
+        gpu_check.STOP.clear()
+    assert left == rows
+    child = multiprocessing.get_context("fork").Process(
+        target=gpu_check.stop_rows, args=(gpu_check.signal.SIGTERM, None))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 128 + gpu_check.signal.SIGTERM
+    assert not gpu_check.STOP.is_set() and not gpu_check.CAUGHT
