@@ -1231,7 +1231,8 @@ def acceptance_run(argv=None) -> int:
         tail.append(f"test suite on this node: {INTERRUPTED if STOP.is_set() else suite}")
     else:
         tail.append("test suite on this node: " + (
-            "skipped: no GPU (run it directly: python -m pytest)" if not gpu
+            "not run: the run was interrupted" if STOP.is_set() and args.suite
+            else "skipped: no GPU (run it directly: python -m pytest)" if not gpu
             else "not run (--suite runs it)"))
     text = report(in_plan_order(results), head, gpu, steps, tail)
     print()
@@ -1241,10 +1242,12 @@ def acceptance_run(argv=None) -> int:
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
     if STOP.is_set():
+        kept = (f"are in {jsonl}; the same command with --continue runs the rest" if out else
+                "were not kept (no --out): give --out, and --continue can run what a cut run "
+                "left")
         print(f"gpu_check: interrupted ({signal.Signals(CAUGHT[0]).name}) after "
               f"{time.monotonic() - t_start:.0f} s: {len(ended)} row(s) of this run ended and "
-              f"are in {jsonl}; the same command with --continue runs the rest",
-              file=sys.stderr)
+              f"{kept}", file=sys.stderr)
         return 128 + CAUGHT[0]
     return 1 if failed else 0
 
