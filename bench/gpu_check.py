@@ -46,10 +46,12 @@ The rows (--rows speed, the default; ResNet-50, bf16 unless said):
   DDP, no loader, eagerly and as one CUDA graph: the yardstick of --cuda-graph), one lane by
   default (an explicit --lanes still wins), so no other row shares the
   GPU with them: about 7 minutes on an H200 by the plan's guesses.
-- --rows compile, sized for an allocation of its own: eager, --cuda-graph and each --compile
-  mode at 64 px batch 1024 and at 224 px batch 256, one after another, with a persistent
-  Inductor cache (TORCHINDUCTOR_CACHE_DIR: inductor-cache beside --out), so a second run
-  compiles from it.
+- --rows compile, an allocation of its own: eager, --cuda-graph and each --compile mode at
+  224 px batch 256 (the target's size, first), then at 64 px batch 1024, one after another,
+  with a persistent Inductor cache (TORCHINDUCTOR_CACHE_DIR: inductor-cache beside --out), so
+  a second run on the same node compiles from it. By the plan's guesses (150 to 360 s a
+  compiled row) the 224 px rows take about 20 minutes: --minutes and --continue split them
+  over allocations (--dry-run shows where).
 - --rows memory: every strategy and ZeRO rung (dp, ddp, ddp --zero1, fsdp grad-op, full, full
   --offload) at 64 and 224 pixels on the cache path, the measured peak
   (torch.cuda.max_memory_allocated) beside the one its run predicted ([MEMORY] line).
@@ -239,15 +241,16 @@ def plan(which: str, gpu: bool) -> list:
                   timed=False, need_s=25 if px == 64 else 40)
               for px in (64, side) for label, script, extra in rungs]
     # eager, --cuda-graph and each --compile mode where they are compared, one after another
-    # (a compilation beside a timed row would slow it, and max-autotune times kernels itself)
-    sizes = [(big, 64, []), (small, side, wide)]
-    compiled = [Row(label, batch, args=synth + extra + more, image=px, cuda_only=True,
-                    headline=True, need_s=35 if px == 64 else 75)
-                for batch, px, extra in sizes for label, more in ((CEILING, []), (GRAPH, graph))]
-    compiled += [Row(compiled_label(mode), batch,
-                     args=synth + extra + ["--compile", mode], image=px, cuda_only=True,
-                     headline=True, need_s=COMPILE_GUESS[mode])
-                 for mode in flags.COMPILE_MODES for batch, px, extra in sizes]
+    # (a compilation beside a timed row would slow it, and max-autotune times kernels itself):
+    # 224 px first, the size the target judges, so that a run its --minutes cut short has
+    # those, and --continue the rest
+    sizes = [(small, side, wide), (big, 64, [])]
+    compiled = [row for batch, px, extra in sizes for row in [
+        Row(label, batch, args=synth + extra + more, image=px, cuda_only=True, headline=True,
+            need_s=35 if px == 64 else 75) for label, more in ((CEILING, []), (GRAPH, graph))] + [
+        Row(compiled_label(mode), batch, args=synth + extra + ["--compile", mode], image=px,
+            cuda_only=True, headline=True, need_s=COMPILE_GUESS[mode])
+        for mode in flags.COMPILE_MODES]]
     # the plain step without the toolkit, the yardstick of the two rows before it: in the
     # groups that judge the targets (--rows speed, which must fit its 8 minutes, leaves it out)
     raw = [Row(RAW_EAGER, small, "bench/raw_step.py", ["--mode", "eager"], kind="raw",

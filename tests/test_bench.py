@@ -597,3 +597,18 @@ def test_gpu_check_starts_no_row_once_stopped_and_its_forked_helpers_just_exit(g
     child.join(30)
     assert child.exitcode == 128 + gpu_check.signal.SIGTERM
     assert not gpu_check.STOP.is_set() and not gpu_check.CAUGHT
+
+
+def test_gpu_check_compile_group_runs_the_targets_size_first(gpu_check):
+    """--rows compile does not fit one allocation by its guesses: the 224 px rows (eager,
+    --cuda-graph, every --compile mode: what the 224 px target compares) come first, so a run
+    cut by --minutes has that size whole before any 64 px row, and --continue the rest."""
+    rows = gpu_check.plan("compile", gpu=True)
+    images = [row.image for row in rows]
+    assert images == sorted(images, reverse=True) and images.count(224) == images.count(64)
+    first = rows[:images.count(224)]
+    assert {gpu_check.CEILING, gpu_check.GRAPH} | {
+        gpu_check.compiled_label(mode) for mode in gpu_check.flags.COMPILE_MODES} == {
+        row.label for row in first}
+    runs, left = gpu_check.simulate_lanes(rows, 1, 60 * 8, lambda row: row.need_s)
+    assert all(row.image == 224 for _, row, *_ in runs), runs  # 8 minutes: 224 px rows only
