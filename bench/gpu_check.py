@@ -40,7 +40,10 @@ The rows (--rows speed, the default; ResNet-50, bf16 unless said):
   warm-up column is how much longer it took than the second.
 - The rows that start ranks (the equivalence tests, kill-and-resume, --save-model) run with
   PYTHONFAULTHANDLER=1: where a rank crashed (SIGSEGV), the first lines of its Python stack
-  are in the row's note.
+  are in the row's note. A row that outlives its timeout says where it was: each of its
+  training processes prints its Python stacks (SIGUSR2, training/hangs.py) before the row's
+  processes are killed, and the row's note keeps the main thread's innermost frames and the
+  toolkit's lines below them, beside the last line the row printed.
 - --rows targets: only the rows the targets are judged on (the headline timed rows), and the
   raw step at 64 px, batch 256 (bench/raw_step.py: the same model's plain PyTorch step, no
   DDP, no loader, eagerly and as one CUDA graph: the yardstick of --cuda-graph), one lane by
@@ -94,7 +97,7 @@ sys.path.insert(0, str(REPO / "tests"))
 import torch  # noqa: E402
 
 from bench import raw_step  # noqa: E402
-from training import contract, flags, models, simulate  # noqa: E402
+from training import contract, flags, hangs, models, simulate  # noqa: E402
 from make_tinyimagenet import make_tree, make_tree_parallel  # noqa: E402
 
 CEILING = "ddp, synthetic on device"
@@ -315,13 +318,84 @@ def raw_args(row: Row, model: str, steps: int, gpu: bool) -> list:
             str(row.batch), "--steps", str(steps)] + ([] if gpu else ["--warmup", "1"])
 
 
+class RowTimeout(Exception):
+    """A row's processes outlived its timeout: the last line it printed, and where each of
+    its training processes was (``stack``: the lines of the row's note)."""
+
+    def __init__(self, timeout: float, last_line: str, stack: list):
+        said = f" (its last line: {last_line[:150]})" if last_line else ""
+        super().__init__(f"no result within {timeout:.0f} s{said}")
+        self.stack = stack
+
+    def result(self, cmd: list) -> dict:
+        return {"error": str(self), "stack": self.stack, "cmd": cmd}
+
+
+def run_command(cmd: list, timeout: float, env: dict | None = None
+                ) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True) in the repository, but at the
+    timeout each training process of the row first prints its Python stacks
+    (hangs.STACKS_SIGNAL), then every process of the row is killed, torchrun's workers and
+    the loggers included, and RowTimeout says where the row was: a row that gave no result
+    says what it waited for."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = [proc.pid] + descendants(proc.pid)
+        hangs.ask_for_stacks(tree)
+        for pid in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            out, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:  # a process started after the tree was read
+            proc.kill()
+            out, err = "", ""
+        last = next((line.strip() for line in reversed(out.splitlines()) if line.strip()), "")
+        raise RowTimeout(timeout, last, stacks_at_timeout(err)) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+STACK_FRAMES = 4  # innermost frames of each process's main thread kept, and as many of ours
+
+
+def stacks_at_timeout(text: str, processes: int = 3) -> list:
+    """Where the main thread of each process that printed its stacks (faulthandler's dump
+    in ``text``) was: its innermost frames, then its innermost frames in the toolkit (the line
+    of ours that called them), for at most ``processes`` processes, the training processes
+    before their DataLoader workers. The main thread is the one whose outermost frame is a
+    script's <module>."""
+    blocks, frames = [], []
+    for line in text.splitlines() + ["(most recent call first):"]:
+        if line.lstrip().startswith('File "'):
+            frames.append(line.strip())
+            continue
+        if frames and frames[-1].endswith(" in <module>"):  # a stack ends: a main thread's?
+            blocks.append(frames)
+        frames = []
+    blocks.sort(key=lambda frames: any(f.endswith(" in _worker_loop") for f in frames))
+    lines = []
+    for number, frames in enumerate(blocks[:processes], 1):
+        ours = [f for f in frames[STACK_FRAMES:]
+                if f'File "{REPO}/' in f and "site-packages" not in f][:STACK_FRAMES]
+        lines += ([f"process {number} of {len(blocks)}, innermost first:"]
+                  + [f"  {f[:300]}" for f in frames[:STACK_FRAMES]]
+                  + (["  ..."] if len(frames) > STACK_FRAMES + len(ours) else [])
+                  + [f"  {f[:300]}" for f in ours])
+    return lines
+
+
 def run_raw(row: Row, args: list, timeout: float) -> dict:
     """bench/raw_step.py: its [RAW] line's img/s and ms a step, or the reason it failed."""
     cmd = [sys.executable, str(REPO / row.script), *args]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return {"error": f"no result within {timeout:.0f} s", "cmd": cmd}
+        proc = run_command(cmd, timeout)
+    except RowTimeout as late:
+        return late.result(cmd)
     raw = _first(proc.stdout.splitlines(), raw_step.RAW_PREFIX)
     if proc.returncode != 0 or not raw:
         return {"error": _failure(proc), "cmd": cmd}
@@ -357,10 +431,9 @@ def run_training(row: Row, args: list, timeout: float, inductor_cache: Path | No
         if inductor_cache is not None:
             env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                              env=env)
-    except subprocess.TimeoutExpired:
-        return {"error": f"no result within {timeout:.0f} s", "cmd": cmd}
+        proc = run_command(cmd, timeout, env)
+    except RowTimeout as late:
+        return late.result(cmd)
     out = proc.stdout.splitlines()
     predicted = _first(out, contract.MEMORY_PREFIX) or {}
     if row.kind == "held":
@@ -502,10 +575,9 @@ def run_launcher(row: Row, model: str, steps: int, work: Path, keep: Path | None
     cmd = ["bash", str(REPO / "launch" / "local.sh"), "--nproc-per-node", "1", "--", *train]
     t0 = time.monotonic()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                              cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return {"error": f"no result within {timeout:.0f} s", "cmd": cmd}
+        proc = run_command(cmd, timeout, env)
+    except RowTimeout as late:
+        return late.result(cmd)
     run_dirs = sorted(glob.glob(str(runs / "gpu-check-*")))
     if proc.returncode != 0 or not run_dirs:
         return {"error": _failure(proc, "local.sh exit"), "cmd": cmd}
@@ -584,10 +656,9 @@ def run_kill_resume(row: Row, work: Path, gpu: bool, timeout: float) -> dict:
         return {"error": "no checkpoint before the kill", "cmd": cmd,
                 "fatal": fatal_stack(first_log.read_text(errors="replace"))}
     try:
-        again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env,
-                               timeout=max(10.0, timeout - (time.monotonic() - t0)))
-    except subprocess.TimeoutExpired:
-        return {"error": "the resumed run gave no result in time", "cmd": cmd}
+        again = run_command(cmd, max(10.0, timeout - (time.monotonic() - t0)), env)
+    except RowTimeout as late:
+        return late.result(cmd) | {"error": f"the resumed run: {late}"}
     resumed = [line for line in again.stdout.splitlines() if "Resumed from epoch" in line]
     if again.returncode != 0 or not resumed:
         return {"error": _failure(again, "resume: exit"), "cmd": cmd,
@@ -608,10 +679,9 @@ def run_save_model(row: Row, work: Path, gpu: bool, timeout: float) -> dict:
             "--log-every", "0", "--save-model", str(path)] + (["--share-gpus"] if gpu else [])
     cmd = two_ranks(row.script, args)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout,
-                              env=dict(os.environ, **FAULTHANDLER))
-    except subprocess.TimeoutExpired:
-        return {"error": f"no result within {timeout:.0f} s", "cmd": cmd}
+        proc = run_command(cmd, timeout, dict(os.environ, **FAULTHANDLER))
+    except RowTimeout as late:
+        return late.result(cmd)
     if proc.returncode != 0:
         return {"error": _failure(proc), "cmd": cmd, "fatal": fatal_stack(proc.stderr)}
     wrong = whole_weights("cnn", path)
@@ -953,6 +1023,9 @@ def report(results: list, head: list, gpu: bool, steps: int, tail: list) -> str:
             notes.append(f"{r['label']}: {r['text']}")
         if r.get("fatal"):  # a crashed rank's stack (PYTHONFAULTHANDLER), its first lines
             notes += [f"{r['label']}: where it crashed:"] + [f"    {line}" for line in r["fatal"]]
+        if r.get("stack"):  # a row's processes at its timeout (hangs.STACKS_SIGNAL)
+            notes += [f"{r['label']}: where it was at the timeout:"] + [
+                f"    {line}" for line in r["stack"]]
         if r.get("recompiles_timed") is not None:
             notes.append(f"{r['label']}, {r['image']} px, batch {r['batch']}: "
                          f"{r['recompiles_timed']} recompilation(s) inside the timed epoch "

@@ -612,3 +612,62 @@ def test_gpu_check_compile_group_runs_the_targets_size_first(gpu_check):
         row.label for row in first}
     runs, left = gpu_check.simulate_lanes(rows, 1, 60 * 8, lambda row: row.need_s)
     assert all(row.image == 224 for _, row, *_ in runs), runs  # 8 minutes: 224 px rows only
+
+
+HANGING_ROW = """
+import subprocess, sys, time
+sys.path.insert(0, {repo!r})
+from training import hangs
+hangs.print_stacks_on_signal()
+subprocess.Popen(["sleep", "120"])  # a logger beside it: no handler, killed, never signalled
+print("started", flush=True)
+
+def waits_here():
+    time.sleep(120)
+
+waits_here()
+"""
+
+
+def test_gpu_check_says_where_a_row_was_when_its_timeout_ended_it(gpu_check, tmp_path):
+    """A row that outlives its timeout: its training process prints its Python stacks before
+    it is killed, with every process of the row (a child without the handler is killed, not
+    signalled), and the row's note says the last line it printed and where it waited."""
+    script = tmp_path / "row.py"
+    script.write_text(HANGING_ROW.format(repo=str(REPO)))
+    t0 = time.monotonic()
+    with pytest.raises(gpu_check.RowTimeout) as late:
+        gpu_check.run_command([sys.executable, str(script)], 5, env_for_tests())
+    assert time.monotonic() - t0 < 20
+    assert str(late.value) == "no result within 5 s (its last line: started)"
+    stack = late.value.stack
+    assert stack[0] == "process 1 of 1, innermost first:", stack
+    assert "in waits_here" in stack[1] and stack[-1].endswith(" in <module>"), stack
+    time.sleep(0.5)
+    left = [p for p in gpu_check.Path("/proc").glob("[0-9]*/cmdline")
+            if p.read_bytes().startswith(b"sleep\x00120")
+            and not gpu_check.Path(f"/proc/{p.parent.name}/stat").read_text().split()[2] == "Z"]
+    assert not left, "the row's child outlived its timeout"
+    result = late.value.result(["row"])
+    text = gpu_check.report([{"label": "a row", "batch": 8, "image": 64, "kind": "train",
+                              "timed": False, **result}], [], False, 2, [])
+    assert "a row: where it was at the timeout:" in text
+    assert "in waits_here" in text
+
+
+def test_a_training_row_at_its_timeout_says_where_the_training_process_was(gpu_check):
+    """A real training run at gpu_check's timeout: ddp_train.py prints where it is (a frame of
+    the toolkit among its main thread's), so a row that never ends says what it waited for."""
+    cmd = [sys.executable, str(REPO / "ddp_train.py"), "--model", "resnet18",
+           "--synthetic-size", "4096", "--batch-size", "16", "--epochs", "1",
+           "--log-every", "1"]
+    with pytest.raises(gpu_check.RowTimeout) as late:
+        gpu_check.run_command(cmd, 25, env_for_tests())
+    assert re.match(r"no result within 25 s \(its last line: .*\)$", str(late.value))
+    stack = late.value.stack
+    assert stack[0].startswith("process 1 of "), stack
+    first = stack[1:next((i for i, line in enumerate(stack) if i and line.startswith("process")),
+                         len(stack))]
+    # the training process first, not one of its DataLoader workers, down to the toolkit's lines
+    assert any('ddp_train.py", line' in line for line in first), stack
+    assert not any("_worker_loop" in line for line in first), stack

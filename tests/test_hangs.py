@@ -425,3 +425,34 @@ def test_a_clean_end_leaves_no_record(tmp_path, monkeypatch):
         assert not record.path.exists() and hangs._record is None
     assert not folder.exists()
     hangs.forget()  # nothing kept (one process): nothing to do
+
+
+def test_watchdog_has_a_hung_rank_print_its_python_stacks_before_ending_it(tmp_path):
+    """A rank silent past its time but not stopped: the watchdog has it print where its Python
+    code sits (its own stderr, the job's log), then ends it; the dump alone does not end it
+    (SIGKILL, -9, not the signal's default action)."""
+    worker = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from training import hangs\n"
+        "hangs.print_stacks_on_signal()\n"
+        "print('ready', flush=True)\n"
+        "def stuck_in_user_code():\n"
+        "    time.sleep(60)\n"
+        "stuck_in_user_code()\n")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert worker.stdout.readline() == "ready\n"
+    read_end, write_end = os.pipe()
+    try:
+        watchdog = subprocess.run(
+            [sys.executable, "-m", "training.watchdog", str(worker.pid), "0", "1", "1"],
+            stdin=read_end, capture_output=True, text=True, timeout=30, cwd=REPO,
+            env=env_for_tests({"RUN_DIR": str(tmp_path)}))
+        _, stacks = worker.communicate(timeout=10)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+        worker.kill()
+    assert worker.returncode == -9
+    assert re.search(r'line 7 in stuck_in_user_code\n.*line 8 in <module>', stacks), stacks
+    assert "no sign of life for 1 s (hung; its Python stacks are in its output above)" in \
+        watchdog.stderr, watchdog.stderr

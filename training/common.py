@@ -53,6 +53,7 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         env = dist_env()
         distributed.set_layout(env)  # who prints, until the process group answers it
         catch_stop_signals()  # from the start: a signal is never lost
+        hangs.print_stacks_on_signal()  # kill -USR2: where this process is, and it goes on
         import torchvision
         devices.check_versions(torch.__version__, torchvision.__version__)  # the floor
         check_flags(args)  # before the watchdog and the process group use them

@@ -18,10 +18,12 @@ can read the records without torch; ``watch`` imports torch when a run installs 
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import inspect
 import os
 import platform
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -144,6 +146,47 @@ def forget() -> None:
         folder.rmdir()  # the last rank's turn: the others' records are gone by then
     except OSError:
         pass
+
+
+#: The signal on which a training process prints every thread's Python stack to its stderr
+#: and goes on (faulthandler): where a rank sits that is in no collective. Its default action
+#: ends a process, so it only goes to processes that catch it (``catches_stacks_signal``).
+STACKS_SIGNAL = signal.SIGUSR2
+
+
+def print_stacks_on_signal() -> None:
+    """From now on STACKS_SIGNAL prints this process's Python stacks, every thread's, to its
+    stderr (faulthandler: it works even while a thread holds the GIL in C code). File
+    descriptor 2, not sys.stderr, which a test's capture may have replaced."""
+    faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True)
+
+
+def catches_stacks_signal(pid: int) -> bool:
+    """Whether process ``pid`` has a handler for STACKS_SIGNAL (the SigCgt mask of
+    /proc/PID/status): the training processes do, torchrun and the shells around them do not,
+    and the signal would end them."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    except (OSError, StopIteration, IndexError):
+        return False
+    return bool(int(caught, 16) >> (STACKS_SIGNAL - 1) & 1)
+
+
+def ask_for_stacks(pids: list, wait_s: float = 0.5) -> list:
+    """Send STACKS_SIGNAL to those of ``pids`` that catch it, one after another with
+    ``wait_s`` for each to write (processes sharing a stderr would interleave their lines);
+    returns those asked."""
+    asked = []
+    for pid in pids:
+        if catches_stacks_signal(pid):
+            try:
+                os.kill(pid, STACKS_SIGNAL)
+            except ProcessLookupError:
+                continue
+            asked.append(pid)
+            time.sleep(wait_s)
+    return asked
 
 
 def set_phase(phase: str) -> None:

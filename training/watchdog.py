@@ -6,7 +6,8 @@ never outlives its launcher and a frozen rank never holds the job.
 life to it. ``main()`` is that program: it imports nothing but the standard library (and
 hangs.py, which does the same), so it starts in a moment and does not hold a copy of torch in
 memory. Before it ends a silent worker, and after a worker that NCCL aborted on a timeout,
-it prints the [HANG] lines (hangs.report) from every rank's record.
+it prints the [HANG] lines (hangs.report) from every rank's record; a silent worker that is
+not stopped first prints its own Python stacks (hangs.STACKS_SIGNAL).
 """
 
 from __future__ import annotations
@@ -104,11 +105,15 @@ def main() -> None:
         if launcher and parent != launcher:
             end(worker, rank, f"its launcher (torchrun, pid {launcher}) is gone")
         if time.monotonic() - last > timeout:
+            # where its Python code sits, printed by the worker itself (a stopped one cannot)
+            asked = state != "T" and hangs.ask_for_stacks([worker], wait_s=1.0)
             try:
                 hangs.report(owner=(rank, worker))  # where every rank waits, before the end
             finally:  # whatever the report meets, the frozen rank is ended
-                end(worker, rank, f"no sign of life for {timeout} s "
-                                  f"({'stopped' if state == 'T' else 'hung'})")
+                how = "stopped" if state == "T" else "hung"
+                if asked:
+                    how += "; its Python stacks are in its output above"
+                end(worker, rank, f"no sign of life for {timeout} s ({how})")
 
 
 if __name__ == "__main__":
