@@ -381,7 +381,7 @@ def stacks_at_timeout(text: str, processes: int = 3) -> list:
     lines = []
     for number, frames in enumerate(blocks[:processes], 1):
         ours = [f for f in frames[STACK_FRAMES:]
-                if f'File "{REPO}/' in f and "site-packages" not in f][:STACK_FRAMES]
+                if f'File "{REPO}/' in f and "-packages/" not in f][:STACK_FRAMES]
         lines += ([f"process {number} of {len(blocks)}, innermost first:"]
                   + [f"  {f[:300]}" for f in frames[:STACK_FRAMES]]
                   + (["  ..."] if len(frames) > STACK_FRAMES + len(ours) else [])

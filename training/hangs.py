@@ -12,6 +12,11 @@ ends a frozen rank, ``report`` reads every rank's record, from either source, an
            step=37 phase=backward.bucket3   (one line, cut here)
     [HANG] first_disagreement seq=412 rank0=all_reduce/2359296 rank1=all_reduce/6
 
+A rank that sits in no collective (a loop, a lock, a wait on the GPU) says where it is itself:
+STACKS_SIGNAL (SIGUSR2) makes it print every thread's Python stack and go on
+(``print_stacks_on_signal``, which common.run installs); the watchdog sends it before it ends
+a rank that went silent.
+
 The module imports the standard library only, so the watchdog (``python -m training.watchdog``)
 can read the records without torch; ``watch`` imports torch when a run installs the record.
 """
