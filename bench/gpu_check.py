@@ -335,48 +335,79 @@ def run_command(cmd: list, timeout: float, env: dict | None = None
                 ) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, capture_output=True, text=True) in the repository, but at the
     timeout each training process of the row first prints its Python stacks
-    (hangs.STACKS_SIGNAL), then every process of the row is killed, torchrun's workers and
-    the loggers included, and RowTimeout says where the row was: a row that gave no result
-    says what it waited for."""
+    (hangs.STACKS_SIGNAL), then every process of the row is ended (end_tree), torchrun's
+    workers and the loggers included, and RowTimeout says where the row was: a row that gave
+    no result says what it waited for."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=REPO, env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        tree = [proc.pid] + descendants(proc.pid)
-        hangs.ask_for_stacks(tree)
-        for pid in tree:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        hangs.ask_for_stacks([proc.pid] + descendants(proc.pid))
+        end_tree(proc.pid)
         try:
             out, err = proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:  # a process started after the tree was read
-            proc.kill()
-            out, err = "", ""
-        last = next((line.strip() for line in reversed(out.splitlines()) if line.strip()), "")
-        raise RowTimeout(timeout, last, stacks_at_timeout(err)) from None
+        except subprocess.TimeoutExpired as still:  # a process outside the tree holds a pipe:
+            # what the row printed until now (bytes, whatever the text mode)
+            out, err = (part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+                        for part in (still.stdout, still.stderr))
+        text = err + "\n" + out  # launch/local.sh's training prints everything to stdout
+        printed = [line.strip() for line in out.splitlines()
+                   if line.strip() and not is_dump_line(line)]
+        raise RowTimeout(timeout, printed[-1] if printed else "",
+                         stacks_at_timeout(text)) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def end_tree(root: int) -> None:
+    """SIGKILL ``root`` and every process below it, none escaping: each is stopped first
+    (SIGSTOP; a stopped process forks no more and its children stay its own) until no new one
+    appears, then all are killed."""
+    stopped = []
+    for _ in range(100):
+        new = [pid for pid in [root] + descendants(root) if pid not in stopped]
+        if not new:
+            break
+        for pid in new:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                continue
+            stopped.append(pid)
+    for pid in stopped:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+#: A frame line of faulthandler's dump (a traceback's has ", in" and a source line after it)
+DUMP_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (\S+)$')
+DUMP_HEAD = "(most recent call first):"  # a thread's stack begins after such a line
 STACK_FRAMES = 4  # innermost frames of each process's main thread kept, and as many of ours
+
+
+def is_dump_line(line: str) -> bool:
+    """Whether ``line`` belongs to a faulthandler dump (a header, a frame, its "..." cut)."""
+    return (line.rstrip().endswith(DUMP_HEAD) or bool(DUMP_FRAME.match(line))
+            or line.strip() == "...")
 
 
 def stacks_at_timeout(text: str, processes: int = 3) -> list:
     """Where the main thread of each process that printed its stacks (faulthandler's dump
     in ``text``) was: its innermost frames, then its innermost frames in the toolkit (the line
     of ours that called them), for at most ``processes`` processes, the training processes
-    before their DataLoader workers. The main thread is the one whose outermost frame is a
-    script's <module>."""
-    blocks, frames = [], []
-    for line in text.splitlines() + ["(most recent call first):"]:
-        if line.lstrip().startswith('File "'):
+    before their DataLoader workers. A main thread is one whose outermost frame is a script's
+    <module> (runpy's, run with -m), or whose stack faulthandler cut at 100 frames ("...")."""
+    blocks, frames = [], None
+    for line in text.splitlines() + [DUMP_HEAD]:
+        if frames is not None and DUMP_FRAME.match(line):
             frames.append(line.strip())
             continue
-        if frames and frames[-1].endswith(" in <module>"):  # a stack ends: a main thread's?
-            blocks.append(frames)
-        frames = []
+        cut = frames is not None and line.strip() == "..."
+        if frames and (cut or frames[-1].endswith((" in <module>", " in _run_module_as_main"))):
+            blocks.append(frames + ["..."] * cut)
+        frames = [] if line.rstrip().endswith(DUMP_HEAD) else None
     blocks.sort(key=lambda frames: any(f.endswith(" in _worker_loop") for f in frames))
     lines = []
     for number, frames in enumerate(blocks[:processes], 1):

@@ -615,12 +615,16 @@ def test_gpu_check_compile_group_runs_the_targets_size_first(gpu_check):
 
 
 HANGING_ROW = """
-import subprocess, sys, time
+import subprocess, sys, time, traceback
 sys.path.insert(0, {repo!r})
 from training import hangs
 hangs.print_stacks_on_signal()
-subprocess.Popen(["sleep", "120"])  # a logger beside it: no handler, killed, never signalled
-print("started", flush=True)
+child = subprocess.Popen(["sleep", "120"])  # a logger beside it: no handler for the signal
+try:
+    raise RuntimeError("handled")
+except RuntimeError:
+    traceback.print_exc()  # a traceback earlier in its stderr: no process of the dump
+print(f"started {{child.pid}}", flush=True)
 
 def waits_here():
     time.sleep(120)
@@ -631,23 +635,22 @@ waits_here()
 
 def test_gpu_check_says_where_a_row_was_when_its_timeout_ended_it(gpu_check, tmp_path):
     """A row that outlives its timeout: its training process prints its Python stacks before
-    it is killed, with every process of the row (a child without the handler is killed, not
-    signalled), and the row's note says the last line it printed and where it waited."""
+    it is killed with every process of the row, and the row's note says the last line it
+    printed and where it waited."""
     script = tmp_path / "row.py"
     script.write_text(HANGING_ROW.format(repo=str(REPO)))
     t0 = time.monotonic()
     with pytest.raises(gpu_check.RowTimeout) as late:
         gpu_check.run_command([sys.executable, str(script)], 5, env_for_tests())
     assert time.monotonic() - t0 < 20
-    assert str(late.value) == "no result within 5 s (its last line: started)"
+    said = re.fullmatch(r"no result within 5 s \(its last line: started (\d+)\)", str(late.value))
+    assert said, str(late.value)
     stack = late.value.stack
     assert stack[0] == "process 1 of 1, innermost first:", stack
     assert "in waits_here" in stack[1] and stack[-1].endswith(" in <module>"), stack
-    time.sleep(0.5)
-    left = [p for p in gpu_check.Path("/proc").glob("[0-9]*/cmdline")
-            if p.read_bytes().startswith(b"sleep\x00120")
-            and not gpu_check.Path(f"/proc/{p.parent.name}/stat").read_text().split()[2] == "Z"]
-    assert not left, "the row's child outlived its timeout"
+    child = gpu_check.Path(f"/proc/{said.group(1)}/stat")
+    assert not child.exists() or child.read_text().rsplit(")", 1)[1].split()[0] == "Z", \
+        "the row's child outlived its timeout"
     result = late.value.result(["row"])
     text = gpu_check.report([{"label": "a row", "batch": 8, "image": 64, "kind": "train",
                               "timed": False, **result}], [], False, 2, [])
@@ -655,17 +658,48 @@ def test_gpu_check_says_where_a_row_was_when_its_timeout_ended_it(gpu_check, tmp
     assert "in waits_here" in text
 
 
+DEEP_DUMP = """
+import faulthandler, traceback
+try:
+    raise RuntimeError("an earlier error")
+except RuntimeError:
+    traceback.print_exc()
+
+def deeper(n):
+    if n:
+        return deeper(n - 1)
+    faulthandler.dump_traceback(all_threads=True)
+
+deeper(120)
+"""
+
+
+def test_gpu_check_finds_a_main_thread_that_faulthandler_cut_short(gpu_check, tmp_path):
+    """faulthandler keeps 100 frames of a thread and marks the cut with "...": a main thread
+    deeper than that (a --compile row's) is still found, and a traceback printed before the
+    dump is not taken for a process."""
+    script = tmp_path / "deep.py"
+    script.write_text(DEEP_DUMP)
+    dump = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60).stderr
+    assert "RuntimeError: an earlier error" in dump and "\n  ...\n" in dump, dump[-2000:]
+    stack = gpu_check.stacks_at_timeout(dump)
+    assert stack[0] == "process 1 of 1, innermost first:", stack
+    assert all(line.endswith(" in deeper") for line in stack[1:5]), stack
+    assert stack[5:] == ["  ..."], stack
+
+
 def test_a_training_row_at_its_timeout_says_where_the_training_process_was(gpu_check):
     """A real training run at gpu_check's timeout: ddp_train.py prints where it is (a frame of
     the toolkit among its main thread's), so a row that never ends says what it waited for."""
     cmd = [sys.executable, str(REPO / "ddp_train.py"), "--model", "resnet18",
-           "--synthetic-size", "4096", "--batch-size", "16", "--epochs", "1",
+           "--synthetic-size", "4096", "--batch-size", "16", "--epochs", "1000",
            "--log-every", "1"]
     with pytest.raises(gpu_check.RowTimeout) as late:
-        gpu_check.run_command(cmd, 25, env_for_tests())
-    assert re.match(r"no result within 25 s \(its last line: .*\)$", str(late.value))
+        gpu_check.run_command(cmd, 30, env_for_tests())
+    assert re.match(r"no result within 30 s \(its last line: .*\)$", str(late.value))
     stack = late.value.stack
-    assert stack[0].startswith("process 1 of "), stack
+    assert stack and stack[0].startswith("process 1 of "), stack
     first = stack[1:next((i for i, line in enumerate(stack) if i and line.startswith("process")),
                          len(stack))]
     # the training process first, not one of its DataLoader workers, down to the toolkit's lines

@@ -456,3 +456,26 @@ def test_watchdog_has_a_hung_rank_print_its_python_stacks_before_ending_it(tmp_p
     assert re.search(r'line 7 in stuck_in_user_code\n.*line 8 in <module>', stacks), stacks
     assert "no sign of life for 1 s (hung; its Python stacks are in its output above)" in \
         watchdog.stderr, watchdog.stderr
+
+
+def test_the_stacks_signal_goes_only_to_processes_that_catch_it():
+    """SIGUSR2 ends a process without a handler (torchrun, a shell, a logger): ask_for_stacks
+    skips those and signals a process that installed print_stacks_on_signal, which goes on."""
+    plain = subprocess.Popen(["sleep", "60"])
+    caught = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from training import hangs\n"
+        "hangs.print_stacks_on_signal()\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert caught.stdout.readline() == "ready\n"
+        assert not hangs.catches_stacks_signal(plain.pid)
+        assert hangs.catches_stacks_signal(caught.pid)
+        assert hangs.ask_for_stacks([plain.pid, caught.pid], wait_s=0.5) == [caught.pid]
+        assert plain.poll() is None and caught.poll() is None  # both still run
+    finally:
+        plain.kill()
+        caught.kill()
+    assert "(most recent call first)" in caught.communicate(timeout=10)[1]

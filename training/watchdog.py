@@ -105,8 +105,9 @@ def main() -> None:
         if launcher and parent != launcher:
             end(worker, rank, f"its launcher (torchrun, pid {launcher}) is gone")
         if time.monotonic() - last > timeout:
-            # where its Python code sits, printed by the worker itself (a stopped one cannot)
-            asked = state != "T" and hangs.ask_for_stacks([worker], wait_s=1.0)
+            # where its Python code sits, printed by the worker itself: one that runs or
+            # sleeps can (not one stopped, traced, or in the kernel's uninterruptible wait)
+            asked = state in ("R", "S") and hangs.ask_for_stacks([worker], wait_s=1.0)
             try:
                 hangs.report(owner=(rank, worker))  # where every rank waits, before the end
             finally:  # whatever the report meets, the frozen rank is ended
