@@ -648,9 +648,16 @@ def test_gpu_check_says_where_a_row_was_when_its_timeout_ended_it(gpu_check, tmp
     stack = late.value.stack
     assert stack[0] == "process 1 of 1, innermost first:", stack
     assert "in waits_here" in stack[1] and stack[-1].endswith(" in <module>"), stack
-    child = gpu_check.Path(f"/proc/{said.group(1)}/stat")
-    assert not child.exists() or child.read_text().rsplit(")", 1)[1].split()[0] == "Z", \
-        "the row's child outlived its timeout"
+    for _ in range(50):  # gone, or a zombie its new parent has not reaped (a moment to exit)
+        try:
+            stat = gpu_check.Path(f"/proc/{said.group(1)}/stat").read_text()
+        except OSError:
+            break
+        if stat.rsplit(")")[-1].split()[0] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the row's child outlived its timeout: {stat}")
     result = late.value.result(["row"])
     text = gpu_check.report([{"label": "a row", "batch": 8, "image": 64, "kind": "train",
                               "timed": False, **result}], [], False, 2, [])
