@@ -359,10 +359,10 @@ def run_command(cmd: list, timeout: float, env: dict | None = None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def end_tree(root: int) -> None:
+def end_tree(root: int) -> list:
     """SIGKILL ``root`` and every process below it, none escaping: each is stopped first
     (SIGSTOP; a stopped process forks no more and its children stay its own) until no new one
-    appears, then all are killed."""
+    appears, then all are killed. Returns their pids."""
     stopped = []
     for _ in range(100):
         new = [pid for pid in [root] + descendants(root) if pid not in stopped]
@@ -379,6 +379,15 @@ def end_tree(root: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    return stopped
+
+
+def exited(pid: int) -> bool:
+    """Whether process ``pid`` is gone or a zombie (dead, its parent not told yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 #: A frame line of faulthandler's dump (a traceback's has ", in" and a source line after it)
@@ -672,13 +681,10 @@ def run_kill_resume(row: Row, work: Path, gpu: bool, timeout: float) -> dict:
     while not list(ckpt.glob("ckpt-*")) and first.poll() is None and \
             time.monotonic() - t0 < timeout / 2:
         time.sleep(0.5)
-    for pid in descendants(first.pid) + [first.pid]:
-        try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
+    killed = end_tree(first.pid)  # as a node failure would: no rank gets to save
     first.wait()
-    while any(Path(f"/proc/{pid}").exists() for pid in descendants(first.pid)):
+    deadline = time.monotonic() + 10
+    while not all(map(exited, killed)) and time.monotonic() < deadline:  # ranks, workers
         time.sleep(0.2)
     saved = sorted(p.name for p in ckpt.glob("ckpt-*"))
     if STOP.is_set():  # the run is being interrupted: no new torchrun now

@@ -275,6 +275,37 @@ def test_the_record_names_each_phase_of_a_step(tmp_path, monkeypatch):
                      "- 2 backward", "- 2 optimizer", "- 2 evaluation"]
 
 
+def _watch_silent(worker: subprocess.Popen, tmp_path) -> subprocess.CompletedProcess:
+    """What rank 1's watchdog printed, its worker ``worker`` silent (a pipe that never beats)
+    past a 1 s timeout, once the worker has ended (its returncode is then set)."""
+    read_end, write_end = os.pipe()
+    try:
+        watchdog = subprocess.run(
+            [sys.executable, "-m", "training.watchdog", str(worker.pid), "0", "1", "1"],
+            stdin=read_end, capture_output=True, text=True, timeout=30, cwd=REPO,
+            env=env_for_tests({"RUN_DIR": str(tmp_path)}))
+        worker.wait(timeout=10)
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+        worker.kill()
+    return watchdog
+
+
+def _catching_stacks(body: str) -> subprocess.Popen:
+    """A Python process that installed print_stacks_on_signal and said "ready", then runs
+    ``body`` from its line 6 on; stdout and stderr piped."""
+    worker = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from training import hangs\n"
+        "hangs.print_stacks_on_signal()\n"
+        "print('ready', flush=True)\n" + body)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert worker.stdout.readline() == "ready\n"
+    return worker
+
+
 def test_watchdog_names_the_hang_of_a_frozen_rank(tmp_path):
     """The watchdog that ends a rank silent past its time prints the [HANG] lines first (here
     the 'worker' is a sleeping process that never beats, with records two ranks left)."""
@@ -285,18 +316,8 @@ def test_watchdog_names_the_hang_of_a_frozen_rank(tmp_path):
         "rank=0 node=n01 gpu=cuda:0 pid=1\n1 all_reduce 10 40 1 backward.bucket0\n")
     (folder / "collectives-rank1.txt").write_text(
         f"rank=1 node=n01 gpu=cuda:1 pid={worker.pid}\n- 1 forward\n")
-    read_end, write_end = os.pipe()
-    try:
-        watchdog = subprocess.run(
-            [sys.executable, "-m", "training.watchdog", str(worker.pid), "0", "1", "1"],
-            stdin=read_end, capture_output=True, text=True, timeout=30, cwd=REPO,
-            env=env_for_tests({"RUN_DIR": str(tmp_path)}))
-        ended = worker.wait(timeout=5)
-    finally:
-        os.close(read_end)
-        os.close(write_end)
-        worker.kill()
-    assert ended == -9  # the watchdog ended it
+    watchdog = _watch_silent(worker, tmp_path)
+    assert worker.returncode == -9  # the watchdog ended it
     lines = _hang_lines(watchdog.stdout)
     assert lines[:3] == [
         "[HANG] rank=0 node=n01 gpu=cuda:0 waits_in=all_reduce seq=1 numel=10 bytes=40 step=1 "
@@ -431,27 +452,11 @@ def test_watchdog_has_a_hung_rank_print_its_python_stacks_before_ending_it(tmp_p
     """A rank silent past its time but not stopped: the watchdog has it print where its Python
     code sits (its own stderr, the job's log), then ends it; the dump alone does not end it
     (SIGKILL, -9, not the signal's default action)."""
-    worker = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\n"
-        f"sys.path.insert(0, {str(REPO)!r})\n"
-        "from training import hangs\n"
-        "hangs.print_stacks_on_signal()\n"
-        "print('ready', flush=True)\n"
-        "def stuck_in_user_code():\n"
-        "    time.sleep(60)\n"
-        "stuck_in_user_code()\n")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert worker.stdout.readline() == "ready\n"
-    read_end, write_end = os.pipe()
-    try:
-        watchdog = subprocess.run(
-            [sys.executable, "-m", "training.watchdog", str(worker.pid), "0", "1", "1"],
-            stdin=read_end, capture_output=True, text=True, timeout=30, cwd=REPO,
-            env=env_for_tests({"RUN_DIR": str(tmp_path)}))
-        _, stacks = worker.communicate(timeout=10)
-    finally:
-        os.close(read_end)
-        os.close(write_end)
-        worker.kill()
+    worker = _catching_stacks("def stuck_in_user_code():\n"
+                              "    time.sleep(60)\n"
+                              "stuck_in_user_code()\n")
+    watchdog = _watch_silent(worker, tmp_path)
+    stacks = worker.stderr.read()
     assert worker.returncode == -9
     assert re.search(r'line 7 in stuck_in_user_code\n.*line 8 in <module>', stacks), stacks
     assert "no sign of life for 1 s (hung; its Python stacks are in its output above)" in \
@@ -462,20 +467,15 @@ def test_the_stacks_signal_goes_only_to_processes_that_catch_it():
     """SIGUSR2 ends a process without a handler (torchrun, a shell, a logger): ask_for_stacks
     skips those and signals a process that installed print_stacks_on_signal, which goes on."""
     plain = subprocess.Popen(["sleep", "60"])
-    caught = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\n"
-        f"sys.path.insert(0, {str(REPO)!r})\n"
-        "from training import hangs\n"
-        "hangs.print_stacks_on_signal()\n"
-        "print('ready', flush=True)\n"
-        "time.sleep(60)\n")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert caught.stdout.readline() == "ready\n"
-        assert not hangs.catches_stacks_signal(plain.pid)
-        assert hangs.catches_stacks_signal(caught.pid)
-        assert hangs.ask_for_stacks([plain.pid, caught.pid], wait_s=0.5) == [caught.pid]
-        assert plain.poll() is None and caught.poll() is None  # both still run
+        caught = _catching_stacks("time.sleep(60)\n")
+        try:
+            assert not hangs.catches_stacks_signal(plain.pid)
+            assert hangs.catches_stacks_signal(caught.pid)
+            assert hangs.ask_for_stacks([plain.pid, caught.pid], wait_s=0.5) == [caught.pid]
+            assert plain.poll() is None and caught.poll() is None  # both still run
+        finally:
+            caught.kill()
     finally:
         plain.kill()
-        caught.kill()
     assert "(most recent call first)" in caught.communicate(timeout=10)[1]
