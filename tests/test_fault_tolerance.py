@@ -397,12 +397,20 @@ def test_strict_names_the_corrupt_file(damaged_tree):
 
 
 def test_nan_loss_stops_naming_epoch_and_step_and_keeps_good_checkpoints(tmp_path):
-    ck = tmp_path / "ck"
+    """...and, as a usage error at 2 ranks, leaves no record of collectives in the temporary
+    directory: neither ended in a hang (the folder stayed there, empty or with the records)."""
+    ck, tmp = tmp_path / "ck", tmp_path / "tmp"
+    tmp.mkdir()
     proc = run_script("ddp_train.py", RUN + ["--lr", "1e9", "--checkpoint-dir", str(ck),
-                                             "--checkpoint-every", "1"], nproc=2)
+                                             "--checkpoint-every", "1"], nproc=2,
+                      env={"TMPDIR": str(tmp)})
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "the loss became NaN or inf at epoch 1, step" in out
+    usage = run_script("ddp_train.py", ["--data-dir", str(tmp_path / "none")], nproc=2,
+                       env={"TMPDIR": str(tmp)})
+    assert usage.returncode != 0 and "does not exist" in usage.stderr, usage.stderr[-2000:]
+    assert not list(tmp.glob("collectives-*")), list(tmp.rglob("*"))
     for path in checkpoint.list_checkpoints(ck):  # only checkpoints from before the blow-up
         state = torch.load(path, weights_only=True)
         assert all(torch.isfinite(t).all() for t in state["model"].values()), path

@@ -82,8 +82,10 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         hangs.forget()  # every rank got past the barrier: no hang to name
         return rc
     except UsageError as err:
+        hangs.forget()  # no hang: the error's sentence says what ended the run
         return exit_line(fail_cleanly(err, env), env)
     except NonFiniteLoss as err:  # every rank raises it at the same check (a vote)
+        hangs.forget()
         if env is None or env.rank == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
         return exit_line(contract.NONFINITE_EXIT, env)

@@ -136,19 +136,21 @@ _record: Record | None = None
 
 
 def forget() -> None:
-    """A clean end (every rank past the last barrier): no hang to name, so this rank's record
-    goes, and the folder with the last rank's (one of a run without the launchers would
-    otherwise stay in the temporary directory for good)."""
+    """An end with no hang to name (every rank past the last barrier, or an error that ends
+    the rank on its own: a usage error, a NaN loss): this rank's record goes, and the folder
+    once it is empty, which the last rank's turn finds (one of a run without the launchers
+    would otherwise stay in the temporary directory for good, empty too where the run ended
+    before its first record)."""
     global _record
-    if _record is None:
-        return
-    os.close(_record.fd)
-    folder = _record.path.parent
-    for path in (_record.path, _record.path.with_suffix(".old")):
-        path.unlink(missing_ok=True)
-    _record = None
+    folder = record_dir()
+    if _record is not None:
+        os.close(_record.fd)
+        folder = _record.path.parent
+        for path in (_record.path, _record.path.with_suffix(".old")):
+            path.unlink(missing_ok=True)
+        _record = None
     try:
-        folder.rmdir()  # the last rank's turn: the others' records are gone by then
+        folder.rmdir()  # only when empty: another rank's record, or a hang's dump, stays
     except OSError:
         pass
 
