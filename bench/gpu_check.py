@@ -84,10 +84,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,49 +94,15 @@ sys.path.insert(0, str(REPO / "tests"))
 import torch  # noqa: E402
 
 from bench import raw_step  # noqa: E402
-from training import contract, flags, hangs, models, simulate  # noqa: E402
+from bench.gpu_plan import (DATA, WINDOW, Row, plan, raw_args, row_args, row_key,  # noqa: E402
+                            row_steps)
+from bench.gpu_report import in_one_line, report  # noqa: E402
+from bench.lanes import (CAUGHT, INTERRUPTED, STOP, catch_stops, print_plan,  # noqa: E402
+                         run_lanes)
+from bench.process_tree import (FAULTHANDLER, RowTimeout, end_tree, exited,  # noqa: E402
+                                fatal_stack, run_command)
+from training import contract, flags, models  # noqa: E402
 from make_tinyimagenet import make_tree, make_tree_parallel  # noqa: E402
-
-CEILING = "ddp, synthetic on device"
-GRAPH = "ddp --cuda-graph, synthetic on device"
-FSDP = "fsdp full, synthetic on device"
-RAW_EAGER = "raw step, eager"  # bench/raw_step.py: the plain step, nothing of the toolkit
-RAW_GRAPH = "raw step, whole-step CUDA graph"
-WINDOW = 30  # steps an epoch of a row whose figure is no headline: enough for a steady rate
-# a guess at each --compile mode's row until one is measured (ResNet-50, a cold cache)
-COMPILE_GUESS = {"default": 150, "reduce-overhead": 180, "max-autotune-no-cudagraphs": 300,
-                 "max-autotune": 360}
-DATA = "data: the TinyImageNet tree and its uint8 cache"  # a job for a lane, not a table row
-
-
-@dataclass
-class Row:
-    label: str
-    batch: int
-    script: str = "ddp_train.py"
-    args: list = field(default_factory=list)
-    image: int = 64
-    cuda_only: bool = False
-    needs_data: bool = False  # the TinyImageNet tree and its cache
-    need_s: int = 45  # the plan's guess of what it takes on one GPU, before a run measured it
-    kind: str = "train"  # or "raw" (bench/raw_step.py), "held" (--simulate-world-size),
-    # "profile", "tests", "shared tests", "launcher", "kill-resume", "save-model", "data"
-    headline: bool = False  # a target's figure: --steps steps an epoch, not WINDOW
-    timed: bool = True  # a training row whose img/s is a figure (--rows memory: the peak is)
-
-    @property
-    def key(self) -> str:
-        return row_key(self.label, self.image, self.batch)
-
-    @property
-    def in_timed_lane(self) -> bool:
-        """Whether the row runs in the timed lane, where no other timed row runs beside it."""
-        return self.kind in ("train", "raw") and self.timed
-
-
-def row_key(label: str, image: int, batch: int) -> str:
-    """What names one row across runs (a JSON line has the three fields)."""
-    return f"{label}, {image} px, batch {batch}"
 
 
 def versions(gpu: bool) -> list:
@@ -163,269 +126,6 @@ def versions(gpu: bool) -> list:
     else:
         lines.insert(0, f"no GPU: CPU {platform.machine()}, {len(os.sched_getaffinity(0))} "
                         f"cores")
-    return lines
-
-
-def plan(which: str, gpu: bool) -> list:
-    """The rows of ``which`` (speed, targets, memory, compile, all): the timed rows in the
-    order they run, then the untimed ones in the order the lanes take them (the longest
-    first)."""
-    small, big, huge = (256, 1024, 2048) if gpu else (8, 16, 32)
-    side = 224 if gpu else 96  # the seed's setting (the CPU smoke run: smaller)
-    synth, graph, profile = ["--data-on-device"], ["--cuda-graph"], ["--profile", "{profile}"]
-    wide = ["--image-size", str(side)]
-    full = ["--sharding", "full"]
-    one_gpu = ["--gpus", "1"] if gpu else []
-    # need_s: the plan's guess until a run has measured the row. On the first H200 runs a
-    # training row of 100 steps took 21 s (64 px, batch 256) to 74 s (224 px), most of it the
-    # process's start and the synthetic data made on the host; the rest is guessed from those
-    timed = [
-        Row(CEILING, small, args=synth, headline=True, need_s=25),
-        Row(GRAPH, small, args=synth + graph, cuda_only=True, headline=True, need_s=25),
-        Row(CEILING, big, args=synth, headline=True, need_s=35),
-        Row(GRAPH, big, args=synth + graph, cuda_only=True, headline=True, need_s=35),
-        Row("ddp fp16 (fused SGD), synthetic on device", small,
-            args=synth + ["--amp", "fp16"], cuda_only=True, headline=True, need_s=25),
-        # 224 px: what the seed trains on (on the CPU too slow to tell anything)
-        Row(CEILING, small, args=synth + wide, image=side, cuda_only=True, headline=True,
-            need_s=75),
-        Row(GRAPH, small, args=synth + wide + graph, image=side, cuda_only=True, headline=True,
-            need_s=75),
-        Row(FSDP, small, "fsdp_train.py", synth + wide + full, image=side, cuda_only=True,
-            headline=True, need_s=80),
-        Row(CEILING, huge, args=synth, cuda_only=True, need_s=25),
-        Row(FSDP, small, "fsdp_train.py", synth + full, need_s=20),
-        Row("dp (one GPU), synthetic on device", small, "dp_train.py", synth + one_gpu,
-            need_s=20),
-        Row("ddp, cache", small, args=["{data}", "{cache}"], needs_data=True, need_s=20),
-        Row("ddp, cache held on device", big, args=["{data}", "{cache}", "--data-on-device"],
-            needs_data=True, need_s=20),
-        Row("ddp, JPEG folder", small, args=["{data}"], needs_data=True, need_s=25),
-    ]
-    rungs = [("dp", "dp_train.py", one_gpu), ("ddp", "ddp_train.py", []),
-             ("ddp --zero1", "ddp_train.py", ["--zero1"]),
-             ("fsdp grad-op", "fsdp_train.py", ["--sharding", "grad-op"]),
-             ("fsdp full", "fsdp_train.py", ["--sharding", "full"]),
-             ("fsdp full --offload", "fsdp_train.py", ["--offload"])]
-    # one GPU as rank 0 of 8 (--simulate-world-size): what each ZeRO rung leaves on a GPU of 8.
-    # The CPU smoke run holds them at 64 px only: a CPU's figures are the states, which are the
-    # same at every image size, so a second size would only repeat the first.
-    at_8 = [Row(f"memory at 8 GPUs: {label}", small, script, synth + extra + (
-                [] if px == 64 else ["--image-size", str(px)]) + ["--simulate-world-size", "8"],
-                image=px, kind="held", need_s=20 if px == 64 else 30)
-            for px in ((64, side) if gpu else (64,)) for label, script, extra in rungs[1:]]
-    untimed = [
-        Row("equivalence tests, 2 ranks sharing a GPU", 0, kind="shared tests", cuda_only=True,
-            need_s=240),
-        Row("equivalence tests on CUDA", 0, kind="tests", cuda_only=True, need_s=150),
-        Row("kill and resume: fsdp_train.py, 2 ranks sharing the GPU", 16, "fsdp_train.py",
-            kind="kill-resume", need_s=60),
-        # the case the shared-GPU equivalence tests add to a plain shared-GPU run (the full
-        # state dict gathered over gloo from CUDA shards), alone: it ended in SIGSEGV in them
-        Row("fsdp --save-model, 2 ranks sharing the GPU", 16, "fsdp_train.py",
-            kind="save-model", cuda_only=True, need_s=40),
-        Row("launchers: local.sh, its memory logs, analyze_memory.py --plot", small,
-            kind="launcher", need_s=60),
-        # offload's gradient shards on the CPU under fp16's GradScaler: gloo beside NCCL (what
-        # the row shows is that it trains)
-        Row("fsdp --offload fp16, synthetic on device", small, "fsdp_train.py",
-            synth + ["--offload", "--amp", "fp16"], cuda_only=True, timed=False, need_s=25),
-        # the launches per step and where a step's time goes, in rows of their own: the
-        # profiler's trace slows the steps around it, so no timed row runs under it
-        Row(f"profile: {CEILING}", small, args=synth + profile, kind="profile", need_s=20),
-        Row(f"profile: {GRAPH}", small, args=synth + graph + profile, kind="profile",
-            cuda_only=True, need_s=25),
-        # where FSDP's step loses to DDP's on one GPU (the [PROFILE] breakdown)
-        Row(f"profile: {FSDP}", small, "fsdp_train.py", synth + wide + full + profile,
-            image=side, kind="profile", cuda_only=True, need_s=40),
-    ] + at_8
-    memory = [Row(f"memory: {label}", small, script, ["{data}", "{cache}"] + extra
-                  + ([] if px == 64 else ["--image-size", str(px)]), image=px, needs_data=True,
-                  timed=False, need_s=25 if px == 64 else 40)
-              for px in (64, side) for label, script, extra in rungs]
-    # eager, --cuda-graph and each --compile mode where they are compared, one after another
-    # (a compilation beside a timed row would slow it, and max-autotune times kernels itself):
-    # 224 px first, the size the target judges, so that a run its --minutes cut short has
-    # those, and --continue the rest
-    sizes = [(small, side, wide), (big, 64, [])]
-    compiled = [row for batch, px, extra in sizes for row in [
-        Row(label, batch, args=synth + extra + more, image=px, cuda_only=True, headline=True,
-            need_s=35 if px == 64 else 75) for label, more in ((CEILING, []), (GRAPH, graph))] + [
-        Row(compiled_label(mode), batch, args=synth + extra + ["--compile", mode], image=px,
-            cuda_only=True, headline=True, need_s=COMPILE_GUESS[mode])
-        for mode in flags.COMPILE_MODES]]
-    # the plain step without the toolkit, the yardstick of the two rows before it: in the
-    # groups that judge the targets (--rows speed, which must fit its 8 minutes, leaves it out)
-    raw = [Row(RAW_EAGER, small, "bench/raw_step.py", ["--mode", "eager"], kind="raw",
-               headline=True, need_s=15),
-           Row(RAW_GRAPH, small, "bench/raw_step.py", ["--mode", "graph"], kind="raw",
-               cuda_only=True, headline=True, need_s=15)]
-    # --rows targets: the headline rows, those targets() reads and the raw eager step beside
-    # them, for figures no other row disturbs
-    headline = [row for row in timed if row.headline]
-    rows = {"speed": timed + untimed, "targets": headline[:2] + raw + headline[2:],
-            "memory": memory, "compile": compiled,
-            "all": timed[:2] + raw + timed[2:] + compiled + untimed + memory}[which]
-    once = {}  # "all": the eager and --cuda-graph rows of both groups run once
-    for row in rows:
-        once.setdefault(row.key, row)
-    return list(once.values())
-
-
-def compiled_label(mode: str) -> str:
-    return f"ddp --compile {mode}, synthetic on device"
-
-
-def row_steps(row: Row, steps: int) -> int:
-    """Steps an epoch of ``row``: --steps for a headline figure, at most WINDOW for the rest."""
-    return steps if row.headline else min(steps, WINDOW)
-
-
-def synthetic_size(row: Row, steps: int) -> int:
-    """Training samples a synthetic row needs: one epoch's batches; rank 0 of N
-    (--simulate-world-size) reads 1/N of them and trains simulate.STEPS steps, so N times
-    those."""
-    if "--simulate-world-size" in row.args:
-        world = int(row.args[row.args.index("--simulate-world-size") + 1])
-        return row.batch * simulate.STEPS * world
-    return row.batch * max(steps, 2)
-
-
-def row_args(row: Row, model: str, steps: int, paths: dict) -> list:
-    """The training script's arguments: two epochs of ``steps`` steps (a profiled row: one,
-    its trace window is in the first); synthetic data sized by synthetic_size."""
-    args = []
-    for a in row.args:
-        if a == "{data}":
-            args += ["--data-dir", paths["data"]]
-        elif a == "{cache}":
-            args += ["--data-cache", paths["cache"]]
-        elif a == "{profile}":  # a folder of each row's own: rows run side by side
-            args.append(str(Path(paths["profile"]) / re.sub(r"\W+", "-", row.key)))
-        else:
-            args.append(a)
-    if not row.needs_data:
-        args += ["--synthetic-size", str(synthetic_size(row, steps))]
-    epochs = "1" if row.kind == "profile" else "2"
-    return ["--model", model, "--epochs", epochs, "--max-steps-per-epoch", str(steps),
-            "--batch-size", str(row.batch), "--log-every", "0"] + args
-
-
-def raw_args(row: Row, model: str, steps: int, gpu: bool) -> list:
-    """bench/raw_step.py's arguments: ``steps`` timed steps of the row's mode and size, after
-    its 10 warm-up steps on a GPU (cuDNN's autotuning); on the CPU (the smoke run) one."""
-    return [*row.args, "--model", model, "--image-size", str(row.image), "--batch-size",
-            str(row.batch), "--steps", str(steps)] + ([] if gpu else ["--warmup", "1"])
-
-
-class RowTimeout(Exception):
-    """A row's processes outlived its timeout: the last line it printed, and where each of
-    its training processes was (``stack``: the lines of the row's note)."""
-
-    def __init__(self, timeout: float, last_line: str, stack: list):
-        said = f" (its last line: {last_line[:150]})" if last_line else ""
-        super().__init__(f"no result within {timeout:.0f} s{said}")
-        self.stack = stack
-
-    def result(self, cmd: list) -> dict:
-        return {"error": str(self), "stack": self.stack, "cmd": cmd}
-
-
-def run_command(cmd: list, timeout: float, env: dict | None = None
-                ) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd, capture_output=True, text=True) in the repository, but at the
-    timeout each training process of the row first prints its Python stacks
-    (hangs.STACKS_SIGNAL), then every process of the row is ended (end_tree), torchrun's
-    workers and the loggers included, and RowTimeout says where the row was: a row that gave
-    no result says what it waited for."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=REPO, env=env)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        hangs.ask_for_stacks([proc.pid] + descendants(proc.pid))
-        end_tree(proc.pid)
-        try:
-            out, err = proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired as still:  # a process outside the tree holds a pipe:
-            # what the row printed until now (bytes, whatever the text mode)
-            out, err = (part.decode(errors="replace") if isinstance(part, bytes) else part or ""
-                        for part in (still.stdout, still.stderr))
-        text = err + "\n" + out  # launch/local.sh's training prints everything to stdout
-        printed = [line.strip() for line in out.splitlines()
-                   if line.strip() and not is_dump_line(line)]
-        raise RowTimeout(timeout, printed[-1] if printed else "",
-                         stacks_at_timeout(text)) from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def end_tree(root: int) -> list:
-    """SIGKILL ``root`` and every process below it, none escaping: each is stopped first
-    (SIGSTOP; a stopped process forks no more and its children stay its own) until no new one
-    appears, then all are killed. Returns their pids."""
-    stopped = []
-    for _ in range(100):
-        new = [pid for pid in [root] + descendants(root) if pid not in stopped]
-        if not new:
-            break
-        for pid in new:
-            try:
-                os.kill(pid, signal.SIGSTOP)
-            except ProcessLookupError:
-                continue
-            stopped.append(pid)
-    for pid in stopped:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return stopped
-
-
-def exited(pid: int) -> bool:
-    """Whether process ``pid`` is gone or a zombie (dead, its parent not told yet)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
-#: A frame line of faulthandler's dump (a traceback's has ", in" and a source line after it)
-DUMP_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (\S+)$')
-DUMP_HEAD = "(most recent call first):"  # a thread's stack begins after such a line
-STACK_FRAMES = 4  # innermost frames of each process's main thread kept, and as many of ours
-
-
-def is_dump_line(line: str) -> bool:
-    """Whether ``line`` belongs to a faulthandler dump (a header, a frame, its "..." cut)."""
-    return (line.rstrip().endswith(DUMP_HEAD) or bool(DUMP_FRAME.match(line))
-            or line.strip() == "...")
-
-
-def stacks_at_timeout(text: str, processes: int = 3) -> list:
-    """Where the main thread of each process that printed its stacks (faulthandler's dump
-    in ``text``) was: its innermost frames, then its innermost frames in the toolkit (the line
-    of ours that called them), for at most ``processes`` processes, the training processes
-    before their DataLoader workers. A main thread is one whose outermost frame is a script's
-    <module> (runpy's, run with -m), or whose stack faulthandler cut at 100 frames ("...")."""
-    blocks, frames = [], None
-    for line in text.splitlines() + [DUMP_HEAD]:
-        if frames is not None and DUMP_FRAME.match(line):
-            frames.append(line.strip())
-            continue
-        cut = frames is not None and line.strip() == "..."
-        if frames and (cut or frames[-1].endswith((" in <module>", " in _run_module_as_main"))):
-            blocks.append(frames + ["..."] * cut)
-        frames = [] if line.rstrip().endswith(DUMP_HEAD) else None
-    blocks.sort(key=lambda frames: any(f.endswith(" in _worker_loop") for f in frames))
-    lines = []
-    for number, frames in enumerate(blocks[:processes], 1):
-        ours = [f for f in frames[STACK_FRAMES:]
-                if f'File "{REPO}/' in f and "-packages/" not in f][:STACK_FRAMES]
-        lines += ([f"process {number} of {len(blocks)}, innermost first:"]
-                  + [f"  {f[:300]}" for f in frames[:STACK_FRAMES]]
-                  + (["  ..."] if len(frames) > STACK_FRAMES + len(ours) else [])
-                  + [f"  {f[:300]}" for f in ours])
     return lines
 
 
@@ -525,32 +225,6 @@ def recompiles_between(log: str, start: float, end: float) -> int:
     return count
 
 
-# A crash (SIGSEGV) prints every thread's Python stack: the rows that start ranks set this
-FAULTHANDLER = {"PYTHONFAULTHANDLER": "1"}
-FATAL_LINES = 15  # of the first such stack, kept in the row's note
-
-
-def fatal_stack(text: str, limit: int = FATAL_LINES) -> list:
-    """The first "Fatal Python error" of ``text`` and the stack of the thread that crashed
-    (faulthandler's "Current thread", else the first one it printed), at most ``limit``
-    lines; [] when nothing crashed."""
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if "Fatal Python error" in line), None)
-    if start is None:
-        return []
-    after = lines[start + 1:]
-    current = next((i for i, line in enumerate(after) if "Current thread" in line), None)
-    if current is None:
-        current = next((i for i, line in enumerate(after) if "(most recent call first)" in line),
-                       len(after))
-    stack = after[current:current + 1]
-    for line in after[current + 1:]:
-        if 'File "' not in line or len(stack) == limit - 1:  # the stack's frames, no more
-            break
-        stack.append(line)
-    return [lines[start].strip()[:300]] + [line.rstrip()[:300] for line in stack]
-
-
 def _pytest(args: list, env: dict, timeout: float) -> tuple:
     """(passed, pytest's last line, its FAILED/ERROR lines, the first crash's stack): which
     test failed, not only how many, and where a crashed rank was."""
@@ -638,24 +312,6 @@ def run_launcher(row: Row, model: str, steps: int, work: Path, keep: Path | None
                          f"{text.splitlines()[-1][:200] if text else 'no output'}", "cmd": cmd}
     return {"summary": [line for line in text.splitlines() if line.startswith("[")],
             "timeline": (run_dir / "timeline.png").is_file(), "cmd": cmd}
-
-
-def descendants(pid: int) -> list:
-    """The processes below ``pid`` (Linux /proc): a row's script, torchrun and its workers (in
-    sessions of their own), launch/local.sh's loggers."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
 
 
 def two_ranks(script: str, args: list) -> list:
@@ -748,136 +404,35 @@ def whole_weights(model: str, path: Path) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------
-# Lanes: which row runs when
-# ---------------------------------------------------------------------------------------------
-
-def _pick(pending: list, lane: int, lanes: int, left: float, need, data: str,
-          timed_busy: float = 0.0):
-    """The row a free ``lane`` starts next: the first of ``pending`` it takes whose estimate
-    (``need(row)``, seconds) fits the ``left`` seconds and whose data is there. "wait" when
-    such a row waits for the data being built (``data``: "pending", "running", "done" or
-    "failed"); None when nothing is left for this lane. One lane takes every row in order; of
-    several, the first takes the timed rows, then helps with the others, and the rest take
-    the untimed rows; once those are done, where the timed lane (``timed_busy``: the seconds
-    its running row still needs) cannot reach its last rows in time, another lane takes the
-    last of them that is no headline, beside it, rather than leave it not started."""
-    def first(rows):
-        waits = False
-        for row in rows:
-            if need(row) > left:
-                continue
-            if row.needs_data and data in ("pending", "running"):
-                waits = waits or data == "running"
-                continue
-            return row
-        return "wait" if waits else None
-
-    if lanes == 1:
-        return first(pending)
-    timed = [r for r in pending if r.in_timed_lane]
-    untimed = first([r for r in pending if not r.in_timed_lane])
-    if lane == 0:
-        return first(timed) or untimed
-    if untimed is None and timed_busy + sum(map(need, timed)) > left:
-        return first([r for r in reversed(timed) if not r.headline][:1])
-    return untimed
+def missing_input(args, jsonl: Path | None) -> str | None:
+    """What a path of the command line lacks, in one sentence that names the fix, or None."""
+    if args.data_dir and not Path(args.data_dir).is_dir():
+        return (f"--data-dir {args.data_dir} does not exist: point it at a TinyImageNet "
+                f"folder, or leave it out to generate one")
+    if args.continue_run and not (jsonl and jsonl.is_file()):
+        where = f"at {jsonl}" if jsonl else "without --out"
+        return (f"--continue reads the rows of an earlier run beside --out, and there are "
+                f"none {where}: give the --out of that run, or drop --continue")
+    if args.estimates and not Path(args.estimates).is_file():
+        return (f"--estimates {args.estimates} does not exist: give the .jsonl an earlier "
+                f"run wrote beside its --out, or leave it out")
+    return None
 
 
-def run_lanes(pending: list, lanes: int, deadline: float, need, run_row, record) -> list:
-    """Run the ``pending`` rows in ``lanes`` threads, each row as ``run_row(row)`` -> its
-    result, then ``record(row, result)``, one at a time, with the result's lane, seconds
-    and "beside": the keys of the rows that ran at any time during it. A row starts only
-    while its estimate fits before ``deadline`` (time.monotonic()). Returns the rows never
-    started."""
-    pending = list(pending)
-    cond = threading.Condition()
-    state = {"data": "pending" if any(r.kind == "data" for r in pending) else "done",
-             "timed_end": 0.0}  # when the timed lane's running row ends, by its estimate
-    running = {}  # key: the keys of the rows that ran beside it so far
-
-    def lane_loop(lane: int) -> None:
-        while not STOP.is_set():
-            with cond:
-                row = "wait"
-                while row == "wait" and not STOP.is_set():  # a row waits for the data
-                    now = time.monotonic()
-                    row = _pick(pending, lane, lanes, deadline - now, need, state["data"],
-                                max(0.0, state["timed_end"] - now))
-                    if row == "wait":
-                        cond.wait(timeout=1.0)
-                if row in (None, "wait"):
-                    return
-                pending.remove(row)
-                if row.kind == "data":
-                    state["data"] = "running"
-                if lane == 0:
-                    state["timed_end"] = time.monotonic() + need(row)
-                for beside in running.values():
-                    beside.add(row.key)
-                running[row.key] = set(running)
-            t0 = time.monotonic()
-            try:
-                result = run_row(row)
-            except Exception as exc:  # one row's bug: that row fails, the other lanes go on
-                traceback.print_exc()
-                result = {"error": f"{type(exc).__name__} in gpu_check: {exc}"}
-            if STOP.is_set():  # cut: its figure (or failure) is the interruption's
-                result = {"skipped": f"{INTERRUPTED} after {time.monotonic() - t0:.0f} s: "
-                                     f"--continue runs it again"}
-            with cond:
-                result.update(lane=lane, seconds=round(time.monotonic() - t0, 1),
-                              beside=sorted(running.pop(row.key)))
-                if row.kind == "data":
-                    state["data"] = "failed" if "error" in result else "done"
-                record(row, result)
-                cond.notify_all()
-
-    threads = [threading.Thread(target=lane_loop, args=(lane,), name=f"lane {lane}")
-               for lane in range(lanes)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return pending
-
-
-def simulate_lanes(pending: list, lanes: int, budget: float, need) -> tuple:
-    """What run_lanes does if every row takes its estimate: ([(lane, row, start, end)], the
-    rows never started), seconds from the start."""
-    pending, free, ended, runs = list(pending), [0.0] * lanes, set(), []
-    data, data_end = ("pending" if any(r.kind == "data" for r in pending) else "done"), 0.0
-    while len(ended) < lanes:
-        lane = min(set(range(lanes)) - ended, key=lambda n: (free[n], n))
-        now = free[lane]
-        row = _pick(pending, lane, lanes, budget - now, need,
-                    "done" if data == "running" and now >= data_end else data,
-                    max(0.0, free[0] - now))
-        if row == "wait":
-            free[lane] = data_end
-        elif row is None:
-            ended.add(lane)
-        else:
-            pending.remove(row)
-            free[lane] = now + need(row)
-            if row.kind == "data":
-                data, data_end = "running", free[lane]
-            runs.append((lane, row, now, free[lane]))
-    return runs, pending
-
-
-def print_plan(pending: list, lanes: int, budget: float, need) -> None:
-    """--dry-run: each lane's rows, when each starts and ends by its estimate, and the rows
-    that would not start."""
-    runs, left = simulate_lanes(pending, lanes, budget, need)
-    for lane in range(lanes):
-        mine = [(row, start, end) for n, row, start, end in runs if n == lane]
-        print(f"lane {lane}{' (timed)' if lane == 0 and lanes > 1 else ''}: {len(mine)} "
-              f"job(s), ends at about {max((end for *_, end in mine), default=0):.0f} s")
-        for row, start, end in mine:
-            print(f"  {start:5.0f} - {end:5.0f} s  {row.key}")
-    for row in left:
-        print(f"not started: {row.key} (about {need(row):.0f} s)")
+def earlier_rows(args, jsonl: Path | None) -> tuple:
+    """(the rows of the earlier runs, those of them --continue keeps): --estimates' and the
+    JSON lines beside --out; a line a cut run left half written is left out, with a notice."""
+    earlier, kept = [], []
+    for path in filter(None, (Path(args.estimates) if args.estimates else None, jsonl)):
+        if path.is_file():
+            found, broken = read_rows(path)
+            earlier += found
+            if broken:
+                print(f"notice: {path}: {broken} line(s) not a whole row (a run cut while "
+                      f"writing), left out", flush=True)
+            if args.continue_run and path == jsonl:
+                kept = [r for r in found if finished(r)]
+    return earlier, kept
 
 
 def read_rows(path: Path) -> tuple:
@@ -905,201 +460,12 @@ def finished(row: dict) -> bool:
     return not str(row.get("skipped", "")).startswith(("not started", INTERRUPTED))
 
 
-#: Set by Ctrl-C or SIGTERM: no row starts after it; a row that ends after it was cut.
-STOP = threading.Event()
-CAUGHT: list = []  # the signals that came, the first of which set it
-MAIN_PID = os.getpid()
-INTERRUPTED = "interrupted"  # the word a cut row's note starts with (--continue runs it)
-
-
-def stop_rows(signum, frame) -> None:
-    """Ctrl-C or SIGTERM: start no more rows and end the running ones (a terminal's Ctrl-C
-    reaches them too; a kill of this process alone would not), so the lanes end at once; a
-    second signal kills what the first did not end."""
-    if os.getpid() != MAIN_PID:  # a forked child (the tree's worker pool) inherited this
-        os._exit(128 + signum)
-    CAUGHT.append(signum)
-    STOP.set()
-    for pid in descendants(MAIN_PID):
-        try:
-            os.kill(pid, signal.SIGTERM if len(CAUGHT) == 1 else signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def catch_stops() -> None:
-    """stop_rows for SIGINT and SIGTERM, from the start of the run (a SIGINT that the shell
-    ignores, as bash does for a script's background job, stays ignored)."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        if signal.getsignal(signum) is not signal.SIG_IGN:
-            signal.signal(signum, stop_rows)
-
-
 def measured_seconds(rows: list, device: str) -> dict:
     """{(key, steps per epoch): seconds} of the rows an earlier run ran on ``device``: the
     time estimates of the same rows in this run."""
     return {(row_key(r["label"], r["image"], r["batch"]), r.get("steps_per_epoch")): r["seconds"]
             for r in rows if r.get("device") == device and r.get("seconds") is not None
             and "skipped" not in r}  # a cut row's seconds say nothing of the row
-
-
-def targets(results: list) -> list:
-    """Issue 39's and 48's targets where their rows ran: (what, met, the figures); met is
-    None where a target's row is in the results without a figure (failed, not started)."""
-    def rows(label, batch, image=64):
-        return [r for r in results if r.get("label") == label and r.get("batch") == batch
-                and r.get("image") == image]
-
-    def rate(label, batch, image=64):
-        found = [r["img_s"] for r in rows(label, batch, image) if "img_s" in r]
-        return found[0] if found else None
-
-    checks = []
-    graph_256, eager_1024 = rate(GRAPH, 256), rate(CEILING, 1024)
-    best_1024 = max(filter(None, (eager_1024, rate(GRAPH, 1024))), default=None)
-    if graph_256:
-        checks.append(("64 px, batch 256, --cuda-graph >= 35,000 img/s", graph_256 >= 35000,
-                       f"{graph_256:,.0f}"))
-    raw_graph = rate(RAW_GRAPH, 256)
-    if graph_256 and raw_graph:
-        checks.append(("64 px, batch 256, --cuda-graph >= 0.97x the raw whole-step graph",
-                       graph_256 >= 0.97 * raw_graph,
-                       f"{graph_256 / raw_graph:.2f}x: {graph_256:,.0f} against "
-                       f"{raw_graph:,.0f} img/s"))
-    elif rows(GRAPH, 256) or rows(RAW_GRAPH, 256):  # planned, and one of them has no figure
-        missing = [label for label, figure in ((GRAPH, graph_256), (RAW_GRAPH, raw_graph))
-                   if not figure]
-        checks.append(("64 px, batch 256, --cuda-graph >= 0.97x the raw whole-step graph",
-                       None, f"no figure from: {'; '.join(missing)}"))
-    if graph_256 and best_1024:
-        checks.append(("64 px, batch 256, --cuda-graph >= 0.75x the best batch-1024 rate",
-                       graph_256 >= 0.75 * best_1024, f"{graph_256 / best_1024:.2f}x"))
-    if best_1024:
-        checks.append(("64 px, batch 1024 >= 50,000 img/s", best_1024 >= 50000,
-                       f"{best_1024:,.0f}"))
-    best_224 = max(filter(None, (rate(CEILING, 256, 224), rate(GRAPH, 256, 224))), default=None)
-    if best_224:
-        checks.append(("224 px, batch 256 >= 4,800 img/s (H200)", best_224 >= 4800,
-                       f"{best_224:,.0f}"))
-    fp16, bf16 = rate("ddp fp16 (fused SGD), synthetic on device", 256), rate(CEILING, 256)
-    if fp16 and bf16:
-        checks.append(("fp16 >= 0.95x bf16 (batch 256)", fp16 >= 0.95 * bf16,
-                       f"{fp16 / bf16:.2f}x"))
-    fsdp, ddp = rate("fsdp full, synthetic on device", 256, 224), rate(CEILING, 256, 224)
-    if fsdp and ddp:
-        checks.append(("FSDP full at 224 px >= 0.85x DDP", fsdp >= 0.85 * ddp,
-                       f"{fsdp / ddp:.2f}x"))
-    ways = [CEILING, GRAPH] + [compiled_label(mode) for mode in flags.COMPILE_MODES]
-    at_224 = {way: rate(way, 256, 224) for way in ways if rate(way, 256, 224)}
-    if set(at_224) - {CEILING, GRAPH}:  # --rows compile ran
-        fastest = max(at_224, key=at_224.get)
-        checks.append(("224 px, batch 256: eager, --cuda-graph and every --compile mode "
-                       "measured", len(at_224) == len(ways),
-                       f"{len(at_224)} of {len(ways)}; the fastest: {fastest}, "
-                       f"{at_224[fastest]:,.0f} img/s"))
-    return checks
-
-
-def _figure(value) -> str:
-    return "n/a" if value is None else f"{value:,.1f}"
-
-
-def report(results: list, head: list, gpu: bool, steps: int, tail: list) -> str:
-    ceiling = {(r["batch"], r["image"]): r["img_s"] for r in results
-               if r["label"] == CEILING and "img_s" in r}
-    lines = head + ["", "| configuration | image | batch | amp | img/s | ms/step | launches/step "
-                        "| peak memory (MiB) | predicted (MiB) | error | vs ceiling "
-                        "| warm-up (s) |",
-                    "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    notes = []
-    for r in results:
-        shows_image = r["kind"] in ("train", "raw", "held", "profile")
-        where = f"| {r['label']} | {r['image'] if shows_image else ''} | {r['batch'] or ''} |"
-        if "img_s" in r:
-            key = (r["batch"], r["image"])
-            ratio = f"{r['img_s'] / ceiling[key]:.2f}x" if key in ceiling else "n/a"
-            predicted, error = "n/a", "n/a"
-            if r["predicted"]:
-                predicted = f"{r['predicted']:,.0f}"
-                error = f"{(r['predicted'] - r['peak']) / r['peak']:+.0%}" if gpu else "n/a"
-            warmup = "" if r.get("warmup_s") is None else f"{r['warmup_s']:.1f}"
-            lines.append(f"{where} {r['amp']} | {r['img_s']:,.0f} | {r['step_ms']:.1f} | | "
-                         f"{r['peak']:,.0f} | {predicted} | {error} | {ratio} | {warmup} |")
-            if r.get("beside") and r.get("timed"):
-                notes.append(f"{row_key(r['label'], r['image'], r['batch'])}: timed beside "
-                             f"{len(r['beside'])} untimed row(s): {'; '.join(r['beside'])}")
-        elif "profile" in r:  # --profile: the launches and the step's parts, no timing
-            p = r["profile"]
-            launches = "" if r["launches"] is None else f"{r['launches']:,.0f}"
-            lines.append(f"{where} {r['amp']} | | {_figure(p['step_ms'])} | {launches} "
-                         f"| | | | | |")
-            notes.append(f"{r['label']}, {r['image']} px, batch {r['batch']}: a traced step "
-                         f"of {_figure(p['step_ms'])} ms: compute "
-                         f"{_figure(p['compute_ms'])}, exposed communication "
-                         f"{_figure(p['exposed_comm_ms'])}, data wait "
-                         f"{_figure(p['data_wait_ms'])}, other {_figure(p['other_ms'])} "
-                         f"(communication in all {_figure(p['comm_ms'])}; {p['steps']:.0f} "
-                         f"steps traced)")
-        elif "states" in r:  # --simulate-world-size: memory only
-            error = (f"{(r['predicted'] - r['peak']) / r['peak']:+.0%}"
-                     if gpu and r["peak"] and r["predicted"] else "n/a")
-            peak = f"{r['peak']:,.0f}" if r["peak"] else "n/a"  # on a CPU: none measured
-            lines.append(f"{where} {r['amp']} | | | | {peak} | {r['predicted'] or 0:,.0f} | "
-                         f"{error} | | |")
-            notes.append(f"{r['label']}, {r['image']} px: held params + grads + optimizer + "
-                         f"host {r['states']} MiB, predicted {r['predicted_states']}; FSDP "
-                         f"units gathered at once: {r['units_in_flight']}")
-        elif "skipped" in r:
-            lines.append(f"{where} | {r['skipped']} | | | | | | | |")
-        elif "error" in r:
-            lines.append(f"{where} | FAILED: {r['error']} | | | | | | | |")
-        else:
-            lines.append(f"{where} | {'passed' if r.get('passed') else 'see below'} "
-                         f"| | | | | | | |")
-        if "text" in r:
-            notes.append(f"{r['label']}: {r['text']}")
-        if r.get("fatal"):  # a crashed rank's stack (PYTHONFAULTHANDLER), its first lines
-            notes += [f"{r['label']}: where it crashed:"] + [f"    {line}" for line in r["fatal"]]
-        if r.get("stack"):  # a row's processes at its timeout (hangs.STACKS_SIGNAL)
-            notes += [f"{r['label']}: where it was at the timeout:"] + [
-                f"    {line}" for line in r["stack"]]
-        if r.get("recompiles_timed") is not None:
-            notes.append(f"{r['label']}, {r['image']} px, batch {r['batch']}: "
-                         f"{r['recompiles_timed']} recompilation(s) inside the timed epoch "
-                         f"(TORCH_LOGS=recompiles)")
-        if "summary" in r:
-            notes += [f"{r['label']}: timeline.png {'drawn' if r['timeline'] else 'MISSING'}"]
-            notes += [f"    {line}" for line in r["summary"]]
-    lines += ["", f"each training row: 2 epochs, the second timed (device synchronised at both "
-                  f"ends): {steps} steps an epoch where the figure is a target's, "
-                  f"{min(steps, WINDOW)} elsewhere; one process" +
-              (", one GPU" if gpu else " on the CPU"),
-              "launches/step: the host's kernel, copy and graph launches per step, counted by "
-              "--profile's trace in a row of its own (5 steps after the warm-up, and after the "
-              "capture with --cuda-graph); warm-up: how much longer the first epoch took than "
-              "the second (--compile: the compilation)",
-              "timed rows run one after another, untimed rows (tests, profiles, memory) in "
-              "other lanes beside them; each timed row's note names what ran beside it "
-              "(--lanes 1: nothing)"]
-    if any(r["kind"] == "raw" for r in results):
-        lines.append("raw step: bench/raw_step.py, the plain PyTorch step of the same model "
-                     "(no DDP, no loader, no metrics, one static batch on the device): its warm-up "
-                     "steps (10 on a GPU), then the timed steps, one process")
-    lines += (["error: (predicted - measured) / measured peak, measured as "
-               "torch.cuda.max_memory_allocated over the second epoch"] if gpu else
-              ["peak memory on the CPU is the process's peak RSS: no prediction to compare "
-               "it with (error: n/a)"])
-    checks = targets(results) if gpu else []
-    if checks:
-        verdict = {True: "met", False: "MISSED", None: "not measured"}
-        lines += ["", "targets:"] + [f"- {verdict[ok]}: {what} ({figure})"
-                                     for what, ok, figure in checks]
-        crowded = sum(1 for r in results if r.get("timed") and r.get("beside"))
-        if crowded:  # the other lanes share the GPU: a speed figure may be low for that
-            lines.append(f"- judged on {crowded} timed row(s) that ran beside other rows on "
-                         f"the same GPU (each row's note names them): --lanes 1 times each "
-                         f"row alone")
-    return "\n".join(lines + [""] + notes + tail) + "\n"
 
 
 def main(argv=None) -> int:
@@ -1112,7 +478,8 @@ def main(argv=None) -> int:
             signal.signal(signum, handler)
 
 
-def acceptance_run(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """gpu_check's command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=flags.HelpFormatter)
     p.add_argument("--minutes", type=float, default=8,
@@ -1165,26 +532,22 @@ def acceptance_run(argv=None) -> int:
     p.add_argument("--skip-suite", action="store_true", help=argparse.SUPPRESS)  # the old default
     p.add_argument("--suite-timeout", type=int, default=3600,
                    help="seconds the whole test suite may take")
+    return p
+
+
+def acceptance_run(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     catch_stops()  # from here on, Ctrl-C and SIGTERM end the run with its report written
     if args.lanes is None:  # the target rows alone: no other row beside them on the GPU
         args.lanes = 1 if args.rows == "targets" else 4
     if args.minutes <= 0 or (args.steps is not None and args.steps < 1) or args.lanes < 1:
         p.error("--minutes, --steps and --lanes must be above 0")
-    if args.data_dir and not Path(args.data_dir).is_dir():
-        print(f"error: --data-dir {args.data_dir} does not exist: point it at a TinyImageNet "
-              f"folder, or leave it out to generate one", file=sys.stderr)
-        return 2
     out = Path(args.out) if args.out else None
     jsonl = out.with_suffix(".jsonl") if out else None
-    if args.continue_run and not (jsonl and jsonl.is_file()):
-        where = f"at {jsonl}" if jsonl else "without --out"
-        print(f"error: --continue reads the rows of an earlier run beside --out, and there are "
-              f"none {where}: give the --out of that run, or drop --continue", file=sys.stderr)
-        return 2
-    if args.estimates and not Path(args.estimates).is_file():
-        print(f"error: --estimates {args.estimates} does not exist: give the .jsonl an earlier "
-              f"run wrote beside its --out, or leave it out", file=sys.stderr)
+    wrong = missing_input(args, jsonl)
+    if wrong:
+        print(f"error: {wrong}", file=sys.stderr)
         return 2
     t_start = time.monotonic()
     deadline = t_start + 60 * args.minutes
@@ -1194,16 +557,7 @@ def acceptance_run(argv=None) -> int:
     model = "resnet50" if gpu else "resnet18"
     rows = plan(args.rows, gpu)
 
-    earlier, kept = [], []
-    for path in filter(None, (Path(args.estimates) if args.estimates else None, jsonl)):
-        if path.is_file():
-            found, broken = read_rows(path)
-            earlier += found
-            if broken:
-                print(f"notice: {path}: {broken} line(s) not a whole row (a run cut while "
-                      f"writing), left out", flush=True)
-            if args.continue_run and path == jsonl:
-                kept = [r for r in found if finished(r)]
+    earlier, kept = earlier_rows(args, jsonl)
     seconds = measured_seconds(earlier, device)
 
     def need(row: Row) -> float:
@@ -1311,14 +665,8 @@ def acceptance_run(argv=None) -> int:
         with open(jsonl, "a") as f:  # written at once, so a run cut short keeps this row
             f.write(json.dumps(result | {"cmd": " ".join(map(str, result.get("cmd", [])))})
                     + "\n")
-        shown = (f"{result['img_s']:,.0f} img/s, {result['step_ms']:.1f} ms/step"
-                 if "img_s" in result else f"held {result['states']} MiB (params + grads + "
-                 f"optimizer + host), predicted {result['predicted_states']}"
-                 if "states" in result else f"{result['launches']} launches per step"
-                 if "profile" in result else result.get("error") or result.get("text")
-                 or result.get("skipped") or "done")
-        print(f"  {row.key}: {shown} ({result['seconds']:.0f} s, lane {result['lane']})",
-              flush=True)
+        print(f"  {row.key}: {in_one_line(result)} ({result['seconds']:.0f} s, lane "
+              f"{result['lane']})", flush=True)
         if out:
             out.write_text(report(in_plan_order(results), head, gpu, steps, []))
 

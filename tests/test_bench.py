@@ -13,6 +13,8 @@ import pytest
 
 from conftest import REPO, env_for_tests
 
+from bench import gpu_plan, gpu_report, lanes, process_tree
+
 
 def run_bench(script, *args, timeout=300):
     proc = subprocess.run([sys.executable, str(REPO / "bench" / script), *args],
@@ -181,9 +183,9 @@ def gpu_check():
 def test_gpu_check_times_rows_one_after_another_beside_the_untimed_lanes(gpu_check):
     """The timed rows never overlap one another; the untimed rows run beside them, the one
     that needs the data waits for it, and each result names what ran beside it."""
-    Row = gpu_check.Row
+    Row = gpu_plan.Row
     rows = [Row("timed a", 8), Row("timed b", 8), Row("timed on the cache", 8, needs_data=True),
-            Row(gpu_check.DATA, 0, kind="data"), Row("tests", 0, kind="tests"),
+            Row(gpu_plan.DATA, 0, kind="data"), Row("tests", 0, kind="tests"),
             Row("held", 8, kind="held"), Row("memory", 8, timed=False)]
     spans, recorded = {}, []
 
@@ -194,16 +196,16 @@ def test_gpu_check_times_rows_one_after_another_beside_the_untimed_lanes(gpu_che
         return {}
 
     t0 = time.monotonic()
-    left = gpu_check.run_lanes(rows, 3, t0 + 60, lambda row: 1, run_row,
-                               lambda row, result: recorded.append((row, result)))
+    left = lanes.run_lanes(rows, 3, t0 + 60, lambda row: 1, run_row,
+                           lambda row, result: recorded.append((row, result)))
     wall = time.monotonic() - t0
     assert left == [] and sorted(r.key for r, _ in recorded) == sorted(r.key for r in rows)
     timed = sorted(spans[r.key] for r in rows if r.in_timed_lane)
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(timed, timed[1:])), timed
     assert wall < 0.8 * (0.3 * 6 + 0.6)  # side by side, not one after another
     assert spans[rows[2].key][0] >= spans[rows[3].key][1]  # the cache row after the data
-    lanes = {row.key: result["lane"] for row, result in recorded}
-    assert {lanes[r.key] for r in rows if r.in_timed_lane} == {0}
+    lane_of = {row.key: result["lane"] for row, result in recorded}
+    assert {lane_of[r.key] for r in rows if r.in_timed_lane} == {0}
     for row, result in recorded:
         assert result["seconds"] >= 0.3
         if row.in_timed_lane:  # beside a timed row only untimed rows ever run
@@ -212,8 +214,8 @@ def test_gpu_check_times_rows_one_after_another_beside_the_untimed_lanes(gpu_che
     # one lane: every row alone, in the plan's order (the data job before the row needing it)
     spans.clear()
     one = rows[:2] + [rows[3], rows[2]] + rows[4:]
-    gpu_check.run_lanes(one, 1, time.monotonic() + 60, lambda row: 1, run_row,
-                        lambda row, result: None)
+    lanes.run_lanes(one, 1, time.monotonic() + 60, lambda row: 1, run_row,
+                    lambda row, result: None)
     assert sorted(spans, key=lambda k: spans[k][0]) == [r.key for r in one]
 
 
@@ -221,16 +223,16 @@ def test_gpu_check_lends_the_last_timed_row_to_an_idle_lane_only_when_it_would_n
         gpu_check):
     """By the estimates: the timed lane keeps every row it reaches within the budget; a row
     it cannot reach, and no headline, starts in an idle lane instead of not at all."""
-    Row = gpu_check.Row
+    Row = gpu_plan.Row
     rows = [Row("a", 8, headline=True), Row("b", 8, headline=True), Row("c", 8), Row("d", 8),
             Row("tests", 0, kind="tests")]
-    runs, left = gpu_check.simulate_lanes(rows, 2, 100, lambda row: 30)
-    lanes = {row.label: (lane, start) for lane, row, start, _ in runs}
-    assert left == [] and lanes == {"a": (0, 0), "b": (0, 30), "c": (0, 60), "tests": (1, 0),
-                                    "d": (1, 30)}, lanes
-    runs, left = gpu_check.simulate_lanes(rows, 2, 200, lambda row: 30)  # time enough
+    runs, left = lanes.simulate_lanes(rows, 2, 100, lambda row: 30)
+    lane_of = {row.label: (lane, start) for lane, row, start, _ in runs}
+    assert left == [] and lane_of == {"a": (0, 0), "b": (0, 30), "c": (0, 60), "tests": (1, 0),
+                                      "d": (1, 30)}, lane_of
+    runs, left = lanes.simulate_lanes(rows, 2, 200, lambda row: 30)  # time enough
     assert {row.label for lane, row, *_ in runs if lane == 0} == {"a", "b", "c", "d"}
-    runs, left = gpu_check.simulate_lanes(rows[:2] + rows[4:], 2, 50, lambda row: 30)
+    runs, left = lanes.simulate_lanes(rows[:2] + rows[4:], 2, 50, lambda row: 30)
     assert [row.label for row in left] == ["b"]  # a headline stays in the timed lane
 
 
@@ -240,16 +242,16 @@ def test_gpu_check_names_the_fastest_way_at_224_px_once_the_compile_rows_ran(gpu
     def row(label, img_s):
         return {"label": label, "batch": 256, "image": 224, "img_s": img_s}
 
-    results = [row(gpu_check.CEILING, 4700.0), row(gpu_check.GRAPH, 4719.0),
-               row(gpu_check.compiled_label("default"), 5100.0)]
-    found = [c for c in gpu_check.targets(results) if "every --compile mode" in c[0]]
+    results = [row(gpu_plan.CEILING, 4700.0), row(gpu_plan.GRAPH, 4719.0),
+               row(gpu_plan.compiled_label("default"), 5100.0)]
+    found = [c for c in gpu_report.targets(results) if "every --compile mode" in c[0]]
     assert found == [("224 px, batch 256: eager, --cuda-graph and every --compile mode measured",
                       False, "3 of 6; the fastest: ddp --compile default, synthetic on device, "
                              "5,100 img/s")]
-    results += [row(gpu_check.compiled_label(mode), 4000.0) for mode in
+    results += [row(gpu_plan.compiled_label(mode), 4000.0) for mode in
                 ("reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune")]
-    assert [c[1] for c in gpu_check.targets(results) if "every --compile" in c[0]] == [True]
-    assert not [c for c in gpu_check.targets(results[:2]) if "every --compile" in c[0]]
+    assert [c[1] for c in gpu_report.targets(results) if "every --compile" in c[0]] == [True]
+    assert not [c for c in gpu_report.targets(results[:2]) if "every --compile" in c[0]]
 
 
 def _fake_training(row, args, timeout, inductor_cache=None):
@@ -258,10 +260,10 @@ def _fake_training(row, args, timeout, inductor_cache=None):
 
 
 def _small_plan(gpu_check):
-    Row = gpu_check.Row
-    return [Row(gpu_check.CEILING, 8, args=["--data-on-device"]),
-            Row(gpu_check.CEILING, 16, args=["--data-on-device"]),
-            Row(gpu_check.FSDP, 8, "fsdp_train.py", ["--data-on-device"], timed=False)]
+    Row = gpu_plan.Row
+    return [Row(gpu_plan.CEILING, 8, args=["--data-on-device"]),
+            Row(gpu_plan.CEILING, 16, args=["--data-on-device"]),
+            Row(gpu_plan.FSDP, 8, "fsdp_train.py", ["--data-on-device"], timed=False)]
 
 
 def test_gpu_check_continue_runs_only_the_rows_not_yet_there(gpu_check, monkeypatch, tmp_path):
@@ -272,16 +274,16 @@ def test_gpu_check_continue_runs_only_the_rows_not_yet_there(gpu_check, monkeypa
     monkeypatch.setattr(gpu_check, "run_training",
                         lambda row, *a, **k: ran.append(row.key) or _fake_training(row, *a))
     out = tmp_path / "r.md"
-    done = {"label": gpu_check.CEILING, "batch": 8, "image": 64, "kind": "train", "img_s": 123.0,
+    done = {"label": gpu_plan.CEILING, "batch": 8, "image": 64, "kind": "train", "img_s": 123.0,
             "amp": "off", "step_ms": 65.0, "steps": 2, "peak": 800.0, "predicted": 140.0,
             "seconds": 12.0, "device": "cpu", "steps_per_epoch": 3}
-    later = {"label": gpu_check.FSDP, "batch": 8, "image": 64, "kind": "train",
+    later = {"label": gpu_plan.FSDP, "batch": 8, "image": 64, "kind": "train",
              "skipped": "not started: --minutes 8 had no 20 s left for it"}
-    cut = json.dumps({"label": gpu_check.CEILING, "batch": 16, "image": 64, "img_s": 1})[:40]
+    cut = json.dumps({"label": gpu_plan.CEILING, "batch": 16, "image": 64, "img_s": 1})[:40]
     out.with_suffix(".jsonl").write_text(json.dumps(done) + "\n" + json.dumps(later) + "\n" + cut)
     assert gpu_check.main(["--continue", "--out", str(out), "--lanes", "2"]) == 0
-    assert sorted(ran) == sorted([f"{gpu_check.CEILING}, 64 px, batch 16",
-                                  f"{gpu_check.FSDP}, 64 px, batch 8"])
+    assert sorted(ran) == sorted([f"{gpu_plan.CEILING}, 64 px, batch 16",
+                                  f"{gpu_plan.FSDP}, 64 px, batch 8"])
     lines = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
     assert lines[0] == done and len(lines) == 3
     assert all(line["seconds"] >= 0 and "lane" in line for line in lines[1:])
@@ -298,20 +300,20 @@ def test_gpu_check_takes_its_time_estimates_from_an_earlier_run(gpu_check, monke
     the plan's guess."""
     monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: _small_plan(gpu_check))
     earlier = tmp_path / "earlier.jsonl"
-    rows = [{"label": gpu_check.CEILING, "batch": 8, "image": 64, "seconds": 400.0,
+    rows = [{"label": gpu_plan.CEILING, "batch": 8, "image": 64, "seconds": 400.0,
              "device": "cpu", "steps_per_epoch": 3},
-            {"label": gpu_check.CEILING, "batch": 16, "image": 64, "seconds": 500.0,
+            {"label": gpu_plan.CEILING, "batch": 16, "image": 64, "seconds": 500.0,
              "device": "cpu", "steps_per_epoch": 30},  # other steps: not this run's row
-            {"label": gpu_check.FSDP, "batch": 8, "image": 64, "seconds": 7.0, "device": "cpu",
+            {"label": gpu_plan.FSDP, "batch": 8, "image": 64, "seconds": 7.0, "device": "cpu",
              "steps_per_epoch": 3}]
     earlier.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert gpu_check.main(["--dry-run", "--minutes", "5", "--estimates", str(earlier)]) == 0
     out = capsys.readouterr().out
     assert "2 measured before" in out, out
-    assert f"not started: {gpu_check.CEILING}, 64 px, batch 8 (about 400 s)" in out
-    assert re.search(rf"^ +0 - +45 s  {re.escape(gpu_check.CEILING)}, 64 px, batch 16$", out,
+    assert f"not started: {gpu_plan.CEILING}, 64 px, batch 8 (about 400 s)" in out
+    assert re.search(rf"^ +0 - +45 s  {re.escape(gpu_plan.CEILING)}, 64 px, batch 16$", out,
                      re.M), out
-    assert re.search(rf"^ +0 - +7 s  {re.escape(gpu_check.FSDP)}, 64 px, batch 8$", out,
+    assert re.search(rf"^ +0 - +7 s  {re.escape(gpu_plan.FSDP)}, 64 px, batch 8$", out,
                      re.M), out
 
 
@@ -320,10 +322,10 @@ def test_gpu_check_sizes_rank_0_of_8_for_the_steps_it_trains(gpu_check):
     steps read (8 ranks x 2 batches), not 100 steps' worth; at 224 px on a GPU that data
     (float32, train and a quarter more for validation, whole) fits an 80 GB GPU with room."""
     from training import simulate
-    held = [row for row in gpu_check.plan("speed", gpu=True) if row.kind == "held"]
+    held = [row for row in gpu_plan.plan("speed", gpu=True) if row.kind == "held"]
     assert {row.image for row in held} == {64, 224} and len(held) == 10
     for row in held:
-        args = gpu_check.row_args(row, "resnet50", 100, {"profile": "p"})
+        args = gpu_plan.row_args(row, "resnet50", 100, {"profile": "p"})
         samples = int(args[args.index("--synthetic-size") + 1])
         assert samples >= row.batch * simulate.STEPS * 8  # rank 0's 2 steps have their data
         data_mib = (samples + samples // 4) * 3 * row.image ** 2 * 4 / 2 ** 20
@@ -334,15 +336,15 @@ def test_gpu_check_says_when_its_targets_were_timed_beside_other_rows(gpu_check)
     """A speed target judged on a row that shared the GPU with another lane says so under the
     targets, with the way to time each row alone; rows timed alone add nothing."""
     def row(beside):
-        return {"label": gpu_check.GRAPH, "batch": 256, "image": 64, "img_s": 33000.0,
+        return {"label": gpu_plan.GRAPH, "batch": 256, "image": 64, "img_s": 33000.0,
                 "step_ms": 7.7, "timed": True, "beside": beside, "kind": "train",
                 "amp": "bf16", "peak": 1314.0, "predicted": 1280.0, "warmup_s": 4.5}
 
-    crowded = gpu_check.report([row(["equivalence tests on CUDA"])], [], True, 100, [])
+    crowded = gpu_report.report([row(["equivalence tests on CUDA"])], [], True, 100, [])
     assert "MISSED: 64 px, batch 256, --cuda-graph >= 35,000 img/s (33,000)" in crowded
     assert ("- judged on 1 timed row(s) that ran beside other rows on the same GPU (each "
             "row's note names them): --lanes 1 times each row alone") in crowded
-    alone = gpu_check.report([row([])], [], True, 100, [])
+    alone = gpu_report.report([row([])], [], True, 100, [])
     assert "MISSED: 64 px" in alone and "judged on" not in alone
 
 
@@ -368,9 +370,9 @@ def test_raw_step_times_the_plain_step_on_the_cpu():
 def test_gpu_check_reads_the_raw_steps_figures(gpu_check):
     """The raw eager row, run as on a CPU (ResNet-18, a few images): its [RAW] line's figures,
     and the command in the row's JSON line."""
-    row = next(row for row in gpu_check.plan("targets", gpu=False)
-               if row.label == gpu_check.RAW_EAGER)
-    args = gpu_check.raw_args(row, "resnet18", 2, gpu=False)
+    row = next(row for row in gpu_plan.plan("targets", gpu=False)
+               if row.label == gpu_plan.RAW_EAGER)
+    args = gpu_plan.raw_args(row, "resnet18", 2, gpu=False)
     found = gpu_check.run_raw(row, args, timeout=120)
     assert "error" not in found, found
     assert found["img_s"] > 0 and found["step_ms"] > 0 and found["steps"] == 2, found
@@ -399,44 +401,44 @@ def test_gpu_check_judges_cuda_graph_against_the_raw_graph(gpu_check):
     what = "64 px, batch 256, --cuda-graph >= 0.97x the raw whole-step graph"
 
     def judged(results):
-        return [c[1:] for c in gpu_check.targets(results) if c[0] == what]
+        return [c[1:] for c in gpu_report.targets(results) if c[0] == what]
 
-    raw = gpu_check.RAW_GRAPH
-    assert judged([row(gpu_check.GRAPH, 34700.0), row(raw, 35728.0)]) == [
+    raw = gpu_plan.RAW_GRAPH
+    assert judged([row(gpu_plan.GRAPH, 34700.0), row(raw, 35728.0)]) == [
         (True, "0.97x: 34,700 against 35,728 img/s")]
-    assert judged([row(gpu_check.GRAPH, 33398.0), row(raw, 35728.0)]) == [
+    assert judged([row(gpu_plan.GRAPH, 33398.0), row(raw, 35728.0)]) == [
         (False, "0.93x: 33,398 against 35,728 img/s")]
-    assert judged([row(gpu_check.GRAPH, 33398.0), row(raw)]) == [
+    assert judged([row(gpu_plan.GRAPH, 33398.0), row(raw)]) == [
         (None, f"no figure from: {raw}")]
-    assert judged([row(gpu_check.CEILING, 8000.0)]) == []
-    report = gpu_check.report([row(gpu_check.GRAPH, 33398.0) | {"step_ms": 7.7, "amp": "bf16",
-                                                                "peak": 1314.0, "predicted": None},
-                               row(raw) | {"kind": "raw"}], [], True, 100, [])
+    assert judged([row(gpu_plan.CEILING, 8000.0)]) == []
+    report = gpu_report.report([row(gpu_plan.GRAPH, 33398.0) | {"step_ms": 7.7, "amp": "bf16",
+                                                                 "peak": 1314.0, "predicted": None},
+                                row(raw) | {"kind": "raw"}], [], True, 100, [])
     assert f"- not measured: {what} (no figure from: {raw})" in report
 
 
 def test_gpu_check_rows_targets_are_the_rows_the_targets_read_in_one_lane(gpu_check, monkeypatch,
                                                                          capsys):
-    rows = gpu_check.plan("targets", gpu=True)
+    rows = gpu_plan.plan("targets", gpu=True)
     assert [row.key for row in rows] == [
-        f"{gpu_check.CEILING}, 64 px, batch 256", f"{gpu_check.GRAPH}, 64 px, batch 256",
-        f"{gpu_check.RAW_EAGER}, 64 px, batch 256", f"{gpu_check.RAW_GRAPH}, 64 px, batch 256",
-        f"{gpu_check.CEILING}, 64 px, batch 1024", f"{gpu_check.GRAPH}, 64 px, batch 1024",
+        f"{gpu_plan.CEILING}, 64 px, batch 256", f"{gpu_plan.GRAPH}, 64 px, batch 256",
+        f"{gpu_plan.RAW_EAGER}, 64 px, batch 256", f"{gpu_plan.RAW_GRAPH}, 64 px, batch 256",
+        f"{gpu_plan.CEILING}, 64 px, batch 1024", f"{gpu_plan.GRAPH}, 64 px, batch 1024",
         "ddp fp16 (fused SGD), synthetic on device, 64 px, batch 256",
-        f"{gpu_check.CEILING}, 224 px, batch 256", f"{gpu_check.GRAPH}, 224 px, batch 256",
-        f"{gpu_check.FSDP}, 224 px, batch 256"]
+        f"{gpu_plan.CEILING}, 224 px, batch 256", f"{gpu_plan.GRAPH}, 224 px, batch 256",
+        f"{gpu_plan.FSDP}, 224 px, batch 256"]
     assert all(row.in_timed_lane and row.headline for row in rows)
     read = [False] * len(rows)
     for order in (1, -1):  # each way round, so that each of eager and graph is once the best
         results = [{"label": row.label, "batch": row.batch, "image": row.image,
                     "img_s": 1000.0 + order * i} for i, row in enumerate(rows)]
-        every = gpu_check.targets(results)
+        every = gpu_report.targets(results)
         assert len(every) == 7 and None not in [ok for _, ok, _ in every], every
         # a row is read when without it a target changes (its figure) or goes
-        read = [was or gpu_check.targets(results[:i] + results[i + 1:]) != every
+        read = [was or gpu_report.targets(results[:i] + results[i + 1:]) != every
                 for i, was in enumerate(read)]
     # the raw eager row is no target's figure: it shows what the host costs the eager rows
-    assert read == [row.label != gpu_check.RAW_EAGER for row in rows], read
+    assert read == [row.label != gpu_plan.RAW_EAGER for row in rows], read
     # one lane unless --lanes says otherwise; the plan fits the default 8 minutes
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
     assert gpu_check.main(["--dry-run", "--rows", "targets"]) == 0
@@ -464,11 +466,11 @@ E       Current thread 0x00007f00 (most recent call first):
 def test_gpu_check_keeps_the_first_lines_of_a_crashed_ranks_stack(gpu_check, monkeypatch):
     """The rows that start ranks run with PYTHONFAULTHANDLER=1; a SIGSEGV's "Fatal Python
     error" and the crashed thread's first frames (15 lines at most) reach the row's note."""
-    stack = gpu_check.fatal_stack(FAULTHANDLER_DUMP)
+    stack = process_tree.fatal_stack(FAULTHANDLER_DUMP)
     assert stack[0] == "E       Fatal Python error: Segmentation fault"
     assert "Current thread 0x00007f00" in stack[1] and "frame0.py" in stack[2]
     assert len(stack) == 15 and "watchdog" not in "".join(stack)
-    assert gpu_check.fatal_stack("1 failed, 2 passed") == []
+    assert process_tree.fatal_stack("1 failed, 2 passed") == []
     seen = {}
 
     def run(cmd, **kwargs):
@@ -481,7 +483,7 @@ def test_gpu_check_keeps_the_first_lines_of_a_crashed_ranks_stack(gpu_check, mon
     result = {"label": "equivalence tests, 2 ranks sharing a GPU", "batch": 0, "image": 64,
               "kind": "shared tests", "passed": False, "text": text, "fatal": fatal,
               "error": "see below"}
-    report = gpu_check.report([result], [], True, 100, [])
+    report = gpu_report.report([result], [], True, 100, [])
     assert ("equivalence tests, 2 ranks sharing a GPU: where it crashed:\n"
             "    E       Fatal Python error: Segmentation fault\n") in report, report
     assert "frame12.py" in report and "frame13.py" not in report
@@ -506,7 +508,7 @@ def test_gpu_check_save_model_row_wants_the_whole_weights(gpu_check, tmp_path):
     assert f"({first})" in gpu_check.whole_weights("cnn", tmp_path / "less.pt")
     assert gpu_check.whole_weights("cnn", tmp_path / "none.pt").startswith(
         "torch.load(none.pt) failed: FileNotFoundError")
-    plan = {row.label: row for row in gpu_check.plan("speed", gpu=True)}
+    plan = {row.label: row for row in gpu_plan.plan("speed", gpu=True)}
     row = plan["fsdp --save-model, 2 ranks sharing the GPU"]
     assert row.cuda_only and row.kind == "save-model" and not row.in_timed_lane
 
@@ -539,7 +541,7 @@ def test_gpu_check_interrupted_keeps_its_rows_and_ends_the_running_ones(gpu_chec
         rows = []
         while len(rows) < 2 and time.monotonic() < deadline:  # two rows' processes started
             time.sleep(0.5)
-            rows = gpu_check.descendants(proc.pid)
+            rows = process_tree.descendants(proc.pid)
         assert rows, "no row started within 60 s"
         proc.send_signal(gpu_check.signal.SIGINT)  # this process alone, not its group
         stdout, stderr = proc.communicate(timeout=60)
@@ -573,7 +575,7 @@ def test_gpu_check_interrupted_keeps_its_rows_and_ends_the_running_ones(gpu_chec
     assert plan.returncode == 0, plan.stderr[-2000:]
     planned = plan.stdout
     for row in cut + later:
-        key = gpu_check.row_key(row["label"], row["image"], row["batch"])
+        key = gpu_plan.row_key(row["label"], row["image"], row["batch"])
         assert key in planned, (key, planned)
 
 
@@ -583,34 +585,34 @@ def test_gpu_check_starts_no_row_once_stopped_and_its_forked_helpers_just_exit(g
     stop exits at once instead of acting as the run (it would never end its pool's join)."""
     import multiprocessing
     rows = _small_plan(gpu_check)
-    gpu_check.STOP.set()
+    lanes.STOP.set()
     try:
-        left = gpu_check.run_lanes(rows, 2, time.monotonic() + 60, lambda row: 1,
-                                   lambda row: pytest.fail("a row started after the stop"),
-                                   lambda row, result: None)
+        left = lanes.run_lanes(rows, 2, time.monotonic() + 60, lambda row: 1,
+                               lambda row: pytest.fail("a row started after the stop"),
+                               lambda row, result: None)
     finally:
-        gpu_check.STOP.clear()
+        lanes.STOP.clear()
     assert left == rows
     child = multiprocessing.get_context("fork").Process(
-        target=gpu_check.stop_rows, args=(gpu_check.signal.SIGTERM, None))
+        target=lanes.stop_rows, args=(gpu_check.signal.SIGTERM, None))
     child.start()
     child.join(30)
     assert child.exitcode == 128 + gpu_check.signal.SIGTERM
-    assert not gpu_check.STOP.is_set() and not gpu_check.CAUGHT
+    assert not lanes.STOP.is_set() and not lanes.CAUGHT
 
 
 def test_gpu_check_compile_group_runs_the_targets_size_first(gpu_check):
     """--rows compile does not fit one allocation by its guesses: the 224 px rows (eager,
     --cuda-graph, every --compile mode: what the 224 px target compares) come first, so a run
     cut by --minutes has that size whole before any 64 px row, and --continue the rest."""
-    rows = gpu_check.plan("compile", gpu=True)
+    rows = gpu_plan.plan("compile", gpu=True)
     images = [row.image for row in rows]
     assert images == sorted(images, reverse=True) and images.count(224) == images.count(64)
     first = rows[:images.count(224)]
-    assert {gpu_check.CEILING, gpu_check.GRAPH} | {
-        gpu_check.compiled_label(mode) for mode in gpu_check.flags.COMPILE_MODES} == {
+    assert {gpu_plan.CEILING, gpu_plan.GRAPH} | {
+        gpu_plan.compiled_label(mode) for mode in gpu_check.flags.COMPILE_MODES} == {
         row.label for row in first}
-    runs, left = gpu_check.simulate_lanes(rows, 1, 60 * 8, lambda row: row.need_s)
+    runs, left = lanes.simulate_lanes(rows, 1, 60 * 8, lambda row: row.need_s)
     assert all(row.image == 224 for _, row, *_ in runs), runs  # 8 minutes: 224 px rows only
 
 
@@ -640,8 +642,8 @@ def test_gpu_check_says_where_a_row_was_when_its_timeout_ended_it(gpu_check, tmp
     script = tmp_path / "row.py"
     script.write_text(HANGING_ROW.format(repo=str(REPO)))
     t0 = time.monotonic()
-    with pytest.raises(gpu_check.RowTimeout) as late:
-        gpu_check.run_command([sys.executable, str(script)], 5, env_for_tests())
+    with pytest.raises(process_tree.RowTimeout) as late:
+        process_tree.run_command([sys.executable, str(script)], 5, env_for_tests())
     assert time.monotonic() - t0 < 20
     said = re.fullmatch(r"no result within 5 s \(its last line: started (\d+)\)", str(late.value))
     assert said, str(late.value)
@@ -649,13 +651,13 @@ def test_gpu_check_says_where_a_row_was_when_its_timeout_ended_it(gpu_check, tmp
     assert stack[0] == "process 1 of 1, innermost first:", stack
     assert "in waits_here" in stack[1] and stack[-1].endswith(" in <module>"), stack
     for _ in range(50):  # gone, or a zombie its new parent has not reaped (a moment to exit)
-        if gpu_check.exited(int(said.group(1))):
+        if process_tree.exited(int(said.group(1))):
             break
         time.sleep(0.1)
     else:
         pytest.fail("the row's child outlived its timeout")
     result = late.value.result(["row"])
-    text = gpu_check.report([{"label": "a row", "batch": 8, "image": 64, "kind": "train",
+    text = gpu_report.report([{"label": "a row", "batch": 8, "image": 64, "kind": "train",
                               "timed": False, **result}], [], False, 2, [])
     assert "a row: where it was at the timeout:" in text
     assert "in waits_here" in text
@@ -686,7 +688,7 @@ def test_gpu_check_finds_a_main_thread_that_faulthandler_cut_short(gpu_check, tm
     dump = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=60).stderr
     assert "RuntimeError: an earlier error" in dump and "\n  ...\n" in dump, dump[-2000:]
-    stack = gpu_check.stacks_at_timeout(dump)
+    stack = process_tree.stacks_at_timeout(dump)
     assert stack[0] == "process 1 of 1, innermost first:", stack
     assert all(line.endswith(" in deeper") for line in stack[1:5]), stack
     assert stack[5:] == ["  ..."], stack
@@ -698,8 +700,8 @@ def test_a_training_row_at_its_timeout_says_where_the_training_process_was(gpu_c
     cmd = [sys.executable, str(REPO / "ddp_train.py"), "--model", "resnet18",
            "--synthetic-size", "4096", "--batch-size", "16", "--epochs", "1000",
            "--log-every", "1"]
-    with pytest.raises(gpu_check.RowTimeout) as late:
-        gpu_check.run_command(cmd, 30, env_for_tests())
+    with pytest.raises(process_tree.RowTimeout) as late:
+        process_tree.run_command(cmd, 30, env_for_tests())
     assert re.match(r"no result within 30 s \(its last line: .*\)$", str(late.value))
     stack = late.value.stack
     assert stack and stack[0].startswith("process 1 of "), stack
