@@ -404,6 +404,26 @@ def whole_weights(model: str, path: Path) -> str | None:
     return None
 
 
+def prepare_data(root: Path, paths: dict, gpu: bool, given: bool) -> str | None:
+    """The TinyImageNet tree (unless given) and its uint8 cache, once, outside any timed row;
+    an error's text, or None."""
+    t0 = time.monotonic()
+    if not given and not (root / "wnids.txt").is_file():
+        if gpu:
+            make_tree_parallel(root, 200, 500, 50)
+        else:
+            make_tree(root, classes=4, train_per_class=40, val_per_class=10)
+        print(f"data: generated {root} in {time.monotonic() - t0:.0f} s", flush=True)
+    built = subprocess.run([sys.executable, str(REPO / "ddp_train.py"), "--data-dir", str(root),
+                            "--data-cache", paths["cache"], "--check"], capture_output=True,
+                           text=True, cwd=REPO)
+    if built.returncode != 0:
+        last = (built.stderr.strip() or "no output").splitlines()[-1]
+        return f"building the cache failed: {last[:200]}"
+    print(f"data: cache ready in {paths['cache']} ({time.monotonic() - t0:.0f} s)", flush=True)
+    return None
+
+
 def missing_input(args, jsonl: Path | None) -> str | None:
     """What a path of the command line lacks, in one sentence that names the fix, or None."""
     if args.data_dir and not Path(args.data_dir).is_dir():
@@ -711,26 +731,6 @@ def acceptance_run(argv=None) -> int:
               f"{kept}", file=sys.stderr)
         return 128 + CAUGHT[0]
     return 1 if failed else 0
-
-
-def prepare_data(root: Path, paths: dict, gpu: bool, given: bool) -> str | None:
-    """The TinyImageNet tree (unless given) and its uint8 cache, once, outside any timed row;
-    an error's text, or None."""
-    t0 = time.monotonic()
-    if not given and not (root / "wnids.txt").is_file():
-        if gpu:
-            make_tree_parallel(root, 200, 500, 50)
-        else:
-            make_tree(root, classes=4, train_per_class=40, val_per_class=10)
-        print(f"data: generated {root} in {time.monotonic() - t0:.0f} s", flush=True)
-    built = subprocess.run([sys.executable, str(REPO / "ddp_train.py"), "--data-dir", str(root),
-                            "--data-cache", paths["cache"], "--check"], capture_output=True,
-                           text=True, cwd=REPO)
-    if built.returncode != 0:
-        last = (built.stderr.strip() or "no output").splitlines()[-1]
-        return f"building the cache failed: {last[:200]}"
-    print(f"data: cache ready in {paths['cache']} ({time.monotonic() - t0:.0f} s)", flush=True)
-    return None
 
 
 if __name__ == "__main__":

@@ -145,8 +145,8 @@ def plan(which: str, gpu: bool) -> list:
                headline=True, need_s=15),
            Row(RAW_GRAPH, small, "bench/raw_step.py", ["--mode", "graph"], kind="raw",
                cuda_only=True, headline=True, need_s=15)]
-    # --rows targets: the headline rows, those targets() reads and the raw eager step beside
-    # them, for figures no other row disturbs
+    # --rows targets: the headline rows, those gpu_report.targets() reads, and the raw eager
+    # step beside them, for figures no other row disturbs
     headline = [row for row in timed if row.headline]
     rows = {"speed": timed + untimed, "targets": headline[:2] + raw + headline[2:],
             "memory": memory, "compile": compiled,

@@ -1,10 +1,12 @@
 """The GPU acceptance run's report (bench/gpu_check.py): one markdown table of its rows, the
-notes each row left, and the targets met or missed with their figures."""
+notes each row left, and the targets met or missed with their figures; and the console line
+of each row as it ends."""
 
 from __future__ import annotations
 
 from bench.gpu_plan import CEILING, FSDP, GRAPH, RAW_GRAPH, WINDOW, compiled_label, row_key
 from training import flags
+
 
 def targets(results: list) -> list:
     """Issue 39's and 48's targets where their rows ran: (what, met, the figures); met is

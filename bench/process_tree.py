@@ -14,6 +14,7 @@ from training import hangs
 
 REPO = Path(__file__).resolve().parents[1]
 
+
 class RowTimeout(Exception):
     """A row's processes outlived its timeout: the last line it printed, and where each of
     its training processes was (``stack``: the lines of the row's note)."""
@@ -53,6 +54,24 @@ def run_command(cmd: list, timeout: float, env: dict | None = None
         raise RowTimeout(timeout, printed[-1] if printed else "",
                          stacks_at_timeout(text)) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def descendants(pid: int) -> list:
+    """The processes below ``pid`` (Linux /proc): a row's script, torchrun and its workers (in
+    sessions of their own), launch/local.sh's loggers."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 def end_tree(root: int) -> list:
@@ -149,21 +168,3 @@ def fatal_stack(text: str, limit: int = FATAL_LINES) -> list:
             break
         stack.append(line)
     return [lines[start].strip()[:300]] + [line.rstrip()[:300] for line in stack]
-
-
-def descendants(pid: int) -> list:
-    """The processes below ``pid`` (Linux /proc): a row's script, torchrun and its workers (in
-    sessions of their own), launch/local.sh's loggers."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import time
 import re
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -180,7 +182,7 @@ def gpu_check():
     return gpu_check
 
 
-def test_gpu_check_times_rows_one_after_another_beside_the_untimed_lanes(gpu_check):
+def test_gpu_check_times_rows_one_after_another_beside_the_untimed_lanes():
     """The timed rows never overlap one another; the untimed rows run beside them, the one
     that needs the data waits for it, and each result names what ran beside it."""
     Row = gpu_plan.Row
@@ -219,8 +221,7 @@ def test_gpu_check_times_rows_one_after_another_beside_the_untimed_lanes(gpu_che
     assert sorted(spans, key=lambda k: spans[k][0]) == [r.key for r in one]
 
 
-def test_gpu_check_lends_the_last_timed_row_to_an_idle_lane_only_when_it_would_not_start(
-        gpu_check):
+def test_gpu_check_lends_the_last_timed_row_to_an_idle_lane_only_when_it_would_not_start():
     """By the estimates: the timed lane keeps every row it reaches within the budget; a row
     it cannot reach, and no headline, starts in an idle lane instead of not at all."""
     Row = gpu_plan.Row
@@ -236,7 +237,7 @@ def test_gpu_check_lends_the_last_timed_row_to_an_idle_lane_only_when_it_would_n
     assert [row.label for row in left] == ["b"]  # a headline stays in the timed lane
 
 
-def test_gpu_check_names_the_fastest_way_at_224_px_once_the_compile_rows_ran(gpu_check):
+def test_gpu_check_names_the_fastest_way_at_224_px_once_the_compile_rows_ran():
     """--rows compile: eager, --cuda-graph and each --compile mode at 224 px, batch 256; the
     target is that all were measured, and the line names the fastest."""
     def row(label, img_s):
@@ -259,7 +260,7 @@ def _fake_training(row, args, timeout, inductor_cache=None):
             "peak": 900.0, "predicted": 150.0, "recompiles_timed": None, "cmd": ["python"]}
 
 
-def _small_plan(gpu_check):
+def _small_plan():
     Row = gpu_plan.Row
     return [Row(gpu_plan.CEILING, 8, args=["--data-on-device"]),
             Row(gpu_plan.CEILING, 16, args=["--data-on-device"]),
@@ -270,7 +271,7 @@ def test_gpu_check_continue_runs_only_the_rows_not_yet_there(gpu_check, monkeypa
     """--continue keeps the rows a cut run wrote (its half-written last line left out) and
     runs only the others, a row "not started" among them; each new line has its seconds."""
     ran = []
-    monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: _small_plan(gpu_check))
+    monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: _small_plan())
     monkeypatch.setattr(gpu_check, "run_training",
                         lambda row, *a, **k: ran.append(row.key) or _fake_training(row, *a))
     out = tmp_path / "r.md"
@@ -298,7 +299,7 @@ def test_gpu_check_takes_its_time_estimates_from_an_earlier_run(gpu_check, monke
     """A row's measured seconds are its estimate next time (same device, same steps an epoch):
     a row that took 400 s does not start with 300 s left; one measured at other steps keeps
     the plan's guess."""
-    monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: _small_plan(gpu_check))
+    monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: _small_plan())
     earlier = tmp_path / "earlier.jsonl"
     rows = [{"label": gpu_plan.CEILING, "batch": 8, "image": 64, "seconds": 400.0,
              "device": "cpu", "steps_per_epoch": 3},
@@ -317,7 +318,7 @@ def test_gpu_check_takes_its_time_estimates_from_an_earlier_run(gpu_check, monke
                      re.M), out
 
 
-def test_gpu_check_sizes_rank_0_of_8_for_the_steps_it_trains(gpu_check):
+def test_gpu_check_sizes_rank_0_of_8_for_the_steps_it_trains():
     """--simulate-world-size trains 2 steps as rank 0 of 8: its synthetic data is what those
     steps read (8 ranks x 2 batches), not 100 steps' worth; at 224 px on a GPU that data
     (float32, train and a quarter more for validation, whole) fits an 80 GB GPU with room."""
@@ -332,7 +333,7 @@ def test_gpu_check_sizes_rank_0_of_8_for_the_steps_it_trains(gpu_check):
         assert data_mib < 0.1 * 80e9 / 2 ** 20, (row.label, row.image, data_mib)
 
 
-def test_gpu_check_says_when_its_targets_were_timed_beside_other_rows(gpu_check):
+def test_gpu_check_says_when_its_targets_were_timed_beside_other_rows():
     """A speed target judged on a row that shared the GPU with another lane says so under the
     targets, with the way to time each row alone; rows timed alone add nothing."""
     def row(beside):
@@ -391,7 +392,7 @@ def test_raw_step_graph_without_a_gpu_is_one_sentence_and_exit_2(flags, why):
         f"--mode eager on the CPU"), proc.stderr
 
 
-def test_gpu_check_judges_cuda_graph_against_the_raw_graph(gpu_check):
+def test_gpu_check_judges_cuda_graph_against_the_raw_graph():
     """64 px, batch 256: --cuda-graph >= 0.97x the raw whole-step graph; "not measured" when
     one of the two rows ran without a figure; nothing when neither was in the run."""
     def row(label, img_s=None):
@@ -526,7 +527,7 @@ def test_a_failed_runs_message_keeps_the_first_crash(tmp_path):
     check_ok(subprocess.CompletedProcess([], 0, "", stderr))  # exit 0: nothing to say
 
 
-def test_gpu_check_interrupted_keeps_its_rows_and_ends_the_running_ones(gpu_check, tmp_path):
+def test_gpu_check_interrupted_keeps_its_rows_and_ends_the_running_ones(tmp_path):
     """Ctrl-C (or an allocation's SIGTERM) during the lanes: no traceback, one sentence that
     names --continue, exit 130; the rows it cut are marked interrupted and their processes
     ended, the rest not started, and --continue plans every one of them again."""
@@ -543,7 +544,7 @@ def test_gpu_check_interrupted_keeps_its_rows_and_ends_the_running_ones(gpu_chec
             time.sleep(0.5)
             rows = process_tree.descendants(proc.pid)
         assert rows, "no row started within 60 s"
-        proc.send_signal(gpu_check.signal.SIGINT)  # this process alone, not its group
+        proc.send_signal(signal.SIGINT)  # this process alone, not its group
         stdout, stderr = proc.communicate(timeout=60)
     finally:
         proc.kill()
@@ -554,11 +555,11 @@ def test_gpu_check_interrupted_keeps_its_rows_and_ends_the_running_ones(gpu_chec
                      r"rest$",
                      stderr, re.M), stderr[-2000:]
     time.sleep(1)
-    alive = [pid for pid in rows if gpu_check.Path(f"/proc/{pid}").exists()]
+    alive = [pid for pid in rows if Path(f"/proc/{pid}").exists()]
     assert not alive, f"row processes left running: {alive}"
     # nor one started after the signal (kill-and-resume's second torchrun was, once)
     later_runs = []
-    for cmdline in gpu_check.Path("/proc").glob("[0-9]*/cmdline"):
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             if str(tmp_path) in cmdline.read_text(errors="replace"):
                 later_runs.append(cmdline.parent.name)
@@ -579,12 +580,12 @@ def test_gpu_check_interrupted_keeps_its_rows_and_ends_the_running_ones(gpu_chec
         assert key in planned, (key, planned)
 
 
-def test_gpu_check_starts_no_row_once_stopped_and_its_forked_helpers_just_exit(gpu_check):
+def test_gpu_check_starts_no_row_once_stopped_and_its_forked_helpers_just_exit():
     """A stop before the lanes start (during the plan or the imports' aftermath) leaves every
     row not started; a process forked from the run (the tree's worker pool) that gets the
     stop exits at once instead of acting as the run (it would never end its pool's join)."""
     import multiprocessing
-    rows = _small_plan(gpu_check)
+    rows = _small_plan()
     lanes.STOP.set()
     try:
         left = lanes.run_lanes(rows, 2, time.monotonic() + 60, lambda row: 1,
@@ -594,10 +595,10 @@ def test_gpu_check_starts_no_row_once_stopped_and_its_forked_helpers_just_exit(g
         lanes.STOP.clear()
     assert left == rows
     child = multiprocessing.get_context("fork").Process(
-        target=lanes.stop_rows, args=(gpu_check.signal.SIGTERM, None))
+        target=lanes.stop_rows, args=(signal.SIGTERM, None))
     child.start()
     child.join(30)
-    assert child.exitcode == 128 + gpu_check.signal.SIGTERM
+    assert child.exitcode == 128 + signal.SIGTERM
     assert not lanes.STOP.is_set() and not lanes.CAUGHT
 
 
@@ -635,7 +636,7 @@ waits_here()
 """
 
 
-def test_gpu_check_says_where_a_row_was_when_its_timeout_ended_it(gpu_check, tmp_path):
+def test_gpu_check_says_where_a_row_was_when_its_timeout_ended_it(tmp_path):
     """A row that outlives its timeout: its training process prints its Python stacks before
     it is killed with every process of the row, and the row's note says the last line it
     printed and where it waited."""
@@ -679,7 +680,7 @@ deeper(120)
 """
 
 
-def test_gpu_check_finds_a_main_thread_that_faulthandler_cut_short(gpu_check, tmp_path):
+def test_gpu_check_finds_a_main_thread_that_faulthandler_cut_short(tmp_path):
     """faulthandler keeps 100 frames of a thread and marks the cut with "...": a main thread
     deeper than that (a --compile row's) is still found, and a traceback printed before the
     dump is not taken for a process."""
@@ -694,7 +695,7 @@ def test_gpu_check_finds_a_main_thread_that_faulthandler_cut_short(gpu_check, tm
     assert stack[5:] == ["  ..."], stack
 
 
-def test_a_training_row_at_its_timeout_says_where_the_training_process_was(gpu_check):
+def test_a_training_row_at_its_timeout_says_where_the_training_process_was():
     """A real training run at gpu_check's timeout: ddp_train.py prints where it is (a frame of
     the toolkit among its main thread's), so a row that never ends says what it waited for."""
     cmd = [sys.executable, str(REPO / "ddp_train.py"), "--model", "resnet18",
