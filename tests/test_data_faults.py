@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 
 import numpy as np
 import pytest
@@ -193,6 +195,18 @@ def test_damaged_cache_meta_means_rebuild_not_a_crash(tmp_path, meta):
     (tmp_path / "val_meta.json").write_text(json.dumps(
         {"version": tinyimagenet.CACHE_VERSION, "checksum": "c", "sources": 1, "count": 1}))
     assert tinyimagenet.cache_is_valid(tmp_path, "val", "c", 1) is True
+
+
+def test_the_cache_build_ends_its_workers_without_a_signal(tiny_imagenet, tmp_path,
+                                                           monkeypatch):
+    """A SIGTERM sent to a cache worker forked a moment earlier, before the worker let go of its
+    rank's signal pipe, reached the rank as its own: the rank stopped during start-up (a
+    resume test failed so on a loaded machine). The pool's workers now end on their own."""
+    _, train, _ = tinyimagenet.scan_tinyimagenet(tiny_imagenet[0])
+    sent, kill = [], os.kill
+    monkeypatch.setattr(os, "kill", lambda pid, signum: (sent.append(signum), kill(pid, signum)))
+    tinyimagenet.build_split(tmp_path / "cache", "train", train, "x", False, 2, lambda line: None)
+    assert signal.SIGTERM not in sent and (tmp_path / "cache" / "train_meta.json").is_file()
 
 
 def test_prepare_tinyimagenet_builds_the_cache_the_training_reuses(tiny_imagenet, tmp_path):
