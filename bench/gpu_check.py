@@ -334,7 +334,7 @@ def run_kill_resume(row: Row, work: Path, gpu: bool, timeout: float) -> dict:
     first_log = work / "kill-resume-first.log"  # where a crash before the kill says where
     with open(first_log, "w") as log:
         first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, cwd=REPO, env=env)
-    while not list(ckpt.glob("ckpt-*")) and first.poll() is None and \
+    while not list(ckpt.glob("ckpt-*")) and first.poll() is None and not STOP.is_set() and \
             time.monotonic() - t0 < timeout / 2:
         time.sleep(0.5)
     killed = end_tree(first.pid)  # as a node failure would: no rank gets to save

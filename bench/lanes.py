@@ -11,10 +11,10 @@ import threading
 import time
 import traceback
 
-from bench.process_tree import descendants
+from bench.process_tree import STOP, descendants
 
-#: Set by Ctrl-C or SIGTERM: no row starts after it; a row that ends after it was cut.
-STOP = threading.Event()
+# STOP is set by Ctrl-C or SIGTERM (stop_rows): no row starts after it, a row that ends after
+# it was cut, and a row's process started after it is ended at once (process_tree).
 CAUGHT: list = []  # the signals that came, the first of which set it
 MAIN_PID = os.getpid()
 INTERRUPTED = "interrupted"  # the word a cut row's note starts with (--continue runs it)

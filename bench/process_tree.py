@@ -8,11 +8,17 @@ import os
 import re
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 from training import hangs
 
 REPO = Path(__file__).resolve().parents[1]
+
+#: Set when the run stops (Ctrl-C, SIGTERM: bench/lanes.py's stop_rows, which then ends every
+#: process of the run). A process tree started from then on (its start raced the stop, which
+#: did not see it) is ended as soon as it has started.
+STOP = threading.Event()
 
 
 class RowTimeout(Exception):
@@ -34,9 +40,12 @@ def run_command(cmd: list, timeout: float, env: dict | None = None
     timeout each training process of the row first prints its Python stacks
     (hangs.STACKS_SIGNAL), then every process of the row is ended (end_tree), torchrun's
     workers and the loggers included, and RowTimeout says where the row was: a row that gave
-    no result says what it waited for."""
+    no result says what it waited for. A tree started once the run stops (STOP) is ended at
+    once."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=REPO, env=env)
+    if STOP.is_set():
+        end_tree(proc.pid)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

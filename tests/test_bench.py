@@ -711,3 +711,16 @@ def test_a_training_row_at_its_timeout_says_where_the_training_process_was():
     # the training process first, not one of its DataLoader workers, down to the toolkit's lines
     assert any('ddp_train.py", line' in line for line in first), stack
     assert not any("_worker_loop" in line for line in first), stack
+
+
+def test_a_row_started_as_the_run_stops_is_ended_at_once():
+    """A row whose process started just after the stop ended the running ones (a start the
+    stop's sweep could not see) ran to its end and kept the stopped run waiting: such a
+    process is ended as soon as it has started."""
+    lanes.STOP.set()
+    try:
+        t0 = time.monotonic()
+        proc = process_tree.run_command(["sleep", "30"], 60)
+    finally:
+        lanes.STOP.clear()
+    assert proc.returncode == -signal.SIGKILL and time.monotonic() - t0 < 10
