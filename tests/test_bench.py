@@ -534,8 +534,11 @@ def test_gpu_check_interrupted_keeps_its_rows_and_ends_the_running_ones(tmp_path
     out = tmp_path / "r.md"
     cmd = [sys.executable, "-u", str(REPO / "bench" / "gpu_check.py"), "--out", str(out),
            "--work-dir", str(tmp_path / "w")]
+    # Ctrl-C in a terminal: SIGINT handled as by default there, also where this suite runs as a
+    # shell's background job (nohup ... &), which starts with SIGINT ignored and would hand that on
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env_for_tests())
+                            env=env_for_tests(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert "rows: appended" in proc.stdout.readline() + proc.stdout.readline()
         deadline = time.monotonic() + 60
