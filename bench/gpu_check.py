@@ -97,9 +97,8 @@ from bench import raw_step  # noqa: E402
 from bench.gpu_plan import (DATA, WINDOW, Row, plan, raw_args, row_args, row_key,  # noqa: E402
                             row_steps)
 from bench.gpu_report import in_one_line, report  # noqa: E402
-from bench.lanes import (CAUGHT, INTERRUPTED, STOP, catch_stops, print_plan,  # noqa: E402
-                         run_lanes)
-from bench.process_tree import (FAULTHANDLER, RowTimeout, end_tree, exited,  # noqa: E402
+from bench.lanes import CAUGHT, INTERRUPTED, catch_stops, print_plan, run_lanes  # noqa: E402
+from bench.process_tree import (FAULTHANDLER, STOP, RowTimeout, end_tree, exited,  # noqa: E402
                                 fatal_stack, run_command)
 from training import contract, flags, models  # noqa: E402
 from make_tinyimagenet import make_tree, make_tree_parallel  # noqa: E402

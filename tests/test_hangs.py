@@ -435,7 +435,9 @@ def test_dumps_and_records_are_not_compared_seq_by_seq(tmp_path):
 def test_a_clean_end_leaves_no_record(tmp_path, monkeypatch):
     """Past the last barrier there is no hang to name: the rank's record goes, and the folder
     with the last one (without the launchers it sits in the temporary directory)."""
+    monkeypatch.setenv("RUN_DIR", str(tmp_path))  # where the ranks keep their records
     folder = tmp_path / "collectives"
+    assert hangs.record_dir() == folder
     records = [hangs.Record(folder, rank, "cpu") for rank in (0, 1)]
     for record in records:
         record.enter("all_reduce", 6, 24)

@@ -142,15 +142,13 @@ def forget() -> None:
     would otherwise stay in the temporary directory for good, empty too where the run ended
     before its first record)."""
     global _record
-    folder = record_dir()
     if _record is not None:
         os.close(_record.fd)
-        folder = _record.path.parent
         for path in (_record.path, _record.path.with_suffix(".old")):
             path.unlink(missing_ok=True)
         _record = None
     try:
-        folder.rmdir()  # only when empty: another rank's record, or a hang's dump, stays
+        record_dir().rmdir()  # only when empty: another rank's record, or a hang's dump, stays
     except OSError:
         pass
 
