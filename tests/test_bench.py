@@ -527,6 +527,16 @@ def test_a_failed_runs_message_keeps_the_first_crash(tmp_path):
     check_ok(subprocess.CompletedProcess([], 0, "", stderr))  # exit 0: nothing to say
 
 
+def _described(pid: int) -> str:
+    """A process's state letter, parent and command line, as /proc shows them now."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_text(errors="replace").replace("\0", " ")
+    except OSError:
+        return "gone"
+    return f"state {fields[0]}, parent {fields[1]}: {cmdline[:200]}"
+
+
 def test_gpu_check_interrupted_keeps_its_rows_and_ends_the_running_ones(tmp_path):
     """Ctrl-C (or an allocation's SIGTERM) during the lanes: no traceback, one sentence that
     names --continue, exit 130; the rows it cut are marked interrupted and their processes
@@ -557,8 +567,12 @@ def test_gpu_check_interrupted_keeps_its_rows_and_ends_the_running_ones(tmp_path
                      r"ended and are in .*r\.jsonl; the same command with --continue runs the "
                      r"rest$",
                      stderr, re.M), stderr[-2000:]
-    time.sleep(1)
-    alive = [pid for pid in rows if Path(f"/proc/{pid}").exists()]
+    # ended: gone, or a zombie (dead; a process whose parent ended first waits there until
+    # the container's init reaps it, which CI's did not within 1 s once)
+    deadline = time.monotonic() + 5
+    while not all(map(process_tree.exited, rows)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = {pid: _described(pid) for pid in rows if not process_tree.exited(pid)}
     assert not alive, f"row processes left running: {alive}"
     # nor one started after the signal (kill-and-resume's second torchrun was, once)
     later_runs = []
