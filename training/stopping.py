@@ -33,6 +33,9 @@ from training.faults import end_process
 # --------------------------------------------------------------------------------------------
 
 
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
 class StopSignals:
     """SIGUSR1 (Slurm's warning before the time limit) and SIGTERM (preemption), caught from
     the first line of main(). Once training runs, StopRequest turns them into a checkpoint and
@@ -48,7 +51,7 @@ def ignore_stop_signals(worker_id=None) -> None:
     Also a DataLoader worker_init_fn, because torch installs its own SIGTERM handler there.
     As a worker ignores SIGTERM, it asks the kernel for a SIGKILL when its parent dies, so it
     never outlives a rank that was killed or crashed."""
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     if worker_id is not None:
         die_with_parent()
@@ -69,17 +72,31 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _block_stop_signals() -> None:
+    """Before a fork, in the thread that forks: a child starts with the stop signals blocked,
+    so that one sent to it before it lets go of the rank's wakeup pipe (_child_signals) is
+    not written into that pipe and taken for the rank's own. The rank's other threads still
+    take a stop signal sent to the rank meanwhile."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def _unblock_stop_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
 def _child_signals() -> None:
     """In a forked DataLoader or cache worker: no wakeup pipe (its signals are not the run's),
-    and the stop signals ignored; the worker ends with its parent."""
+    and the stop signals ignored (one sent since the fork is dropped as they are unblocked);
+    the worker ends with its parent."""
     signal.set_wakeup_fd(-1)
     ignore_stop_signals()
+    _unblock_stop_signals()
 
 
 def _watch_signals(read_end: int) -> None:
     while True:
         for signum in os.read(read_end, 64):
-            if signum not in (signal.SIGUSR1, signal.SIGTERM):
+            if signum not in STOP_SIGNALS:
                 continue
             StopSignals.signum = signum
             if signum == signal.SIGTERM and not StopSignals.training:
@@ -100,9 +117,10 @@ def catch_stop_signals() -> None:
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: None)
-    os.register_at_fork(after_in_child=_child_signals)
+    os.register_at_fork(before=_block_stop_signals, after_in_parent=_unblock_stop_signals,
+                        after_in_child=_child_signals)
     threading.Thread(target=_watch_signals, args=(read_end,), daemon=True).start()
 
 

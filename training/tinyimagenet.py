@@ -274,9 +274,7 @@ def build_split(directory: Path, split: str, samples, checksum: str, strict: boo
                 last = time.perf_counter()
                 log(f"data cache: {split} {i}/{len(samples)} images decoded "
                     f"({i / (last - t0):.0f} img/s)")
-        # The workers end on their own. The SIGTERM that leaving the block sends them instead
-        # can reach a worker forked a moment ago, before it let go of its rank's signal pipe
-        # (stopping.catch_stop_signals), and the rank would take it for its own SIGTERM.
+        # The workers end on their own, unsignalled (leaving the block would SIGTERM them)
         pool.close()
         pool.join()
     images_tmp = directory / f"{split}_u8.npy{tag}"
