@@ -161,15 +161,18 @@ gpu_pid="" cpu_pid="" train_pid=""
 # takes longer to stop must not keep this node from saying that its loggers are gone.
 # shellcheck disable=SC2317  # reached through the EXIT trap
 stop_all() {
-  local rc=$? p stopped=()
+  local rc=$? p stopped=() running
   trap - EXIT INT TERM HUP
+  # Only a process still running is signalled: one that ended on its own (psrecord ends with
+  # the training) was reaped, and its pid may be another process's by now.
+  running=" $(jobs -pr | tr '\n' ' ') "
   for p in $gpu_pid $cpu_pid; do
-    kill -TERM "$p" 2>/dev/null || true
+    if [[ $running == *" $p "* ]]; then kill -TERM "$p" 2>/dev/null || true; fi
     wait "$p" 2>/dev/null || true
     stopped+=("$p")
   done
   echo "[$node] loggers stopped (pids: ${stopped[*]:-none}); exit code $rc"
-  if [ -n "$train_pid" ] && kill -0 "$train_pid" 2>/dev/null; then
+  if [ -n "$train_pid" ] && [[ $running == *" $train_pid "* ]]; then
     echo "[$node] waiting for the training to stop"
     kill -TERM "$train_pid" 2>/dev/null || true  # torchrun forwards it to its workers
     wait "$train_pid" 2>/dev/null || true
