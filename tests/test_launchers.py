@@ -597,6 +597,34 @@ def test_a_logger_that_ended_on_its_own_is_not_signalled(tmp_path):
         os.kill(victim, signal.SIGKILL)
 
 
+def test_usr1_as_the_training_ends_keeps_its_exit_code_and_stops_the_loggers(tmp_path):
+    """job.sh repeats SIGUSR1 to every process of the step every 10 s until the training has
+    ended. One during node.sh's exit trap ended the trap before it had stopped the loggers (an
+    adversarial run of 20 left nvidia-smi running 7 times). The exit code may be the signal's:
+    bash's wait, cut short by a trap as its child ends, does not always keep the child's code
+    (138 or -1 here), which is why job.sh decides a requeue from the training's [STOP] line."""
+    script = tmp_path / "train.py"
+    script.write_text("import time\ntime.sleep(1.5)\nraise SystemExit(75)\n")
+    run_dir = tmp_path / "run"
+    env = base_env(tmp_path, fake_gpus=True) | {"RUN_DIR": str(run_dir), "NODE_NAME": "n1",
+                                                "PSRECORD": "no-psrecord-here"}
+    for attempt in range(8):  # the old trap left the loggers in about 1 run of 3
+        proc = subprocess.Popen(["bash", str(LAUNCH / "node.sh"), "python", str(script)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        time.sleep(1.2)
+        while proc.poll() is None:  # to the whole step, as scancel --signal=USR1 sends it
+            try:
+                os.killpg(proc.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                break
+            time.sleep(0.002)
+        out = proc.communicate(timeout=60)[0]
+        assert proc.returncode != 0, f"attempt {attempt}: {out}"
+        assert out.count("[n1] loggers stopped (pids: ") == 1, f"attempt {attempt}: {out}"
+        assert_loggers_gone(tmp_path, run_dir)
+
+
 def test_a_slow_to_stop_training_does_not_hold_back_the_loggers_line(tmp_path):
     """When another node fails, Slurm ends this node's task with SIGTERM and KillWait seconds
     later (5 s in the test cluster) with SIGKILL. node.sh used to wait for the training first
