@@ -414,6 +414,18 @@ def test_a_signal_to_a_just_forked_child_is_not_the_ranks():
     assert "never stopped" not in run.stdout
 
 
+def test_a_fork_keeps_the_signal_mask_a_thread_chose():
+    """The stop signals are blocked across a fork, and afterwards the forking thread has the
+    mask it had before: one that blocked SIGTERM on purpose keeps it blocked."""
+    code = ("import os, signal\nfrom training import stopping\nstopping.catch_stop_signals()\n"
+            "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])\n"
+            "pid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\n"
+            "print(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, env=env_for_tests(), timeout=60)
+    assert run.stdout.strip() == f"[{int(signal.SIGTERM)}]", run.stdout + run.stderr
+
+
 def test_collective_failures_are_told_from_other_errors():
     """The one-line 'collective failed' message is for lost peers and timeouts only: an OOM
     (even one raised inside FSDP's hooks) or a bug keeps its own error."""

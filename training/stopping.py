@@ -72,25 +72,35 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+_MASKS_BEFORE_FORK: dict = {}  # thread id: that thread's signal mask before its fork
+
+
 def _block_stop_signals() -> None:
     """Before a fork, in the thread that forks: a child starts with the stop signals blocked,
     so that one sent to it before it lets go of the rank's wakeup pipe (_child_signals) is
     not written into that pipe and taken for the rank's own. The rank's other threads still
     take a stop signal sent to the rank meanwhile."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    _MASKS_BEFORE_FORK[threading.get_ident()] = signal.pthread_sigmask(signal.SIG_BLOCK,
+                                                                       STOP_SIGNALS)
 
 
-def _unblock_stop_signals() -> None:
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+def _restore_signal_mask() -> None:
+    """After the fork, in the parent and in the child: the mask the thread had before."""
+    mask = _MASKS_BEFORE_FORK.pop(threading.get_ident(), None)
+    if mask is None:  # not blocked by _block_stop_signals
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    else:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _child_signals() -> None:
-    """In a forked DataLoader or cache worker: no wakeup pipe (its signals are not the run's),
-    and the stop signals ignored (one sent since the fork is dropped as they are unblocked);
-    the worker ends with its parent."""
+    """In every forked child (DataLoader and cache workers; also a subprocess started with a
+    preexec_fn, which then runs its program with these signals ignored): no wakeup pipe (its
+    signals are not the run's), and the stop signals ignored, so that one sent since the fork
+    is dropped once they are unblocked; a DataLoader worker ends with its rank instead."""
     signal.set_wakeup_fd(-1)
     ignore_stop_signals()
-    _unblock_stop_signals()
+    _restore_signal_mask()
 
 
 def _watch_signals(read_end: int) -> None:
@@ -119,7 +129,7 @@ def catch_stop_signals() -> None:
     signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: None)
-    os.register_at_fork(before=_block_stop_signals, after_in_parent=_unblock_stop_signals,
+    os.register_at_fork(before=_block_stop_signals, after_in_parent=_restore_signal_mask,
                         after_in_child=_child_signals)
     threading.Thread(target=_watch_signals, args=(read_end,), daemon=True).start()
 
