@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -209,11 +212,61 @@ def test_the_cache_build_ends_its_workers_without_a_signal(tiny_imagenet, tmp_pa
     assert signal.SIGTERM not in sent and (tmp_path / "cache" / "train_meta.json").is_file()
 
 
+def test_a_strict_cache_build_stops_at_a_bad_image_without_signalling_its_workers(
+        tiny_imagenet, tmp_path, monkeypatch):
+    """--strict and an unreadable image: the queued chunks are cancelled and the workers end
+    on their own. A multiprocessing pool ended them with SIGTERM, which a worker forked a
+    moment before drops, and its terminate() then waited for that worker for ever."""
+    _, train, _ = tinyimagenet.scan_tinyimagenet(tiny_imagenet[0])
+    bad = tmp_path / "bad.JPEG"
+    bad.write_bytes(b"not an image")
+    sent, kill = [], os.kill
+    monkeypatch.setattr(os, "kill", lambda pid, signum: (sent.append(signum), kill(pid, signum)))
+    with pytest.raises(faults.UsageError, match=f"unreadable image {bad}"):
+        tinyimagenet.build_split(tmp_path / "cache", "train", [(bad, 0)] + train * 4, "x",
+                                 True, 2, lambda line: None)
+    assert signal.SIGTERM not in sent
+    assert not multiprocessing.active_children()  # the workers have ended
+    assert not (tmp_path / "cache" / "train_meta.json").exists()
+
+
+BUILD_AND_WAIT = """
+import sys, time
+from pathlib import Path
+from training import tinyimagenet
+decode = tinyimagenet._decode_rgb
+def slow_decode(path):
+    time.sleep(0.05)
+    return decode(path)
+tinyimagenet._decode_rgb = slow_decode  # the forked workers run this one
+_, train, _ = tinyimagenet.scan_tinyimagenet(Path(sys.argv[1]))
+tinyimagenet.build_split(Path(sys.argv[2]), "train", train * 20, "x", False, 2, print)
+"""
+
+
+def test_a_killed_rank_leaves_no_cache_worker_behind(tiny_imagenet, tmp_path):
+    """A rank killed (SIGKILL: the OOM killer, a node failure's cleanup) in the middle of
+    building the cache: its workers end with it instead of living on as orphans."""
+    import psutil
+    from conftest import REPO, env_for_tests, wait_for
+    proc = subprocess.Popen([sys.executable, "-c", BUILD_AND_WAIT, str(tiny_imagenet[0]),
+                             str(tmp_path / "cache")], cwd=REPO, env=env_for_tests(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert wait_for(lambda: len(psutil.Process(proc.pid).children()) == 2, 60)
+        workers = psutil.Process(proc.pid).children()
+    finally:
+        proc.kill()
+        proc.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    for worker in alive:
+        worker.kill()
+    assert not alive, f"cache workers left running: {[w.pid for w in alive]}"
+
+
 def test_prepare_tinyimagenet_builds_the_cache_the_training_reuses(tiny_imagenet, tmp_path):
     """The decode-once step on its own (the launchers run it once per node before torchrun):
     a training run with --data-cache then reuses it instead of decoding again."""
-    import subprocess
-    import sys
     from conftest import REPO, env_for_tests
     root, _ = tiny_imagenet
     cache = tmp_path / "cache"

@@ -379,7 +379,7 @@ import os, signal, sys, threading, time
 from training import stopping
 stopping.catch_stop_signals()
 children = []
-for _ in range(200):  # each child SIGTERMed the moment it exists, as pool.terminate() can
+for _ in range(200):  # each child SIGTERMed the moment it exists, as a pool.terminate() can
     pid = os.fork()
     if pid == 0:
         time.sleep(0.2)

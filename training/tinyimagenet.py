@@ -15,14 +15,15 @@ import hashlib
 import json
 import os
 import platform
-import signal
 import time
+from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 
 from training.faults import UsageError
+from training.stopping import die_with_parent
 
 # --------------------------------------------------------------------------------------------
 # The layout: which file is which class
@@ -238,12 +239,6 @@ def _decode_rgb(path):
         return f"{exc.__class__.__name__}: {str(exc)[:100]}"
 
 
-def _default_sigterm() -> None:
-    """Pool workers: the pool ends them with SIGTERM, which a training process's forked
-    children otherwise ignore (stopping._child_signals)."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def build_split(directory: Path, split: str, samples, checksum: str, strict: bool,
                 workers: int, log) -> None:
     """Decode ``samples`` into {split}_u8.npy / {split}_labels.npy / {split}_meta.json,
@@ -254,29 +249,35 @@ def build_split(directory: Path, split: str, samples, checksum: str, strict: boo
     t0 = last = time.perf_counter()
     images = np.empty((len(samples), 64, 64, 3), dtype=np.uint8)
     labels, bad = [], []
-    with get_context("fork").Pool(max(1, workers), initializer=_default_sigterm) as pool:
-        decoded = pool.imap(_decode_rgb, [p for p, _ in samples], chunksize=256)
-        for i, ((path, label), img) in enumerate(zip(samples, decoded), 1):
-            if isinstance(img, str):
-                if strict:
-                    raise UsageError(f"unreadable image {path} ({img}): replace or delete it, "
-                                     f"or drop --strict to skip such files")
-                bad.append(path)
-            else:
-                pixels, resized_from = img
-                if resized_from and strict:
-                    raise UsageError(wrong_size(path, resized_from, strict=True))
-                if resized_from:
-                    log(wrong_size(path, resized_from, strict=False))
-                images[len(labels)] = pixels
-                labels.append(label)
-            if time.perf_counter() - last >= 10:
-                last = time.perf_counter()
-                log(f"data cache: {split} {i}/{len(samples)} images decoded "
-                    f"({i / (last - t0):.0f} img/s)")
-        # The workers end on their own, unsignalled (leaving the block would SIGTERM them)
-        pool.close()
-        pool.join()
+    # Forked workers that end with their rank. On a bad image under --strict the queued chunks
+    # are cancelled and the workers end after the one they decode: no signal is sent to them
+    # (a SIGTERM to a worker forked a moment before is dropped, stopping._child_signals, and a
+    # multiprocessing pool's terminate() then waited for that worker for ever).
+    with ProcessPoolExecutor(max(1, workers), mp_context=get_context("fork"),
+                             initializer=die_with_parent) as pool:
+        decoded = pool.map(_decode_rgb, [p for p, _ in samples], chunksize=256)
+        try:
+            for i, ((path, label), img) in enumerate(zip(samples, decoded), 1):
+                if isinstance(img, str):
+                    if strict:
+                        raise UsageError(f"unreadable image {path} ({img}): replace or delete "
+                                         f"it, or drop --strict to skip such files")
+                    bad.append(path)
+                else:
+                    pixels, resized_from = img
+                    if resized_from and strict:
+                        raise UsageError(wrong_size(path, resized_from, strict=True))
+                    if resized_from:
+                        log(wrong_size(path, resized_from, strict=False))
+                    images[len(labels)] = pixels
+                    labels.append(label)
+                if time.perf_counter() - last >= 10:
+                    last = time.perf_counter()
+                    log(f"data cache: {split} {i}/{len(samples)} images decoded "
+                        f"({i / (last - t0):.0f} img/s)")
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
     images_tmp = directory / f"{split}_u8.npy{tag}"
     with open(images_tmp, "wb") as f:
         np.save(f, images[:len(labels)])
