@@ -107,9 +107,11 @@ def end_tree(root: int) -> list:
 
 
 def exited(pid: int) -> bool:
-    """Whether process ``pid`` is gone or a zombie (dead, its parent not told yet)."""
+    """Whether process ``pid`` is gone or a zombie (dead, its parent not told yet). A process
+    whose main thread has ended while others run reads as a zombie too: its threads say."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state == "Z" and len(os.listdir(f"/proc/{pid}/task")) <= 1
     except OSError:
         return True
 

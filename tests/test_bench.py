@@ -730,6 +730,28 @@ def test_a_training_row_at_its_timeout_says_where_the_training_process_was():
     assert not any("_worker_loop" in line for line in first), stack
 
 
+def test_exited_tells_a_zombie_from_a_process_whose_main_thread_ended():
+    """Both read "Z" in /proc; only the first has ended: the other's threads still run."""
+    code = ("import threading, time, ctypes\n"
+            "threading.Thread(target=time.sleep, args=(30,)).start()\n"
+            "ctypes.CDLL(None).pthread_exit(None)\n")  # the main thread ends, the other runs
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    stat = Path(f"/proc/{proc.pid}/stat")
+    try:
+        deadline = time.monotonic() + 30
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the main thread never ended"
+            time.sleep(0.1)
+        assert not process_tree.exited(proc.pid)
+        proc.kill()
+        time.sleep(0.5)  # a zombie now, not reaped yet
+        assert process_tree.exited(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert process_tree.exited(proc.pid)
+
+
 def test_a_row_started_as_the_run_stops_is_ended_at_once():
     """A row whose process started just after the stop ended the running ones (a start the
     stop's sweep could not see) ran to its end and kept the stopped run waiting: such a
