@@ -244,6 +244,38 @@ tinyimagenet.build_split(Path(sys.argv[2]), "train", train * 20, "x", False, 2, 
 """
 
 
+WORKER_DIES = """
+import os, signal, sys
+from pathlib import Path
+from training import faults, stopping, tinyimagenet
+stopping.catch_stop_signals()  # as in a rank: forked children ignore SIGTERM
+decode = tinyimagenet._decode_rgb
+def decode_or_die(path):
+    if path == DOOMED:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
+    return decode(path)
+tinyimagenet._decode_rgb = decode_or_die
+_, train, _ = tinyimagenet.scan_tinyimagenet(Path(sys.argv[1]))
+DOOMED = train[300 % len(train)][0]
+try:
+    tinyimagenet.build_split(Path(sys.argv[2]), "train", train * 20, "x", False, 2, print)
+except faults.UsageError as exc:
+    print(f"error: {exc}")
+"""
+
+
+def test_a_cache_worker_that_dies_stops_the_build_with_the_reason(tiny_imagenet, tmp_path):
+    """A worker killed mid-build (out of memory): the pool ends the other workers, which a
+    rank's forked children would ignore, and the build stops with one sentence. It hung."""
+    from conftest import REPO, env_for_tests
+    run = subprocess.run([sys.executable, "-c", WORKER_DIES, str(tiny_imagenet[0]),
+                          str(tmp_path / "cache")], cwd=REPO, env=env_for_tests(),
+                         capture_output=True, text=True, timeout=120)
+    assert ("error: a data-cache worker died while decoding the train images (killed: out of "
+            "memory?): build the cache with fewer workers") in run.stdout, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+
+
 def test_a_killed_rank_leaves_no_cache_worker_behind(tiny_imagenet, tmp_path):
     """A rank killed (SIGKILL: the OOM killer, a node failure's cleanup) in the middle of
     building the cache: its workers end with it instead of living on as orphans."""

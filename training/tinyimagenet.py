@@ -15,8 +15,10 @@ import hashlib
 import json
 import os
 import platform
+import signal
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -239,6 +241,14 @@ def _decode_rgb(path):
         return f"{exc.__class__.__name__}: {str(exc)[:100]}"
 
 
+def _start_cache_worker() -> None:
+    """A cache worker ends with its rank, and a SIGTERM ends it: the pool ends the survivors
+    so when a worker has died (a rank's forked child ignores it otherwise,
+    stopping._child_signals, and the pool would wait for them for ever)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    die_with_parent()
+
+
 def build_split(directory: Path, split: str, samples, checksum: str, strict: bool,
                 workers: int, log) -> None:
     """Decode ``samples`` into {split}_u8.npy / {split}_labels.npy / {split}_meta.json,
@@ -249,12 +259,12 @@ def build_split(directory: Path, split: str, samples, checksum: str, strict: boo
     t0 = last = time.perf_counter()
     images = np.empty((len(samples), 64, 64, 3), dtype=np.uint8)
     labels, bad = [], []
-    # Forked workers that end with their rank. On a bad image under --strict the queued chunks
-    # are cancelled and the workers end after the one they decode: no signal is sent to them
-    # (a SIGTERM to a worker forked a moment before is dropped, stopping._child_signals, and a
-    # multiprocessing pool's terminate() then waited for that worker for ever).
+    # On a bad image under --strict the queued chunks are cancelled and the workers end after
+    # the one they decode, unsignalled (a SIGTERM to a worker forked a moment before is
+    # dropped, stopping._child_signals, and a multiprocessing pool's terminate() then waited
+    # for that worker for ever).
     with ProcessPoolExecutor(max(1, workers), mp_context=get_context("fork"),
-                             initializer=die_with_parent) as pool:
+                             initializer=_start_cache_worker) as pool:
         decoded = pool.map(_decode_rgb, [p for p, _ in samples], chunksize=256)
         try:
             for i, ((path, label), img) in enumerate(zip(samples, decoded), 1):
@@ -275,6 +285,11 @@ def build_split(directory: Path, split: str, samples, checksum: str, strict: boo
                     last = time.perf_counter()
                     log(f"data cache: {split} {i}/{len(samples)} images decoded "
                         f"({i / (last - t0):.0f} img/s)")
+        except BrokenProcessPool:
+            raise UsageError(f"a data-cache worker died while decoding the {split} images "
+                             f"(killed: out of memory?): build the cache with fewer workers "
+                             f"(prepare_tinyimagenet.py --workers N, or --num-workers N)"
+                             ) from None
         except BaseException:
             pool.shutdown(cancel_futures=True)
             raise
