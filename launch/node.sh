@@ -163,9 +163,9 @@ gpu_pid="" cpu_pid="" train_pid=""
 stop_all() {
   local rc=$? p stopped=() running
   trap - EXIT INT TERM HUP
-  # job.sh sends SIGUSR1 to every process of the step every 10 s until the training has ended;
-  # here, handled by default, one would end the subshell below and, through set -e, this
-  # trap before it has stopped the loggers
+  # job.sh sends SIGUSR1 to every process of the step every 10 s until the training has ended.
+  # At its default, one would end the subshell below, and set -e would then end this trap
+  # before it has stopped the loggers.
   trap '' USR1
   # Only a process still running is signalled: one that ended on its own (psrecord ends with
   # the training) was reaped, and its pid may be another process's by now.

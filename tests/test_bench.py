@@ -743,8 +743,10 @@ def test_exited_tells_a_zombie_from_a_process_whose_main_thread_ended():
             assert time.monotonic() < deadline, "the main thread never ended"
             time.sleep(0.1)
         assert not process_tree.exited(proc.pid)
-        proc.kill()
-        time.sleep(0.5)  # a zombie now, not reaped yet
+        proc.kill()  # a zombie once its threads are gone, not reaped yet
+        deadline = time.monotonic() + 30
+        while not process_tree.exited(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert process_tree.exited(proc.pid)
     finally:
         proc.kill()

@@ -242,9 +242,9 @@ def _decode_rgb(path):
 
 
 def _start_cache_worker() -> None:
-    """A cache worker ends with its rank, and a SIGTERM ends it: the pool ends the survivors
-    so when a worker has died (a rank's forked child ignores it otherwise,
-    stopping._child_signals, and the pool would wait for them for ever)."""
+    """A cache worker ends with its rank. SIGTERM ends it too: when a worker dies, the pool
+    ends the others with SIGTERM, which a rank's forked children otherwise ignore
+    (stopping._child_signals), and it would wait for them for ever."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     die_with_parent()
 
