@@ -155,28 +155,33 @@ cpu_log="$RUN_DIR/cpu_memory/$log_name.txt"
 mkdir -p "$RUN_DIR/gpu_memory" "$RUN_DIR/cpu_memory"
 gpu_pid="" cpu_pid="" train_pid=""
 
+# still_running PID: whether bash still lists its background job PID as running. Only such a
+# process is signalled: one that ended on its own (psrecord ends with the training) was reaped,
+# and its pid may be another process's by now.
+# shellcheck disable=SC2317  # reached through the EXIT trap
+still_running() {
+  [[ " $(jobs -pr | tr '\n' ' ') " == *" $1 "* ]]
+}
+
 # Runs on every exit path (normal end, failure, set -e, scancel/kill-on-bad-exit via TERM).
 # The loggers stop first: when another node fails, Slurm ends this node's task with SIGTERM and,
 # KillWait seconds later (30 s by default, 5 s in the test cluster), SIGKILL. A training that
 # takes longer to stop must not keep this node from saying that its loggers are gone.
 # shellcheck disable=SC2317  # reached through the EXIT trap
 stop_all() {
-  local rc=$? p stopped=() running
+  local rc=$? p stopped=()
   trap - EXIT INT TERM HUP
   # job.sh sends SIGUSR1 to every process of the step every 10 s until the training has ended.
-  # At its default, one would end the subshell below, and set -e would then end this trap
+  # At its default, one would end still_running's subshell, and with it the check, or this trap
   # before it has stopped the loggers.
   trap '' USR1
-  # Only a process still running is signalled: one that ended on its own (psrecord ends with
-  # the training) was reaped, and its pid may be another process's by now.
-  running=" $(jobs -pr | tr '\n' ' ') "
   for p in $gpu_pid $cpu_pid; do
-    if [[ $running == *" $p "* ]]; then kill -TERM "$p" 2>/dev/null || true; fi
+    if still_running "$p"; then kill -TERM "$p" 2>/dev/null || true; fi
     wait "$p" 2>/dev/null || true
     stopped+=("$p")
   done
   echo "[$node] loggers stopped (pids: ${stopped[*]:-none}); exit code $rc"
-  if [ -n "$train_pid" ] && [[ $running == *" $train_pid "* ]]; then
+  if [ -n "$train_pid" ] && still_running "$train_pid"; then
     echo "[$node] waiting for the training to stop"
     kill -TERM "$train_pid" 2>/dev/null || true  # torchrun forwards it to its workers
     wait "$train_pid" 2>/dev/null || true

@@ -230,35 +230,23 @@ def test_a_strict_cache_build_stops_at_a_bad_image_without_signalling_its_worker
     assert not (tmp_path / "cache" / "train_meta.json").exists()
 
 
-BUILD_AND_WAIT = """
-import sys, time
-from pathlib import Path
-from training import tinyimagenet
-decode = tinyimagenet._decode_rgb
-def slow_decode(path):
-    time.sleep(0.05)
-    return decode(path)
-tinyimagenet._decode_rgb = slow_decode  # the forked workers run this one
-_, train, _ = tinyimagenet.scan_tinyimagenet(Path(sys.argv[1]))
-tinyimagenet.build_split(Path(sys.argv[2]), "train", train * 20, "x", False, 2, print)
-"""
-
-
-WORKER_DIES = """
-import os, signal, sys
+RANK_BUILDS_CACHE = """
+import os, signal, sys, time
 from pathlib import Path
 from training import faults, stopping, tinyimagenet
-stopping.catch_stop_signals()  # as in a rank: forked children ignore SIGTERM
-decode = tinyimagenet._decode_rgb
-def decode_or_die(path):
-    if path == DOOMED:
+stopping.catch_stop_signals()  # as in a rank: its forked children ignore SIGTERM
+root, cache, fault = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+_, train, _ = tinyimagenet.scan_tinyimagenet(root)
+decode, doomed = tinyimagenet._decode_rgb, train[300 % len(train)][0]
+def faulty_decode(path):  # the forked workers run this one
+    if fault == "slow":
+        time.sleep(0.05)
+    elif path == doomed:
         os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
     return decode(path)
-tinyimagenet._decode_rgb = decode_or_die
-_, train, _ = tinyimagenet.scan_tinyimagenet(Path(sys.argv[1]))
-DOOMED = train[300 % len(train)][0]
+tinyimagenet._decode_rgb = faulty_decode
 try:
-    tinyimagenet.build_split(Path(sys.argv[2]), "train", train * 20, "x", False, 2, print)
+    tinyimagenet.build_split(cache, "train", train * 20, "x", False, 2, print)
 except faults.UsageError as exc:
     print(f"error: {exc}")
 """
@@ -268,8 +256,8 @@ def test_a_cache_worker_that_dies_stops_the_build_with_the_reason(tiny_imagenet,
     """A worker killed mid-build (out of memory): the pool ends the other workers, which a
     rank's forked children would ignore, and the build stops with one sentence. It hung."""
     from conftest import REPO, env_for_tests
-    run = subprocess.run([sys.executable, "-c", WORKER_DIES, str(tiny_imagenet[0]),
-                          str(tmp_path / "cache")], cwd=REPO, env=env_for_tests(),
+    run = subprocess.run([sys.executable, "-c", RANK_BUILDS_CACHE, str(tiny_imagenet[0]),
+                          str(tmp_path / "cache"), "die"], cwd=REPO, env=env_for_tests(),
                          capture_output=True, text=True, timeout=120)
     assert ("error: a data-cache worker died while decoding the train images (killed: out of "
             "memory?): build the cache with fewer workers") in run.stdout, run.stderr[-2000:]
@@ -281,8 +269,8 @@ def test_a_killed_rank_leaves_no_cache_worker_behind(tiny_imagenet, tmp_path):
     building the cache: its workers end with it instead of living on as orphans."""
     import psutil
     from conftest import REPO, env_for_tests, wait_for
-    proc = subprocess.Popen([sys.executable, "-c", BUILD_AND_WAIT, str(tiny_imagenet[0]),
-                             str(tmp_path / "cache")], cwd=REPO, env=env_for_tests(),
+    proc = subprocess.Popen([sys.executable, "-c", RANK_BUILDS_CACHE, str(tiny_imagenet[0]),
+                             str(tmp_path / "cache"), "slow"], cwd=REPO, env=env_for_tests(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert wait_for(lambda: len(psutil.Process(proc.pid).children()) == 2, 60)
