@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, env_for_tests
 
-from bench import gpu_plan, gpu_report, lanes, process_tree
+from bench import gpu_plan, gpu_report, gpu_rows, lanes, process_tree
 
 
 def run_bench(script, *args, timeout=300):
@@ -125,13 +125,11 @@ def test_gpu_check_starts_no_row_it_has_no_time_for(tmp_path):
 def test_gpu_check_names_the_equivalence_test_that_failed(monkeypatch):
     """The first GPU run said "1 failed, 2 passed" and nothing more: which test failed took a
     second run of the lease. The report now carries pytest's FAILED lines."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import gpu_check
     out = ("..F\nFAILED tests/test_strategies.py::test_fsdp_ends_with_the_same_weights_as_ddp"
            "[full] - AssertionError: Tensor-likes are not close!\n1 failed, 2 passed in 55s\n")
-    monkeypatch.setattr(gpu_check.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+    monkeypatch.setattr(gpu_rows.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
         a, 1, stdout=out, stderr=""))
-    passed, text, fatal = gpu_check.equivalence_tests(1, 60)
+    passed, text, fatal = gpu_rows.equivalence_tests(1, 60)
     assert passed is False and fatal == []
     assert text.startswith("1 failed, 2 passed in 55s (1 process(es) per run, NCCL); FAILED "
                            "tests/test_strategies.py::test_fsdp_ends_with_the_same_weights_as_"
@@ -142,8 +140,6 @@ def test_gpu_check_counts_the_recompilations_inside_the_timed_epoch():
     """--compile rows run with TORCH_LOGS=recompiles; only those inside the second epoch's
     training window (its [METRIC] clock times) count against the measurement."""
     import datetime
-    sys.path.insert(0, str(REPO / "bench"))
-    import gpu_check
     year = datetime.date.today().year
     start = datetime.datetime(year, 11, 26, 12, 0, 10).timestamp()
     log = "\n".join([
@@ -155,8 +151,8 @@ def test_gpu_check_counts_the_recompilations_inside_the_timed_epoch():
         "forward in models.py:32",  # inside
         "V1126 12:00:30.000000 1 guards.py:5621] [0/3] [__recompiles] Recompiling function "
         "forward in models.py:32"])  # the second evaluation: after
-    assert gpu_check.recompiles_between(log, start, start + 15) == 1
-    assert gpu_check.recompiles_between("", start, start + 15) == 0
+    assert gpu_rows.recompiles_between(log, start, start + 15) == 1
+    assert gpu_rows.recompiles_between("", start, start + 15) == 0
 
 
 def test_compile_takes_a_mode():
@@ -272,7 +268,7 @@ def test_gpu_check_continue_runs_only_the_rows_not_yet_there(gpu_check, monkeypa
     runs only the others, a row "not started" among them; each new line has its seconds."""
     ran = []
     monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: _small_plan())
-    monkeypatch.setattr(gpu_check, "run_training",
+    monkeypatch.setattr(gpu_rows, "run_training",
                         lambda row, *a, **k: ran.append(row.key) or _fake_training(row, *a))
     out = tmp_path / "r.md"
     done = {"label": gpu_plan.CEILING, "batch": 8, "image": 64, "kind": "train", "img_s": 123.0,
@@ -368,13 +364,13 @@ def test_raw_step_times_the_plain_step_on_the_cpu():
     assert re.search(r"^cnn, 32 px, batch 4, off, eager: [\d,]+ img/s", out, re.M), out
 
 
-def test_gpu_check_reads_the_raw_steps_figures(gpu_check):
+def test_gpu_check_reads_the_raw_steps_figures():
     """The raw eager row, run as on a CPU (ResNet-18, a few images): its [RAW] line's figures,
     and the command in the row's JSON line."""
     row = next(row for row in gpu_plan.plan("targets", gpu=False)
                if row.label == gpu_plan.RAW_EAGER)
     args = gpu_plan.raw_args(row, "resnet18", 2, gpu=False)
-    found = gpu_check.run_raw(row, args, timeout=120)
+    found = gpu_rows.run_raw(row, args, timeout=120)
     assert "error" not in found, found
     assert found["img_s"] > 0 and found["step_ms"] > 0 and found["steps"] == 2, found
     assert "--mode" in found["cmd"] and "eager" in found["cmd"], found
@@ -464,7 +460,7 @@ E       Current thread 0x00007f00 (most recent call first):
     "E\nE       Extension modules: numpy\n"
 
 
-def test_gpu_check_keeps_the_first_lines_of_a_crashed_ranks_stack(gpu_check, monkeypatch):
+def test_gpu_check_keeps_the_first_lines_of_a_crashed_ranks_stack(monkeypatch):
     """The rows that start ranks run with PYTHONFAULTHANDLER=1; a SIGSEGV's "Fatal Python
     error" and the crashed thread's first frames (15 lines at most) reach the row's note."""
     stack = process_tree.fatal_stack(FAULTHANDLER_DUMP)
@@ -478,8 +474,8 @@ def test_gpu_check_keeps_the_first_lines_of_a_crashed_ranks_stack(gpu_check, mon
         seen.update(kwargs["env"])
         return subprocess.CompletedProcess(cmd, 1, stdout=FAULTHANDLER_DUMP + "1 failed",
                                            stderr="")
-    monkeypatch.setattr(gpu_check.subprocess, "run", run)
-    passed, text, fatal = gpu_check.equivalence_tests(1, 60, shared=True)
+    monkeypatch.setattr(gpu_rows.subprocess, "run", run)
+    passed, text, fatal = gpu_rows.equivalence_tests(1, 60, shared=True)
     assert seen["PYTHONFAULTHANDLER"] == "1" and passed is False and fatal == stack
     result = {"label": "equivalence tests, 2 ranks sharing a GPU", "batch": 0, "image": 64,
               "kind": "shared tests", "passed": False, "text": text, "fatal": fatal,
@@ -490,7 +486,7 @@ def test_gpu_check_keeps_the_first_lines_of_a_crashed_ranks_stack(gpu_check, mon
     assert "frame12.py" in report and "frame13.py" not in report
 
 
-def test_gpu_check_save_model_row_wants_the_whole_weights(gpu_check, tmp_path):
+def test_gpu_check_save_model_row_wants_the_whole_weights(tmp_path):
     """The --save-model row passes on a file torch.load reads with every weight whole, and
     names what is wrong otherwise (a shard's shape, a weight missing, no file)."""
     import torch
@@ -498,16 +494,16 @@ def test_gpu_check_save_model_row_wants_the_whole_weights(gpu_check, tmp_path):
     shape, classes = models.synthetic_shape("cnn")
     state = models.build_model("cnn", classes, shape).state_dict()
     torch.save(state, tmp_path / "whole.pt")
-    assert gpu_check.whole_weights("cnn", tmp_path / "whole.pt") is None
+    assert gpu_rows.whole_weights("cnn", tmp_path / "whole.pt") is None
     first = next(iter(state))
     torch.save(state | {first: state[first][: len(state[first]) // 2]}, tmp_path / "half.pt")
-    assert gpu_check.whole_weights("cnn", tmp_path / "half.pt") == (
+    assert gpu_rows.whole_weights("cnn", tmp_path / "half.pt") == (
         f"half.pt does not hold the whole weights: 1 of {len(state)} differ or are missing "
         f"({first})")
-    assert "1 of" in gpu_check.whole_weights("cnn", tmp_path / "half.pt")
+    assert "1 of" in gpu_rows.whole_weights("cnn", tmp_path / "half.pt")
     torch.save({k: v for k, v in state.items() if k != first}, tmp_path / "less.pt")
-    assert f"({first})" in gpu_check.whole_weights("cnn", tmp_path / "less.pt")
-    assert gpu_check.whole_weights("cnn", tmp_path / "none.pt").startswith(
+    assert f"({first})" in gpu_rows.whole_weights("cnn", tmp_path / "less.pt")
+    assert gpu_rows.whole_weights("cnn", tmp_path / "none.pt").startswith(
         "torch.load(none.pt) failed: FileNotFoundError")
     plan = {row.label: row for row in gpu_plan.plan("speed", gpu=True)}
     row = plan["fsdp --save-model, 2 ranks sharing the GPU"]
