@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import shlex
@@ -180,10 +181,17 @@ def finished(row: dict) -> bool:
 
 def measured_seconds(rows: list, device: str) -> dict:
     """{(key, steps per epoch): seconds} of the rows an earlier run ran on ``device``: the
-    time estimates of the same rows in this run."""
+    time estimates of the same rows in this run. A row's seconds that are no number of 0 or
+    more (a file edited by hand: NaN, a string) are no estimate: the plan's guess stands."""
     return {(row_key(r["label"], r["image"], r["batch"]), r.get("steps_per_epoch")): r["seconds"]
-            for r in rows if r.get("device") == device and r.get("seconds") is not None
+            for r in rows if r.get("device") == device and _seconds(r.get("seconds"))
             and "skipped" not in r}  # a cut row's seconds say nothing of the row
+
+
+def _seconds(value) -> bool:
+    """Whether ``value`` is a time in seconds: a finite number, 0 or more."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0)
 
 
 def main(argv=None) -> int:

@@ -314,6 +314,20 @@ def test_gpu_check_takes_its_time_estimates_from_an_earlier_run(gpu_check, monke
                      re.M), out
 
 
+
+def test_gpu_check_leaves_an_estimate_that_is_no_time_to_the_plans_guess(tmp_path):
+    """An earlier run's file edited by hand: seconds of NaN (json.dumps writes it), a string,
+    a negative number, true. The dry run kept simulating a row of NaN seconds for ever; now
+    such a row keeps the plan's guess. (A process of its own: a hang fails, not waits.)"""
+    rows = [r for r in gpu_plan.plan("speed", gpu=False) if not r.cuda_only][:4]
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text("".join(
+        json.dumps({"label": r.label, "image": r.image, "batch": r.batch, "device": "cpu",
+                    "steps_per_epoch": gpu_plan.row_steps(r, 3), "seconds": bad}) + "\n"
+        for r, bad in zip(rows, [float("nan"), "12", -5.0, True])))
+    out = run_bench("gpu_check.py", "--dry-run", "--estimates", str(earlier), timeout=120)
+    assert "time estimates: 0 measured before" in out, out
+
 def test_gpu_check_sizes_rank_0_of_8_for_the_steps_it_trains():
     """--simulate-world-size trains 2 steps as rank 0 of 8: its synthetic data is what those
     steps read (8 ranks x 2 batches), not 100 steps' worth; at 224 px on a GPU that data
