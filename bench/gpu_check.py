@@ -135,6 +135,15 @@ def missing_input(args, jsonl: Path | None) -> str | None:
     if args.estimates and not Path(args.estimates).is_file():
         return (f"--estimates {args.estimates} does not exist: give the .jsonl an earlier "
                 f"run wrote beside its --out, or leave it out")
+    out = Path(args.out) if args.out else None
+    if out and out.is_dir():
+        return f"--out {out} is a folder: give the report a file name, such as {out / 'gpu.md'}"
+    if out and out == jsonl:
+        return (f"--out {out} would be its own rows file (the rows go to the .jsonl beside "
+                f"--out): give the report a .md name, such as {out.with_suffix('.md')}")
+    for flag, path in (("--out", out and out.parent), ("--work-dir", args.work_dir)):
+        if path and Path(path).exists() and not Path(path).is_dir():
+            return f"{flag}: {path} is a file, not a folder: give a path in a folder"
     return None
 
 
@@ -148,7 +157,7 @@ def earlier_rows(args, jsonl: Path | None) -> tuple:
             earlier += found
             if broken:
                 print(f"notice: {path}: {broken} line(s) not a whole row (a run cut while "
-                      f"writing), left out", flush=True)
+                      f"writing, or an edit), left out", flush=True)
             if args.continue_run and path == jsonl:
                 kept = [r for r in found if finished(r)]
     return earlier, kept
@@ -166,7 +175,8 @@ def read_rows(path: Path) -> tuple:
         except json.JSONDecodeError:
             broken += 1
             continue
-        if isinstance(row, dict) and {"label", "image", "batch"} <= row.keys():
+        if isinstance(row, dict) and isinstance(row.get("label"), str) and all(
+                type(row.get(k)) is int for k in ("image", "batch")):
             rows.append(row)
         else:
             broken += 1
@@ -184,14 +194,14 @@ def measured_seconds(rows: list, device: str) -> dict:
     time estimates of the same rows in this run. A row's seconds that are no number of 0 or
     more (a file edited by hand: NaN, a string) are no estimate: the plan's guess stands."""
     return {(row_key(r["label"], r["image"], r["batch"]), r.get("steps_per_epoch")): r["seconds"]
-            for r in rows if r.get("device") == device and _seconds(r.get("seconds"))
+            for r in rows if r.get("device") == device and is_time(r.get("seconds"))
+            and type(r.get("steps_per_epoch")) is int
             and "skipped" not in r}  # a cut row's seconds say nothing of the row
 
 
-def _seconds(value) -> bool:
+def is_time(value) -> bool:
     """Whether ``value`` is a time in seconds: a finite number, 0 or more."""
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value) and value >= 0)
+    return type(value) in (int, float) and math.isfinite(value) and value >= 0
 
 
 def main(argv=None) -> int:
@@ -264,11 +274,11 @@ def parser() -> argparse.ArgumentParser:
 def acceptance_run(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
-    catch_stops()  # from here on, Ctrl-C and SIGTERM end the run with its report written
     if args.lanes is None:  # the target rows alone: no other row beside them on the GPU
         args.lanes = 1 if args.rows == "targets" else 4
-    if args.minutes <= 0 or (args.steps is not None and args.steps < 1) or args.lanes < 1:
-        p.error("--minutes, --steps and --lanes must be above 0")
+    if not 0 < args.minutes < math.inf or (args.steps is not None and args.steps < 1) or \
+            args.lanes < 1:
+        p.error("--minutes, --steps and --lanes must be numbers above 0")
     out = Path(args.out) if args.out else None
     jsonl = out.with_suffix(".jsonl") if out else None
     wrong = missing_input(args, jsonl)
@@ -282,6 +292,10 @@ def acceptance_run(argv=None) -> int:
     rows = plan(args.rows, gpu)
     earlier, kept = earlier_rows(args, jsonl)
     seconds = measured_seconds(earlier, device)
+    no_time = [r for r in earlier if r.get("seconds") is not None and not is_time(r["seconds"])]
+    if no_time:
+        print(f"notice: {len(no_time)} earlier row(s) whose seconds are no time (such as "
+              f"{no_time[0]['seconds']!r}): the plan's guesses stand for them", flush=True)
 
     def need(row: Row) -> float:
         return seconds.get((row.key, row_steps(row, steps)), row.need_s)
@@ -297,6 +311,7 @@ def acceptance_run(argv=None) -> int:
         print_plan(pending, args.lanes, 60 * args.minutes, need)
         return 0
 
+    catch_stops()  # from here on, Ctrl-C and SIGTERM end the run with its report written
     if not gpu:
         print("notice: no GPU visible: a small CPU smoke run (ResNet-18, a small tree, "
               f"{steps} steps); the CUDA-only rows and the CUDA equivalence tests are skipped",

@@ -325,8 +325,29 @@ def test_gpu_check_leaves_an_estimate_that_is_no_time_to_the_plans_guess(tmp_pat
         json.dumps({"label": r.label, "image": r.image, "batch": r.batch, "device": "cpu",
                     "steps_per_epoch": gpu_plan.row_steps(r, 3), "seconds": bad}) + "\n"
         for r, bad in zip(rows, [float("nan"), "12", -5.0, True])))
+    with open(earlier, "a") as f:  # a good time, at steps an epoch that are no number
+        f.write(json.dumps({"label": rows[0].label, "image": rows[0].image, "batch": rows[0].batch,
+                            "device": "cpu", "steps_per_epoch": [3], "seconds": 5.0}) + "\n")
     out = run_bench("gpu_check.py", "--dry-run", "--estimates", str(earlier), timeout=120)
+    assert "notice: 4 earlier row(s) whose seconds are no time (such as nan)" in out, out
     assert "time estimates: 0 measured before" in out, out
+
+
+def test_gpu_check_refuses_an_out_it_cannot_write_before_any_row_runs(gpu_check, tmp_path,
+                                                                      capsys):
+    """--out a folder ended in a traceback after every row had run, its rows in a file beside
+    the folder; --out r.jsonl made the report overwrite its own rows. Each is one sentence and
+    exit 2 now, before anything runs; so are --minutes nan and a --work-dir that is a file."""
+    (tmp_path / "file").write_text("")
+    for args, said in [(["--out", str(tmp_path)], "is a folder: give the report a file name"),
+                       (["--out", str(tmp_path / "r.jsonl")], "would be its own rows file"),
+                       (["--out", str(tmp_path / "file" / "r.md")], "is a file, not a folder"),
+                       (["--work-dir", str(tmp_path / "file")], "is a file, not a folder")]:
+        assert gpu_check.main(args) == 2, args
+        assert said in capsys.readouterr().err, args
+    with pytest.raises(SystemExit) as refused:
+        gpu_check.main(["--dry-run", "--minutes", "nan"])
+    assert refused.value.code == 2 and "numbers above 0" in capsys.readouterr().err
 
 def test_gpu_check_sizes_rank_0_of_8_for_the_steps_it_trains():
     """--simulate-world-size trains 2 steps as rank 0 of 8: its synthetic data is what those
