@@ -144,19 +144,33 @@ def settings_from(args, train_args: list) -> dict:
                                         else [])}
 
 
+# The flags the study sets for every run, each with the shortest abbreviation argparse takes
+# for it from the training scripts today (a shorter one fits other flags too: --ba is
+# --base-batch or --batch-size, and argparse refuses it)
+STUDY_SETS = {"--batch-size": "--bat", "--checkpoint-dir": "--checkpoint-d", "--gpus": "--gp"}
+
+
+def study_flag(arg: str) -> str | None:
+    """The flag of STUDY_SETS that ``arg`` names, in full or abbreviated, or None."""
+    flag = arg.split("=")[0]
+    return next((name for name, shortest in STUDY_SETS.items()
+                 if name.startswith(flag) and flag.startswith(shortest)), None)
+
+
 def check_train_args(train_args: list) -> None:
-    """Refuse what the study sets for every run itself. By prefix: argparse also takes
-    abbreviations such as --batch."""
+    """Refuse what the study sets for every run itself, abbreviated too (argparse takes --bat
+    for --batch-size, and the last value wins: the runs would train at another batch than the
+    study's tables say)."""
     if len([a for a in train_args if a.split("=")[0].startswith("--lr-s")]) > 1:
         raise StudyError("--lr-scaling is given both before and after the --: keep the one "
                          "before it")
     for arg in train_args:
-        flag = arg.split("=")[0]
-        if flag.startswith("--batch"):
+        flag = study_flag(arg)
+        if flag == "--batch-size":
             raise StudyError(f"{arg} after --: the study sets --batch-size for every run; use "
                              f"--per-gpu-batch N (weak scaling) or --scaling strong "
                              f"--global-batch N instead")
-        if flag.startswith("--checkpoint-d"):
+        if flag == "--checkpoint-dir":
             raise StudyError(f"{arg} after --: every run would share one checkpoint folder and "
                              f"resume from the others' checkpoints; drop it (each run "
                              f"checkpoints in its own run directory)")

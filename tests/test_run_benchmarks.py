@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib
 import importlib.util
 import json
 import os
@@ -103,11 +104,17 @@ def sbatch(name, strategy, nodes, gpus, study, script, batch, train, extra=()) -
 # The commands
 # --------------------------------------------------------------------------------------------
 
-def test_default_batch_is_the_training_scripts():
+def run_benchmarks_module():
+    """launch/run_benchmarks.py, imported."""
     spec = importlib.util.spec_from_file_location("run_benchmarks", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["run_benchmarks"] = mod  # dataclasses look their module up while defining
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_default_batch_is_the_training_scripts():
+    mod = run_benchmarks_module()
     parser = flags.add_common_args(argparse.ArgumentParser())
     assert mod.DEFAULT_BATCH_SIZE == parser.get_default("batch_size")  # imported: one definition
     assert mod.MANIFEST is collect_results.MANIFEST  # imported: one definition
@@ -192,6 +199,9 @@ def test_training_arguments_unchecked_where_the_scripts_cannot_be_imported(tmp_p
 @pytest.mark.parametrize("args,says", [
     (["--", "--batch-size", "32"], "use --per-gpu-batch N"),
     (["--", "--batch=32"], "use --per-gpu-batch N"),
+    (["--", "--bat", "8"], "use --per-gpu-batch N"),  # argparse's abbreviation: the batch 8
+    (["--", "--gp", "2"], "the study sets the GPUs of every run"),
+    (["--", "--checkpoint-d=/tmp/ck"], "share one checkpoint folder"),
     (["--", "--checkpoint-dir", "/tmp/ck"], "share one checkpoint folder"),
     (["--scaling", "strong"], "needs --global-batch"),
     (["--scaling", "strong", "--global-batch", "64", "--per-gpu-batch", "8"],
@@ -218,6 +228,21 @@ def test_bad_flags_are_one_clear_sentence(tmp_path, args, says):
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
+
+
+def test_the_study_knows_the_shortest_abbreviation_of_each_flag_it_sets():
+    """STUDY_SETS' abbreviations are the shortest that argparse takes for those flags from each
+    training script: one character less fits another flag too (or none), so argparse refuses
+    it itself. A new flag that changes that fails here, not in a study's figures."""
+    study_sets = run_benchmarks_module().STUDY_SETS
+    for script in ("dp_train", "ddp_train", "fsdp_train"):
+        names = [o for a in importlib.import_module(script).build_parser()._actions
+                 for o in a.option_strings if o.startswith("--")]
+        for flag, shortest in study_sets.items():
+            if flag not in names:  # dp_train.py has no --checkpoint-dir of DDP's kind
+                continue
+            assert [n for n in names if n.startswith(shortest)] == [flag], (script, shortest)
+            assert [n for n in names if n.startswith(shortest[:-1])] != [flag], (script, shortest)
 
 
 # --------------------------------------------------------------------------------------------
