@@ -347,10 +347,32 @@ def _show(value) -> str:
     return "(none)" if value is None else str(value)
 
 
-def merge_resume(given: dict, manifest: dict) -> dict:
+def saved_settings(manifest: dict, path: Path) -> dict:
+    """The settings study.json holds, if they have the shape this script writes (an edit by
+    hand, a gpus of ["2"], ends in one sentence, not in a traceback where they are used)."""
+    s = manifest["settings"]
+
+    def ints(key, may_be_none=False):
+        return (s.get(key) is None and may_be_none) or type(s.get(key)) is int
+
+    def listed(key, kind):
+        return isinstance(s.get(key), list) and all(type(v) is kind for v in s[key])
+
+    if not (listed("strategies", str) and set(s["strategies"]) <= set(STRATEGIES)
+            and all(listed(key, int) for key in ("gpus", "nodes", "multi_node_gpus"))
+            and s.get("scaling") in ("weak", "strong") and ints("cpus_per_gpu")
+            and ints("per_gpu_batch", True) and ints("global_batch", True)
+            and listed("sbatch_args", str) and listed("train_args", str)):
+        raise StudyError(f"{path}: not a study manifest (its settings are not those "
+                         f"launch/run_benchmarks.py writes); restore it, or start a new study "
+                         f"with another --study-dir")
+    return s
+
+
+def merge_resume(given: dict, manifest: dict, path: Path) -> dict:
     """--resume: the study's settings, checked against those given again on the command line.
     Matrix flags pick a part of the study (and may add configurations); the rest must match."""
-    saved = manifest["settings"]
+    saved = saved_settings(manifest, path)
     merged = dict(saved)
     for key in ("strategies", "gpus", "nodes", "multi_node_gpus"):
         if given[key]:
@@ -383,7 +405,7 @@ def open_study(args, given: dict, mode: str) -> tuple:
         if manifest["mode"] != mode:
             raise StudyError(f"{study_dir} is a {manifest['mode']} study; resume it "
                              f"{'with' if manifest['mode'] == 'local' else 'without'} --local")
-        settings = fill_defaults(merge_resume(given, manifest))
+        settings = fill_defaults(merge_resume(given, manifest, study_dir / MANIFEST))
     else:
         settings = fill_defaults(given)
         study_dir = Path(args.study_dir or f"runs/study-{datetime.now():%Y%m%d-%H%M%S}").resolve()
@@ -443,7 +465,8 @@ def queued_job_ids() -> set | None:
         out = subprocess.run(["squeue", "--noheader", "--format=%i",
                               f"--user={getpass.getuser()}"],
                              capture_output=True, text=True, timeout=60)
-        failed = f"exit {out.returncode}: {out.stderr.strip()[:200]}" if out.returncode else ""
+        last = (out.stderr.strip().splitlines() or ["no message"])[-1]  # squeue: error: ...
+        failed = f"exit {out.returncode}: {last}" if out.returncode else ""
     except (OSError, subprocess.TimeoutExpired) as e:
         failed = str(e)
     if failed:

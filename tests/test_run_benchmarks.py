@@ -245,6 +245,24 @@ def test_the_study_knows_the_shortest_abbreviation_of_each_flag_it_sets():
             assert [n for n in names if n.startswith(shortest[:-1])] != [flag], (script, shortest)
 
 
+
+@pytest.mark.parametrize("edit", ["gpus", "strategies", "scaling"])
+def test_resume_of_a_study_json_with_edited_settings_is_one_sentence(tmp_path, edit):
+    """study.json edited by hand (gpus ["2"], strategies gone, an unknown scaling) ended in a
+    TypeError or KeyError where the settings were used; now it is the manifest's sentence."""
+    manifest = json.loads((FIXTURE_STUDY / "study.json").read_text())
+    if edit == "strategies":
+        del manifest["settings"]["strategies"]
+    else:
+        manifest["settings"][edit] = ["2"] if edit == "gpus" else "diagonal"
+    (tmp_path / "study.json").write_text(json.dumps(manifest))
+    proc = rb("--dry-run", "--resume", "--study-dir", tmp_path, env={"PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == (f"error: {tmp_path / 'study.json'}: not a study manifest "
+                                   f"(its settings are not those launch/run_benchmarks.py "
+                                   f"writes); restore it, or start a new study with another "
+                                   f"--study-dir"), proc.stderr
+
 # --------------------------------------------------------------------------------------------
 # Submitting, with a fake sbatch
 # --------------------------------------------------------------------------------------------
