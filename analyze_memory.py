@@ -22,7 +22,8 @@ has it. Per node, psrecord's RSS
 gets each run's lines under "== <run directory> ==". docs/slurm.md, "Reading the memory
 summary", says more, --plot's timeline included.
 
-Lines that are not a complete sample ([N/A] values, a cut-off last line, malformed lines) are
+Lines that are not a complete sample ([N/A] values, a cut-off last line, malformed lines) or
+hold an impossible one (NaN, infinite or negative, more memory used than the GPU has) are
 skipped and bytes that are not text (a crash's NUL bytes, not UTF-8) ignored, each counted in
 a note on stderr. An empty,
 zero-filled or unrecognised log is an error, never dropped.
@@ -97,7 +98,8 @@ BAD_USAGE = "bad_usage"    # a flag its inputs cannot serve: --plot of a log out
 SKIP_UNAVAILABLE = "[N/A]-like value"
 SKIP_INCOMPLETE = "incomplete last line"
 SKIP_MALFORMED = "malformed"
-SKIP_IMPOSSIBLE = "impossible value"  # more memory used than the GPU has, utilization > 100%
+# More memory used than the GPU has, utilization above 100%, a NaN, infinite or negative number
+SKIP_IMPOSSIBLE = "impossible value"
 # Bytes that are not text (the keys of a file's count of them, in the order a note names them).
 BAD_NUL_END = "unreadable bytes (NUL) at the end of the file"
 BAD_NUL_INSIDE = "unreadable bytes (NUL) inside the file"
@@ -198,7 +200,10 @@ def parse_gpu_lines(lines, skips: Counter) -> dict:
             continue
         extra = {key: contract.number(row.get(column))
                  for column, key in GPU_EXTRA_COLUMNS.items()}
-        if (total.isdecimal() and int(used) > int(total)) or not 0 <= (extra["util"] or 0) <= 100:
+        # contract.number reads "nan" and "inf" as unavailable (None); a negative clock, power or
+        # temperature is no more possible than a negative utilization
+        if ((total.isdecimal() and int(used) > int(total)) or (extra["util"] or 0) > 100
+                or any(value is not None and value < 0 for value in extra.values())):
             skips[SKIP_IMPOSSIBLE] += 1  # a damaged line that still parses is not a sample
             continue
         gpu = gpus.setdefault(int(index), {"used": [], "name": name, "total": None, "stamp": [],
@@ -219,9 +224,14 @@ def parse_cpu_lines(lines, skips: Counter) -> list:
         if not line or _header_kind(line) == KIND_CPU:
             continue
         try:
-            elapsed, cpu, rss, _virtual = map(float, line.split())
+            elapsed, cpu, rss, virtual = map(float, line.split())
         except ValueError:      # not four numbers
             skips[SKIP_MALFORMED] += 1
+            continue
+        # float() also reads "nan", "inf" and 1e400 (as inf): such a value, or a negative one,
+        # comes from a damaged line and would spoil every statistic and the --json output
+        if not all(math.isfinite(v) and v >= 0 for v in (elapsed, cpu, rss, virtual)):
+            skips[SKIP_IMPOSSIBLE] += 1
             continue
         samples.append((elapsed, cpu, rss))
     return samples

@@ -855,3 +855,46 @@ def test_impossible_samples_are_skipped_and_named(tmp_path):
     am.summarize_file(log, notes)
     assert notes == [f"{log}: skipped 2 line(s) (impossible value: 2); the statistics use the "
                      f"remaining samples"]
+
+
+def _strict_json(text):
+    """text as JSON, refusing NaN and Infinity (Python's json reads them; JSON has none)."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_nan_infinite_and_negative_values_are_impossible(tmp_path):
+    """psrecord lines with nan, inf, 1e400 or a negative number were averaged in ("Peak RSS =
+    inf MB, Avg RSS = nan MB", and --json wrote NaN and Infinity, which is not JSON); they are
+    damaged lines, skipped and counted. On the nvidia-smi side a nan or inf optional value is
+    unavailable, and a negative one impossible like a negative utilization."""
+    header = "# Elapsed time   CPU (%)     Real (MB)   Virtual (MB)\n"
+    damaged = tmp_path / "nan.txt"
+    damaged.write_text(header + "0.0 nan 100.0 200.0\n5.0 50.0 nan 200.0\n10.0 inf 1e400 200\n")
+    log = tmp_path / "n1.txt"
+    log.write_text(header + "0.0 10.0 100.0 200.0\n5.0 30.0 300.0 200.0\n-10.0 -20.0 -2 -5\n")
+    (cpu,), skips = records_and_skips(log)
+    assert skips == {am.SKIP_IMPOSSIBLE: 1}
+    assert (cpu["samples"], cpu["peak_rss_mb"], cpu["avg_rss_mb"], cpu["avg_cpu_pct"]) == (
+        2, 300.0, 200.0, 20.0)
+    p = run_cli("--json", damaged, log)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    out = _strict_json(p.stdout)
+    assert [r["file"] for r in out["cpu"]] == [str(log)]
+    (problem,) = out["problems"]
+    assert problem["message"].startswith(
+        f"{damaged}: no usable samples (skipped 3 line(s) (impossible value: 3))")
+    gpu_log = tmp_path / "n1.csv"
+    gpu_log.write_text(
+        "timestamp, index, name, memory.used [MiB], memory.total [MiB], utilization.gpu [%], "
+        "power.draw [W], clocks.current.sm [MHz], temperature.gpu\n"
+        "2026/11/24 06:30:00.1, 0, H100, 100, 81559, nan, inf, 1e400, nan\n"
+        "2026/11/24 06:30:05.1, 0, H100, 300, 81559, 90, 400, 1980, 60\n"
+        "2026/11/24 06:30:10.1, 0, H100, 200, 81559, 80, 400, -1980, -60\n"
+        "2026/11/24 06:30:15.1, 0, H100, nan, 81559, 80, 400, 1980, 60\n")
+    (gpu,), skips = records_and_skips(gpu_log)
+    assert skips == {am.SKIP_IMPOSSIBLE: 1, am.SKIP_MALFORMED: 1}
+    assert (gpu["samples"], gpu["avg_util_pct"], gpu["busy_sm_mhz"], gpu["max_temp_c"]) == (
+        2, 90.0, 1980, 60)
+    _strict_json(run_cli("--json", gpu_log).stdout)
