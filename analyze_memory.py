@@ -107,11 +107,13 @@ BAD_UTF8 = "undecodable bytes (not UTF-8 text)"
 
 # The five columns nvidia-smi writes first for node.sh's query (--format=csv,nounits); newer
 # logs add the columns below after them (header -> key of the per-GPU lists); others are ignored.
+# Without nounits the header is the same but each value ends with its column's unit ("100 MiB").
 GPU_COLUMNS = ("timestamp", "index", "name", "memory.used [MiB]", "memory.total [MiB]")
 GPU_EXTRA_COLUMNS = {"utilization.gpu [%]": "util", "power.draw [W]": "power_w",
                      "clocks.current.sm [MHz]": "sm_mhz", "temperature.gpu": "temp_c"}
 LOG_DIRS = ("gpu_memory", "cpu_memory")
 TIMELINE_NAME = "timeline.png"      # what --plot writes in each run directory
+_UNIT_RE = re.compile(r"\[(?P<unit>[^\]]+)\]$")      # a column's unit: "memory.used [MiB]"
 _RESTART_RE = re.compile(r"(?P<node>.+)\.restart(?P<attempt>\d+)")   # a file's stem
 _NUL_RUN_RE = re.compile(rb"\0+")
 _UNDECODABLE_RE = re.compile("[\udc80-\udcff]")     # decode(errors="surrogateescape")'s marks
@@ -127,6 +129,12 @@ def _gpu_columns(line: str) -> tuple | None:
     """The column names of an nvidia-smi header line; None when the line is not one."""
     columns = tuple(f.strip() for f in line.split(","))
     return columns if columns[:len(GPU_COLUMNS)] == GPU_COLUMNS else None
+
+
+def _unit_suffixes(columns: tuple) -> tuple:
+    """What each column's values end with in a log written without nounits: " MiB" for
+    "memory.used [MiB]", "" for a column without a unit."""
+    return tuple(f" {unit['unit']}" if (unit := _UNIT_RE.search(c)) else "" for c in columns)
 
 
 def _header_kind(line: str) -> str | None:
@@ -178,19 +186,21 @@ def parse_gpu_lines(lines, skips: Counter) -> dict:
     "util": [% or None], "power_w": [...], "sm_mhz": [...], "temp_c": [...]}} of an nvidia-smi
     log, one list entry per memory.used sample (an unreadable optional value is None and keeps
     the sample).
-    Each header line sets the columns of the lines after it."""
+    Each header line sets the columns of the lines after it; a value may end with its column's
+    unit (a log written with --format=csv alone, without nounits)."""
     gpus, columns = {}, GPU_COLUMNS
+    units = _unit_suffixes(columns)
     for line in map(str.strip, lines):
         if not line:
             continue
         if header := _gpu_columns(line):
-            columns = header
+            columns, units = header, _unit_suffixes(header)
             continue
         fields = [f.strip() for f in line.split(",")]
         if len(fields) != len(columns):
             skips[SKIP_MALFORMED] += 1
             continue
-        row = dict(zip(columns, fields))
+        row = {c: field.removesuffix(unit) for c, field, unit in zip(columns, fields, units)}
         time, index, name, used, total = (row[c] for c in GPU_COLUMNS)
         if index.startswith("[") or used.startswith("["):   # [N/A], [Unknown Error], ...
             skips[SKIP_UNAVAILABLE] += 1

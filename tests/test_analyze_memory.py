@@ -898,3 +898,31 @@ def test_nan_infinite_and_negative_values_are_impossible(tmp_path):
     assert (gpu["samples"], gpu["avg_util_pct"], gpu["busy_sm_mhz"], gpu["max_temp_c"]) == (
         2, 90.0, 1980, 60)
     _strict_json(run_cli("--json", gpu_log).stdout)
+
+
+def test_values_with_units_read_like_nounits(tmp_path):
+    """nvidia-smi --format=csv without nounits writes the same header but "100 MiB", "50 %",
+    "70.00 W": every line was skipped as malformed and the file refused with "no usable samples
+    ... the logger probably stopped right after it started"."""
+    header = ("timestamp, index, name, memory.used [MiB], memory.total [MiB], "
+              "utilization.gpu [%], power.draw [W], clocks.current.sm [MHz], temperature.gpu\n")
+    rows = ["2026/11/24 06:30:00.101, 0, NVIDIA A100, 100{MiB}, 1000{MiB}, 50{%}, 70.00{W}, "
+            "1410{MHz}, 40",
+            "2026/11/24 06:30:05.101, 0, NVIDIA A100, 300{MiB}, 1000{MiB}, [N/A], [N/A], "
+            "1410{MHz}, 45",
+            "2026/11/24 06:30:10.101, 0, NVIDIA A100, 300{MiB}, 1000{MiB}, 70{%}, [N/A], "
+            "1380{MHz}, 44"]
+    units = {"MiB": " MiB", "%": " %", "W": " W", "MHz": " MHz"}
+    with_units, nounits = tmp_path / "units.csv", tmp_path / "nounits.csv"
+    with_units.write_text(header + "".join(r.format_map(units) + "\n" for r in rows))
+    nounits.write_text(header + "".join(r.format_map(dict.fromkeys(units, "")) + "\n"
+                                        for r in rows))
+    (g0,), skips = records_and_skips(with_units)
+    assert skips == {}
+    assert (g0["samples"], g0["peak_mib"], g0["total_mib"], g0["avg_util_pct"],
+            g0["busy_sm_mhz"], g0["max_temp_c"]) == (3, 300, 1000, 60.0, 1410, 45)
+    (same,), _ = records_and_skips(nounits)
+    assert {**g0, "node": "", "file": ""} == {**same, "node": "", "file": ""}
+    p = run_cli(with_units)
+    assert p.returncode == 0 and p.stderr == ""
+    assert p.stdout.startswith("[units - GPU 0] Peak = 300 MiB, Avg = 233.33 MiB")
