@@ -415,7 +415,8 @@ def plot_timeline(run_dir, out_path=None, notes: list | None = None, logs: dict 
     """The timeline of one run directory as a matplotlib Figure, saved to out_path unless None.
     logs: the run's collect_logs result (read from run_dir when None). notes gets what the
     drawing notes (alignment_notes: also how a CPU-only log was placed). Raises LogError when
-    run_dir has no usable log, OSError when out_path cannot be written."""
+    run_dir has no usable log or no sample with a time, OSError when out_path cannot be
+    written."""
     notes = [] if notes is None else notes
     if logs is None:
         problems = []
@@ -425,8 +426,11 @@ def plot_timeline(run_dir, out_path=None, notes: list | None = None, logs: dict 
         notes.extend(p["message"] for p in problems)
     by_kind = {kind: [(node, attempts) for (k, _, node), attempts in logs.items() if k == kind]
                for kind in (KIND_GPU, KIND_CPU)}
-    return timeline.draw(run_dir, by_kind[KIND_GPU], by_kind[KIND_CPU], out_path, notes,
-                         alignment_notes)
+    try:
+        return timeline.draw(run_dir, by_kind[KIND_GPU], by_kind[KIND_CPU], out_path, notes,
+                             alignment_notes)
+    except timeline.NothingToDraw as e:
+        raise LogError(str(e)) from None
 
 
 def _runs(logs: dict, problems: list, what: str, flag: str) -> list:
@@ -448,13 +452,15 @@ def _runs(logs: dict, problems: list, what: str, flag: str) -> list:
 
 def write_timelines(logs: dict, notes: list, problems: list) -> list:
     """Draw TIMELINE_NAME in each run directory of collect_logs' result; return the paths
-    written. A log outside a run directory and a timeline that cannot be written go to
-    problems."""
+    written. A log outside a run directory and a timeline that cannot be drawn (no sample with
+    a time) or written go to problems."""
     written = []
     for run_dir, run_logs in _runs(logs, problems, "timeline", "--plot"):
         try:
             plot_timeline(run_dir, run_dir / TIMELINE_NAME, notes, logs=run_logs)
             written.append(run_dir / TIMELINE_NAME)
+        except LogError as e:
+            problems.append(_problem(BAD_INPUT, run_dir, f"no timeline drawn: {e}"))
         except OSError as e:
             problems.append(_problem(BAD_INPUT, run_dir / TIMELINE_NAME, f"cannot write the "
                                      f"timeline ({e.strerror or e}); make the run directory "

@@ -302,6 +302,8 @@ def _draw_node(subfig, node: str, entry: dict, phases: list, t0: float, xlim: tu
     missing = []
     if not indices:
         missing.append("no GPU logs (CPU run)")
+    elif "gpu_mem" not in rows:
+        missing.append("no GPU sample with a readable timestamp")
     elif "gpu_util" not in rows:
         missing.append("no utilisation in the GPU logs (written before node.sh logged it)")
     if not entry["cpu"]:

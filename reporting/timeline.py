@@ -17,6 +17,11 @@ from reporting import plots, stragglers
 from training.contract import METRIC_PREFIX
 
 _STAMP_FORMATS = ("%Y/%m/%d %H:%M:%S.%f", "%Y/%m/%d %H:%M:%S")
+STAMP_EXAMPLE = "2026/11/24 06:30:01.123"   # how nvidia-smi writes a timestamp
+
+
+class NothingToDraw(Exception):
+    """A run without a sample that has a time; the message says why in one sentence."""
 
 
 def stamp_to_unix(stamp: str) -> float | None:
@@ -78,16 +83,23 @@ def read_phases(paths, notes: list) -> list:
     return sorted(phases.values(), key=lambda p: p["train_start"])
 
 
-def gpu_series(log: dict) -> dict:
+def gpu_series(log: dict, notes: list) -> dict:
     """{index: {"time": [s since 1970], "used": [MiB], "util": [% or nan]}} of one attempt's
-    nvidia-smi log (a collect_logs dict); samples without a readable timestamp are left out."""
-    series = {}
+    nvidia-smi log (a collect_logs dict). Samples without a readable timestamp are left out,
+    and a note names the file: a silent gap would look like the logger stopped."""
+    series, untimed, total = {}, [], 0
     for index, gpu in sorted(log["data"].items()):
         points = [(stamp_to_unix(stamp), used, math.nan if util is None else util)
                   for stamp, used, util in zip(gpu["stamp"], gpu["used"], gpu["util"])]
+        untimed += [stamp for stamp, p in zip(gpu["stamp"], points) if p[0] is None]
+        total += len(points)
         points = [p for p in points if p[0] is not None]
         series[index] = {"time": [p[0] for p in points], "used": [p[1] for p in points],
                          "util": [p[2] for p in points]}
+    if untimed:
+        which = f"all {total}" if len(untimed) == total else f"{len(untimed)} of {total}"
+        notes.append(f"{log['path']}: {which} samples left out of the timeline: their timestamps "
+                     f"do not read like nvidia-smi's {STAMP_EXAMPLE} (the first: {untimed[0]!r})")
     return series
 
 
@@ -103,17 +115,20 @@ def _cpu_start(log: dict, gpu_starts: dict, notes: list) -> float:
     return Path(log["path"]).stat().st_mtime - max(sample[0] for sample in log["data"])
 
 
-def node_timelines(gpu_logs: list, cpu_logs: list, notes: list) -> dict:
+def node_timelines(gpu_logs: list, cpu_logs: list, notes: list,
+                   alignment_notes: bool = True) -> dict:
     """{node: {"gpu": [gpu_series of each attempt], "cpu": [{"time", "rss"} of each attempt]}}
     of one run, every time in seconds since 1970 (psrecord's elapsed seconds aligned by
-    _cpu_start), nodes in sorted order. gpu_logs, cpu_logs: (node, attempts) pairs, the attempts
-    being analyze_memory.collect_logs' dicts of one node's nvidia-smi or psrecord logs."""
+    _cpu_start), nodes in sorted order; a node without any sample that has a time is left out.
+    gpu_logs, cpu_logs: (node, attempts) pairs, the attempts being analyze_memory.collect_logs'
+    dicts of one node's nvidia-smi or psrecord logs. notes gets the samples left out and, with
+    alignment_notes, how a CPU log without a GPU log was placed."""
     nodes = {node: {"gpu": [], "cpu": [], "gpu_starts": {}, "cpu_logs": []}
              for node in sorted({node for node, _attempts in gpu_logs + cpu_logs})}
     for node, attempts in gpu_logs:
         entry = nodes[node]
         for log in attempts:
-            series = gpu_series(log)
+            series = gpu_series(log, notes)
             entry["gpu"].append(series)
             times = [t for s in series.values() for t in s["time"]]
             if times:
@@ -124,11 +139,12 @@ def node_timelines(gpu_logs: list, cpu_logs: list, notes: list) -> dict:
         for log in entry.pop("cpu_logs"):
             if not log["data"]:
                 continue
-            start = _cpu_start(log, entry["gpu_starts"], notes)
+            start = _cpu_start(log, entry["gpu_starts"], notes if alignment_notes else [])
             entry["cpu"].append({"time": [start + sample[0] for sample in log["data"]],
                                  "rss": [sample[2] for sample in log["data"]]})
         del entry["gpu_starts"]
-    return nodes
+    return {node: entry for node, entry in nodes.items()
+            if entry["cpu"] or any(s["time"] for series in entry["gpu"] for s in series.values())}
 
 
 def _check_clocks(nodes: dict, phases: list, run_dir, notes: list) -> None:
@@ -147,11 +163,16 @@ def draw(run_dir, gpu_logs: list, cpu_logs: list, out_path=None, notes: list | N
          alignment_notes: bool = True):
     """The timeline of one run directory as a matplotlib Figure (plots.timeline_figure), saved to
     out_path unless None; gpu_logs and cpu_logs as node_timelines takes them. Notes (unreadable
-    training logs, clocks, and with alignment_notes how a CPU log without a GPU log was placed)
-    are appended to notes. Raises OSError when out_path cannot be written."""
+    training logs, clocks, samples without a readable timestamp, and with alignment_notes how a
+    CPU log without a GPU log was placed) are appended to notes. Raises NothingToDraw when no
+    sample has a time, OSError when out_path cannot be written."""
     notes = [] if notes is None else notes
     phases = read_phases(find_training_logs(run_dir, notes), notes)
-    nodes = node_timelines(gpu_logs, cpu_logs, notes if alignment_notes else [])
+    nodes = node_timelines(gpu_logs, cpu_logs, notes, alignment_notes)
+    if not nodes:   # only GPU logs, none with a readable timestamp
+        raise NothingToDraw(f"no timestamp of its nvidia-smi logs reads like nvidia-smi's own "
+                            f"({STAMP_EXAMPLE}) and it has no psrecord log; write the "
+                            f"timestamps in that form to plot it")
     _check_clocks(nodes, phases, run_dir, notes)
     fig = plots.timeline_figure(f"{run_dir}: memory and utilisation over time", nodes, phases)
     if out_path is not None:

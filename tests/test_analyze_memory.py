@@ -926,3 +926,46 @@ def test_values_with_units_read_like_nounits(tmp_path):
     p = run_cli(with_units)
     assert p.returncode == 0 and p.stderr == ""
     assert p.stdout.startswith("[units - GPU 0] Peak = 300 MiB, Avg = 233.33 MiB")
+
+
+def _day_first(path):
+    """Rewrite a GPU log's timestamps as 24-11-2026 06:30:01.301, which nvidia-smi never
+    writes (its own: 2026/11/24 06:30:01.301)."""
+    text = path.read_text()
+    path.write_text(text.replace("2026/11/24", "24-11-2026"))
+
+
+def test_plot_leaves_out_gpu_logs_without_readable_timestamps(tmp_path, utc):
+    """A GPU log whose timestamps do not read crashed --plot with "Number of rows must be a
+    positive integer, not 0" (a node with nothing to draw), even when only one node of several
+    was like that. The other nodes are drawn, a note names each file left out, and a run with
+    nothing to draw is one error after its summary, exit 1 as for a timeline not written."""
+    run = _timeline_copy(tmp_path)
+    _day_first(run / "gpu_memory" / "n2.csv")          # n2 keeps its CPU log
+    n3 = run / "gpu_memory" / "n3.csv"                  # a node with only a GPU log
+    shutil.copy(run / "gpu_memory" / "n2.csv", n3)
+    restart = run / "gpu_memory" / "n1.restart1.csv"    # one sample of six
+    restart.write_text(restart.read_text().replace("2026/11/24 06:31:10.206", "06:31:10.206"))
+    notes = []
+    fig = am.plot_timeline(run, None, notes)
+    n1, n2 = fig.subfigs
+    assert [t.get_text() for t in n2.texts] == [
+        "node n2; no GPU sample with a readable timestamp"]
+    assert [ax.get_ylabel() for ax in n2.axes] == ["CPU memory,\nRSS (MB)"]
+    assert _data(n1.axes[0], "GPU 1, attempt 1")[1] == [0, 26532]
+    for log, which in ((run / "gpu_memory" / "n2.csv", "all 4"), (n3, "all 4"),
+                       (restart, "1 of 6")):
+        assert f"{log}: {which} samples left out of the timeline: their timestamps do not read " \
+               f"like nvidia-smi's 2026/11/24 06:30:01.123 (the first: " in "\n".join(notes)
+    # Nothing to draw: the summary, a note, one error naming the run, exit 1
+    run2 = tmp_path / "run2"
+    (run2 / "gpu_memory").mkdir(parents=True)
+    shutil.copy(n3, run2 / "gpu_memory" / "n1.csv")
+    p = run_cli("--plot", run2)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stdout.startswith("[n1 - GPU 0] Peak = 19000 MiB")
+    note, error = p.stderr.splitlines()
+    assert note.startswith(f"note: {run2 / 'gpu_memory' / 'n1.csv'}: all 4 samples left out")
+    assert error.startswith(f"error: {run2}: no timeline drawn: no timestamp of its nvidia-smi "
+                            f"logs reads like nvidia-smi's own (2026/11/24 06:30:01.123)")
+    assert not (run2 / "timeline.png").exists()
