@@ -38,7 +38,8 @@ run measured the bandwidth between nodes, the model assumes --inter-node-busbw.
 
 Exit status: 0 results written (failed runs are results too); 2 a bad path or flag, nothing to
 collect (no run that can be read), the output cannot be written, or a module of the repository
-missing beside this file (one sentence naming the fix).
+missing beside this file (one sentence naming the fix). results.csv, results.md and the plots
+are replaced together: a write that fails leaves those of the last collection as they were.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ import csv
 import json
 import os
 import shlex
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 try:  # the repository's modules beside this file: a copy of this file alone says what to add
@@ -492,6 +495,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def publish(staging: Path, out: Path) -> None:
+    """Move the files written in staging (a folder inside out) into out, replacing an earlier
+    collection's. A folder in the way of one of them stops it before any file moves, so that
+    out never holds a results.csv of this collection beside a results.md of the last."""
+    names = sorted(p.name for p in staging.iterdir())
+    taken = next((out / n for n in names if (out / n).is_dir()), None)
+    if taken is not None:
+        raise UsageError(f"cannot write {taken}: a folder of that name is in the way; move it "
+                         f"away, or pass another --out DIR")
+    for name in names:  # renames within one file system: each replaces its file at once
+        os.replace(staging / name, out / name)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out or (args.paths[0] if len(args.paths) == 1 else "."))
@@ -518,11 +534,19 @@ def main(argv=None) -> int:
         models = scaling.predict(rows, chosen, args.inter_node_busbw, args.ring_latency_us)
         try:
             out.mkdir(parents=True, exist_ok=True)
-            pngs = report.write_plots(chosen, out, args.dpi) if args.plot else []
-            timelines = write_timelines(rows, out) if args.plot else []
             boards = write_boards(rows) if args.tensorboard else []
-            write_csv(rows, out / "results.csv")
-            report.write_markdown(rows, chosen, models, args.paths, out / "results.md", pngs)
+            # Everything is written into a folder inside out first, and moved into place only
+            # when all of it is written: a failed write leaves the last collection's files.
+            staging = Path(tempfile.mkdtemp(prefix=".collect_results-", dir=out))
+            try:
+                pngs = report.write_plots(chosen, staging, args.dpi) if args.plot else []
+                timelines = write_timelines(rows, staging) if args.plot else []
+                write_csv(rows, staging / "results.csv")
+                report.write_markdown(rows, chosen, models, args.paths, staging / "results.md",
+                                      pngs)
+                publish(staging, out)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
         except OSError as e:
             raise UsageError(f"cannot write to {out} ({e.strerror or e}); pass a writable "
                              f"--out DIR") from None

@@ -690,6 +690,28 @@ def test_bad_input_is_one_clear_sentence(tmp_path, case):
     assert not out.exists()
 
 
+def test_a_failed_write_leaves_the_last_collection_as_it_was(tmp_path, capsys):
+    """Before, results.csv was written in place before results.md: with a folder where
+    results.md goes, the run said "cannot write" and exited 2, but results.csv already held
+    the one run of the failed collection instead of the study's 19. Now every file is
+    written beside the others first and moved into place only when all of them are."""
+    out = tmp_path / "out"
+    code, rows, _md = collect([STUDY], out)
+    assert code == 0 and len(rows) == 19
+    before = (out / "results.csv").read_bytes()
+    (out / "results.md").unlink()
+    (out / "results.md").mkdir()
+    capsys.readouterr()
+    assert collect_results.main([str(STUDY / "ddp-1n1g-5001"), "--out", str(out),
+                                 "--plot"]) == 2
+    assert (out / "results.csv").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir()) == ["results.csv", "results.md"]  # no PNG,
+    # no staging folder left behind
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "results.md" in err[0], err
+    assert "move it away, or pass another --out DIR" in err[0]
+
+
 def test_one_run_directory_of_a_study(tmp_path):
     """Given one run directory, its scaling mode still comes from the study's study.json, and
     the study's other planned runs are not listed as missing."""
