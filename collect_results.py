@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import shlex
 import shutil
@@ -93,6 +94,9 @@ TAIL = ("gpu0", "gpu0_peak_mib", "gpu0_avg_mib", "gpu0_mode_mib",
         "exit_code", "job_id", "job_name", "restarts", "start_time", "end_time",
         "metric_lines", "bad_metric_lines", "path")
 NOT_COLUMNS = ("final", "notes", "bad")  # in a row, but not in results.csv
+# The figures read_memory takes from analyze_memory.py's summary of a GPU and of a node's CPU.
+SUMMARY_GPU_FIGURES = ("peak_mib", "avg_mib", "mode_mib")
+SUMMARY_CPU_FIGURES = ("peak_rss_mb", "avg_rss_mb", "peak_cpu_pct", "avg_cpu_pct")
 
 
 class UsageError(Exception):
@@ -190,8 +194,8 @@ def read_memory(run_dir: Path, node: str) -> tuple:
     elif (run_dir / "memory_summary.json").is_file():
         try:
             summary = json.loads((run_dir / "memory_summary.json").read_text(encoding="utf-8"))
-            gpu, cpu = summary["gpu"], summary["cpu"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            gpu, cpu = summary_rows(summary)
+        except (OSError, ValueError) as e:
             notes.append(f"memory_summary.json unreadable ({e}); no memory figures")
     else:
         notes.append("no memory logs in the run directory")
@@ -205,6 +209,30 @@ def read_memory(run_dir: Path, node: str) -> tuple:
             "cpu_node": c.get("node", ""), "cpu_peak_rss_mb": c.get("peak_rss_mb", ""),
             "cpu_avg_rss_mb": c.get("avg_rss_mb", ""), "cpu_peak_pct": c.get("peak_cpu_pct", ""),
             "cpu_avg_pct": c.get("avg_cpu_pct", "")}, notes
+
+
+def summary_rows(summary) -> tuple:
+    """(GPU rows, CPU rows) of a memory_summary.json, checked to be what analyze_memory.py
+    --json writes as far as read_memory reads it: lists of objects, each naming its node, each
+    GPU one its index, every figure a number. ValueError saying what is not."""
+    if not (isinstance(summary, dict) and isinstance(summary.get("gpu"), list)
+            and isinstance(summary.get("cpu"), list)):
+        raise ValueError('not {"gpu": [...], "cpu": [...]}')
+    for kind, figures in (("gpu", SUMMARY_GPU_FIGURES), ("cpu", SUMMARY_CPU_FIGURES)):
+        for i, r in enumerate(summary[kind], 1):
+            if not (isinstance(r, dict) and isinstance(r.get("node"), str)
+                    and (kind == "cpu" or type(r.get("gpu")) is int)  # not true/false
+                    and all(_is_figure(r[k]) for k in figures if k in r)):
+                raise ValueError(f"{kind} entry {i} is not an object with a node name"
+                                 + (", a GPU index" if kind == "gpu" else "")
+                                 + f" and numbers for {', '.join(figures)}")
+    return summary["gpu"], summary["cpu"]
+
+
+def _is_figure(value) -> bool:
+    """Whether a JSON value is a finite number (true and false are not)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 def new_row(run: str, entry: dict | None, path: str = "") -> dict:
@@ -323,11 +351,24 @@ def read_manifest(study: Path) -> dict | None:
         for e in manifest["runs"]:
             e["name"], e["strategy"] = str(e["name"]), str(e["strategy"])
             e["nodes"], e["gpus_per_node"] = int(e["nodes"]), int(e["gpus_per_node"])
+            check_entry(e)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UsageError(f"{path}: not a study manifest ({e.__class__.__name__}: {e}); restore "
                          f"it, or move it away (the run directories are then read without the "
                          f"study's plan)") from None
     return manifest
+
+
+def check_entry(entry: dict) -> None:
+    """ValueError unless what the rows take from a study.json entry beyond its configuration
+    has launch/run_benchmarks.py's shape: text for its scaling mode and why it was skipped,
+    a list of objects for its attempts, each with the text of its Slurm output's path."""
+    attempts = entry.get("attempts") or []
+    if not (isinstance(entry.get("scaling", ""), str)
+            and isinstance(entry.get("skipped") or "", str) and isinstance(attempts, list)
+            and all(isinstance(a, dict) and isinstance(a.get("output") or "", str)
+                    for a in attempts)):
+        raise ValueError(f"run {entry['name']}: scaling, skipped or attempts malformed")
 
 
 def is_run_dir(path: Path) -> bool:

@@ -632,6 +632,25 @@ def test_memory_summary_json_when_logs_are_gone(tmp_path):
         "10000.0", "5631.0")
 
 
+@pytest.mark.parametrize("summary", [
+    '{"gpu": [{"node": "gn01"}], "cpu": []}',                # no GPU index: KeyError before
+    '{"gpu": "abc", "cpu": []}',                             # TypeError before
+    '{"gpu": [{"node": "gn01", "gpu": "x"}], "cpu": []}',    # ValueError (int()) before
+    '{"gpu": [], "cpu": [{"node": "gn01", "peak_rss_mb": {}}]}',  # in the csv as "{}" before
+    '[]'])
+def test_a_damaged_memory_summary_json_is_a_note_and_the_run_is_collected(tmp_path, summary):
+    run = tmp_path / "r1" / "run-1"
+    run.mkdir(parents=True)
+    for name in ("train.log", "job.env"):  # and no gpu_memory/ or cpu_memory/
+        shutil.copy(STUDY / "ddp-1n1g-5001" / name, run)
+    (run / "memory_summary.json").write_text(summary)
+    code, rows, md = collect([run], tmp_path / "out")
+    r = rows["run-1"]
+    assert (code, r["status"], r["throughput_img_s"]) == (0, "ok", "1000")
+    assert (r["gpu0"], r["gpu0_avg_mib"], r["cpu_peak_rss_mb"]) == ("n/a (no GPU log)", "", "")
+    assert "- run-1: memory_summary.json unreadable (" in md and "no memory figures" in md
+
+
 # --------------------------------------------------------------------------------------------
 # Plots
 # --------------------------------------------------------------------------------------------
@@ -659,7 +678,7 @@ def _cli(*args, cwd=None):
 
 
 @pytest.mark.parametrize("case", ["missing", "empty dir", "a file", "out is a file",
-                                  "bad manifest", "dpi 5000"])
+                                  "bad manifest", "malformed manifest", "dpi 5000"])
 def test_bad_input_is_one_clear_sentence(tmp_path, case):
     out = tmp_path / "out"
     if case == "missing":
@@ -679,6 +698,10 @@ def test_bad_input_is_one_clear_sentence(tmp_path, case):
         study = tmp_path / "study"
         shutil.copytree(STUDY, study)
         (study / "study.json").write_text("{not json")
+        if case == "malformed manifest":  # JSON, but attempts of ids: AttributeError before
+            manifest = json.loads((STUDY / "study.json").read_text())
+            next(e for e in manifest["runs"] if e["name"] == "ddp-8n4g")["attempts"] = ["5006"]
+            (study / "study.json").write_text(json.dumps(manifest))
         args, says = [study], "not a study manifest"
     if case != "out is a file":
         args += ["--out", out]
