@@ -29,6 +29,8 @@ tables use the first status in this order, the newest run on a tie):
 Scaling, per strategy and scaling mode, from the final epoch, against the 1-GPU, 1-node run:
 Throughput Scaling = throughput / its throughput; Memory Avg Scaling = GPU 0 Avg / its GPU 0
 Avg (GPU 0 = index 0 on the job's first node); Parallel Efficiency = Throughput Scaling / GPUs.
+A throughput that is not a finite number above 0 (nan, inf, 0, negative) is no figure: the
+tables show "—" and a note, it is no baseline, and results.csv keeps it as logged.
 
 Why not N x: each run's step time (epoch time x global batch / images), its data wait and,
 from the [PROFILE] and [BANDWIDTH] lines of a run with --profile, the step's parts and the bus

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from reporting import plots, stragglers
 from reporting.scaling import (FAILED, HAS_METRICS, OK, OVERLAP, SKIPPED, STATUSES,
-                               beyond_study, gpus, group_of, num, predict_step_ms)
+                               beyond_study, gpus, group_of, num, predict_step_ms, throughput)
 
 STRATEGY_TITLE = {"dp": "DataParallel (dp)", "ddp": "DistributedDataParallel (ddp)",
                   "fsdp": "FSDP (fsdp)"}
@@ -52,8 +52,11 @@ def table_row(label: str, row: dict | None, epochs: str) -> list:
             memory = row["gpu0"] if row["gpu0_avg_mib"] == "" else "n/a (baseline: no GPU log)"
         factors = [_fmt(row, "throughput_scaling", ".2f", "×"), memory,
                    _fmt(row, "parallel_efficiency", ".0%")]
+    rate = throughput(row)  # a nan, inf, 0 or negative one is no figure (the notes say why)
+    if rate is None:
+        factors[0] = factors[2] = "—"
     return [label, _fmt(row, "train_loss", ".3f") + tag, _fmt(row, "train_acc", ".2f", "%") + tag,
-            _fmt(row, "throughput_img_s", ".1f"), *gpu, *factors, status]
+            "—" if rate is None else f"{rate:.1f}", *gpu, *factors, status]
 
 
 def _table(vs: str, epochs: str, labelled_rows: list) -> list:
@@ -352,9 +355,10 @@ def plot_data(chosen: dict) -> tuple:
     """(series, ideal, bars) for plots.study_plots: per strategy, a line through its 1-node runs
     and a dashed one per GPUs-per-node through its node sweep; the ideal throughput (1-GPU x
     GPUs) where there is a 1-GPU baseline; a bar of the step's parts per configuration."""
-    def points(rows: list) -> list:
+    def points(rows: list) -> list:  # a throughput that is no figure is left out
         return [dict(gpus=gpus(r), partial=r["status"] != OK, device=r.get("device"),
-                     **{column: num(r, column) for column in PLOTTED}) for r in rows]
+                     **{column: throughput(r) if column == "throughput_img_s" else num(r, column)
+                        for column in PLOTTED}) for r in rows]
 
     series, ideal, bars = [], [], []
     for key in sorted(chosen):

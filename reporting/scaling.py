@@ -9,6 +9,8 @@ model"). report.py turns the rows into results.md and the plots. No torch, no pr
 
 from __future__ import annotations
 
+import math
+
 STRATEGIES = ("dp", "ddp", "fsdp")  # in table order; launch/run_benchmarks.py's --strategies
 
 # The status of a run (collect_results.py's docstring says what each means).
@@ -29,6 +31,14 @@ def num(row: dict, key: str) -> float | None:
         return float(row.get(key))
     except (TypeError, ValueError):
         return None
+
+
+def throughput(row: dict) -> float | None:
+    """The row's throughput as a figure to show and to scale by: a finite number above 0. None
+    when none was logged, or for a nan, inf, 0 or negative one (an epoch timed at 0 s logs 0),
+    which scale() notes on the row."""
+    value = num(row, "throughput_img_s")
+    return value if value is not None and math.isfinite(value) and value > 0 else None
 
 
 def gpus(row: dict) -> int | None:
@@ -79,7 +89,7 @@ def scale(rows: list) -> dict:
     for key, configs in groups.items():
         chosen[key] = {config: best(runs) for config, runs in configs.items()}
         base = chosen[key].get((1, 1))
-        if base and (base["status"] not in HAS_METRICS or not num(base, "throughput_img_s")):
+        if base and (base["status"] not in HAS_METRICS or throughput(base) is None):
             base = None
         for config, runs in configs.items():
             used = chosen[key][config]
@@ -88,11 +98,19 @@ def scale(rows: list) -> dict:
                 if row is not used:
                     row["notes"].append(f"superseded in the tables by {used['run']} "
                                         f"({used['status']})")
-                if base and row["status"] in HAS_METRICS and gpus(row) and num(
-                        row, "throughput_img_s") is not None:
-                    speedup = num(row, "throughput_img_s") / num(base, "throughput_img_s")
-                    row.update(baseline=base["run"], throughput_scaling=four_decimals(speedup),
-                               parallel_efficiency=four_decimals(speedup / gpus(row)))
+                logged = row["status"] in HAS_METRICS and num(row, "throughput_img_s") is not None
+                if logged and throughput(row) is None:  # the tables show "—" instead
+                    why = (f"throughput_img_s={row['throughput_img_s']} is not a finite number "
+                           f"above 0: no throughput or scaling figure")
+                    if config == (1, 1) and row is used:
+                        why += "; not used as the 1-GPU baseline, so the runs beside it have none"
+                    row["notes"].append(why)
+                if base and logged and gpus(row):
+                    row["baseline"] = base["run"]
+                    if throughput(row) is not None:
+                        speedup = throughput(row) / throughput(base)
+                        row.update(throughput_scaling=four_decimals(speedup),
+                                   parallel_efficiency=four_decimals(speedup / gpus(row)))
                     if num(row, "gpu0_avg_mib") is not None and num(base, "gpu0_avg_mib"):
                         row["memory_avg_scaling"] = four_decimals(
                             num(row, "gpu0_avg_mib") / num(base, "gpu0_avg_mib"))

@@ -594,6 +594,42 @@ def test_a_value_that_is_not_a_number_makes_the_line_unparseable(tmp_path):
     assert "'throughput_img_s=abc' is not a number" in md
 
 
+@pytest.mark.parametrize("rates, bad", [(("1000", "1500", "nan"), "ddp-1n4g-5010"),
+                                         (("-1000", "1500", "3000"), "ddp-1n1g-5001"),
+                                         (("inf", "1500", "3000"), "ddp-1n1g-5001"),
+                                         (("0", "1500", "3000"), "ddp-1n1g-5001")])
+def test_a_throughput_that_is_not_a_finite_positive_number_is_no_figure(tmp_path, rates, bad):
+    """Before, a final line's throughput_img_s=nan gave "nan× | ... | nan%" with status ok, a
+    1-GPU run at -1000 gave "-1.50×" and "-75%", one at inf "0.00×", and one at 0 "no 1-GPU
+    baseline" with no word why. Now such a throughput is the tables' "—" with a note, never a
+    baseline; results.csv keeps what the log said and leaves the factors empty."""
+    runs = ("ddp-1n1g-5001", "ddp-1n2g-5002", "ddp-1n4g-5010")  # 1, 2 and 4 GPUs
+    study = tmp_path / "study"
+    for run, rate in zip(runs, rates):
+        shutil.copytree(STUDY / run, study / run)
+        log = study / run / "train.log"
+        text = log.read_text()
+        final = next(ln for ln in text.splitlines() if "final=1" in ln)
+        log.write_text(text.replace(final, re.sub(r"throughput_img_s=\S+",
+                                                  f"throughput_img_s={rate}", final)))
+    code, rows, md = collect([study], tmp_path / "out")
+    logged = dict(zip(runs, rates))[bad]
+    assert (code, rows[bad]["status"], rows[bad]["throughput_img_s"]) == (0, "ok", logged)
+    assert (rows[bad]["throughput_scaling"], rows[bad]["parallel_efficiency"]) == ("", "")
+    table = [ln for ln in md.splitlines() if re.match(r"\| \d GPUs?, 1 Node", ln)]
+    assert len(table) == 3 and not re.search(r"nan|inf|-\d", " ".join(table)), table
+    cells = table[runs.index(bad)].split(" | ")
+    assert (cells[3], cells[7], cells[9]) == ("—", "—", "—")  # throughput, scaling, efficiency
+    assert f"- {bad}: throughput_img_s={logged} is not a finite number above 0" in md
+    if bad == "ddp-1n1g-5001":  # never the baseline: the others have no factors, and why
+        assert "not used as the 1-GPU baseline" in md
+        assert {r["baseline"] for r in rows.values()} == {""}
+        assert all(ln.count(report.NO_BASELINE) == 3 for ln in table[1:])
+    else:
+        assert (rows["ddp-1n2g-5002"]["throughput_scaling"], rows[bad]["baseline"]) == \
+            ("1.5", "ddp-1n1g-5001")
+
+
 def test_a_failed_run_without_train_log_says_so(tmp_path):
     """Not 'no final [METRIC] line ... see train.log' for a train.log that is not there."""
     run = tmp_path / "ddp-1n1g-7004"
