@@ -297,6 +297,45 @@ def test_resume_with_another_amp_loads_and_warns(tmp_path, script):
     assert "--amp fp16; this run goes on with --amp off (another GPU type?)\n" in back.stdout
 
 
+def test_a_checkpoint_that_sorts_before_older_ones_is_kept_and_they_go_aside(tmp_path):
+    """A run resumed at fewer steps per epoch (another world size) saved at epoch 1, step 54
+    into a folder holding the run it resumed from at step 98 of 128: the names sort by step,
+    so --keep-checkpoints 1 deleted the checkpoint just saved, and --resume auto went back to
+    step 98. Checkpoints that sort after the one just written now go aside."""
+    ck = tmp_path / "ck"
+    (ck / "ckpt-e0000-s0000098").mkdir(parents=True)
+    settings = checkpoint.Settings(folder=str(ck), resume="auto", every=0, keep=1,
+                                   flags={"amp": "off"})
+    written = []
+    ckpt = checkpoint.Checkpoints(settings, {}, lambda path, state, meta: written.append(path)
+                                  or path.mkdir(), None)
+    ckpt.steps = 64
+    ckpt.save(0, 54)
+    assert [p.name for p in checkpoint.list_checkpoints(ck)] == ["ckpt-e0000-s0000054"]
+    (aside,) = ck.glob("superseded-*")
+    assert [p.name for p in aside.iterdir()] == ["ckpt-e0000-s0000098"]
+
+
+def test_resume_from_a_path_into_a_used_folder_keeps_its_own_checkpoints(tmp_path):
+    """--resume PATH into a --checkpoint-dir that holds a longer run's later checkpoints: each
+    checkpoint the run wrote was pruned at once (the others sort newer) though it said saved,
+    and --resume auto then went on with the other run. They go aside now."""
+    ck, other = tmp_path / "ck", tmp_path / "other"
+    short = ["--max-steps-per-epoch", "2"]
+    check_ok(run_script("ddp_train.py", RUN + short + ["--epochs", "3", "--checkpoint-dir",
+                                                        str(ck)]))
+    check_ok(run_script("ddp_train.py", RUN + short + ["--epochs", "1", "--checkpoint-dir",
+                                                        str(other)]))
+    resumed = run_script("ddp_train.py", RUN + short + [
+        "--epochs", "2", "--checkpoint-dir", str(ck), "--resume",
+        str(other / checkpoint.checkpoint_name(1, 0))])
+    check_ok(resumed)
+    assert [p.name for p in checkpoint.list_checkpoints(ck)] == [checkpoint.checkpoint_name(2, 0)]
+    (aside,) = ck.glob("superseded-*")
+    assert [p.name for p in aside.iterdir()] == [checkpoint.checkpoint_name(3, 0)]
+    assert f"note: {checkpoint.checkpoint_name(2, 0)} is this run's newest checkpoint" in \
+        resumed.stdout
+
 def test_resume_never_sets_an_older_runs_checkpoints_aside(tmp_path):
     """Before: a fresh run into a folder holding a longer run's checkpoints had its own pruned
     as soon as they were written (the older run's sort newer), and --resume auto then went on

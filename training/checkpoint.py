@@ -52,12 +52,15 @@ def list_checkpoints(directory) -> list:
     interrupted save never match (they are renamed into place only once complete)."""
     if not directory or not Path(directory).is_dir():
         return []
-    found = []
-    for p in Path(directory).iterdir():
-        m = re.match(CHECKPOINT_RE, p.name)
-        if m:
-            found.append(((int(m.group(1)), int(m.group(2))), p))
-    return [p for _, p in sorted(found, reverse=True)]
+    found = [p for p in Path(directory).iterdir() if re.match(CHECKPOINT_RE, p.name)]
+    return sorted(found, key=training_order, reverse=True)
+
+
+def training_order(path: Path) -> tuple:
+    """(epoch, step) of a checkpoint's name: its place in training order, within one run's
+    steps per epoch."""
+    m = re.match(CHECKPOINT_RE, path.name)
+    return int(m.group(1)), int(m.group(2))
 
 
 def _remove(path: Path) -> None:
@@ -121,24 +124,24 @@ def claim_checkpoint_dir(directory, fresh: bool = False) -> None:
         lock_checkpoint_dir(directory)
         tidy_checkpoint_dir(directory)
         if fresh:
-            set_aside_checkpoints(directory)
+            set_aside_checkpoints(directory, list_checkpoints(directory), "--resume never")
 
     if directory:
         on_rank0(claim)
 
 
-def set_aside_checkpoints(directory) -> None:
-    """Move a directory's checkpoints into ``superseded-<time>/`` inside it: a fresh run's own
-    would otherwise be pruned first whenever an older run's sort newer (a later epoch), and
-    --resume auto would later continue the older run. Nothing is deleted."""
-    old = list_checkpoints(directory)
+def set_aside_checkpoints(directory, old: list, why: str) -> None:
+    """Move the checkpoints ``old`` into ``superseded-<time>/`` inside ``directory``: a run's
+    own would otherwise be pruned first whenever an older run's sort newer (a later epoch, or
+    a later step at more steps per epoch), and --resume auto would later continue the older
+    run. Nothing is deleted."""
     if not old:
         return
     aside = Path(tempfile.mkdtemp(prefix=f"superseded-{time.strftime('%Y%m%d-%H%M%S')}-",
                                   dir=directory))
     for path in old:
         os.replace(path, aside / path.name)
-    print0(f"note: --resume never: moved the {len(old)} checkpoint(s) already in {directory} to "
+    print0(f"note: {why}: moved the {len(old)} checkpoint(s) already in {directory} to "
            f"{aside} (delete it when you no longer need them)")
 
 
@@ -548,11 +551,19 @@ class Checkpoints:
         meta = dict(epoch=epoch, step=step, steps=self.steps, metrics=self.metrics, rng=rngs,
                     args=self.flags, world_size=len(rngs), earlier=earlier)
         error = None
+        path = self.dir / checkpoint_name(epoch, step)
         try:
-            self._save(self.dir / checkpoint_name(epoch, step), self.state, meta)
+            self._save(path, self.state, meta)
         except UsageError as exc:  # a full disk, which only the ranks that write see
             error = str(exc)
         # every rank waits here until the checkpoint is complete, and learns whether it is
         raise_if_any_rank(error)
         if rank_and_world()[0] == 0:
+            # Checkpoints that sort after the one just written are not this run's way forward:
+            # another run's (--resume PATH into a used folder), or the run it resumed saved at
+            # more steps per epoch (another world size). Pruned, they would take this one's
+            # place, or it theirs: they go aside, and this one is the newest.
+            set_aside_checkpoints(self.dir, [p for p in list_checkpoints(self.dir)
+                                             if training_order(p) > training_order(path)],
+                                  f"{path.name} is this run's newest checkpoint")
             prune_checkpoints(self.dir, self.keep)
