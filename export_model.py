@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", metavar="OUT.pt", help="the file to write (replaced if it exists)")
     p.add_argument("--model", default=None,
                    help="the --model the run trained; needed only for a --save-model file, "
-                        "which does not record it (a checkpoint does)")
+                        "which does not record it (a checkpoint does), or a file that holds a "
+                        "checkpoint's \"model\" entry alone")
     return p
 
 
@@ -103,12 +104,35 @@ def read_weights(path: Path) -> tuple:
     # BaseException: DCP's CheckpointException (a missing or truncated shard) derives from it
     except BaseException as exc:
         raise not_loadable(path, exc) from None
-    if isinstance(saved, dict) and isinstance(saved.get("model"), dict):
-        return saved["model"], saved, "a checkpoint of ddp_train.py or dp_train.py"
+    if isinstance(saved, dict) and "model" in saved:
+        if not (isinstance(saved["model"], dict) and any(isinstance(v, torch.Tensor)
+                                                         for v in saved["model"].values())):
+            raise UsageError(f"{path} has a \"model\" entry without a model's tensors: give a "
+                             f"checkpoint of ddp_train.py, dp_train.py or fsdp_train.py, or a "
+                             f"--save-model file")
+        # a "model" entry alone (saved by hand, or by another toolkit) still holds the weights
+        kind = ("a checkpoint of ddp_train.py or dp_train.py" if isinstance(saved.get("args"), dict)
+                else "a \"model\" entry without a run's flags (not saved by ddp_train.py or "
+                     "dp_train.py)")
+        return saved["model"], saved, kind
     if isinstance(saved, dict) and saved and all(isinstance(v, torch.Tensor)
                                                  for v in saved.values()):
         return saved, None, "a --save-model file"
     raise not_loadable(path)
+
+
+def recorded(saved) -> dict:
+    """What the export reads of a checkpoint's own records: the run's --model, epoch, step and
+    world size, each None where the file does not record it (a dict saved by hand with only
+    the "model" entry, or by another toolkit). The weights are all the export needs; only the
+    report, and the check that they load, use these."""
+    saved = saved if isinstance(saved, dict) else {}
+    args = saved.get("args") if isinstance(saved.get("args"), dict) else {}
+
+    def of(value, kind):
+        return value if isinstance(value, kind) and not isinstance(value, bool) else None
+    return dict(model=of(args.get("model"), str), epoch=of(saved.get("epoch"), int),
+                step=of(saved.get("step"), int), world_size=of(saved.get("world_size"), int))
 
 
 def plain_name(name: str) -> str:
@@ -134,7 +158,8 @@ def plain_weights(state_dict: dict) -> dict:
 def num_classes(weights: dict) -> int:
     """The number of classes: the rows of the last weight matrix or convolution, which is the
     classifier's in every model models.py builds (CifarCNN, MnistNet, torchvision's)."""
-    last = [v for k, v in weights.items() if k.endswith("weight") and v.dim() >= 2]
+    last = [v for k, v in weights.items()
+            if k.endswith("weight") and isinstance(v, torch.Tensor) and v.dim() >= 2]
     if not last:
         raise UsageError("the file holds no weight matrix, so no classifier: give a checkpoint "
                          "or --save-model file of a classification model")
@@ -160,10 +185,22 @@ def bare_model(name: str, classes: int) -> tuple:
 
 
 def describe_progress(meta: dict) -> str:
-    """Where in training the checkpoint was taken, as the epoch line counts (from 1)."""
-    if meta["step"] == 0:
-        return f"after epoch {meta['epoch']}"
-    return f"epoch {meta['epoch'] + 1}, step {meta['step']}"
+    """Where in training the checkpoint was taken, as the epoch line counts (from 1), and by how
+    many ranks; what the checkpoint does not record is said so."""
+    epoch, step, ranks = meta["epoch"], meta["step"], meta["world_size"]
+    said = []
+    if epoch is not None and step == 0:
+        said.append(f"after epoch {epoch}")
+    elif epoch is not None and step is not None:
+        said.append(f"epoch {epoch + 1}, step {step}")
+    if ranks is not None:
+        said.append(f"{ranks} rank(s)")
+    missing = [what for what, value in (("epoch", epoch), ("step", step), ("world size", ranks))
+               if value is None]
+    if missing:
+        listed = ", ".join(missing[:-1]) + " or " + missing[-1] if missing[:-1] else missing[0]
+        said.append(f"no {listed} recorded")
+    return ", ".join(said)
 
 
 def export(source: Path, out: Path, model_name: str | None) -> dict:
@@ -177,9 +214,10 @@ def export(source: Path, out: Path, model_name: str | None) -> dict:
     if re.match(checkpoint.CHECKPOINT_RE, out.name):
         raise UsageError(f"{out.name} is named like a checkpoint, and --resume auto would take "
                          f"it for one in a --checkpoint-dir: give it another name, e.g. model.pt")
-    weights, meta, kind = read_weights(path)
+    weights, saved, kind = read_weights(path)
     weights = plain_weights(weights)
-    saved_name = meta["args"].get("model") if meta else None
+    meta = recorded(saved) if saved is not None else None
+    saved_name = meta["model"] if meta else None
     if model_name and saved_name and model_name != saved_name:
         raise UsageError(f"--model {model_name}, but {path.name} was trained with --model "
                          f"{saved_name}: leave --model out")
@@ -209,11 +247,11 @@ def export(source: Path, out: Path, model_name: str | None) -> dict:
 
 def report(info: dict, out: Path) -> None:
     meta = info["meta"]
-    where = (f", {describe_progress(meta)}, {meta['world_size']} rank(s)" if meta else "")
-    print(f"read {info['path']}: {info['kind']}{where}")
+    print(f"read {info['path']}: {info['kind']}" + (f", {describe_progress(meta)}" if meta else ""))
+    unnamed = (f"{info['path'].name} records no --model" if meta else
+               "a --save-model file records no --model")
     model = (f"--model {info['name']} ({info['class']}), " if info["name"] else
-             "model not named (a --save-model file records no --model; pass --model NAME to "
-             "check it loads), ")
+             f"model not named ({unnamed}; pass --model NAME to check it loads), ")
     print(f"wrote {out}: {model}{info['tensors']} tensors, {info['params']:,} values, "
           f"{info['bytes'] / 2**20:.1f} MiB")
     if info["code"]:

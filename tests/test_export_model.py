@@ -104,11 +104,30 @@ def test_save_model_file_needs_model_to_name_it(tmp_path, capsys):
     assert "CifarCNN(10)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("records", [{}, {"args": None}, {"args": {}, "epoch": 1}])
+def test_a_checkpoint_without_its_records_still_gives_its_weights(tmp_path, capsys, records):
+    """The "model" entry with some or none of what a run records beside it (a dict saved by
+    hand, a trimmed checkpoint): the weights are all the export needs; what is missing is said
+    so, and --model names the model to check them against."""
+    ck = tmp_path / "trimmed.pt"
+    torch.save({"model": CifarCNN(10).state_dict(), **records}, ck)
+    out = tmp_path / "model.pt"
+    assert export_model.main([str(ck), str(out)]) == 0
+    read, wrote = capsys.readouterr().out.splitlines()[:2]
+    assert read.endswith(" recorded")
+    assert "trimmed.pt records no --model; pass --model NAME" in wrote
+    out.unlink()
+    assert export_model.main([str(ck), str(out), "--model", "cnn"]) == 0
+    assert "CifarCNN(10)" in capsys.readouterr().out
+    CifarCNN(10).load_state_dict(torch.load(out, weights_only=True))
+
+
 @pytest.mark.parametrize("thing,words", [
     ("missing", "does not exist"),
     ("empty folder", "not a checkpoint: a folder without the meta.pt"),
     ("text", "not a checkpoint: not a file that torch.save"),
     ("list", "not one of this toolkit's"),
+    ("model entry", "has a \"model\" entry without a model's tensors"),
 ])
 def test_not_a_checkpoint_is_one_sentence(tmp_path, capsys, thing, words):
     path = tmp_path / "thing"
@@ -118,6 +137,8 @@ def test_not_a_checkpoint_is_one_sentence(tmp_path, capsys, thing, words):
         path.write_text("hello\n")
     elif thing == "list":
         torch.save([1, 2], path)
+    elif thing == "model entry":
+        torch.save({"model": "weights", "epoch": 1}, path)
     out = tmp_path / "model.pt"
     assert export_model.main([str(path), str(out)]) == 2
     err = capsys.readouterr().err
