@@ -77,17 +77,62 @@ def not_loadable(path: Path, exc: BaseException | None = None) -> UsageError:
                       f"--checkpoint-dir that holds them) or a --save-model file")
 
 
+def check_shards(path: Path) -> None:
+    """Before DCP reads fsdp_train.py's folder: its .metadata (the index of the shards) is
+    there, and each shard file that holds the model's entries is as long as .metadata records.
+    DCP's own errors for these name no file, and before them it logs tracebacks."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (path / ".metadata").is_file():
+        raise UsageError(f"{path} has no .metadata file, the index of fsdp_train.py's shards "
+                         f"(copying with cp DIR/* or scp DIR/* leaves it out, as * skips names "
+                         f"that start with a dot): copy the checkpoint folder whole (cp -r, "
+                         f"scp -r) or its .metadata too")
+    try:
+        index = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # noqa: BLE001 (a cut-short pickle raises any of several)
+        raise UsageError(f"{path / '.metadata'}, the index of fsdp_train.py's shards, does not "
+                         f"load ({type(exc).__name__}): copy it again from the folder the run "
+                         f"wrote, or export an earlier checkpoint") from None
+    # Each shard file's length, and where the last of the model's entries in it ends: the
+    # export reads the model alone, so only a file too short for those stops it.
+    length, needed = {}, {}
+    for key, where in index.storage_data.items():
+        name, end = where.relative_path, where.offset + where.length
+        length[name] = max(length.get(name, 0), end)
+        if key.fqn.startswith("model."):
+            needed[name] = max(needed.get(name, 0), end)
+    short = [f"{name}: missing" if not (path / name).is_file() else
+             f"{name}: {(path / name).stat().st_size:,} of its {length[name]:,} bytes"
+             for name, end in sorted(needed.items())
+             if not (path / name).is_file() or (path / name).stat().st_size < end]
+    if short:
+        raise UsageError(f"{path} has incomplete shard files ({'; '.join(short)}, as its "
+                         f".metadata records them): copy them again from the folder the run "
+                         f"wrote, or export an earlier checkpoint")
+
+
 def read_dcp_model(path: Path) -> dict:
     """The "model" entry of fsdp_train.py's sharded DCP folder as full, plain tensors, read in
     this one process without a process group. This is what torch's own
     format_utils.dcp_to_torch_save does, with the optimizer's state left unread."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import CheckpointException, FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    check_shards(path)
     state = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(path),
-                     planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    try:
+        _load_state_dict(state, storage_reader=FileSystemReader(path),
+                         planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    except CheckpointException as exc:
+        # Shards of the right length that do not load are damaged inside. DCP's message names
+        # only the ranks; each rank's own error (this process is rank 0) is in .failures.
+        cause = next(iter(exc.failures.values()))[0] if exc.failures else exc
+        shards = ", ".join(sorted(p.name for p in path.glob("*.distcp")))
+        raise UsageError(f"one of the shard files of {path} ({shards}) is damaged inside "
+                         f"({type(cause).__name__}): copy them again from the folder the run "
+                         f"wrote, or export an earlier checkpoint") from None
     return state["model"]
 
 
@@ -99,9 +144,9 @@ def read_weights(path: Path) -> tuple:
             return read_dcp_model(path), meta, "a sharded checkpoint of fsdp_train.py"
         # mmap: of a checkpoint's optimizer state nothing is read, only the model's tensors
         saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (KeyboardInterrupt, SystemExit):
+    except (KeyboardInterrupt, SystemExit, UsageError):  # UsageError: a shard's own sentence
         raise
-    # BaseException: DCP's CheckpointException (a missing or truncated shard) derives from it
+    # BaseException: DCP's CheckpointException derives from it
     except BaseException as exc:
         raise not_loadable(path, exc) from None
     if isinstance(saved, dict) and "model" in saved:

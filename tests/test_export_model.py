@@ -3,6 +3,9 @@ becomes one plain file that loads into the bare model and gives the trained mode
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 import subprocess
 import sys
 
@@ -73,6 +76,37 @@ def test_export_loads_into_the_bare_model_with_the_same_outputs(runs, tmp_path, 
     x = torch.randn(4, *shape, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(exported(x), trained(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("damage,words", [
+    ("no .metadata", "has no .metadata file, the index of fsdp_train.py's shards (copying with "
+                     "cp DIR/*"),
+    ("truncated shard", "has incomplete shard files (__0_0.distcp: 1,000 of its "),
+    ("zeros in a shard", "(__0_0.distcp, __1_0.distcp) is damaged inside"),
+])
+def test_a_damaged_sharded_checkpoint_names_the_file(runs, tmp_path, capsys, caplog, damage,
+                                                      words):
+    """FSDP's folder copied with cp DIR/* (which leaves out the dotfile .metadata), or with a
+    shard cut short or overwritten: one sentence naming the file, and none of the tracebacks
+    torch logs when it looks for a missing .metadata."""
+    (ckpt,) = checkpoint.list_checkpoints(runs / "fsdp" / "ck")
+    copy = tmp_path / ckpt.name
+    shutil.copytree(ckpt, copy)
+    if damage == "no .metadata":
+        (copy / ".metadata").unlink()
+    elif damage == "truncated shard":
+        os.truncate(copy / "__0_0.distcp", 1000)
+    else:
+        with open(copy / "__0_0.distcp", "r+b") as f:
+            f.seek(100)
+            f.write(bytes(3000))
+    out = tmp_path / "model.pt"
+    assert export_model.main([str(copy), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err and len(err.strip().splitlines()) == 1
+    # DCP logs those tracebacks as warnings on the root logger
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not out.exists()
 
 
 def test_wrapper_names_are_removed(tmp_path, capsys):
