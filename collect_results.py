@@ -38,10 +38,11 @@ bandwidth of its collectives; from those a weak-scaling model predicts 2 to 64 n
 (scaling.predict_step_ms; the formula is in docs/slurm.md, "A scaling model"). Where no multi-node
 run measured the bandwidth between nodes, the model assumes --inter-node-busbw.
 
-Exit status: 0 results written (failed runs are results too); 2 a bad path or flag, nothing to
-collect (no run that can be read), the output cannot be written, or a module of the repository
-missing beside this file (one sentence naming the fix). results.csv, results.md and the plots
-are replaced together: a write that fails leaves those of the last collection as they were.
+Exit status: 0 results written (failed runs are results too); 2 a bad path or flag, a folder
+of studies such as runs/ (one study at a time), nothing to collect (no run that can be read),
+the output cannot be written, or a module of the repository missing beside this file (one
+sentence naming the fix). results.csv, results.md and the plots are replaced together: a write
+that fails leaves those of the last collection as they were.
 """
 
 from __future__ import annotations
@@ -396,6 +397,29 @@ def unreadable_row(run_dir: Path, err: OSError, plan: dict) -> dict:
     return row
 
 
+def check_not_a_folder_of_studies(top: Path, dirs: list) -> None:
+    """UsageError if top, which has no study.json, holds studies (folders with one), as runs/
+    does: collecting only the run directories beside them would give a part the user did not
+    mean and say nothing of the rest, and a study's tables are for that study alone."""
+    studies = sorted(d for d in top.iterdir()
+                     if d.is_dir() and not is_run_dir(d) and (d / MANIFEST).is_file())
+    if not studies:
+        return
+    names = ", ".join(d.name for d in studies[:4]) + (f" and {len(studies) - 4} more"
+                                                      if len(studies) > 4 else "")
+    loose = ""
+    if dirs:
+        some = " ".join(shlex.quote(str(d)) for d in dirs[:2]) + (" ..." if len(dirs) > 2
+                                                                    else "")
+        loose = (f"; for the {len(dirs)} run director{'y' if len(dirs) == 1 else 'ies'} "
+                 f"beside them, name {'it' if len(dirs) == 1 else 'them'}: python "
+                 f"collect_results.py {some}")
+    raise UsageError(f"{top} is no study but holds {len(studies)} "
+                     f"stud{'y' if len(studies) == 1 else 'ies'} ({names}): collect one study "
+                     f"at a time (a study's tables compare its own strategies and GPU counts): "
+                     f"python collect_results.py {shlex.quote(str(studies[0]))}{loose}")
+
+
 def read_study(top: Path) -> list:
     """The rows of a study directory (its run directories, and its planned runs without one),
     or of one run directory (its study.json, one level up, gives its scaling mode)."""
@@ -407,6 +431,8 @@ def read_study(top: Path) -> list:
     single = is_run_dir(top)
     manifest = read_manifest(top.parent if single else top)
     dirs = [top] if single else sorted(d for d in top.iterdir() if is_run_dir(d))
+    if not single and manifest is None:
+        check_not_a_folder_of_studies(top, dirs)
     if not dirs and manifest is None:
         raise UsageError(f"{top}: no run directories (folders with job.env or train.log) and no "
                          f"{MANIFEST} in it; pass a study directory of launch/run_benchmarks.py "
@@ -513,8 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="collect_results.py", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", metavar="DIR",
-                        help="a study directory (launch/run_benchmarks.py --study-dir) or run "
-                             "directories (launch/job.sh)")
+                        help="a study directory (launch/run_benchmarks.py --study-dir; one "
+                             "study, not a folder of them such as runs/) or run directories "
+                             "(launch/job.sh)")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="where results.csv, results.md and the plots go (default: the one "
                              "directory given, else the current directory); created if needed")

@@ -781,6 +781,33 @@ def test_one_run_directory_of_a_study(tmp_path):
     assert "| 1 GPU, 1 Node (baseline) | — |" in md  # not in what was collected
 
 
+@pytest.mark.parametrize("loose", [True, False], ids=["and a loose run", "studies only"])
+def test_a_folder_of_studies_is_refused_naming_them(tmp_path, capsys, loose):
+    """Before, runs/ holding the studies study-cpu, lr-linear and lr-none and one run directory
+    of launch/local.sh gave "1 runs: 1 ok" and exit 0: the loose run alone, without a word
+    about the studies; with the studies alone it said "no run directories", naming none. A
+    study's tables compare its own strategies and GPU counts, so it is one study at a time."""
+    runs = tmp_path / "runs"
+    for name in ("study-cpu", "lr-linear", "lr-none"):
+        shutil.copytree(STUDY, runs / name)
+    if loose:
+        shutil.copytree(STUDY / "ddp-1n1g-5001", runs / "ddp-1n1g-4101")
+    out = tmp_path / "out"
+    assert collect_results.main([str(runs), "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {runs} is no study but holds 3 "
+                                               f"studies (lr-linear, lr-none, study-cpu)"), err
+    assert "one study at a time" in err[0]
+    assert f"python collect_results.py {runs / 'lr-linear'}" in err[0]
+    assert (f"for the 1 run directory beside them, name it: python collect_results.py "
+            f"{runs / 'ddp-1n1g-4101'}" in err[0]) == loose
+    assert not captured.out and not out.exists()
+    # what the sentence says to run works
+    code, rows, _md = collect([runs / "lr-linear"], out)
+    assert code == 0 and len(rows) == 19
+
+
 def test_strong_scaling_heading_and_a_workload_mismatch(tmp_path):
     """A study recorded as strong scaling whose runs did not keep the global batch fixed (the
     fixture's runs are weak scaling: 64 per GPU) is labelled, and the mismatch is flagged."""
