@@ -115,11 +115,12 @@ def test_sigusr1_checkpoints_exits_75_and_resumes(tmp_path):
     _same_weights(ref, tmp_path / "r.pt")
 
 
-def _signal_after_first_checkpoint(script, sig, ck) -> tuple:
-    """Run ``script`` as one process for 30 epochs, send ``sig`` once its first checkpoint is in
-    ``ck``; (the process, its whole output)."""
-    proc = _start([sys.executable, str(REPO / script), *RUN, "--epochs", "30",
-                   "--checkpoint-dir", str(ck)])
+def _signal_after_first_checkpoint(script, sig, ck, nproc=None) -> tuple:
+    """Run ``script`` as one process (or ``nproc`` ranks under torchrun) for 30 epochs, send
+    ``sig`` once its first checkpoint is in ``ck``; (the process, its whole output)."""
+    args = [*RUN, "--epochs", "30", "--checkpoint-dir", str(ck)]
+    proc = _start(_torchrun(script, args, nproc) if nproc else
+                  [sys.executable, str(REPO / script), *args])
     assert wait_for(lambda: checkpoint.list_checkpoints(ck) or proc.poll() is not None)
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
@@ -145,6 +146,15 @@ def test_ctrl_c_is_one_line_and_releases_the_checkpoint_dir(tmp_path):
         "(SIGTERM to torchrun, never SIGUSR1), or under Slurm scancel --signal=USR1"]
     assert not (ck / faults.LOCK_FILE).exists()
 
+
+def test_ctrl_c_to_torchrun_leaves_no_watchdog_traceback(tmp_path):
+    """torchrun hands Ctrl-C to each worker's process group, where the worker's watchdog
+    (training/watchdog.py) sat in select() with SIGINT's default: a KeyboardInterrupt
+    traceback of its own above the worker's one-line error, for every rank."""
+    proc, out = _signal_after_first_checkpoint("ddp_train.py", signal.SIGINT, tmp_path / "ck",
+                                               nproc=1)
+    assert "error: interrupted (Ctrl-C)" in out, out[-3000:]
+    assert "watchdog.py" not in out and "KeyboardInterrupt" not in out, out[-3000:]
 
 def _usr1_at_last_step(tmp_path, stop_epoch: int) -> tuple:
     args = RUN + ["--checkpoint-dir", str(tmp_path / "ck")]

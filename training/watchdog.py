@@ -89,8 +89,9 @@ def main() -> None:
     """Watch one worker: its sign of life arrives on stdin, a byte a second."""
     worker, launcher, timeout, rank = map(int, sys.argv[1:])
     last = time.monotonic()
-    # Slurm sends these to the whole job; the worker acts on them, the watchdog stays.
-    for sig in (signal.SIGUSR1, signal.SIGTERM):
+    # Slurm sends these to the whole job, and torchrun hands Ctrl-C to each worker's process
+    # group: the worker acts on them, the watchdog stays (until the worker has exited).
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     while True:
         if select.select([0], [], [], 1.0)[0]:
