@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import os
 import shutil
 import signal
@@ -132,6 +133,22 @@ def test_dp_sigterm_exit_code_is_75(tmp_path):
     assert proc.returncode == contract.REQUEUE_EXIT, out
     assert "SIGTERM: checkpoint saved" in out
 
+
+def test_a_stop_without_a_checkpoint_dir_is_no_requeue(tmp_path):
+    """SIGTERM to a run without --checkpoint-dir: it exited 75, the code that says "requeue and
+    it resumes", though a requeue would start over. Now the signal's own code, 143."""
+    proc = _start([sys.executable, str(REPO / "ddp_train.py"), *RUN, "--epochs", "30"])
+    seen = []
+    for line in proc.stdout:  # until the first epoch's line: the run is training
+        seen.append(line)
+        if line.startswith("Epoch [1/30]"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out = "".join(seen) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 143, out[-3000:]
+    assert ("SIGTERM: stopping without a checkpoint (no --checkpoint-dir), so a requeue would "
+            "start over; exiting with code 143\n") in out, out[-3000:]
+    assert re.search(r"^\[STOP\] signal=SIGTERM .* saved=0 exit_code=143$", out, re.M), out
 
 def test_ctrl_c_is_one_line_and_releases_the_checkpoint_dir(tmp_path):
     """Before: Ctrl-C (SIGINT) printed a KeyboardInterrupt traceback and left the checkpoint

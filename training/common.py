@@ -41,7 +41,7 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
     only the lesson: parse the flags; find the rank layout (torchrun, srun or one process);
     catch the stop signals from the start; start the watchdog; map what went wrong to an exit
     code (2: a problem the user can fix, contract.NONFINITE_EXIT: NaN loss,
-    contract.REQUEUE_EXIT: stopped for a requeue, 1: a collective failed or any other error,
+    contract.REQUEUE_EXIT: stopped for a requeue after a checkpoint, 1: a collective failed or any other error,
     after its traceback, 130: Ctrl-C); and, once every rank has finished, the last barrier and
     the process group's teardown. Returns the exit code for end_process."""
     try:
@@ -74,7 +74,7 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
             rc = train(args, env)
         except Requeue as stop:  # every rank, after the same step; checkpointed if it could
             print0(stop)
-            rc = contract.REQUEUE_EXIT
+            rc = stop.code
         # Let every rank finish its last collective before any of them tears gloo or NCCL
         # down; without this barrier a process can abort at exit.
         if distributed.is_distributed():

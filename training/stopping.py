@@ -186,19 +186,25 @@ class StopRequest:
     def report(self, saved: bool) -> str:
         """What rank 0 prints as the run stops: a sentence, then the [STOP] line for job.sh."""
         epoch, step = self.where
+        code = self.exit_code(saved)
         if saved:
             text = (f"{self.signame}: checkpoint saved at epoch {epoch}, step {step}; exiting "
-                    f"with code {REQUEUE_EXIT} to be requeued")
+                    f"with code {code} to be requeued")
         else:
-            text = (f"{self.signame}: stopping without a checkpoint (no --checkpoint-dir); "
-                    f"exiting with code {REQUEUE_EXIT}")
+            text = (f"{self.signame}: stopping without a checkpoint (no --checkpoint-dir), so "
+                    f"a requeue would start over; exiting with code {code}")
         return text + "\n" + STOP_LINE.format(signal=self.signame, epoch=epoch, step=step,
-                                              saved=int(saved), code=REQUEUE_EXIT)
+                                              saved=int(saved), code=code)
+
+    def exit_code(self, saved: bool) -> int:
+        """contract.REQUEUE_EXIT after a checkpoint (requeue it and it resumes); without one,
+        the signal's own code (128 + its number), as a run stopped before its first step."""
+        return REQUEUE_EXIT if saved or not self.signum else 128 + self.signum
 
     def requeue(self, saved: bool) -> "Requeue":
         """The exception that ends the run here, to be requeued: ``raise stop.requeue(...)``.
         ``saved``: a checkpoint was just written (there is a --checkpoint-dir)."""
-        return Requeue(self.report(saved))
+        return Requeue(self.report(saved), self.exit_code(saved))
 
     def should_stop(self) -> bool:
         """Call once per step on every rank; True on all ranks at the same step."""
@@ -222,5 +228,9 @@ class StopRequest:
 
 class Requeue(Exception):
     """The run stops here, to be requeued: common.run() prints the message (a sentence, then
-    the [STOP] line for job.sh) on rank 0 and returns contract.REQUEUE_EXIT. Every rank raises
-    it at the same step (the vote of StopRequest)."""
+    the [STOP] line for job.sh) on rank 0 and returns ``code`` (contract.REQUEUE_EXIT after a
+    checkpoint). Every rank raises it at the same step (the vote of StopRequest)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
