@@ -36,7 +36,10 @@ def rate(loader, seconds: float, warmup: int = 2) -> float:
     """Images per second drawn from ``loader`` over about ``seconds`` (after warm-up)."""
     it = iter(loader)
     for _ in range(warmup):
-        next(it)
+        try:
+            next(it)
+        except StopIteration:  # fewer batches than the warm-up: start the epoch again
+            it = iter(loader)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         try:
@@ -57,6 +60,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-workers", type=int, default=None,
                    help="largest DataLoader worker count tried for the folder path (CPU count)")
     a = p.parse_args(argv)
+    if a.batch_size < 1:
+        p.error(f"--batch-size must be at least 1, not {a.batch_size}")
     cpus = len(os.sched_getaffinity(0))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args = argparse.Namespace(data_dir=a.data_dir, dataset="tinyimagenet", model="resnet50",
@@ -65,6 +70,10 @@ def main(argv=None) -> int:
                               data_on_device=False)
     try:
         folder = datasets.build_data(args)
+        if len(folder.train) < a.batch_size:  # drop_last: the loaders would make no batch
+            raise faults.UsageError(
+                f"{a.data_dir} has {len(folder.train)} training images, fewer than one batch "
+                f"of {a.batch_size}: pass --batch-size {len(folder.train)} or less")
         args.data_cache = a.cache_dir
         cached = datasets.build_data(args)  # builds the cache on first use
     except faults.UsageError as err:

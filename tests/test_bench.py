@@ -33,6 +33,19 @@ def test_input_pipeline_prints_one_line_per_path(tiny_imagenet, tmp_path):
     assert set(rates) == {"folder", "cache"} and all(int(v) > 0 for v in rates.values()), out
 
 
+def test_input_pipeline_says_when_the_data_makes_no_batch(tiny_imagenet, tmp_path):
+    """Before: 160 images and the default --batch-size 256 made no batch, and the warm-up
+    ended in a StopIteration traceback."""
+    root, _ = tiny_imagenet
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "input_pipeline.py"),
+                           "--data-dir", str(root), "--seconds", "0.5",
+                           "--cache-dir", str(tmp_path / "c")],
+                          capture_output=True, text=True, env=env_for_tests(), timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip() == (f"error: {root} has 160 training images, fewer than one "
+                                   f"batch of 256: pass --batch-size 160 or less")
+    assert not (tmp_path / "c").exists()  # refused before the cache is built
+
 def test_train_throughput_prints_the_four_rows(tiny_imagenet, tmp_path):
     root, _ = tiny_imagenet
     out = run_bench("train_throughput.py", "--data-dir", str(root), "--model", "resnet18",
