@@ -283,6 +283,25 @@ def test_malformed_tinyimagenet_exits_2(tiny_imagenet, tmp_path, damage, message
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("below, suffix, dataset", [("", ".gz", "fashion-mnist"),
+                                                    ("FashionMNIST/raw", "", "fashion-mnist"),
+                                                    ("MNIST/raw", "", "mnist")])
+def test_a_folder_of_idx_files_says_which_dataset_to_add(tmp_path, below, suffix, dataset):
+    """Before: --data-dir /usr/share/datasets/fashion-mnist without --dataset said wnids.txt
+    is missing and asked for the tiny-imagenet-200 folder. Files of the names Fashion-MNIST's
+    and MNIST's have (empty here: the names are what is read) get the flag to add."""
+    folder = tmp_path / below
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                 "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        (folder / f"{name}{suffix}").write_bytes(b"")
+    proc = run_script("ddp_train.py", ["--data-dir", str(tmp_path), "--epochs", "1"],
+                      timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {folder} holds MNIST-format IDX files, not TinyImageNet (no "
+                      f"wnids.txt): add --dataset {dataset} to train on them"], proc.stderr
+
 def test_cifar10_without_network_says_where_to_put_files(tmp_path):
     proc = run_script("ddp_train.py", ["--dataset", "cifar10", "--data-dir", str(tmp_path),
                                        "--epochs", "1"], timeout=300)

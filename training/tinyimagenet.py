@@ -76,9 +76,27 @@ def scan_tinyimagenet(root) -> tuple:
     return classes, train, val
 
 
+def _idx_folder(root: Path) -> tuple:
+    """(folder, --dataset) when ``root`` holds MNIST-format IDX files (train-images-idx3-ubyte
+    and the like, gzipped or not) where --dataset fashion-mnist or mnist reads them, instead of
+    TinyImageNet; (None, None) otherwise."""
+    for folder, dataset in ((root, "fashion-mnist"), (root / "FashionMNIST" / "raw",
+                                                      "fashion-mnist"),
+                            (root / "MNIST" / "raw", "mnist")):
+        patterns = ("*-idx[13]-ubyte", "*-idx[13]-ubyte.gz")
+        if folder.is_dir() and any(p.is_file() for pattern in patterns
+                                   for p in folder.glob(pattern)):
+            return folder, dataset
+    return None, None
+
+
 def _scan_classes(wnids_file: Path) -> list:
     """The class ids of wnids.txt, sorted."""
     if not wnids_file.is_file():
+        folder, dataset = _idx_folder(wnids_file.parent)
+        if folder:  # the data dir defaults to TinyImageNet: a Fashion-MNIST folder lands here
+            raise UsageError(f"{folder} holds MNIST-format IDX files, not TinyImageNet (no "
+                             f"wnids.txt): add --dataset {dataset} to train on them")
         raise UsageError(f"{wnids_file} is missing: {_HINT}")
     classes = sorted({w.strip() for w in read_text_file(wnids_file).split() if w.strip()})
     if not classes:
