@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -115,11 +116,25 @@ def main(argv=None) -> int:
                    help="processes writing the training classes (0: one per CPU); above 1 "
                         "the images come from one random stream per class")
     a = p.parse_args(argv)
-    if a.workers == 1:
-        make_tree(a.out, a.classes, a.train_per_class, a.val_per_class, seed=a.seed)
-    else:
-        make_tree_parallel(a.out, a.classes, a.train_per_class, a.val_per_class, a.workers,
-                           a.seed)
+    for flag, value, least in (("--classes", a.classes, 1), ("--workers", a.workers, 0),
+                               ("--train-per-class", a.train_per_class, 0),
+                               ("--val-per-class", a.val_per_class, 0)):
+        if value < least:
+            p.error(f"{flag} must be at least {least}, not {value}")
+    if Path(a.out).exists() and not Path(a.out).is_dir():
+        print(f"error: {a.out} is a file, not a folder: give a new folder (or an existing "
+              f"one) to write the tree into", file=sys.stderr)
+        return 2
+    try:
+        if a.workers == 1:
+            make_tree(a.out, a.classes, a.train_per_class, a.val_per_class, seed=a.seed)
+        else:
+            make_tree_parallel(a.out, a.classes, a.train_per_class, a.val_per_class,
+                               a.workers, a.seed)
+    except OSError as exc:  # a parent that is a file, no permission, a full disk
+        print(f"error: cannot write the tree into {a.out} ({exc.strerror or exc}): give a "
+              f"folder you can write to", file=sys.stderr)
+        return 2
     print(f"wrote {a.classes} classes to {a.out}")
     return 0
 

@@ -302,6 +302,21 @@ def test_a_folder_of_idx_files_says_which_dataset_to_add(tmp_path, below, suffix
     assert errors == [f"error: {folder} holds MNIST-format IDX files, not TinyImageNet (no "
                       f"wnids.txt): add --dataset {dataset} to train on them"], proc.stderr
 
+@pytest.mark.parametrize("out, flags, message", [
+    ("tree", ["--classes", "0"], "--classes must be at least 1, not 0"),   # ZeroDivisionError
+    ("afile", ["--classes", "2"], "afile is a file, not a folder"),        # NotADirectoryError
+    ("afile/tree", ["--classes", "2"], "cannot write the tree into"),
+])
+def test_make_tinyimagenet_refuses_bad_input_in_one_line(tmp_path, out, flags, message):
+    (tmp_path / "afile").write_text("a user's file")
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "make_tinyimagenet.py"),
+                           str(tmp_path / out), *flags], capture_output=True, text=True,
+                          env=env_for_tests(), timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert message in proc.stderr.splitlines()[-1], proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing written
+    assert (tmp_path / "afile").read_text() == "a user's file"
+
 def test_cifar10_without_network_says_where_to_put_files(tmp_path):
     proc = run_script("ddp_train.py", ["--dataset", "cifar10", "--data-dir", str(tmp_path),
                                        "--epochs", "1"], timeout=300)
