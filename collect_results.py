@@ -1,7 +1,7 @@
 """Turn a scaling study into tables and plots: results.csv, results.md and, with --plot, PNGs.
 
     python collect_results.py runs/study-20250101-120000          # launch/run_benchmarks.py's
-    python collect_results.py runs/study-20250101-120000 --plot   # + five PNG plots, and
+    python collect_results.py runs/study-20250101-120000 --plot   # + six PNG plots, and
                                                                   # timeline-<run>.png per run
     python collect_results.py runs/ddp-1n1g-4101 runs/ddp-1n2g-4102 --out results/  # run dirs
 
