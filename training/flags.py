@@ -234,12 +234,17 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def default_workers(env: DistEnv) -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may use: its Slurm task's, else its affinity's."""
     cpus = os.environ.get("SLURM_CPUS_PER_TASK")
     try:
-        total = int(cpus) if cpus else len(os.sched_getaffinity(0))
+        return int(cpus) if cpus else len(os.sched_getaffinity(0))
     except (ValueError, AttributeError):
-        total = os.cpu_count() or 1
+        return os.cpu_count() or 1
+
+
+def default_workers(env: DistEnv) -> int:
+    total = usable_cpus()
     # torchrun starts the node's processes inside ONE Slurm task: they share its CPUs.
     # Started by srun directly, each process is its own task with its own CPUs.
     share = total // env.local_world_size if env.source == "torchrun" else total
@@ -272,8 +277,8 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
             raise UsageError(f"--{flag.replace('_', '-')} cannot be negative, got "
                              f"{getattr(args, flag)}")
     for flag in ("lr", "gamma"):  # the learning rate, and what multiplies it every --step-size
-        if not getattr(args, flag) > 0:
-            raise UsageError(f"--{flag} must be positive, got {getattr(args, flag)}")
+        if not 0 < getattr(args, flag) < math.inf:
+            raise UsageError(f"--{flag} must be a positive number, got {getattr(args, flag)}")
     if not 0 <= args.warmup_epochs < math.inf:
         raise UsageError(f"--warmup-epochs must be 0 or a positive number of epochs, got "
                          f"{args.warmup_epochs}")
@@ -379,6 +384,11 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
         args.num_workers = default_workers(env)
         if device.type == "cuda":  # with 0, reading and pinning a batch delays every step
             args.num_workers = max(1, args.num_workers)
+    elif args.num_workers > usable_cpus():  # on the node that trains: a login node's differ
+        raise UsageError(f"--num-workers {args.num_workers} is more than the {usable_cpus()} "
+                         f"CPUs this process may use (each worker is a process: more only "
+                         f"slows the run and can exhaust its memory): give at most "
+                         f"{usable_cpus()}, or leave it out (here: {default_workers(env)})")
     if args.resume not in ("auto", "never") and not Path(args.resume).exists():
         raise UsageError(f"--resume {args.resume}: no such checkpoint; use auto, never, or the "
                          f"path of a checkpoint file or folder")
