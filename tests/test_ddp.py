@@ -259,6 +259,16 @@ def test_bad_input_exits_2_with_one_line(args, message, tmp_path):
     assert (tmp_path / "keep.txt").read_text() == "a user's file"  # nothing lost
 
 
+def test_a_rank_started_by_hand_says_its_own_setup_error():
+    """Ranks started by hand (RANK, WORLD_SIZE in each shell) may differ in their setup: rank 1
+    with a bad flag (or no MASTER_PORT) exited 2 without a word, as torchrun's silent ranks do,
+    and rank 0 waited --dist-timeout for it. It says its error now, with its rank."""
+    proc = run_script("ddp_train.py", ["--batch-size", "0"], timeout=120,
+                      env={"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"})
+    assert proc.returncode == 2, proc.stderr
+    assert [l for l in proc.stderr.splitlines() if l.startswith("error:")] == [
+        "error: rank 1: --batch-size must be at least 1, got 0"], proc.stderr
+
 def _broken_tree(src, dst, damage):
     shutil.copytree(src, dst)
     damage(dst)

@@ -61,14 +61,17 @@ def _rank(rank_env) -> str:
 
 def fail_cleanly(err: UsageError, rank_env=None) -> int:
     """Print a UsageError as one line and return 2. A problem of the setup is the same on
-    every rank: local rank 0 of each node prints it. A DataError or RankError (or any error
-    raised in a DataLoader worker) is this rank's own: it prints it, prefixed with its rank
-    unless 0."""
+    every rank that torchrun or srun started alike: local rank 0 of each node prints it. A
+    DataError or RankError (or any error raised in a DataLoader worker) is this rank's own: it
+    prints it, prefixed with its rank unless 0; so does a rank started by hand (RANK and
+    WORLD_SIZE set in its own shell), whose setup may be its own (no MASTER_PORT there)."""
     text = str(err)
     from_worker = "Original Traceback" in text
     if from_worker:  # raised in a DataLoader worker: keep only its sentence
         text = re.sub(r"^.*?(Usage|Data)Error: ", "", text.strip().splitlines()[-1])
-    own = isinstance(err, (DataError, RankError)) or from_worker
+    by_hand = rank_env is not None and rank_env.source == "torchrun" and \
+        "TORCHELASTIC_RUN_ID" not in os.environ  # set by torchrun for its workers
+    own = isinstance(err, (DataError, RankError)) or from_worker or by_hand
     if rank_env is None or rank_env.local_rank == 0 or own:
         named = rank_env and (rank_env.source == "simulated" or own and rank_env.rank)
         rank = f"{_rank(rank_env)}: " if named else ""
