@@ -78,38 +78,13 @@ def not_loadable(path: Path, exc: BaseException | None = None) -> UsageError:
 
 
 def check_shards(path: Path) -> None:
-    """Before DCP reads fsdp_train.py's folder: its .metadata (the index of the shards) is
-    there, and each shard file that holds the model's entries is as long as .metadata records.
-    DCP's own errors for these name no file, and before them it logs tracebacks."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    if not (path / ".metadata").is_file():
-        raise UsageError(f"{path} has no .metadata file, the index of fsdp_train.py's shards "
-                         f"(copying with cp DIR/* or scp DIR/* leaves it out, as * skips names "
-                         f"that start with a dot): copy the checkpoint folder whole (cp -r, "
-                         f"scp -r) or its .metadata too")
-    try:
-        index = FileSystemReader(path).read_metadata()
-    except Exception as exc:  # noqa: BLE001 (a cut-short pickle raises any of several)
-        raise UsageError(f"{path / '.metadata'}, the index of fsdp_train.py's shards, does not "
-                         f"load ({type(exc).__name__}): copy it again from the folder the run "
-                         f"wrote, or export an earlier checkpoint") from None
-    # Each shard file's length, and where the last of the model's entries in it ends: the
-    # export reads the model alone, so only a file too short for those stops it.
-    length, needed = {}, {}
-    for key, where in index.storage_data.items():
-        name, end = where.relative_path, where.offset + where.length
-        length[name] = max(length.get(name, 0), end)
-        if key.fqn.startswith("model."):
-            needed[name] = max(needed.get(name, 0), end)
-    short = [f"{name}: missing" if not (path / name).is_file() else
-             f"{name}: {(path / name).stat().st_size:,} of its {length[name]:,} bytes"
-             for name, end in sorted(needed.items())
-             if not (path / name).is_file() or (path / name).stat().st_size < end]
-    if short:
-        raise UsageError(f"{path} has incomplete shard files ({'; '.join(short)}, as its "
-                         f".metadata records them): copy them again from the folder the run "
-                         f"wrote, or export an earlier checkpoint")
+    """Before DCP reads fsdp_train.py's folder: its index and the shard files that hold the
+    model's entries are whole (DCP's own errors for these name no file, and before them it
+    logs tracebacks)."""
+    wrong = checkpoint.incomplete_shards(path, "model.")
+    if wrong:
+        raise UsageError(f"{path} has {wrong}: copy the checkpoint folder again, whole (cp -r, "
+                         f"scp -r), from where the run wrote it, or export an earlier checkpoint")
 
 
 def read_dcp_model(path: Path) -> dict:

@@ -364,7 +364,8 @@ def not_a_checkpoint(path) -> str | None:
     path = Path(path)
     if path.is_dir():
         if (path / "meta.pt").exists() or (path / ".metadata").exists():
-            return None
+            wrong = incomplete_shards(path)
+            return f"truncated or damaged: {wrong}" if wrong else None
         return "not a checkpoint: a folder without the meta.pt of fsdp_train.py's checkpoints"
     try:
         with open(path, "rb") as f:
@@ -385,6 +386,35 @@ def not_a_checkpoint(path) -> str | None:
                 "without the optimizer, epoch and random state a run resumes from")
     if not (isinstance(saved, dict) and "model" in saved):
         return "not a checkpoint: a file torch.save wrote, but not one of this toolkit's"
+    return None
+
+
+def incomplete_shards(path: Path, prefix: str = "") -> str | None:
+    """What fsdp_train.py's checkpoint folder lacks, in a few words, or None: its .metadata
+    (the index of the shards), and each shard file as long as .metadata records (only the
+    files that hold entries whose names start with ``prefix``: "model." for the weights)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (path / ".metadata").is_file():
+        return ("no .metadata file, the index of fsdp_train.py's shards (copying with cp "
+                "DIR/* or scp DIR/* leaves it out, as * skips names that start with a dot)")
+    try:
+        index = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # noqa: BLE001 (a cut-short pickle raises any of several)
+        return f"a .metadata, the index of its shards, that does not load ({type(exc).__name__})"
+    length, needed = {}, {}  # each shard file's length, and where the entries read end in it
+    for key, where in index.storage_data.items():
+        name, end = where.relative_path, where.offset + where.length
+        length[name] = max(length.get(name, 0), end)
+        if key.fqn.startswith(prefix):
+            needed[name] = max(needed.get(name, 0), end)
+    short = [f"{name}: missing" if not (path / name).is_file() else
+             f"{name}: {(path / name).stat().st_size:,} of its {length[name]:,} bytes"
+             for name, end in sorted(needed.items())
+             if not (path / name).is_file() or (path / name).stat().st_size < end]
+    if short:
+        return (f"incomplete shard files ({'; '.join(short)}, as its .metadata records "
+                f"them)")
     return None
 
 
