@@ -312,7 +312,9 @@ def test_a_folder_of_idx_files_says_which_dataset_to_add(tmp_path, below, suffix
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: {folder} holds MNIST-format IDX files, not TinyImageNet (no "
-                      f"wnids.txt): add --dataset {dataset} to train on them"], proc.stderr
+                      f"wnids.txt): train on them with --dataset {dataset}, which reads them as "
+                      f"they are (no cache to build)"], proc.stderr
+
 
 @pytest.mark.parametrize("out, flags, message", [
     ("tree", ["--classes", "0"], "--classes must be at least 1, not 0"),   # ZeroDivisionError

@@ -96,7 +96,8 @@ def _scan_classes(wnids_file: Path) -> list:
         folder, dataset = _idx_folder(wnids_file.parent)
         if folder:  # the data dir defaults to TinyImageNet: a Fashion-MNIST folder lands here
             raise UsageError(f"{folder} holds MNIST-format IDX files, not TinyImageNet (no "
-                             f"wnids.txt): add --dataset {dataset} to train on them")
+                             f"wnids.txt): train on them with --dataset {dataset}, which reads them "
+                             f"as they are (no cache to build)")
         raise UsageError(f"{wnids_file} is missing: {_HINT}")
     classes = sorted({w.strip() for w in read_text_file(wnids_file).split() if w.strip()})
     if not classes:
