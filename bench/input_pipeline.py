@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.batch_size < 1:
         p.error(f"--batch-size must be at least 1, not {a.batch_size}")
+    if not 0 < a.seconds < float("inf"):  # 0 s measures nothing (and divides by 0)
+        p.error(f"--seconds must be a time above 0, not {a.seconds:g}")
     cpus = len(os.sched_getaffinity(0))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args = argparse.Namespace(data_dir=a.data_dir, dataset="tinyimagenet", model="resnet50",
