@@ -883,8 +883,9 @@ def test_nan_infinite_and_negative_values_are_impossible(tmp_path):
     out = _strict_json(p.stdout)
     assert [r["file"] for r in out["cpu"]] == [str(log)]
     (problem,) = out["problems"]
-    assert problem["message"].startswith(
-        f"{damaged}: no usable samples (skipped 3 line(s) (impossible value: 3))")
+    assert problem["message"] == (  # no "the logger probably stopped": it wrote 3 lines
+        f"{damaged}: no usable samples (skipped 3 line(s) (impossible value: 3)): the log holds "
+        f"lines, but not ones its logger writes; check that the file is that logger's own, whole")
     gpu_log = tmp_path / "n1.csv"
     gpu_log.write_text(
         "timestamp, index, name, memory.used [MiB], memory.total [MiB], utilization.gpu [%], "
