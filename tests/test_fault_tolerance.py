@@ -134,21 +134,28 @@ def test_dp_sigterm_exit_code_is_75(tmp_path):
     assert "SIGTERM: checkpoint saved" in out
 
 
-def test_a_stop_without_a_checkpoint_dir_is_no_requeue(tmp_path):
+@pytest.mark.parametrize("nproc", [None, 1])
+def test_a_stop_without_a_checkpoint_dir_is_no_requeue(nproc):
     """SIGTERM to a run without --checkpoint-dir: it exited 75, the code that says "requeue and
-    it resumes", though a requeue would start over. Now the signal's own code, 143."""
-    proc = _start([sys.executable, str(REPO / "ddp_train.py"), *RUN, "--epochs", "30"])
+    it resumes", though a requeue would start over. Now the signal's own code, 143; under
+    torchrun (which reports it as 1) in the [EXIT] line that launch/job.sh reads."""
+    args = [*RUN, "--epochs", "30"]
+    proc = _start(_torchrun("ddp_train.py", args, nproc) if nproc else
+                  [sys.executable, str(REPO / "ddp_train.py"), *args])
     seen = []
     for line in proc.stdout:  # until the first epoch's line: the run is training
         seen.append(line)
         if line.startswith("Epoch [1/30]"):
             break
-    proc.send_signal(signal.SIGTERM)
+    for pid in _children(proc.pid) if nproc else [proc.pid]:  # the training process(es)
+        os.kill(pid, signal.SIGTERM)
     out = "".join(seen) + proc.communicate(timeout=120)[0]
-    assert proc.returncode == 143, out[-3000:]
+    assert proc.returncode == (1 if nproc else 143), out[-3000:]
     assert ("SIGTERM: stopping without a checkpoint (no --checkpoint-dir), so a requeue would "
             "start over; exiting with code 143\n") in out, out[-3000:]
     assert re.search(r"^\[STOP\] signal=SIGTERM .* saved=0 exit_code=143$", out, re.M), out
+    assert ("[EXIT] code=143 rank=0" in out) == bool(nproc), out[-3000:]
+
 
 def test_ctrl_c_is_one_line_and_releases_the_checkpoint_dir(tmp_path):
     """Before: Ctrl-C (SIGINT) printed a KeyboardInterrupt traceback and left the checkpoint
@@ -346,7 +353,8 @@ def test_a_checkpoint_that_sorts_before_older_ones_is_kept_and_they_go_aside(tmp
 def test_resume_from_a_path_into_a_used_folder_keeps_its_own_checkpoints(tmp_path):
     """--resume PATH into a --checkpoint-dir that holds a longer run's later checkpoints: each
     checkpoint the run wrote was pruned at once (the others sort newer) though it said saved,
-    and --resume auto then went on with the other run. They go aside now."""
+    or written over the other run's of the same name, and --resume auto then went on with the
+    other run. Those that sort at or after the one it writes go aside first now."""
     ck, other = tmp_path / "ck", tmp_path / "other"
     short = ["--max-steps-per-epoch", "2"]
     check_ok(run_script("ddp_train.py", RUN + short + ["--epochs", "3", "--checkpoint-dir",
@@ -359,9 +367,10 @@ def test_resume_from_a_path_into_a_used_folder_keeps_its_own_checkpoints(tmp_pat
     check_ok(resumed)
     assert [p.name for p in checkpoint.list_checkpoints(ck)] == [checkpoint.checkpoint_name(2, 0)]
     (aside,) = ck.glob("superseded-*")
-    assert [p.name for p in aside.iterdir()] == [checkpoint.checkpoint_name(3, 0)]
-    assert f"note: {checkpoint.checkpoint_name(2, 0)} is this run's newest checkpoint" in \
-        resumed.stdout
+    assert sorted(p.name for p in aside.iterdir()) == [checkpoint.checkpoint_name(2, 0),
+                                                       checkpoint.checkpoint_name(3, 0)]
+    assert f"note: this run writes {checkpoint.checkpoint_name(2, 0)} next: moved the 2 " \
+        f"checkpoint(s) already in {ck}" in resumed.stdout
 
 def test_resume_never_sets_an_older_runs_checkpoints_aside(tmp_path):
     """Before: a fresh run into a folder holding a longer run's checkpoints had its own pruned

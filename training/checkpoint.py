@@ -577,11 +577,13 @@ class Checkpoints:
         file.
         ``earlier``: inside an epoch, its figures so far (measure.epoch_so_far)."""
         hangs.set_phase("checkpoint")
+        path = self.dir / checkpoint_name(epoch, step)
+        if rank_and_world()[0] == 0:  # before the gather below, which the other ranks wait in
+            self._set_aside_from(path)
         rngs = every_rank(rng_state())
         meta = dict(epoch=epoch, step=step, steps=self.steps, metrics=self.metrics, rng=rngs,
                     args=self.flags, world_size=len(rngs), earlier=earlier)
         error = None
-        path = self.dir / checkpoint_name(epoch, step)
         try:
             self._save(path, self.state, meta)
         except UsageError as exc:  # a full disk, which only the ranks that write see
@@ -589,11 +591,14 @@ class Checkpoints:
         # every rank waits here until the checkpoint is complete, and learns whether it is
         raise_if_any_rank(error)
         if rank_and_world()[0] == 0:
-            # Checkpoints that sort after the one just written are not this run's way forward:
-            # another run's (--resume PATH into a used folder), or the run it resumed saved at
-            # more steps per epoch (another world size). Pruned, they would take this one's
-            # place, or it theirs: they go aside, and this one is the newest.
-            set_aside_checkpoints(self.dir, [p for p in list_checkpoints(self.dir)
-                                             if training_order(p) > training_order(path)],
-                                  f"{path.name} is this run's newest checkpoint")
             prune_checkpoints(self.dir, self.keep)
+
+    def _set_aside_from(self, path: Path) -> None:
+        """Rank 0, before ``path`` is written: the checkpoints already there that sort at or
+        after it go aside. They are not this run's way forward: another run's (--resume PATH
+        into a folder in use), or states this run went back from (it resumed at fewer steps
+        per epoch, or past a damaged checkpoint). Left there, the one of the same name would
+        be overwritten, and pruning would keep them and delete this run's newest."""
+        later = [p for p in list_checkpoints(self.dir)
+                 if training_order(p) >= training_order(path)]
+        set_aside_checkpoints(self.dir, later, f"this run writes {path.name} next")

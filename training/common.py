@@ -41,9 +41,10 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
     only the lesson: parse the flags; find the rank layout (torchrun, srun or one process);
     catch the stop signals from the start; start the watchdog; map what went wrong to an exit
     code (2: a problem the user can fix, contract.NONFINITE_EXIT: NaN loss,
-    contract.REQUEUE_EXIT: stopped for a requeue after a checkpoint, 1: a collective failed or any other error,
-    after its traceback, 130: Ctrl-C); and, once every rank has finished, the last barrier and
-    the process group's teardown. Returns the exit code for end_process."""
+    contract.REQUEUE_EXIT: stopped for a requeue after a checkpoint, 138 or 143: stopped with
+    nothing saved, 1: a collective failed or any other error, after its traceback, 130:
+    Ctrl-C); and, once every rank has finished, the last barrier and the process group's
+    teardown. Returns the exit code for end_process."""
     try:
         args = parser.parse_args(argv)
     except SystemExit as done:  # argparse's error (2), or --help (0)
@@ -74,7 +75,9 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
             rc = train(args, env)
         except Requeue as stop:  # every rank, after the same step; checkpointed if it could
             print0(stop)
-            rc = stop.code
+            # job.sh reads a requeue from the [STOP] line; any other code from [EXIT] (torchrun
+            # reports a worker's 143 as 1)
+            rc = stop.code if stop.code == contract.REQUEUE_EXIT else exit_line(stop.code, env)
         # Let every rank finish its last collective before any of them tears gloo or NCCL
         # down; without this barrier a process can abort at exit.
         if distributed.is_distributed():

@@ -198,8 +198,8 @@ class StopRequest:
 
     def exit_code(self, saved: bool) -> int:
         """contract.REQUEUE_EXIT after a checkpoint (requeue it and it resumes); without one,
-        the signal's own code (128 + its number), as a run stopped before its first step."""
-        return REQUEUE_EXIT if saved or not self.signum else 128 + self.signum
+        the signal's own code, 128 + its number (as SIGTERM's 143 during start-up)."""
+        return REQUEUE_EXIT if saved else 128 + (self.signum or signal.SIGTERM)
 
     def requeue(self, saved: bool) -> "Requeue":
         """The exception that ends the run here, to be requeued: ``raise stop.requeue(...)``.
