@@ -259,12 +259,13 @@ def summarize_file(path, notes: list) -> tuple:
     samples = (parse_gpu_lines if kind == KIND_GPU else parse_cpu_lines)(lines, skips)
     skipped = (f"skipped {sum(skips.values())} line(s) "
                f"({', '.join(f'{why}: {n}' for why, n in sorted(skips.items()))})")
-    if not samples and skips:  # lines there were, none of them a sample
+    if not samples and skips and set(skips) <= {SKIP_MALFORMED, SKIP_IMPOSSIBLE}:
         raise LogError(f"no usable samples ({skipped}): the log holds lines, but not ones its "
                        f"logger writes; check that the file is that logger's own, whole")
     if not samples:
-        raise LogError("no usable samples; the logger probably stopped right after it started, "
-                       "check that it ran during training")
+        raise LogError(f"no usable samples{' (' + skipped + ')' if skips else ''}; the logger "
+                       f"probably stopped right after it started, check that it ran during "
+                       f"training")
     if skips:
         notes.append(f"{path}: {skipped}; the statistics use the remaining samples")
     return kind, samples, skips

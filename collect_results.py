@@ -366,7 +366,7 @@ def check_entry(entry: dict) -> None:
     """ValueError unless what the rows take from a study.json entry beyond its configuration
     has launch/run_benchmarks.py's shape: text for its scaling mode and why it was skipped,
     a list of objects for its attempts, each with the text of its Slurm output's path."""
-    attempts = entry.get("attempts") or []
+    attempts = entry.get("attempts", [])
     if not (isinstance(entry.get("scaling", ""), str)
             and isinstance(entry.get("skipped") or "", str) and isinstance(attempts, list)
             and all(isinstance(a, dict) and isinstance(a.get("output") or "", str)

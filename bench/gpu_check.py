@@ -142,8 +142,10 @@ def missing_input(args, jsonl: Path | None) -> str | None:
         return (f"--out {out} would be its own rows file (the rows go to the .jsonl beside "
                 f"--out): give the report a .md name, such as {out.with_suffix('.md')}")
     for flag, path in (("--out", out and out.parent), ("--work-dir", args.work_dir)):
-        if path and Path(path).exists() and not Path(path).is_dir():
-            return f"{flag}: {path} is a file, not a folder: give a path in a folder"
+        blocked = next((p for p in [Path(path), *Path(path).parents]
+                        if p.exists() and not p.is_dir()), None) if path else None
+        if blocked:
+            return f"{flag}: {blocked} is a file, not a folder: give a path in a folder"
     return None
 
 

@@ -355,7 +355,8 @@ def test_gpu_check_refuses_an_out_it_cannot_write_before_any_row_runs(gpu_check,
     for args, said in [(["--out", str(tmp_path)], "is a folder: give the report a file name"),
                        (["--out", str(tmp_path / "r.jsonl")], "would be its own rows file"),
                        (["--out", str(tmp_path / "file" / "r.md")], "is a file, not a folder"),
-                       (["--work-dir", str(tmp_path / "file")], "is a file, not a folder")]:
+                       (["--work-dir", str(tmp_path / "file")], "is a file, not a folder"),
+                       (["--work-dir", str(tmp_path / "file" / "w" / "x")], "is a file")]:
         assert gpu_check.main(args) == 2, args
         assert said in capsys.readouterr().err, args
     with pytest.raises(SystemExit) as refused:

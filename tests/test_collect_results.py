@@ -714,7 +714,8 @@ def _cli(*args, cwd=None):
 
 
 @pytest.mark.parametrize("case", ["missing", "empty dir", "a file", "out is a file",
-                                  "bad manifest", "malformed manifest", "dpi 5000"])
+                                  "bad manifest", "malformed manifest", "null attempts",
+                                  "dpi 5000"])
 def test_bad_input_is_one_clear_sentence(tmp_path, case):
     out = tmp_path / "out"
     if case == "missing":
@@ -734,9 +735,10 @@ def test_bad_input_is_one_clear_sentence(tmp_path, case):
         study = tmp_path / "study"
         shutil.copytree(STUDY, study)
         (study / "study.json").write_text("{not json")
-        if case == "malformed manifest":  # JSON, but attempts of ids: AttributeError before
-            manifest = json.loads((STUDY / "study.json").read_text())
-            next(e for e in manifest["runs"] if e["name"] == "ddp-8n4g")["attempts"] = ["5006"]
+        if case in ("malformed manifest", "null attempts"):  # JSON, but attempts of ids, or
+            manifest = json.loads((STUDY / "study.json").read_text())  # null: tracebacks before
+            next(e for e in manifest["runs"] if e["name"] == "ddp-8n4g")["attempts"] = (
+                ["5006"] if case == "malformed manifest" else None)
             (study / "study.json").write_text(json.dumps(manifest))
         args, says = [study], "not a study manifest"
     if case != "out is a file":
