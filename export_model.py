@@ -213,6 +213,8 @@ def describe_progress(meta: dict) -> str:
         said.append(f"after epoch {epoch}")
     elif epoch is not None and step is not None:
         said.append(f"epoch {epoch + 1}, step {step}")
+    elif epoch is not None:  # without the step, the epoch index alone: where it began
+        said.append(f"in or after epoch {epoch}")
     if ranks is not None:
         said.append(f"{ranks} rank(s)")
     missing = [what for what, value in (("epoch", epoch), ("step", step), ("world size", ranks))

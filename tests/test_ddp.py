@@ -295,9 +295,10 @@ def test_malformed_tinyimagenet_exits_2(tiny_imagenet, tmp_path, damage, message
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("below, suffix, dataset", [("", ".gz", "fashion-mnist"),
-                                                    ("FashionMNIST/raw", "", "fashion-mnist"),
-                                                    ("MNIST/raw", "", "mnist")])
+@pytest.mark.parametrize("below, suffix, dataset", [
+    ("", ".gz", "fashion-mnist (or, for MNIST's digits, --dataset mnist with the files in "
+                "DIR/MNIST/raw)"),  # the folder itself: the names do not tell the two apart
+    ("FashionMNIST/raw", "", "fashion-mnist"), ("MNIST/raw", "", "mnist")])
 def test_a_folder_of_idx_files_says_which_dataset_to_add(tmp_path, below, suffix, dataset):
     """Before: --data-dir /usr/share/datasets/fashion-mnist without --dataset said wnids.txt
     is missing and asked for the tiny-imagenet-200 folder. Files of the names Fashion-MNIST's

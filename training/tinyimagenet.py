@@ -95,9 +95,12 @@ def _scan_classes(wnids_file: Path) -> list:
     if not wnids_file.is_file():
         folder, dataset = _idx_folder(wnids_file.parent)
         if folder:  # the data dir defaults to TinyImageNet: a Fashion-MNIST folder lands here
+            either = (f"--dataset {dataset}" if folder != wnids_file.parent else
+                      "--dataset fashion-mnist (or, for MNIST's digits, --dataset mnist with the "
+                      "files in DIR/MNIST/raw)")  # the two datasets' files have the same names
             raise UsageError(f"{folder} holds MNIST-format IDX files, not TinyImageNet (no "
-                             f"wnids.txt): train on them with --dataset {dataset}, which reads them "
-                             f"as they are (no cache to build)")
+                             f"wnids.txt): train on them with {either}, which reads them as "
+                             f"they are (no cache to build)")
         raise UsageError(f"{wnids_file} is missing: {_HINT}")
     classes = sorted({w.strip() for w in read_text_file(wnids_file).split() if w.strip()})
     if not classes:
