@@ -638,7 +638,6 @@ def test_metric_lines_are_parsed_generically_and_each_epoch_once():
         ("3", 1795501862.0, 1795501868.0, 1795501869.5)]
 
 
-
 def test_every_metric_reader_keeps_and_drops_the_same_lines(tmp_path):
     """contract.read_metric_line's rules, for the timeline, results.csv and the benchmarks
     alike: a line with another process's text glued in, a value of a number key that is not a
@@ -657,6 +656,7 @@ def test_every_metric_reader_keeps_and_drops_the_same_lines(tmp_path):
     assert [p["epoch"] for p in timeline.read_phases([log], [])] == ["1"]
     parsed = [contract.parse_metric_line(line) for line in log.read_text().splitlines()]
     assert [m is not None for m in parsed] == [True, False, False, True]  # no file: no cut
+
 
 def test_plot_timeline_panels_and_line_data(tmp_path, utc):
     run = _timeline_copy(tmp_path)

@@ -46,6 +46,7 @@ def test_input_pipeline_says_when_the_data_makes_no_batch(tiny_imagenet, tmp_pat
                                    f"batch of 256: pass --batch-size 160 or less")
     assert not (tmp_path / "c").exists()  # refused before the cache is built
 
+
 def test_train_throughput_prints_the_four_rows(tiny_imagenet, tmp_path):
     root, _ = tiny_imagenet
     out = run_bench("train_throughput.py", "--data-dir", str(root), "--model", "resnet18",
@@ -327,7 +328,6 @@ def test_gpu_check_takes_its_time_estimates_from_an_earlier_run(gpu_check, monke
                      re.M), out
 
 
-
 def test_gpu_check_leaves_an_estimate_that_is_no_time_to_the_plans_guess(tmp_path):
     """An earlier run's file edited by hand: seconds of NaN (json.dumps writes it), a string,
     a negative number, true. The dry run kept simulating a row of NaN seconds for ever; now
@@ -362,6 +362,7 @@ def test_gpu_check_refuses_an_out_it_cannot_write_before_any_row_runs(gpu_check,
     with pytest.raises(SystemExit) as refused:
         gpu_check.main(["--dry-run", "--minutes", "nan"])
     assert refused.value.code == 2 and "numbers above 0" in capsys.readouterr().err
+
 
 def test_gpu_check_sizes_rank_0_of_8_for_the_steps_it_trains():
     """--simulate-world-size trains 2 steps as rank 0 of 8: its synthetic data is what those

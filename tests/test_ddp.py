@@ -269,6 +269,7 @@ def test_a_rank_started_by_hand_says_its_own_setup_error():
     assert [l for l in proc.stderr.splitlines() if l.startswith("error:")] == [
         "error: rank 1: --batch-size must be at least 1, got 0"], proc.stderr
 
+
 def _broken_tree(src, dst, damage):
     shutil.copytree(src, dst)
     damage(dst)
@@ -331,6 +332,7 @@ def test_make_tinyimagenet_refuses_bad_input_in_one_line(tmp_path, out, flags, m
     assert message in proc.stderr.splitlines()[-1], proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing written
     assert (tmp_path / "afile").read_text() == "a user's file"
+
 
 def test_cifar10_without_network_says_where_to_put_files(tmp_path):
     proc = run_script("ddp_train.py", ["--dataset", "cifar10", "--data-dir", str(tmp_path),

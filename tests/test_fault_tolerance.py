@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import re
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -179,6 +179,7 @@ def test_ctrl_c_to_torchrun_leaves_no_watchdog_traceback(tmp_path):
                                                nproc=1)
     assert "error: interrupted (Ctrl-C)" in out, out[-3000:]
     assert "watchdog.py" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+
 
 def _usr1_at_last_step(tmp_path, stop_epoch: int) -> tuple:
     args = RUN + ["--checkpoint-dir", str(tmp_path / "ck")]
@@ -371,6 +372,7 @@ def test_resume_from_a_path_into_a_used_folder_keeps_its_own_checkpoints(tmp_pat
                                                        checkpoint.checkpoint_name(3, 0)]
     assert f"note: this run writes {checkpoint.checkpoint_name(2, 0)} next: moved the 2 " \
         f"checkpoint(s) already in {ck}" in resumed.stdout
+
 
 def test_resume_never_sets_an_older_runs_checkpoints_aside(tmp_path):
     """Before: a fresh run into a folder holding a longer run's checkpoints had its own pruned

@@ -245,7 +245,6 @@ def test_the_study_knows_the_shortest_abbreviation_of_each_flag_it_sets():
             assert [n for n in names if n.startswith(shortest[:-1])] != [flag], (script, shortest)
 
 
-
 @pytest.mark.parametrize("edit", ["gpus", "strategies", "scaling"])
 def test_resume_of_a_study_json_with_edited_settings_is_one_sentence(tmp_path, edit):
     """study.json edited by hand (gpus ["2"], strategies gone, an unknown scaling) ended in a
