@@ -25,9 +25,9 @@ summary", says more, --plot's timeline included.
 Lines that are not a complete sample ([N/A] values, a cut-off last line, malformed lines) or
 hold an impossible one (in psrecord's a NaN, infinite or negative number; in nvidia-smi's a
 negative one, more memory used than the GPU has; a NaN in its optional columns reads as
-unavailable) are skipped and bytes that are not text (a crash's NUL bytes, not UTF-8) ignored, each counted in
-a note on stderr. An empty,
-zero-filled or unrecognised log is an error, never dropped.
+unavailable) are skipped and bytes that are not text (a crash's NUL bytes, not UTF-8)
+ignored, each counted in a note on stderr. An empty, zero-filled or unrecognised log is an
+error, never dropped.
 
 Exit status: 0 every input was summarised; 1 some were, but a path or file was bad (each named
 on stderr in one line); 2 nothing could be summarised, a bad command line (--plot or
