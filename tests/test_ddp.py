@@ -231,7 +231,6 @@ BAD_INPUTS = [
     (["--gamma", "0"], "--gamma must be a positive number"),
     (["--lr", "nan"], "--lr must be a positive number, got nan"),
     (["--lr", "inf"], "--lr must be a positive number, got inf"),
-    (["--num-workers", "100000"], "--num-workers 100000 is more than the"),
     (["--log-every", "-1"], "--log-every cannot be negative, got -1.0"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1, got 0"),
     (["--warmup-epochs", "nan"], "--warmup-epochs must be 0 or a positive number"),

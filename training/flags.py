@@ -384,11 +384,6 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
         args.num_workers = default_workers(env)
         if device.type == "cuda":  # with 0, reading and pinning a batch delays every step
             args.num_workers = max(1, args.num_workers)
-    elif args.num_workers > usable_cpus():  # on the node that trains: a login node's differ
-        raise UsageError(f"--num-workers {args.num_workers} is more than the {usable_cpus()} "
-                         f"CPUs this process may use (each worker is a process: more only "
-                         f"slows the run and can exhaust its memory): give at most "
-                         f"{usable_cpus()}, or leave it out (here: {default_workers(env)})")
     if args.resume not in ("auto", "never") and not Path(args.resume).exists():
         raise UsageError(f"--resume {args.resume}: no such checkpoint; use auto, never, or the "
                          f"path of a checkpoint file or folder")
