@@ -234,17 +234,12 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may use: its Slurm task's, else its affinity's."""
+def default_workers(env: DistEnv) -> int:
     cpus = os.environ.get("SLURM_CPUS_PER_TASK")
     try:
-        return int(cpus) if cpus else len(os.sched_getaffinity(0))
+        total = int(cpus) if cpus else len(os.sched_getaffinity(0))
     except (ValueError, AttributeError):
-        return os.cpu_count() or 1
-
-
-def default_workers(env: DistEnv) -> int:
-    total = usable_cpus()
+        total = os.cpu_count() or 1
     # torchrun starts the node's processes inside ONE Slurm task: they share its CPUs.
     # Started by srun directly, each process is its own task with its own CPUs.
     share = total // env.local_world_size if env.source == "torchrun" else total
