@@ -17,7 +17,7 @@ from conftest import FAST, REPO, check_ok, env_for_tests, fake_gpus, metrics, ru
 
 from training import distributed
 
-from training import devices, faults, flags, measure, stopping
+from training import cudagraph, devices, faults, flags, measure, stopping
 
 PATCHED = REPO / "tests" / "patched_run.py"
 
@@ -161,6 +161,28 @@ def test_peak_memory_is_reset_per_epoch():
     assert peak > before + 250
     measure.reset_peak_memory(cpu)
     assert measure.peak_memory_mib(cpu) < peak - 250
+
+
+def test_a_compiled_step_that_replays_cuda_graphs_keeps_the_recorded_peak(monkeypatch):
+    """--compile reduce-overhead / max-autotune: a replay allocates nothing, so max_memory_allocated
+    after the epoch that recorded the graphs sees only what lives outside them (966 against
+    about 11,000 MiB on an H200); the later epochs keep the recorded epoch's peak as a floor."""
+    allocated = {"peak": 0.0}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: allocated["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda d=None: allocated.update(peak=966 * 2**20))
+    monkeypatch.setattr(cudagraph, "captured_peak_mib", {})
+    gpu = torch.device("cuda", 0)
+    for replays, later in ((False, 966.0), (True, 11000.0)):
+        cudagraph.captured_peak_mib.clear()
+        allocated["peak"] = 300 * 2**20  # the model and its states, before the first epoch
+        measure.reset_peak_memory(gpu, replays=replays)  # epoch 1: records the graphs
+        allocated["peak"] = 11000 * 2**20
+        assert measure.peak_memory_mib(gpu) == 11000.0
+        measure.reset_peak_memory(gpu, replays=replays)  # epoch 2: replays only
+        assert measure.peak_memory_mib(gpu) == later
+        allocated["peak"] = 12000 * 2**20  # an epoch that needs more still shows it
+        assert measure.peak_memory_mib(gpu) == 12000.0
 
 
 # ---- 8. bf16 needs compute capability 8.0; the default follows the GPU

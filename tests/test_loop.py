@@ -9,7 +9,7 @@ import argparse
 import pytest
 import torch
 
-from training import checkpoint, loop
+from training import checkpoint, flags, loop
 
 
 def _checkpoints(tmp_path, every: int, folder=True) -> tuple:
@@ -75,6 +75,7 @@ def test_the_loops_batches_run_from_the_resumed_step_to_the_epochs_end():
     run = loop.Run.__new__(loop.Run)  # the bookkeeping's parts, without a process group
     run.device, run.devices, run.steps, run.epoch, run.start_step = \
         torch.device("cpu"), [torch.device("cpu")], 4, 0, 1
+    run.compiled_graphs = False
     run.rank_clock = type("Clock", (), {"start_epoch": lambda self: None})()
     run.meter = type("Meter", (), {"epoch": lambda self, b, epoch, start: b})()
     run.profiler = type("Profiler", (), {"epoch": lambda self, b, start: b})()
@@ -89,7 +90,8 @@ def test_the_runs_parts_get_their_values_not_the_flags_namespace():
     import inspect
     from training import board, measure, profiling, stragglers
     args = argparse.Namespace(log_every=30.0, profile=None, cuda_graph=False, epochs=2,
-                              tensorboard="off", tensorboard_every=5.0, checkpoint_dir="ck")
+                              tensorboard="off", tensorboard_every=5.0, checkpoint_dir="ck",
+                              compile=None)
     settings = loop.Settings.of(args)  # dp_train.py's and fsdp_train.py's: no --broadcast-buffers
     assert (settings.log_every, settings.profile, settings.cuda_graph,
             settings.broadcast_buffers) == (30.0, None, False, False)
@@ -97,6 +99,11 @@ def test_the_runs_parts_get_their_values_not_the_flags_namespace():
     args.log_every, args.broadcast_buffers = 0.0, True
     assert settings.log_every == 30.0 and settings.tensorboard.flags["log_every"] == 30.0
     assert loop.Settings.of(args).broadcast_buffers  # ddp_train.py's flag, when it has one
+    # the --compile modes whose steps replay CUDA graphs, and only those
+    graphs = {mode: loop.Settings.of(argparse.Namespace(**{**vars(args), "compile": mode}))
+              .compiled_graphs for mode in (None,) + flags.COMPILE_MODES}
+    assert graphs == {None: False, "default": False, "reduce-overhead": True,
+                      "max-autotune-no-cudagraphs": False, "max-autotune": True}
     with pytest.raises(AttributeError):  # frozen: no part of the run changes it
         settings.tensorboard.every = 0.0
     for part in (loop.Run, measure.StepMeter, profiling.StepProfiler, board.Board,

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from training import (board, contract, distributed, loading, lossguard, measure, profiling,
-                      stragglers)
+from training import (board, contract, cudagraph, distributed, loading, lossguard, measure,
+                      profiling, stragglers)
 from training.distributed import print0
 
 
@@ -54,12 +54,15 @@ class Settings:
     (--log-every s: the progress line), ``profile`` (--profile's DIR, or None: its window of
     steps), ``cuda_graph`` (--cuda-graph: the window starts after the capture; the straggler
     clock's hooks do not run in the replay), ``broadcast_buffers`` (DDP's --broadcast-buffers:
-    the straggler clock times that broadcast) and ``tensorboard``, TensorBoard's own section."""
+    the straggler clock times that broadcast), ``tensorboard``, TensorBoard's own section, and
+    ``compiled_graphs`` (a --compile mode whose step replays CUDA graphs: the epochs' peaks keep
+    the recorded step's)."""
     log_every: float
     profile: str | None
     cuda_graph: bool
     broadcast_buffers: bool
     tensorboard: board.Settings
+    compiled_graphs: bool = False
 
     @classmethod
     def of(cls, args) -> "Settings":
@@ -67,7 +70,8 @@ class Settings:
         # --broadcast-buffers is ddp_train.py's alone; the straggler clock reads it for a DDP
         # model only
         return cls(args.log_every, args.profile, args.cuda_graph,
-                   getattr(args, "broadcast_buffers", False), board.Settings.of(args))
+                   getattr(args, "broadcast_buffers", False), board.Settings.of(args),
+                   args.compile in cudagraph.COMPILE_GRAPH_MODES)
 
 
 class Run:
@@ -83,6 +87,7 @@ class Run:
     def __init__(self, settings: Settings, info: dict, steps: int, start: tuple, stop, ckpt,
                  step_model, optimizer, scaler, device: torch.device, devices: list, data):
         self.info, self.steps, self.stop, self.ckpt = info, steps, stop, ckpt
+        self.compiled_graphs = settings.compiled_graphs
         self.start_epoch, self.resume_step = start
         self.last_epoch = info["epochs"]
         self.optimizer, self.device, self.devices = optimizer, device, devices
@@ -125,7 +130,8 @@ class Run:
         up to ``steps`` (--max-steps-per-epoch), after starting the epoch's clock."""
         # [loss x n, correct, n] of this process, kept on the device: no host sync per step
         self.sums = torch.zeros(3, device=self.device, dtype=torch.float64)
-        measure.reset_peak_memory(*self.devices)  # this epoch's peak, not the whole run's
+        # this epoch's peak, not the whole run's
+        measure.reset_peak_memory(*self.devices, replays=self.compiled_graphs)
         measure.synchronize(*self.devices)
         self.t0 = time.perf_counter()
         self.rank_clock.start_epoch()

@@ -28,11 +28,15 @@ from training.distributed import all_reduce, print0, rank_and_world
 # --------------------------------------------------------------------------------------------
 
 
-def reset_peak_memory(*devices: torch.device) -> None:
+def reset_peak_memory(*devices: torch.device, replays: bool = False) -> None:
     """Start a new peak on each device, so each epoch reports its own: the CUDA allocator's on a
-    GPU, the peak RSS on a CPU (Linux: 5 into /proc/self/clear_refs; elsewhere the run's)."""
+    GPU, the peak RSS on a CPU (Linux: 5 into /proc/self/clear_refs; elsewhere the run's).
+    ``replays``: the step is a torch.compile'd one that replays CUDA graphs, which allocate
+    nothing, so the peak so far stays as the floor of the new one."""
     for device in devices:
         if device.type == "cuda":
+            if replays:
+                cudagraph.keep_peak(device)
             torch.cuda.reset_peak_memory_stats(device)
             continue
         try:
@@ -44,7 +48,8 @@ def reset_peak_memory(*devices: torch.device) -> None:
 
 def peak_memory_mib(device: torch.device) -> float:
     """Peak memory since ``reset_peak_memory``: CUDA ``max_memory_allocated`` on a GPU (at
-    least the captured step's, with --cuda-graph), else the peak RSS (VmHWM, or getrusage's
+    least the captured or recorded step's, with --cuda-graph or a --compile mode with CUDA
+    graphs), else the peak RSS (VmHWM, or getrusage's
     whole-run figure where /proc is missing)."""
     if device.type == "cuda":
         return max(torch.cuda.max_memory_allocated(device) / 2**20,
