@@ -39,13 +39,16 @@ def targets(results: list) -> list:
     if graph_256 and best_1024:
         checks.append(("64 px, batch 256, --cuda-graph >= 0.75x the best batch-1024 rate",
                        graph_256 >= 0.75 * best_1024, f"{graph_256 / best_1024:.2f}x"))
-    if best_1024:
-        checks.append(("64 px, batch 1024 >= 50,000 img/s", best_1024 >= 50000,
-                       f"{best_1024:,.0f}"))
-    best_224 = max(filter(None, (rate(CEILING, 256, 224), rate(GRAPH, 256, 224))), default=None)
-    if best_224:
-        checks.append(("224 px, batch 256 >= 4,800 img/s (H200)", best_224 >= 4800,
-                       f"{best_224:,.0f}"))
+    # the throughput targets: the fastest way the toolkit trains that size, named
+    ways = [CEILING, GRAPH] + [compiled_label(mode) for mode in flags.COMPILE_MODES]
+    for what, batch, image, floor in (("64 px, batch 1024 >= 50,000 img/s", 1024, 64, 50000),
+                                      ("224 px, batch 256 >= 4,800 img/s (H200)", 256, 224,
+                                       4800)):
+        measured = {way: rate(way, batch, image) for way in ways if rate(way, batch, image)}
+        if measured:
+            fastest = max(measured, key=measured.get)
+            checks.append((what, measured[fastest] >= floor,
+                           f"{measured[fastest]:,.0f} with {way_name(fastest)}"))
     fp16, bf16 = rate("ddp fp16 (fused SGD), synthetic on device", 256), rate(CEILING, 256)
     if fp16 and bf16:
         checks.append(("fp16 >= 0.95x bf16 (batch 256)", fp16 >= 0.95 * bf16,
@@ -54,7 +57,6 @@ def targets(results: list) -> list:
     if fsdp and ddp:
         checks.append(("FSDP full at 224 px >= 0.85x DDP", fsdp >= 0.85 * ddp,
                        f"{fsdp / ddp:.2f}x"))
-    ways = [CEILING, GRAPH] + [compiled_label(mode) for mode in flags.COMPILE_MODES]
     at_224 = {way: rate(way, 256, 224) for way in ways if rate(way, 256, 224)}
     if set(at_224) - {CEILING, GRAPH}:  # --rows compile ran
         fastest = max(at_224, key=at_224.get)
@@ -63,6 +65,13 @@ def targets(results: list) -> list:
                        f"{len(at_224)} of {len(ways)}; the fastest: {fastest}, "
                        f"{at_224[fastest]:,.0f} img/s"))
     return checks
+
+
+def way_name(label: str) -> str:
+    """How a row trains, as its flags say it: eager, --cuda-graph, --compile MODE."""
+    if label == CEILING:
+        return "eager"
+    return label.removeprefix("ddp ").removesuffix(", synthetic on device")
 
 
 def _figure(value) -> str:

@@ -265,6 +265,29 @@ def test_gpu_check_names_the_fastest_way_at_224_px_once_the_compile_rows_ran():
     assert not [c for c in gpu_report.targets(results[:2]) if "every --compile" in c[0]]
 
 
+def test_gpu_check_judges_the_throughput_targets_by_the_fastest_way_and_names_it():
+    """64 px batch 1024 >= 50,000 and 224 px batch 256 >= 4,800 img/s: the fastest of eager,
+    --cuda-graph and the --compile modes that ran (the H200's figures of 2026-11-28)."""
+    def row(label, batch, image, img_s):
+        return {"label": label, "batch": batch, "image": image, "img_s": img_s}
+
+    results = [row(gpu_plan.CEILING, 1024, 64, 35057.0), row(gpu_plan.GRAPH, 1024, 64, 49268.0),
+               row(gpu_plan.CEILING, 256, 224, 4566.0), row(gpu_plan.GRAPH, 256, 224, 4666.0)]
+    wanted = ("64 px, batch 1024 >= 50,000 img/s", "224 px, batch 256 >= 4,800 img/s (H200)")
+
+    def judged(results):
+        return [c for c in gpu_report.targets(results) if c[0] in wanted]
+
+    assert judged(results) == [(wanted[0], False, "49,268 with --cuda-graph"),
+                               (wanted[1], False, "4,666 with --cuda-graph")]
+    results += [row(gpu_plan.compiled_label("default"), 1024, 64, 36908.0),
+                row(gpu_plan.compiled_label("reduce-overhead"), 1024, 64, 66961.0),
+                row(gpu_plan.compiled_label("reduce-overhead"), 256, 224, 6630.0)]
+    assert judged(results) == [(wanted[0], True, "66,961 with --compile reduce-overhead"),
+                               (wanted[1], True, "6,630 with --compile reduce-overhead")]
+    assert judged(results[:1]) == [(wanted[0], False, "35,057 with eager")]
+
+
 def _fake_training(row, args, timeout, inductor_cache=None):
     return {"img_s": 100.0, "amp": "off", "step_ms": 80.0, "steps": 2, "warmup_s": 0.5,
             "peak": 900.0, "predicted": 150.0, "recompiles_timed": None, "cmd": ["python"]}
