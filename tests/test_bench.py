@@ -4,6 +4,7 @@ the figures themselves are measured by hand, not in the tests)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 import re
 import signal
@@ -325,6 +326,26 @@ def test_gpu_check_continue_runs_only_the_rows_not_yet_there(gpu_check, monkeypa
     assert "| 123 | 65.0 |" in report and "continued: 1 row(s) from the earlier run" in report
     # without an earlier run to continue: one sentence, exit 2
     assert gpu_check.main(["--continue", "--out", str(tmp_path / "none.md")]) == 2
+
+
+def test_gpu_check_gives_each_row_its_share_of_the_hosts_cores(gpu_check, monkeypatch, tmp_path):
+    """Rows beside each other in lanes share the host: each row's processes get cores / lanes
+    intra-op threads (OMP_NUM_THREADS), named in the report; one the user set is kept, and the
+    variable is as it was once gpu_check returns."""
+    seen = []
+    monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: _small_plan())
+    monkeypatch.setattr(gpu_rows, "run_training", lambda row, *a, **k: seen.append(
+        os.environ.get("OMP_NUM_THREADS")) or _fake_training(row, *a))
+    monkeypatch.setattr(gpu_check.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    out = tmp_path / "r.md"
+    assert gpu_check.main(["--out", str(out), "--lanes", "4"]) == 0
+    assert seen == ["4"] * 3 and "OMP_NUM_THREADS" not in os.environ
+    assert "- OMP_NUM_THREADS of each row: 4 (16 cores, 4 lane(s))" in out.read_text()
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    seen.clear()
+    assert gpu_check.main(["--out", str(tmp_path / "again.md"), "--lanes", "4"]) == 0
+    assert seen == ["2"] * 3 and os.environ["OMP_NUM_THREADS"] == "2"
 
 
 def test_gpu_check_takes_its_time_estimates_from_an_earlier_run(gpu_check, monkeypatch,
