@@ -511,12 +511,13 @@ def write_boards(rows: list) -> list:
 # --plot: each run over time (analyze_memory.py draws it)
 # --------------------------------------------------------------------------------------------
 
-def write_timelines(rows: list, out_dir: Path) -> list:
+def write_timelines(rows: list, out_dir: Path, shown_dir: Path) -> list:
     """--plot: each run directory's timeline, as ``timeline-<run>.png`` in out_dir (what
     ``analyze_memory.py --plot RUN_DIR`` draws). What the drawing notes (clocks that disagree,
     an unreadable training log) joins the run's notes, except what reading the memory logs
     already noted; not how a CPU-only run's log was placed, which every CPU run would repeat;
-    a run it cannot draw gets a note (its reason unless a note above already gives it)."""
+    a run it cannot draw gets a note (its reason unless a note above already gives it), which
+    names ``shown_dir``, where the files end up, not the staging folder out_dir."""
     written = []
     for row, run_dir in runs_with_logs(rows):
         try:
@@ -526,7 +527,8 @@ def write_timelines(rows: list, out_dir: Path) -> list:
             written.append(path)
             row["notes"] += [f"timeline: {n}" for n in notes if n not in row["notes"]]
         except (analyze_memory.LogError, OSError) as e:  # the reason is often a note already
-            row["notes"].append("no timeline drawn" + ("" if str(e) in row["notes"] else f": {e}"))
+            why = str(e).replace(str(out_dir), str(shown_dir))
+            row["notes"].append("no timeline drawn" + ("" if why in row["notes"] else f": {why}"))
     return written
 
 
@@ -610,7 +612,7 @@ def main(argv=None) -> int:
             staging = Path(tempfile.mkdtemp(prefix=".collect_results-", dir=out))
             try:
                 pngs = report.write_plots(chosen, staging, args.dpi) if args.plot else []
-                timelines = write_timelines(rows, staging) if args.plot else []
+                timelines = write_timelines(rows, staging, out) if args.plot else []
                 write_csv(rows, staging / "results.csv")
                 report.write_markdown(rows, chosen, models, args.paths, staging / "results.md",
                                       pngs)

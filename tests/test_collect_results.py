@@ -324,6 +324,22 @@ def test_plot_of_a_run_without_a_usable_log_gives_the_reason_once(tmp_path):
     assert "- empty_run: no timeline drawn\n" in md
 
 
+def test_a_timeline_that_cannot_be_written_is_noted_with_the_output_folder(tmp_path, monkeypatch):
+    """The outputs are written to a staging folder and moved into --out together; a note about
+    a timeline that failed to write names --out, not the staging folder, gone by then."""
+    def fail(run_dir, path, notes, alignment_notes):
+        raise OSError(f"[Errno 28] No space left on device: '{path}'")
+
+    monkeypatch.setattr(collect_results.analyze_memory, "plot_timeline", fail)
+    run = TESTS / "fixtures" / "memory" / "timeline_run"
+    out = tmp_path / "out"
+    assert collect_results.main([str(run), "--out", str(out), "--plot"]) == 0
+    md = (out / "results.md").read_text()
+    assert (f"- timeline_run: no timeline drawn: [Errno 28] No space left on device: "
+            f"'{out / 'timeline-timeline_run.png'}'") in md, md
+    assert ".collect_results-" not in md
+
+
 def test_without_bandwidth_figures_the_model_says_how_to_get_them(study):
     _rows, md, _out = study
     assert "no run measured its bus bandwidth; run the study with `-- --profile`" in md
