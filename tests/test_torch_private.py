@@ -68,7 +68,30 @@ def test_zero_broadcast_is_where_torch_keeps_it(group_of_one):
     assert calls == ["_sync_params"]
 
 
+def test_ddps_builtin_allreduce_hook_divides_once_a_bucket(group_of_one):
+    """Without a comm hook DDP divides each parameter's gradient by the world size on its own;
+    with the built-in all-reduce hook it divides each bucket once, and the gradients are the
+    same."""
+    grads = {}
+    for hooked in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        replica = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        if hooked:
+            torch_private.ddp_average_per_bucket(replica)
+        x = torch.randn(4, 8)
+        replica(x).sum().backward()  # the first backward builds the buckets
+        with torch.profiler.profile() as prof:
+            replica(x).sum().backward()
+        divisions = [e for e in prof.events() if e.name in ("aten::div_", "aten::mul_out")]
+        assert len(divisions) == (1 if hooked else 4), [e.name for e in divisions]
+        grads[hooked] = [p.grad.clone() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+
+
 @pytest.mark.parametrize("call, name", [
+    (lambda: torch_private.ddp_average_per_bucket(nn.Linear(2, 2)),
+     "DistributedDataParallel._register_builtin_comm_hook"),
     (lambda: torch_private.fsdp_param_groups(nn.Linear(2, 2)), "FSDPModule._get_fsdp_state"),
     (lambda: torch_private.fsdp_param_groups(type("Unit", (), {"_get_fsdp_state": object})()),
      "FSDPState._fsdp_param_groups"),
