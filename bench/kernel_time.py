@@ -16,15 +16,21 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import re
 import sys
+import zlib
 from collections import Counter
 
+COMMUNICATION = "communication (NCCL; overlaps the rest)"
 # the kinds, in the order a kernel's name is tried against them: the first that matches
 KINDS = [
+    # collectives run on their own stream, beside the compute: shown, not added to the step
+    (COMMUNICATION, r"nccl"),
     ("fused by torch.compile (Triton)", r"^triton_"),
+    # cuDNN's own batch norm (fp16 and fp32 inputs) is named cudnn::bn_...: before convolution
+    ("batch norm", r"batch_norm|batchnorm|welford|\bbn_(fw|bw)"),
     ("convolution", r"conv|implicit_gemm|xmma_(fprop|dgrad|wgrad)|cudnn|nchwtonhwc|nhwctonchw"),
-    ("batch norm", r"batch_norm|batchnorm|welford"),
     # cuBLAS kernels: on ResNet-50 mostly its 1x1 convolutions, run as GEMMs, and the FC layer
     ("matrix multiply", r"gemm|cutlass|nvjet|cublas"),
     ("optimizer", r"multi_tensor_apply|fused_sgd|fused_adam|foreach"),
@@ -44,10 +50,15 @@ def kind_of(name: str) -> str:
 
 
 def gpu_events(trace: dict) -> list:
-    """The GPU's own work in a Chrome trace: kernels, copies and sets (complete events)."""
-    return [e for e in trace.get("traceEvents", [])
-            if isinstance(e, dict) and e.get("ph") == "X"
-            and e.get("cat") in ("kernel", *COPIES) and isinstance(e.get("dur"), (int, float))]
+    """The GPU's own work in a Chrome trace: kernels, copies and sets (complete events with a
+    name and a duration in microseconds, a number 0 or more)."""
+    def is_duration(value) -> bool:
+        return (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and math.isfinite(value) and value >= 0)
+
+    return [e for e in trace["traceEvents"]
+            if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in ("kernel", *COPIES)
+            and isinstance(e.get("name"), str) and is_duration(e.get("dur"))]
 
 
 def breakdown(events: list, steps: int) -> tuple:
@@ -61,21 +72,22 @@ def breakdown(events: list, steps: int) -> tuple:
 
 
 def read_trace(path: str) -> dict:
-    """The trace at ``path`` (.json, or .json.gz as gzip left it); SystemExit with one
-    sentence where it is missing or no trace."""
+    """The trace at ``path`` (JSON, or JSON that gzip compressed, whatever its name);
+    SystemExit with one sentence where it is missing or no trace."""
+    fix = "give the profile_trace_rank0.json that --profile DIR wrote into DIR"
     try:
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt") as f:
-            trace = json.load(f)
+        with open(path, "rb") as f:
+            data = f.read()
+        if data[:2] == b"\x1f\x8b":  # gzip's magic number
+            data = gzip.decompress(data)
+        trace = json.loads(data)
     except FileNotFoundError:
-        sys.exit(f"error: {path} does not exist: give the profile_trace_rank0.json that "
-                 f"--profile DIR wrote into DIR")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        sys.exit(f"error: {path} is not a readable trace ({e}): give the "
-                 f"profile_trace_rank0.json that --profile DIR wrote into DIR")
-    if not isinstance(trace, dict) or "traceEvents" not in trace:
-        sys.exit(f"error: {path} is JSON but no Chrome trace (no traceEvents): give the "
-                 f"profile_trace_rank0.json that --profile DIR wrote into DIR")
+        sys.exit(f"error: {path} does not exist: {fix}")
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError, ValueError) as e:
+        sys.exit(f"error: {path} is not a readable trace ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0] if str(e) else 'cut short'}): {fix}")
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        sys.exit(f"error: {path} is JSON but no Chrome trace (no list of traceEvents): {fix}")
     return trace
 
 
@@ -93,16 +105,21 @@ def main(argv=None) -> int:
     trace = read_trace(args.trace)
     events = gpu_events(trace)
     if not events:
-        print(f"error: {args.trace} holds no GPU kernels: it was traced on the CPU; a --profile "
-              f"run on a GPU records them", file=sys.stderr)
+        print(f"error: {args.trace} holds no GPU kernel with a duration: a trace taken on the "
+              f"CPU has none; a --profile run on a GPU records them", file=sys.stderr)
         return 1
     kinds, names = breakdown(events, args.steps)
-    total = sum(ms for _, ms in kinds)
+    total = sum(ms for kind, ms in kinds if kind != COMMUNICATION)
+    if total <= 0:
+        print(f"error: {args.trace}'s GPU kernels take no time (every duration is 0): trace "
+              f"a run that trains, with --profile", file=sys.stderr)
+        return 1
     print(f"{args.trace}: {total:.1f} ms of GPU work a step over {args.steps} step(s) "
           f"({len(events) / args.steps:,.0f} kernels, copies and sets a step)")
-    print(f"{'kind':<34} {'ms/step':>8} {'share':>7}")
+    print(f"{'kind':<40} {'ms/step':>8} {'share':>7}")
     for kind, ms in kinds:
-        print(f"{kind:<34} {ms:8.2f} {ms / total:7.1%}")
+        share = "" if kind == COMMUNICATION else f"{ms / total:.1%}"
+        print(f"{kind:<40} {ms:8.2f} {share:>7}")
     if args.top:
         print("longest kernels (ms a step, all their launches):")
         for (kind, name), ms in names[:args.top]:
@@ -111,4 +128,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # its output cut short by a pipe (| head): nothing to say
+        sys.stderr.close()
+        sys.exit(1)

@@ -30,6 +30,9 @@ NAMES = {
     "void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add<BFloat16>>":
         "elementwise and copies",
     "void at::native::max_pool_backward_nhwc<c10::BFloat16, float>": "pooling",
+    "cudnn::bn_fw_tr_1C11_kernel_NCHW<float, float, 1>": "batch norm",  # fp16, fp32 inputs
+    "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)":
+        kernel_time.COMMUNICATION,
     "some_kernel_of_another_library": "other",
 }
 
@@ -43,7 +46,7 @@ def _trace(path, events):
     return str(path)
 
 
-def _kernel(name, dur, cat="kernel"):
+def _kernel(name, dur, cat="kernel"):  # a complete event of the GPU
     return {"ph": "X", "cat": cat, "name": name, "ts": 0, "dur": dur}
 
 
@@ -65,26 +68,46 @@ def test_the_gpu_work_is_summed_per_kind_and_per_step(tmp_path, capsys):
     assert out[3].split() == ["convolution", "1.00", "22.2%"]
     assert out[4].split() == ["memory", "copies", "0.50", "11.1%"]
     assert out[6].split()[:2] == ["1.50", "[batch"] and len(out) == 8  # --top 2
-    # a gzipped trace reads the same
-    with gzip.open(tmp_path / "t.json.gz", "wt") as f:
-        json.dump({"traceEvents": events}, f)
-    assert kernel_time.main([str(tmp_path / "t.json.gz"), "--steps", "2"]) == 0
-    assert capsys.readouterr().out.splitlines()[0].endswith("4.5 ms of GPU work a step over 2 "
-                                                           "step(s) (2 kernels, copies and "
-                                                           "sets a step)")
+    # a gzipped trace reads the same, whatever its name says
+    for name in ("t.json.gz", "gzipped.json"):
+        with gzip.open(tmp_path / name, "wt") as f:
+            json.dump({"traceEvents": events}, f)
+        assert kernel_time.main([str(tmp_path / name), "--steps", "2"]) == 0
+        assert capsys.readouterr().out.splitlines()[0].endswith(
+            "4.5 ms of GPU work a step over 2 step(s) (2 kernels, copies and sets a step)")
+
+
+def test_communication_is_shown_beside_the_step_not_in_it(tmp_path, capsys):
+    """NCCL's kernels run on their own stream, beside the compute: listed, without a share,
+    and left out of the step's GPU work; events without a usable name or duration are left
+    out."""
+    events = [_kernel("sm90_xmma_fprop_implicit_gemm", 3000),
+              _kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 2000),
+              _kernel(None, 500), _kernel("conv", float("nan")), _kernel("conv", True),
+              _kernel("conv", "5")]
+    assert kernel_time.main([_trace(tmp_path / "t.json", events), "--steps", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "3.0 ms of GPU work a step over 1 step(s) (2 kernels" in out[0]
+    assert out[2].split() == ["convolution", "3.00", "100.0%"]
+    assert out[3].split() == ["communication", "(NCCL;", "overlaps", "the", "rest)", "2.00"]
 
 
 @pytest.mark.parametrize("content, why", [
     (None, "does not exist: give the profile_trace_rank0.json"),
     ("{not json", "is not a readable trace"),
-    ('{"a": 1}', "is JSON but no Chrome trace (no traceEvents)"),
+    ('{"a": 1}', "is JSON but no Chrome trace (no list of traceEvents)"),
     ('{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 5}]}',
-     "holds no GPU kernels: it was traced on the CPU"),
+     "holds no GPU kernel with a duration: a trace taken on the CPU has none"),
+    ('{"traceEvents": null}', "is JSON but no Chrome trace (no list of traceEvents)"),
+    ('{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "a", "dur": 0}]}',
+     "GPU kernels take no time"),
+    (gzip.compress(b'{"traceEvents": []}')[:-8], "is not a readable trace (EOFError"),
+    (gzip.compress(b'{"traceEvents": []}')[:12] + b"garbage" * 4, "is not a readable trace"),
 ])
 def test_a_wrong_file_is_one_sentence_and_a_nonzero_exit(tmp_path, content, why):
     path = tmp_path / "trace.json"
     if content is not None:
-        path.write_text(content)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "kernel_time.py"), str(path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and proc.stdout == "", proc
