@@ -75,13 +75,32 @@ def test_the_loops_batches_run_from_the_resumed_step_to_the_epochs_end():
     run = loop.Run.__new__(loop.Run)  # the bookkeeping's parts, without a process group
     run.device, run.devices, run.steps, run.epoch, run.start_step = \
         torch.device("cpu"), [torch.device("cpu")], 4, 0, 1
-    run.compiled_graphs = False
+    run.compiled_graphs, run.epochs_begun = False, 0
     run.rank_clock = type("Clock", (), {"start_epoch": lambda self: None})()
     run.meter = type("Meter", (), {"epoch": lambda self, b, epoch, start: b})()
     run.profiler = type("Profiler", (), {"epoch": lambda self, b, start: b})()
     batches = [(torch.zeros(1), torch.tensor([i])) for i in range(6)]
     steps = [(step, int(labels)) for step, (_, labels) in run.batches(batches)]
     assert steps == [(1, 0), (2, 1), (3, 2)]
+
+
+def test_a_compiled_runs_peak_keeps_the_recorded_epochs_not_the_set_ups(monkeypatch):
+    """--compile with CUDA graphs: from the second epoch a process runs on, the peak keeps the
+    epoch before as its floor; the first epoch's reset keeps nothing (what the set-up held
+    before training, such as an FSDP model whole on the GPU before fully_shard)."""
+    from training import measure
+    kept = []
+    monkeypatch.setattr(measure, "reset_peak_memory", lambda *d, replays: kept.append(replays))
+    run = loop.Run.__new__(loop.Run)
+    run.device, run.devices, run.steps, run.epoch, run.start_step = \
+        torch.device("cpu"), [torch.device("cpu")], 2, 0, 0
+    run.compiled_graphs, run.epochs_begun = True, 0
+    run.rank_clock = type("Clock", (), {"start_epoch": lambda self: None})()
+    run.meter = type("Meter", (), {"epoch": lambda self, b, epoch, start: b})()
+    run.profiler = type("Profiler", (), {"epoch": lambda self, b, start: b})()
+    for _ in range(3):
+        list(run.batches([(torch.zeros(1), torch.tensor([0]))] * 2))
+    assert kept == [False, True, True]
 
 
 def test_the_runs_parts_get_their_values_not_the_flags_namespace():

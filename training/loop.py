@@ -88,6 +88,7 @@ class Run:
                  step_model, optimizer, scaler, device: torch.device, devices: list, data):
         self.info, self.steps, self.stop, self.ckpt = info, steps, stop, ckpt
         self.compiled_graphs = settings.compiled_graphs
+        self.epochs_begun = 0  # in this process: the first records the compiled graphs
         self.start_epoch, self.resume_step = start
         self.last_epoch = info["epochs"]
         self.optimizer, self.device, self.devices = optimizer, device, devices
@@ -130,8 +131,12 @@ class Run:
         up to ``steps`` (--max-steps-per-epoch), after starting the epoch's clock."""
         # [loss x n, correct, n] of this process, kept on the device: no host sync per step
         self.sums = torch.zeros(3, device=self.device, dtype=torch.float64)
-        # this epoch's peak, not the whole run's
-        measure.reset_peak_memory(*self.devices, replays=self.compiled_graphs)
+        # this epoch's peak, not the whole run's; after an epoch that recorded compiled CUDA
+        # graphs, that epoch's peak is kept as the floor (not the peak before the first epoch:
+        # the model's set-up)
+        measure.reset_peak_memory(*self.devices,
+                                  replays=self.compiled_graphs and self.epochs_begun > 0)
+        self.epochs_begun += 1
         measure.synchronize(*self.devices)
         self.t0 = time.perf_counter()
         self.rank_clock.start_epoch()
