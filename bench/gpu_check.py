@@ -71,6 +71,7 @@ the cut ones are marked interrupted, --continue runs them again; exit code 130 (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -209,25 +210,38 @@ def is_time(value) -> bool:
 def main(argv=None) -> int:
     """The run (``acceptance_run``), with the signal handlers it sets put back after it."""
     before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    threads = os.environ.get("OMP_NUM_THREADS")
     try:
         return acceptance_run(argv)
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
-        if threads is None:  # host_threads set it for the rows
-            os.environ.pop("OMP_NUM_THREADS", None)
 
 
-def host_threads(lanes: int) -> str:
-    """Rows run beside each other share the host's cores: each row's processes get their share
-    for their intra-op threads (OMP_NUM_THREADS, which every row inherits; one already set is
-    kept). Left at all the cores, ``lanes`` rows' thread pools spin on the same cores: the fsdp
-    --offload fp16 row, whose optimizer steps on the CPU, gave no result within 180 s beside
-    the other lanes, twice, and trained an epoch of 30 steps in 17 s alone (H200, 16 cores)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (cores or 1) // lanes)))
-    return f"{os.environ['OMP_NUM_THREADS']} ({cores} cores, {lanes} lane(s))"
+def rows_at_once(pending: list, lanes: int) -> int:
+    """How many of ``pending`` can run at once in ``lanes``: the timed lane's one, and one in
+    each other lane while untimed rows are left for them."""
+    timed = any(row.in_timed_lane for row in pending)
+    return max(1, min(lanes, int(timed) + sum(not row.in_timed_lane for row in pending)))
+
+
+@contextlib.contextmanager
+def row_threads(at_once: int):
+    """While the rows run: each row's processes get their share of the host's cores for
+    their intra-op threads (OMP_NUM_THREADS, which every row inherits; one already set is
+    kept), ``at_once`` rows sharing them. Left at all the cores, the thread pools of rows run
+    side by side spin on the same cores: the fsdp --offload fp16 row, whose optimizer steps
+    on the CPU, gave no result within 180 s beside three other lanes, twice, and trained its
+    epoch of 30 steps in 17 s alone (H200, 16 cores). Yields what the report says of it."""
+    if "OMP_NUM_THREADS" in os.environ:
+        yield f"{os.environ['OMP_NUM_THREADS']!r}, as set before the run"
+        return
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count()) or 1
+    os.environ["OMP_NUM_THREADS"] = str(max(1, cores // at_once))
+    try:
+        yield f"{os.environ['OMP_NUM_THREADS']} ({cores} cores, {at_once} row(s) at once)"
+    finally:
+        del os.environ["OMP_NUM_THREADS"]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -328,7 +342,6 @@ def acceptance_run(argv=None) -> int:
         return 0
 
     catch_stops()  # from here on, Ctrl-C and SIGTERM end the run with its report written
-    threads = host_threads(args.lanes)
     if not gpu:
         print("notice: no GPU visible: a small CPU smoke run (ResNet-18, a small tree, "
               f"{steps} steps); the CUDA-only rows and the CUDA equivalence tests are skipped",
@@ -344,17 +357,18 @@ def acceptance_run(argv=None) -> int:
     jsonl = jsonl or work / "rows.jsonl"
     cmd = "python bench/gpu_check.py" + "".join(
         f" {shlex.quote(a)}" for a in (sys.argv[1:] if argv is None else argv))
-    head = [f"# GPU acceptance run ({setting.model})", ""] + [
-        f"- {v}" for v in versions(gpu)] + [f"- command: `{cmd}`",
-                                            f"- OMP_NUM_THREADS of each row: {threads}"] + (
-        [f"- continued: {len(kept)} row(s) from the earlier run in {jsonl.name}"]
-        if args.continue_run else [])
-    run = Run(args, setting, rows, results, head, out, jsonl, need,
-              deadline=t_start + 60 * args.minutes)
-    print(f"rows: appended to {run.jsonl} as each finishes; {len(pending)} job(s) in "
-          f"{args.lanes} lane(s)", flush=True)
-    run.not_started(run_lanes(pending, args.lanes, run.deadline, need, run.row, run.record))
-    code = run.finish(time.monotonic() - t_start)
+    with row_threads(rows_at_once(pending, args.lanes)) as threads:
+        head = [f"# GPU acceptance run ({setting.model})", ""] + [
+            f"- {v}" for v in versions(gpu)] + [f"- command: `{cmd}`",
+                                                f"- OMP_NUM_THREADS of each row: {threads}"] + (
+            [f"- continued: {len(kept)} row(s) from the earlier run in {jsonl.name}"]
+            if args.continue_run else [])
+        run = Run(args, setting, rows, results, head, out, jsonl, need,
+                  deadline=t_start + 60 * args.minutes)
+        print(f"rows: appended to {run.jsonl} as each finishes; {len(pending)} job(s) in "
+              f"{args.lanes} lane(s)", flush=True)
+        run.not_started(run_lanes(pending, args.lanes, run.deadline, need, run.row, run.record))
+    code = run.finish(time.monotonic() - t_start)  # --suite: with the node's own threads
     if not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
     return code

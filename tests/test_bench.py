@@ -329,9 +329,9 @@ def test_gpu_check_continue_runs_only_the_rows_not_yet_there(gpu_check, monkeypa
 
 
 def test_gpu_check_gives_each_row_its_share_of_the_hosts_cores(gpu_check, monkeypatch, tmp_path):
-    """Rows beside each other in lanes share the host: each row's processes get cores / lanes
-    intra-op threads (OMP_NUM_THREADS), named in the report; one the user set is kept, and the
-    variable is as it was once gpu_check returns."""
+    """Rows side by side share the host: each row's processes get cores / (rows that can run
+    at once) intra-op threads (OMP_NUM_THREADS), named in the report; one the user set is
+    kept, and the variable is as it was once gpu_check returns."""
     seen = []
     monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: _small_plan())
     monkeypatch.setattr(gpu_rows, "run_training", lambda row, *a, **k: seen.append(
@@ -339,13 +339,34 @@ def test_gpu_check_gives_each_row_its_share_of_the_hosts_cores(gpu_check, monkey
     monkeypatch.setattr(gpu_check.os, "sched_getaffinity", lambda pid: set(range(16)))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     out = tmp_path / "r.md"
+    # two timed rows one after another, one untimed row beside them: 2 at once, 8 threads
     assert gpu_check.main(["--out", str(out), "--lanes", "4"]) == 0
-    assert seen == ["4"] * 3 and "OMP_NUM_THREADS" not in os.environ
-    assert "- OMP_NUM_THREADS of each row: 4 (16 cores, 4 lane(s))" in out.read_text()
+    assert seen == ["8"] * 3 and "OMP_NUM_THREADS" not in os.environ
+    assert "- OMP_NUM_THREADS of each row: 8 (16 cores, 2 row(s) at once)" in out.read_text()
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     seen.clear()
     assert gpu_check.main(["--out", str(tmp_path / "again.md"), "--lanes", "4"]) == 0
     assert seen == ["2"] * 3 and os.environ["OMP_NUM_THREADS"] == "2"
+    assert "- OMP_NUM_THREADS of each row: '2', as set before the run" in \
+        (tmp_path / "again.md").read_text()
+    # a failing run leaves it as it was too
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(gpu_check, "run_lanes", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        gpu_check.main(["--out", str(tmp_path / "third.md")])
+    assert "OMP_NUM_THREADS" not in os.environ
+
+
+def test_gpu_check_counts_the_rows_that_can_run_at_once(gpu_check):
+    Row = gpu_plan.Row
+    timed, untimed = Row("a", 8), Row("tests", 0, kind="tests")
+    assert timed.in_timed_lane and not untimed.in_timed_lane
+    assert gpu_check.rows_at_once([timed, timed], 4) == 1  # --rows compile: all timed
+    assert gpu_check.rows_at_once([timed] + [untimed] * 5, 4) == 4
+    assert gpu_check.rows_at_once([timed, untimed], 4) == 2
+    assert gpu_check.rows_at_once([untimed] * 2, 4) == 2
+    assert gpu_check.rows_at_once([timed] + [untimed] * 5, 1) == 1
+    assert gpu_check.rows_at_once([], 4) == 1
 
 
 def test_gpu_check_takes_its_time_estimates_from_an_earlier_run(gpu_check, monkeypatch,
