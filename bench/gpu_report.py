@@ -62,7 +62,7 @@ def targets(results: list) -> list:
         fastest = max(at_224, key=at_224.get)
         checks.append(("224 px, batch 256: eager, --cuda-graph and every --compile mode "
                        "measured", len(at_224) == len(ways),
-                       f"{len(at_224)} of {len(ways)}; the fastest: {fastest}, "
+                       f"{len(at_224)} of {len(ways)}; the fastest: {way_name(fastest)}, "
                        f"{at_224[fastest]:,.0f} img/s"))
     return checks
 
