@@ -142,10 +142,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="torch.compile the model, in MODE (no MODE: default; reduce-overhead "
                         "adds CUDA graphs of its own, max-autotune-no-cudagraphs tries more "
                         "kernels at a longer compilation). The first epoch holds the "
-                        "compilation (minutes for ResNet-50) and its evaluation one more (eval "
-                        "mode); later epochs run compiled, without recompiling. Measured on an "
-                        "H200 at 64 px, batch 256, where the host sets the pace: the default "
-                        "mode 0.88x the eager step (bench/results)")
+                        "compilation (45 to 65 s for ResNet-50 on an H200) and its evaluation "
+                        "one more (eval mode); later epochs run compiled, without recompiling. "
+                        "Measured on an H200: at 224 px, batch 256, 1.42x the eager step "
+                        "(reduce-overhead 1.45x); at 64 px, batch 1024, reduce-overhead 1.91x "
+                        "(bench/results/gpu-h200-2026-11-28.md)")
     g.add_argument("--cuda-graph", action="store_true",
                    help="GPU: after a few eager steps (11 under DDP), capture the whole training "
                         "step (forward, "
