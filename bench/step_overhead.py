@@ -7,7 +7,8 @@ Four variants of one training step on the same fixed batch, run in interleaved r
 order rotating) so that the machine's drift hits each alike (separate processes differ by up
 to 10% on a shared VM, which hides a few percent):
     bare         model, SGD, forward/backward/step
-    ddp          the same inside DistributedDataParallel (world size 1)
+    ddp          the same inside DistributedDataParallel (world size 1), averaging per
+                 gradient bucket as ddp_train.py does
     ddp+metrics  plus ddp_train.py's bookkeeping: device-side loss/accuracy sums, the
                  non-finite check, the GradScaler calls and the stop vote
     fsdp         fsdp_train.py's model and optimizer: FSDP2 units as the script makes them
@@ -35,6 +36,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
+import ddp_train  # noqa: E402
 import fsdp_train  # noqa: E402
 from training import flags, lossguard, measure, models, stopping  # noqa: E402
 
@@ -46,6 +48,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=12, help="interleaved rounds (first is warm-up)")
     p.add_argument("--steps", type=int, default=4, help="steps per variant per round")
     args = p.parse_args(argv)
+    if args.rounds < 2 or args.steps < 2 or args.batch_size < 1:
+        p.error("--rounds and --steps must be 2 or more (each round's first step, and the first "
+                "round, are warm-up) and --batch-size 1 or more")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -58,6 +63,9 @@ def main(argv=None) -> int:
               "ddp": DDP(copy.deepcopy(base), device_ids=ids, gradient_as_bucket_view=True),
               "ddp+metrics": DDP(copy.deepcopy(base), device_ids=ids,
                                  gradient_as_bucket_view=True)}
+    for name in ("ddp", "ddp+metrics"):  # as ddp_train.py sets up DDP at world size 1
+        ddp_train.average_per_bucket(variants[name], argparse.Namespace(
+            simulate_world_size=None, cuda_graph=False), world=1)
     d = flags.add_common_args(argparse.ArgumentParser()).parse_args([])  # ddp_train's SGD
     opts = {k: torch.optim.SGD(m.parameters(), lr=d.lr, momentum=d.momentum,
                                weight_decay=d.weight_decay) for k, m in variants.items()}

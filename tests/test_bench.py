@@ -67,6 +67,13 @@ def test_step_overhead_prints_four_variants_with_their_python_calls():
     calls = {name: int(n.replace(",", "")) for name, n in rows}
     # FSDP2's hooks and the DTensor optimizer are host work DDP does not do
     assert 0 < calls["bare"] < calls["ddp"] < calls["fsdp"], out
+    # a bad count is one sentence, not a median of nothing
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "step_overhead.py"), "--rounds",
+                           "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1].endswith("--rounds and --steps must be 2 or more (each "
+                                                 "round's first step, and the first round, are "
+                                                 "warm-up) and --batch-size 1 or more")
 
 
 def test_gpu_check_runs_on_cpu_with_a_notice(tmp_path):
