@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from training import allocation
+from training import allocation, flags
 from training.distributed import DistEnv
 from training.faults import UsageError
 from conftest import run_script
@@ -102,6 +102,27 @@ def test_one_cpu_per_task_and_eight_workers_is_one_warning(slurm):
     assert "(the task has 8, `#SBATCH --cpus-per-task=8`, shared by 2 processes), so" in \
         allocation.problems(TORCHRUN_2, "cpu", False, 4)[1][0]
     assert allocation.problems(DistEnv(0, 0, 2, 2, "slurm", 1), "cpu", False, 4) == (None, [])
+
+
+@pytest.mark.parametrize("cpus, asked, source, procs, workers", [
+    (16, None, "single", 1, 8),     # a workstation: at most 8
+    (4, None, "single", 1, 3),      # one CPU left for the training
+    (16, 16, "torchrun", 4, 3),     # torchrun's 4 processes share the task's 16 CPUs
+    (16, 16, "slurm", 4, 8),        # srun's tasks each have their own
+    (1, 16, "slurm", 1, 0),         # srun gave the task 1 of the 16 asked: sized by the 1
+    (32, 2, "slurm", 1, 1),         # the node's 32, of which the job asked for 2
+])
+def test_the_default_loader_workers_follow_the_usable_cpus(slurm, monkeypatch, cpus, asked,
+                                                           source, procs, workers):
+    """flags.default_workers and the launch check count the same CPUs: those the task may
+    run on, no more than `#SBATCH --cpus-per-task` asked for."""
+    slurm(cpus=cpus, **({"SLURM_CPUS_PER_TASK": asked} if asked else {}))
+    env = DistEnv(rank=0, local_rank=0, world_size=procs, local_world_size=procs, source=source)
+    assert allocation.usable_cpus() == min(cpus, asked or cpus)
+    assert flags.default_workers(env) == workers
+    # the workers it picks never draw the launch check's warning about starving workers
+    assert not [w for w in allocation.problems(env, "cpu", False, workers)[1]
+                if "loader workers per process" in w]
 
 
 def test_a_fixed_port_with_another_job_on_the_node_is_named(slurm, monkeypatch):

@@ -31,6 +31,23 @@ def _int(name: str) -> int | None:
     return int(value) if value.isdigit() else None
 
 
+def _affinity() -> int:
+    """The CPUs this process may run on (its affinity mask; the CPU count where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def usable_cpus() -> int:
+    """The CPUs this task's processes and their loader workers can use: those it may run on,
+    and no more than `#SBATCH --cpus-per-task` asked for, where it asked (srun of Slurm 22.05
+    to 23.02 can give a task fewer than asked, problems() says when). flags.default_workers
+    sizes the loader workers by it, problems() checks --num-workers against it."""
+    cpus, asked = _affinity(), _int("SLURM_CPUS_PER_TASK")
+    return min(cpus, asked) if asked else cpus
+
+
 def _visible_devices() -> list | None:
     """The CUDA_VISIBLE_DEVICES list, or None when it is unset."""
     if "CUDA_VISIBLE_DEVICES" not in os.environ:
@@ -100,9 +117,7 @@ def problems(env: DistEnv, device: str, share_gpus: bool, workers: int) -> tuple
                     f"--gpus-per-node`), do not export it"), []
 
     # CPUs: what this task may really run on against what the job asked for and the workers.
-    cpus = len(os.sched_getaffinity(0))
-    asked = _int("SLURM_CPUS_PER_TASK")
-    usable = min(cpus, asked) if asked else cpus
+    cpus, asked, usable = _affinity(), _int("SLURM_CPUS_PER_TASK"), usable_cpus()
     if asked and cpus < asked and "SRUN_CPUS_PER_TASK" not in os.environ:
         warnings.append(
             f"warning: this task on {node} may run on {cpus} CPU(s), but `#SBATCH "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from training import board, contract, devices
+from training import allocation, board, contract, devices
 from training.distributed import DistEnv
 from training.faults import UsageError
 from training.models import check_model, grey_channels, synthetic_shape
@@ -158,9 +158,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "ZeRO-1")
     g = parser.add_argument_group("run")
     g.add_argument("--num-workers", type=int, default=None,
-                   help="DataLoader workers per process (default: from $SLURM_CPUS_PER_TASK "
-                        "or the CPUs this process may use, under torchrun shared by the "
-                        "node's processes, minus one for the main process, at most 8)")
+                   help="DataLoader workers per process (default: the CPUs this process "
+                        "may use, no more than $SLURM_CPUS_PER_TASK, under torchrun shared "
+                        "by the node's processes, minus one for the main process, at most 8)")
     g.add_argument("--seed", type=int, default=0,
                    help="seed for model init, shuffling and synthetic data")
     g.add_argument("--max-steps-per-epoch", type=int, default=0,
@@ -236,11 +236,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def default_workers(env: DistEnv) -> int:
-    cpus = os.environ.get("SLURM_CPUS_PER_TASK")
-    try:
-        total = int(cpus) if cpus else len(os.sched_getaffinity(0))
-    except (ValueError, AttributeError):
-        total = os.cpu_count() or 1
+    """Loader workers per process when --num-workers is not given: the process's share of the
+    task's usable CPUs (allocation.usable_cpus) less one for the training, at most 8."""
+    total = allocation.usable_cpus()
     # torchrun starts the node's processes inside ONE Slurm task: they share its CPUs.
     # Started by srun directly, each process is its own task with its own CPUs.
     share = total // env.local_world_size if env.source == "torchrun" else total
