@@ -69,16 +69,22 @@ def test_the_checkpointer_gets_its_section_not_the_flags_namespace():
         settings.every = 5
 
 
-def test_the_loops_batches_run_from_the_resumed_step_to_the_epochs_end():
-    """run.batches yields the steps start_step .. steps-1 (a resumed epoch's rest, cut at
-    --max-steps-per-epoch), numbered as the epoch counts them."""
-    run = loop.Run.__new__(loop.Run)  # the bookkeeping's parts, without a process group
+def _bare_run(steps: int, start_step: int, compiled_graphs: bool = False) -> loop.Run:
+    """A Run with only the bookkeeping's parts that batches() uses, without a process group."""
+    run = loop.Run.__new__(loop.Run)
     run.device, run.devices, run.steps, run.epoch, run.start_step = \
-        torch.device("cpu"), [torch.device("cpu")], 4, 0, 1
-    run.compiled_graphs, run.epochs_begun = False, 0
+        torch.device("cpu"), [torch.device("cpu")], steps, 0, start_step
+    run.compiled_graphs, run.epochs_begun = compiled_graphs, 0
     run.rank_clock = type("Clock", (), {"start_epoch": lambda self: None})()
     run.meter = type("Meter", (), {"epoch": lambda self, b, epoch, start: b})()
     run.profiler = type("Profiler", (), {"epoch": lambda self, b, start: b})()
+    return run
+
+
+def test_the_loops_batches_run_from_the_resumed_step_to_the_epochs_end():
+    """run.batches yields the steps start_step .. steps-1 (a resumed epoch's rest, cut at
+    --max-steps-per-epoch), numbered as the epoch counts them."""
+    run = _bare_run(steps=4, start_step=1)
     batches = [(torch.zeros(1), torch.tensor([i])) for i in range(6)]
     steps = [(step, int(labels)) for step, (_, labels) in run.batches(batches)]
     assert steps == [(1, 0), (2, 1), (3, 2)]
@@ -91,13 +97,7 @@ def test_a_compiled_runs_peak_keeps_the_recorded_epochs_not_the_set_ups(monkeypa
     from training import measure
     kept = []
     monkeypatch.setattr(measure, "reset_peak_memory", lambda *d, replays: kept.append(replays))
-    run = loop.Run.__new__(loop.Run)
-    run.device, run.devices, run.steps, run.epoch, run.start_step = \
-        torch.device("cpu"), [torch.device("cpu")], 2, 0, 0
-    run.compiled_graphs, run.epochs_begun = True, 0
-    run.rank_clock = type("Clock", (), {"start_epoch": lambda self: None})()
-    run.meter = type("Meter", (), {"epoch": lambda self, b, epoch, start: b})()
-    run.profiler = type("Profiler", (), {"epoch": lambda self, b, start: b})()
+    run = _bare_run(steps=2, start_step=0, compiled_graphs=True)
     for _ in range(3):
         list(run.batches([(torch.zeros(1), torch.tensor([0]))] * 2))
     assert kept == [False, True, True]
