@@ -351,6 +351,27 @@ def test_a_checkpoint_that_sorts_before_older_ones_is_kept_and_they_go_aside(tmp
     assert [p.name for p in aside.iterdir()] == ["ckpt-e0000-s0000098"]
 
 
+def test_a_full_disk_names_what_the_superseded_folders_hold(tmp_path):
+    """set_aside_checkpoints deletes nothing, so earlier runs' checkpoints set aside can be
+    what fills the disk: the full-disk sentence names the superseded-* folders and their
+    size (and says nothing of them where there are none)."""
+    ck = tmp_path / "ck"
+    (ck / "ckpt-e0001-s0000000").mkdir(parents=True)
+    (ck / "ckpt-e0001-s0000000" / "shard").write_bytes(b"\0" * 2**20)
+    for old in ("ckpt-e0002-s0000000", "ckpt-e0003-s0000000"):
+        (ck / old).mkdir()
+        (ck / old / "shard").write_bytes(b"\0" * 3 * 2**20)
+    assert "superseded" not in str(checkpoint.disk_full_error(ck / "ckpt-e0004-s0000000"))
+    checkpoint.set_aside_checkpoints(ck, [ck / "ckpt-e0002-s0000000"], "test")
+    checkpoint.set_aside_checkpoints(ck, [ck / "ckpt-e0003-s0000000"], "test")
+    text = str(checkpoint.disk_full_error(ck / "ckpt-e0004-s0000000"))
+    assert (f"no space left on the file system of {ck} to write ckpt-e0004-s0000000 (") in text
+    assert ("MiB free, a checkpoint needs about 1 MiB): free space there (the 2 superseded-* "
+            "folder(s) there, earlier runs' checkpoints set aside, hold 6 MiB) or choose "
+            "another folder, then resume; the last complete one, ckpt-e0001-s0000000, is "
+            "intact") in text, text
+
+
 def test_resume_from_a_path_into_a_used_folder_keeps_its_own_checkpoints(tmp_path):
     """--resume PATH into a --checkpoint-dir that holds a longer run's later checkpoints: each
     checkpoint the run wrote was pruned at once (the others sort newer) though it said saved,

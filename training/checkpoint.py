@@ -186,17 +186,22 @@ def _size(path: Path) -> int:
 
 
 def disk_full_error(path: Path) -> UsageError:
-    """The sentence for a save to ``path`` that found no space: how much is free, and how
-    much the save needs (the size of the newest complete checkpoint beside it, when there is
-    one)."""
+    """The sentence for a save to ``path`` that found no space: how much is free, how much
+    the save needs (the size of the newest complete checkpoint beside it, when there is one),
+    and what the ``superseded-*`` folders beside it hold (set_aside_checkpoints deletes
+    nothing, so earlier runs' checkpoints can be what filled the disk)."""
     folder = path.parent
     free = shutil.disk_usage(folder).free / 2**20
     newest = list_checkpoints(folder)
     need = f", a checkpoint needs about {_size(newest[0]) / 2**20:.0f} MiB" if newest else ""
     kept = f"; the last complete one, {newest[0].name}, is intact" if newest else ""
+    aside = sorted(p for p in folder.glob("superseded-*") if p.is_dir())
+    held = sum(_size(p) for p in aside) / 2**20
+    where = (f" (the {len(aside)} superseded-* folder(s) there, earlier runs' checkpoints set "
+             f"aside, hold {held:.0f} MiB)" if aside else "")
     return UsageError(f"no space left on the file system of {folder} to write {path.name} "
-                      f"({free:.0f} MiB free{need}): free space there or choose another "
-                      f"folder, then resume{kept}")
+                      f"({free:.0f} MiB free{need}): free space there{where} or choose "
+                      f"another folder, then resume{kept}")
 
 
 def save_model(state_dict: dict, path) -> None:
