@@ -49,8 +49,8 @@ def reset_peak_memory(*devices: torch.device, replays: bool = False) -> None:
 def peak_memory_mib(device: torch.device) -> float:
     """Peak memory since ``reset_peak_memory``: CUDA ``max_memory_allocated`` on a GPU (at
     least the captured or recorded step's, with --cuda-graph or a --compile mode with CUDA
-    graphs), else the peak RSS (VmHWM, or getrusage's
-    whole-run figure where /proc is missing)."""
+    graphs), else the peak RSS (VmHWM, or getrusage's whole-run figure where /proc is
+    missing)."""
     if device.type == "cuda":
         return max(torch.cuda.max_memory_allocated(device) / 2**20,
                    cudagraph.captured_peak_mib.get(device.index, 0.0))
