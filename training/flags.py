@@ -160,7 +160,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--num-workers", type=int, default=None,
                    help="DataLoader workers per process (default: the CPUs this process "
                         "may use, no more than $SLURM_CPUS_PER_TASK, under torchrun shared "
-                        "by the node's processes, minus one for the main process, at most 8)")
+                        "by the node's processes, minus one for the main process, at most 8; "
+                        "at least 1 on a GPU)")
     g.add_argument("--seed", type=int, default=0,
                    help="seed for model init, shuffling and synthetic data")
     g.add_argument("--max-steps-per-epoch", type=int, default=0,
