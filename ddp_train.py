@@ -110,6 +110,20 @@ def save_model(model: nn.Module, path) -> None:
         print0(f"saved model state_dict to {path}")
 
 
+def wrap_ddp(model: nn.Module, args, world: int, device: torch.device, capture) -> DDP:
+    """The model in DDP: a full replica per process; backward all-reduces each gradient bucket
+    across ranks, averaging it once (average_per_bucket). BatchNorm statistics are broadcast
+    from rank 0 before every forward, unless there is no other rank. --cuda-graph: DDP is
+    built on the stream its step will be captured on (``capture``'s)."""
+    with capture.stream():
+        replica = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                      bucket_cap_mb=args.bucket_cap_mb, static_graph=args.static_graph,
+                      gradient_as_bucket_view=args.gradient_as_bucket_view,
+                      **{BUFFER_SYNC: args.broadcast_buffers and world > 1})
+    average_per_bucket(replica, args, world)
+    return replica
+
+
 def average_per_bucket(replica: DDP, args, world: int) -> None:
     """DDP's average in one division per gradient bucket (its built-in all-reduce hook), not
     one per parameter, which is what DDP does when no comm hook is registered: 161 kernels a
@@ -202,16 +216,9 @@ def train(args, env: distributed.DistEnv) -> int:
     memory_format = models.memory_format(model, device)  # channels_last on CUDA: faster convs
     model = model.to(device, memory_format=memory_format)
     prepare = loading.batch_finisher(data, memory_format)  # augments, sets the format
-    # DDP: a full replica per process; backward all-reduces gradient buckets across ranks.
-    # BatchNorm statistics are broadcast from rank 0 before every forward, unless there is no
-    # other rank. --cuda-graph: DDP is built on the stream its step will be captured on.
+    # DDP: a full replica per process; backward all-reduces (averages) the gradients
     capture = cudagraph.StepCapture(args.cuda_graph, warmup=cudagraph.DDP_WARMUP_STEPS)
-    with capture.stream():
-        replica = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                      bucket_cap_mb=args.bucket_cap_mb, static_graph=args.static_graph,
-                      gradient_as_bucket_view=args.gradient_as_bucket_view,
-                      **{BUFFER_SYNC: args.broadcast_buffers and world > 1})
-    average_per_bucket(replica, args, world)
+    replica = wrap_ddp(model, args, world, device, capture)
     step_model = torch.compile(replica, mode=args.compile) if args.compile else replica
 
     batch = args.batch_size  # one DataLoader batch: this process's share of the global batch

@@ -64,7 +64,7 @@ def test_help_gives_each_default_once():
         assert "(default: None)" not in text and "(default: " in text
     for text in texts:
         assert "one GPU at the default --batch-size (default: 64)" in text
-        assert "(default: from $SLURM_CPUS_PER_TASK" in text  # --num-workers says its own
+        assert "(default: the CPUs this process may use" in text  # --num-workers says its own
 
 
 def test_dp_runs_on_cpu_and_prints_both_lines():
