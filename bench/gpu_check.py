@@ -97,7 +97,7 @@ from bench.gpu_report import in_one_line, report  # noqa: E402
 from bench.gpu_rows import Setting, prepare_data, run_row, whole_suite  # noqa: E402
 from bench.lanes import CAUGHT, INTERRUPTED, catch_stops, print_plan, run_lanes  # noqa: E402
 from bench.process_tree import STOP  # noqa: E402
-from training import flags  # noqa: E402
+from training import allocation, flags  # noqa: E402
 
 
 def versions(gpu: bool) -> list:
@@ -235,8 +235,7 @@ def row_threads(at_once: int):
     if "OMP_NUM_THREADS" in os.environ:
         yield f"{os.environ['OMP_NUM_THREADS']!r}, as set before the run"
         return
-    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-             else os.cpu_count()) or 1
+    cores = allocation.usable_cpus()
     os.environ["OMP_NUM_THREADS"] = str(max(1, cores // at_once))
     try:
         yield f"{os.environ['OMP_NUM_THREADS']} ({cores} cores, {at_once} row(s) at once)"

@@ -36,9 +36,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-import ddp_train  # noqa: E402
 import fsdp_train  # noqa: E402
-from training import flags, lossguard, measure, models, stopping  # noqa: E402
+from training import flags, lossguard, measure, models, stopping, torch_private  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -64,8 +63,7 @@ def main(argv=None) -> int:
               "ddp+metrics": DDP(copy.deepcopy(base), device_ids=ids,
                                  gradient_as_bucket_view=True)}
     for name in ("ddp", "ddp+metrics"):  # as ddp_train.py sets up DDP at world size 1
-        ddp_train.average_per_bucket(variants[name], argparse.Namespace(
-            simulate_world_size=None, cuda_graph=False), world=1)
+        torch_private.ddp_average_per_bucket(variants[name])
     d = flags.add_common_args(argparse.ArgumentParser()).parse_args([])  # ddp_train's SGD
     opts = {k: torch.optim.SGD(m.parameters(), lr=d.lr, momentum=d.momentum,
                                weight_decay=d.weight_decay) for k, m in variants.items()}
