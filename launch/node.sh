@@ -170,7 +170,11 @@ still_running() {
 # shellcheck disable=SC2317  # reached through the EXIT trap
 stop_all() {
   local rc=$? p stopped=()
-  trap - EXIT INT TERM HUP
+  trap - EXIT
+  # Slurm sends SIGTERM to every process of the step when another node's task failed, often
+  # as this node's own training ends: at their default, one arriving now would end this trap
+  # before the line below. A second stop signal may end the wait for the training, not this.
+  trap '' INT TERM HUP
   # job.sh sends SIGUSR1 to every process of the step every 10 s until the training has ended.
   # At its default, one would end still_running's subshell, and with it the check, or this trap
   # before it has stopped the loggers.
@@ -181,6 +185,7 @@ stop_all() {
     stopped+=("$p")
   done
   echo "[$node] loggers stopped (pids: ${stopped[*]:-none}); exit code $rc"
+  trap - INT TERM HUP
   if [ -n "$train_pid" ] && still_running "$train_pid"; then
     echo "[$node] waiting for the training to stop"
     kill -TERM "$train_pid" 2>/dev/null || true  # torchrun forwards it to its workers

@@ -625,6 +625,34 @@ def test_usr1_as_the_training_ends_keeps_its_exit_code_and_stops_the_loggers(tmp
         assert_loggers_gone(tmp_path, run_dir)
 
 
+def test_sigterm_during_the_exit_trap_does_not_cut_the_loggers_line(tmp_path):
+    """A failed two-node job: n2's training exits 1, srun (--kill-on-bad-exit) has Slurm send
+    SIGTERM to every process of n1's step, whose own training is ending at the same moment.
+    The exit trap had put SIGTERM back to its default before it stopped the loggers, so a
+    SIGTERM arriving then ended node.sh without its "loggers stopped" line (CI, once: n1)."""
+    script = tmp_path / "train.py"
+    script.write_text("import time\nprint('training: started', flush=True)\ntime.sleep(1)\n"
+                      "raise SystemExit(1)\n")
+    run_dir = tmp_path / "run"
+    env = base_env(tmp_path, fake_gpus=True) | {"RUN_DIR": str(run_dir), "NODE_NAME": "n1",
+                                                "PSRECORD": "no-psrecord-here"}
+    for attempt in range(6):  # the old trap lost the line in every one of 10
+        proc = subprocess.Popen(["bash", str(LAUNCH / "node.sh"), "python", str(script)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        head = read_until(proc, "training: started")
+        while proc.poll() is None:  # to the whole step, as slurmstepd sends it
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                break
+            time.sleep(0.001)
+        out = head + proc.communicate(timeout=60)[0]
+        assert proc.returncode != 0, f"attempt {attempt}: {out}"
+        assert out.count("[n1] loggers stopped (pids: ") == 1, f"attempt {attempt}: {out}"
+        assert_loggers_gone(tmp_path, run_dir)
+
+
 def test_a_slow_to_stop_training_does_not_hold_back_the_loggers_line(tmp_path):
     """When another node fails, Slurm ends this node's task with SIGTERM and KillWait seconds
     later (5 s in the test cluster) with SIGKILL. node.sh used to wait for the training first
