@@ -92,7 +92,7 @@ TAIL = ("gpu0", "gpu0_peak_mib", "gpu0_avg_mib", "gpu0_mode_mib",
         "grad_bytes", "busbw_all_reduce_gbs", "busbw_all_gather_gbs",
         "busbw_reduce_scatter_gbs", "transport", "messages_all_reduce", "messages_all_gather",
         "messages_reduce_scatter", "predicted_step_ms", "prediction_error",
-        *(f"predicted_{k}" for k in contract.MEMORY_SIZE_KEYS), "predicted_variant",
+        *(f"predicted_{k}" for k in contract.READ_MEMORY_SIZE_KEYS), "predicted_variant",
         "memory_error",
         "exit_code", "job_id", "job_name", "restarts", "start_time", "end_time",
         "metric_lines", "bad_metric_lines", "path")
@@ -149,10 +149,12 @@ def read_explanations(path: Path) -> dict:
 
 def _explain_memory(pairs: dict, found: dict) -> None:
     """A [MEMORY] line whose sizes are all numbers: the predicted memory per GPU. An older
-    line without the later keys (data_mib, inputs_mib) did not count them: "" there."""
-    sizes = contract.MEMORY_SIZE_KEYS
+    line without the later keys (data_mib, inputs_mib, workspace_mib) did not count them, and
+    a newer one has no transient_mib: "" there."""
+    sizes = contract.READ_MEMORY_SIZE_KEYS
+    optional = contract.LATER_MEMORY_KEYS + contract.EARLIER_MEMORY_KEYS
     if all(contract.is_number(pairs.get(k, "")) for k in sizes
-           if k not in contract.LATER_MEMORY_KEYS or k in pairs):
+           if k not in optional or k in pairs):
         found.update((f"predicted_{k}", pairs.get(k, "")) for k in sizes)
         found["predicted_variant"] = pairs.get("variant", "")
 

@@ -179,8 +179,8 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
 
 
 MEMORY_COLORS = {"params": "C0", "grads": "C9", "optimizer": "C2", "buffers": "0.5",
-                 "amp_copies": "C8", "activations": "C1", "comm": "C3", "transient": "C4",
-                 "data": "C5", "inputs": "C6"}
+                 "amp_copies": "C8", "activations": "C1", "comm": "C3", "workspace": "#393b79",
+                 "transient": "C4", "data": "C5", "inputs": "C6"}
 
 
 def memory_plot(bars: list, parts: dict, out_dir: Path, dpi: int) -> str:

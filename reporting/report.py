@@ -11,6 +11,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from training import contract
 from reporting import plots, stragglers
 from reporting.scaling import (FAILED, HAS_METRICS, OK, OVERLAP, SKIPPED, STATUSES,
                                beyond_study, gpus, group_of, num, predict_step_ms, throughput)
@@ -253,8 +254,17 @@ def model_markdown(inputs: dict, configs: dict) -> list:
 MEMORY_PARTS = {"params": "Params", "grads": "Grads", "optimizer": "Optimizer",
                 "buffers": "Buffers", "amp_copies": "AMP copies",
                 "activations": "Activations", "comm": "Comm. buffers",
-                "transient": "Backward transient", "data": "Data on GPU",
-                "inputs": "Input batches"}
+                "workspace": "Workspace", "transient": "Backward transient (older runs)",
+                "data": "Data on GPU", "inputs": "Input batches"}
+# Parts of older [MEMORY] lines only (contract.EARLIER_MEMORY_KEYS): a column where a run has one.
+EARLIER_PARTS = tuple(k.removesuffix("_mib") for k in contract.EARLIER_MEMORY_KEYS)
+
+
+def memory_parts(found: list) -> dict:
+    """MEMORY_PARTS, without the older lines' parts that none of ``found``'s runs has."""
+    return {k: name for k, name in MEMORY_PARTS.items()
+            if k not in EARLIER_PARTS or any(num(r, f"predicted_{k}_mib") is not None
+                                             for _, r in found)}
 
 
 def memory_rows(chosen: dict) -> list:
@@ -283,16 +293,18 @@ def memory_markdown(chosen: dict) -> list:
               "model and the flags (its [MEMORY] line; `python ddp_train.py --estimate-memory` "
               "prints the same before a job). Activations: every tensor the forward saves for "
               "backward, counted on the CPU; comm. buffers: DDP's gradient buckets, FSDP's "
-              "gathered blocks, DataParallel's whole batch on GPU 0. Measured: the run's peak "
+              "gathered blocks, DataParallel's whole batch on GPU 0; workspace: cuBLAS's and "
+              "cuDNN's workspaces and the backward's temporaries, measured once on an H200. "
+              "Measured: the run's peak "
               "(`torch.cuda.max_memory_allocated`, the largest over its GPUs). Not counted: "
-              "cuDNN workspace, allocator fragmentation, the CUDA context (about 0.5 GB more in "
-              "nvidia-smi's GPU 0 Peak).", ""]
-    head = ["Config", *MEMORY_PARTS.values(), "Host", "Predicted peak", "Measured peak",
-            "Error"]
+              "allocator fragmentation, the CUDA context (about 0.5 GB more in nvidia-smi's "
+              "GPU 0 Peak).", ""]
+    parts = memory_parts(found)
+    head = ["Config", *parts.values(), "Host", "Predicted peak", "Measured peak", "Error"]
     lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     cpu = False
     for label, r in found:
-        cells = [_fmt(r, f"predicted_{k}_mib", ",.0f") for k in (*MEMORY_PARTS, "host", "peak")]
+        cells = [_fmt(r, f"predicted_{k}_mib", ",.0f") for k in (*parts, "host", "peak")]
         if r.get("device") == "cpu":
             cpu = True
             measured, error = _fmt(r, "peak_mem_mib", ",.0f") + " (RSS)", "n/a"
@@ -418,5 +430,6 @@ def write_plots(chosen: dict, out_dir: Path, dpi: int) -> list:
     written = plots.study_plots(series, ideal, bars, out_dir, dpi)
     memory = memory_bars(chosen)
     if memory:
-        written.append(plots.memory_plot(memory, MEMORY_PARTS, out_dir, dpi))
+        written.append(plots.memory_plot(memory, memory_parts(memory_rows(chosen)), out_dir,
+                                         dpi))
     return written

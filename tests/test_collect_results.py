@@ -1015,9 +1015,11 @@ def test_a_cpu_runs_peak_is_not_compared_with_the_prediction(tmp_path):
     (run / "job.env").write_text("EXIT_CODE=0\n")
     code, rows, md = collect([run], tmp_path / "out")
     assert code == 0 and rows["ddp-1n1g-1"]["memory_error"] == ""
-    # an older [MEMORY] line, without data_mib and inputs_mib: read, those two cells empty
+    # an older [MEMORY] line, without workspace_mib, data_mib and inputs_mib: read, those
+    # cells empty, and its backward transient in a column of its own
     assert rows["ddp-1n1g-1"]["predicted_data_mib"] == ""
-    assert "| ddp, 1 node x 1 process | 2 | 2 | 2 | 0 | 0 | 4 | 0 | 0 | — | — | 0 | 10 | " \
+    assert "| Comm. buffers | Workspace | Backward transient (older runs) | Data on GPU |" in md
+    assert "| ddp, 1 node x 1 process | 2 | 2 | 2 | 0 | 0 | 4 | 0 | — | 0 | — | — | 0 | 10 | " \
         "410 (RSS) | n/a |" in md
 
 
@@ -1037,7 +1039,30 @@ def test_the_data_and_input_batches_of_a_memory_line_are_read(tmp_path):
     r = rows["ddp-1n1g-1"]
     assert code == 0 and (r["predicted_data_mib"], r["predicted_inputs_mib"]) == ("6.2", "0.1")
     assert "| Data on GPU | Input batches |" in md
-    assert "| ddp, 1 node x 1 GPU | 2 | 2 | 2 | 0 | 0 | 4 | 0 | 0 | 6 | 0 | 0 | 17 | 17 |" in md
+    assert "| ddp, 1 node x 1 GPU | 2 | 2 | 2 | 0 | 0 | 4 | 0 | — | 0 | 6 | 0 | 0 | 17 | 17 |" in md
+
+
+def test_a_memory_line_with_the_workspace_is_read_without_a_transient_column(tmp_path):
+    """Since 2026-11-28 a [MEMORY] line has the measured workspace and no backward transient:
+    the table has no column for a part none of its runs has."""
+    run = tmp_path / "ddp-1n1g-1"
+    run.mkdir()
+    (run / "train.log").write_text(
+        "[MEMORY] strategy=ddp variant=- world_size=1 per_gpu_batch=16 image_size=32 amp=off "
+        "params_mib=2.1 grads_mib=2.1 optimizer_mib=2.1 buffers_mib=0 amp_copies_mib=0 "
+        "activations_mib=3.5 comm_mib=0 workspace_mib=86.0 data_mib=6.2 inputs_mib=0.1 "
+        "host_mib=0 peak_mib=102.1\n"
+        "[METRIC] strategy=ddp model=cnn dataset=synthetic device=cuda world_size=1 nodes=1 "
+        "gpus_per_node=1 epoch=1 epochs=1 val_loss=1.5 val_acc=40 epoch_time_s=3 "
+        "throughput_img_s=50 peak_mem_mib=100 final=1 total_time_s=4\n")
+    (run / "job.env").write_text("EXIT_CODE=0\n")
+    code, rows, md = collect([run], tmp_path / "out")
+    r = rows["ddp-1n1g-1"]
+    assert code == 0 and (r["predicted_workspace_mib"], r["predicted_transient_mib"]) == (
+        "86.0", "")
+    assert "| Comm. buffers | Workspace | Data on GPU |" in md and "transient" not in md
+    assert "| ddp, 1 node x 1 GPU | 2 | 2 | 2 | 0 | 0 | 4 | 0 | 86 | 6 | 0 | 0 | 102 | 100 | " \
+        "+2% |" in md
 
 
 def test_a_study_that_cannot_be_read_at_all_is_one_sentence_and_exit_2():

@@ -35,7 +35,7 @@ def _predicted(script: str, extra: list, variant: str, world: int, model_name: s
     module = importlib.import_module(script[:-3])
     args = module.build_parser().parse_args(extra + ["--model", model_name])
     model = models.build_model(model_name, classes, shape)
-    saved = memory.Saved(0, 0, 0, shape, "off", classes)
+    saved = memory.Saved(0, 0, shape, "off", classes)
     return module.memory_per_gpu(model, args, world, saved, variant)
 
 

@@ -67,14 +67,19 @@ PROFILE_KEYS = ("steps", "step_ms", "compute_ms", "exposed_comm_ms", "data_wait_
 #: the data held on the device and the input batches in flight, and their sum, the predicted
 #: peak (training/memory.py says what each counts).
 MEMORY_SIZE_KEYS = ("params_mib", "grads_mib", "optimizer_mib", "buffers_mib", "amp_copies_mib",
-                    "activations_mib", "comm_mib", "transient_mib", "data_mib", "inputs_mib",
+                    "activations_mib", "comm_mib", "workspace_mib", "data_mib", "inputs_mib",
                     "host_mib", "peak_mib")
 
 #: [MEMORY] keys added after the first release: an older log's line without them still parses
 #: (its peak did not count them).
-LATER_MEMORY_KEYS = ("data_mib", "inputs_mib")
+LATER_MEMORY_KEYS = ("data_mib", "inputs_mib", "workspace_mib")
+#: Keys of older [MEMORY] lines only, read where a line has them: the backward transient
+#: (twice the largest activation), which the workspace replaced (2026-11-28).
+EARLIER_MEMORY_KEYS = ("transient_mib",)
 MEMORY_KEYS = ("strategy", "variant", "world_size", "per_gpu_batch", "image_size",
                "amp") + MEMORY_SIZE_KEYS
+#: Every size a [MEMORY] line of any version may have: what collect_results.py reads.
+READ_MEMORY_SIZE_KEYS = MEMORY_SIZE_KEYS + EARLIER_MEMORY_KEYS
 
 #: --simulate-world-size's ``[MEMORY-HELD]`` line: what rank 0 of N holds, counted from its live
 #: tensors (MiB; host_mib: --offload's share in host memory; units_in_flight: the most FSDP

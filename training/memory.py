@@ -13,8 +13,13 @@ What a step keeps on one GPU, and how each part is counted here:
   the batch (checked in tests/test_memory.py), so the two forwards give it at any batch: a
   part per image and a part that does not grow with the batch (under --amp, that part is
   mostly the weights autocast casts to 16 bits: ``amp_copies``);
-- **transient**: during backward, the gradient of the largest saved activation and of its
-  input exist beside the activations (twice the largest one);
+- **workspace**: what a GPU step allocates beside the tensors counted here: cuBLAS's and
+  cuDNN's workspaces, the weight gradients of the backward before they are added to ``.grad``,
+  the caching allocator's rounding. Not counted from the model but measured (``WORKSPACE``).
+  The peak is where the backward starts: a replay of the backward on the CPU that follows
+  every storage (``bench/memory_check.py --backward``) finds the backward's most 10 MiB above
+  what the forward saved (ResNet-50, batch 256), since the gradient of a large early
+  activation comes when the later ones are freed;
 - **communication buffers**: DDP's gradient buckets, FSDP's unsharded parameters and
   gradients of the blocks in flight, DataParallel's whole batch and gathered outputs on GPU 0;
 - **data** (``--data-on-device``): what the rank's DeviceResident loaders hold on the GPU,
@@ -23,9 +28,8 @@ What a step keeps on one GPU, and how each part is counted here:
   on and the next one, copied ahead while the step computes, as the loader hands them over,
   and the batch finished on the device (normalised, in float32) that the model gets.
 
-Not counted, and stated with every table: cuDNN's workspace, the caching allocator's
-fragmentation, and the CUDA context (about 0.5 GB that nvidia-smi sees and
-``torch.cuda.max_memory_allocated`` does not).
+Not counted, and stated with every table: the caching allocator's fragmentation, and the CUDA
+context (about 0.5 GB that nvidia-smi sees and ``torch.cuda.max_memory_allocated`` does not).
 """
 
 from __future__ import annotations
@@ -47,15 +51,19 @@ from training.faults import UsageError
 MIB = 2**20
 CACHE_IMAGE = 64 * 64 * 3  # bytes of one image of the TinyImageNet cache (uint8 HWC)
 COUNT_BATCHES = (2, 4)  # the two forwards; 2, not 1: BatchNorm needs two values per channel
+# What a ResNet-50 step allocated on an H200 (torch 2.11, cuDNN 9.19) beside every counted
+# component: the median over the 9 configurations of eager rows (64 and 224 pixels, batch 256
+# to 2048, DDP, FSDP, DataParallel, bf16 and fp16) of the measured peak minus the prediction
+# without it (bench/results/gpu-h200-memory-2026-11-28.md; bench/memory_check.py prints it).
+WORKSPACE = 86 * MIB
 
 
 @dataclass
 class Saved:
     """What one forward saves for backward, for images of ``input_shape`` under ``amp``: bytes
-    per image, bytes that do not grow with the batch, and the largest saved tensor per image."""
+    per image, and bytes that do not grow with the batch."""
     per_image: float
     fixed: float
-    largest_per_image: float
     input_shape: tuple
     amp: str
     outputs_per_image: int  # the numbers the model returns per image (its classes)
@@ -63,20 +71,16 @@ class Saved:
 
 def count_saved(model: nn.Module, input_shape: tuple, batch: int, amp: str) -> tuple:
     """One forward of ``model`` (train mode, on the CPU) at ``batch``: (bytes of every tensor
-    it saves for backward, each storage once, without parameters and buffers; bytes of the
-    largest one that holds images of this batch, not a weight cast by autocast; the numbers
-    the model returns per image). Under --amp
-    fp16 or bf16 the forward runs under CPU autocast in bf16: the same two bytes per element
-    as fp16 on a GPU."""
+    it saves for backward, each storage once, without parameters and buffers; the numbers the
+    model returns per image). Under --amp fp16 or bf16 the forward runs under CPU autocast in
+    bf16: the same two bytes per element as fp16 on a GPU."""
     own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    saved, per_batch = {}, {}
+    saved = {}
 
     def pack(tensor):
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in own:
             saved[storage.data_ptr()] = storage.nbytes()
-            if tensor.dim() and tensor.shape[0] == batch and not is_cast_weight(tensor):
-                per_batch[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     images = torch.randn(batch, *input_shape)
@@ -85,14 +89,7 @@ def count_saved(model: nn.Module, input_shape: tuple, batch: int, amp: str) -> t
         outputs = model(images)
     per_image = outputs.numel() // batch
     del outputs  # frees the graph, and the storages with it
-    return sum(saved.values()), max(per_batch.values(), default=0), per_image
-
-
-def is_cast_weight(tensor: torch.Tensor) -> bool:
-    """Whether autocast made ``tensor`` from a parameter (a copy in 16 bits)."""
-    fn = tensor.grad_fn
-    return fn is not None and type(fn).__name__ == "ToCopyBackward0" and any(
-        type(parent).__name__ == "AccumulateGrad" for parent, _ in fn.next_functions)
+    return sum(saved.values()), per_image
 
 
 def saved_for_backward(model: nn.Module, input_shape: tuple, amp: str) -> Saved:
@@ -104,11 +101,9 @@ def saved_for_backward(model: nn.Module, input_shape: tuple, amp: str) -> Saved:
     # Dropout and the random images draw from a forked generator, so the model's own random
     # state stays as it was.
     with torch.random.fork_rng(devices=[]):
-        (a, _, _), (b, top, outputs) = (count_saved(twin, input_shape, n, amp)
-                                        for n in COUNT_BATCHES)
+        (a, _), (b, outputs) = (count_saved(twin, input_shape, n, amp) for n in COUNT_BATCHES)
     per_image = (b - a) / (large - small)
-    return Saved(per_image, a - per_image * small, top / large, tuple(input_shape), amp,
-                 outputs)
+    return Saved(per_image, a - per_image * small, tuple(input_shape), amp, outputs)
 
 
 def param_bytes(tensors) -> int:
@@ -176,21 +171,21 @@ class Estimate:
         return self.saved.fixed
 
     @property
-    def transient(self) -> float:
-        """In backward, the gradients of the largest activation and of its input."""
-        return 2 * self.saved.largest_per_image * self.per_gpu_batch
+    def workspace(self) -> float:
+        """What the step allocates beside the counted tensors (measured: WORKSPACE)."""
+        return WORKSPACE
 
     @property
     def peak(self) -> float:
-        """The components that are all resident at once, at the end of the forward."""
+        """The components that are all resident at once, as the backward starts."""
         return (self.params + self.optimizer + self.buffers + self.amp_copies + self.activations
-                + self.comm + self.transient + self.data + self.inputs
+                + self.comm + self.workspace + self.data + self.inputs
                 + (self.grads if self.grads_at_peak else 0))
 
     def values(self) -> dict:
         sizes = dict(params=self.params, grads=self.grads, optimizer=self.optimizer,
                      buffers=self.buffers, amp_copies=self.amp_copies,
-                     activations=self.activations, comm=self.comm, transient=self.transient,
+                     activations=self.activations, comm=self.comm, workspace=self.workspace,
                      data=self.data, inputs=self.inputs, host=self.host, peak=self.peak)
         return dict(strategy=self.strategy, variant=self.variant, world_size=self.world_size,
                     per_gpu_batch=self.per_gpu_batch, image_size=self.saved.input_shape[-1],
@@ -260,7 +255,7 @@ def model_states(model: nn.Module, momentum: float) -> tuple:
 
 COLUMNS = (("params", "params"), ("grads", "grads"), ("optimizer", "optim"),
            ("buffers", "buffers"), ("amp_copies", "amp copies"), ("activations", "activations"),
-           ("comm", "comm"), ("transient", "transient"), ("data", "data"),
+           ("comm", "comm"), ("workspace", "workspace"), ("data", "data"),
            ("inputs", "inputs"), ("peak", "peak"), ("host", "host"))
 
 
@@ -279,8 +274,8 @@ def table(estimates: list) -> list:
     return rows
 
 
-UNCOUNTED = ("not counted: cuDNN workspace, allocator fragmentation, and the CUDA context "
-             "(about 0.5 GB, which nvidia-smi shows and torch.cuda.max_memory_allocated does not)")
+UNCOUNTED = ("not counted: allocator fragmentation and the CUDA context (about 0.5 GB, which "
+             "nvidia-smi shows and torch.cuda.max_memory_allocated does not)")
 
 
 def print_estimates(estimates: list, model_name: str) -> None:
@@ -300,7 +295,9 @@ def print_estimates(estimates: list, model_name: str) -> None:
            "cache: the rank's samples of the epoch, uint8); inputs: the batch trained on and "
            "the next one, as the loader hands them over, and under --amp the float32 batch "
            "the model gets")
-    print0("peak: every column left of it that is resident at once at the end of the forward"
+    print0(f"workspace: cuBLAS's and cuDNN's workspaces and the backward's temporaries beside "
+           f"the counted tensors, measured with ResNet-50 on an H200: {WORKSPACE / MIB:.0f} MiB")
+    print0("peak: every column left of it that is resident at once, as the backward starts"
            + ("; * gradients are freed before each step and made during backward, as "
               "activations are freed" if any(not e.grads_at_peak for e in estimates) else ""))
     notes = dict.fromkeys(n for e in estimates for n in e.notes)
