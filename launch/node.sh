@@ -169,7 +169,7 @@ still_running() {
 # takes longer to stop must not keep this node from saying that its loggers are gone.
 # shellcheck disable=SC2317  # reached through the EXIT trap
 stop_all() {
-  local rc=$? p stopped=()
+  local rc=$? p wait_s stopped=() killed=()
   trap - EXIT
   # Slurm sends SIGTERM to every process of the step when another node's task failed, often
   # as this node's own training ends: at their default, one arriving now would end this trap
@@ -179,12 +179,20 @@ stop_all() {
   # At its default, one would end still_running's subshell, and with it the check, or this trap
   # before it has stopped the loggers.
   trap '' USR1
+  # A logger that does not answer SIGTERM (nvidia-smi stuck in the driver after a GPU fault)
+  # gets SIGKILL 5 s later: with the stop signals ignored here, nothing else would end the wait.
   for p in $gpu_pid $cpu_pid; do
-    if still_running "$p"; then kill -TERM "$p" 2>/dev/null || true; fi
+    if still_running "$p"; then
+      kill -TERM "$p" 2>/dev/null || true
+      wait_s=0
+      while still_running "$p" && [ "$wait_s" -lt 50 ]; do sleep 0.1; wait_s=$((wait_s + 1)); done
+      if still_running "$p"; then kill -KILL "$p" 2>/dev/null || true; killed+=("$p"); fi
+    fi
     wait "$p" 2>/dev/null || true
     stopped+=("$p")
   done
-  echo "[$node] loggers stopped (pids: ${stopped[*]:-none}); exit code $rc"
+  echo "[$node] loggers stopped (pids: ${stopped[*]:-none}${killed[*]:+; SIGKILL for ${killed[*]}, \
+which ignored SIGTERM for 5 s}); exit code $rc"
   trap - INT TERM HUP
   if [ -n "$train_pid" ] && still_running "$train_pid"; then
     echo "[$node] waiting for the training to stop"

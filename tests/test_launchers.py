@@ -627,9 +627,11 @@ def test_usr1_as_the_training_ends_keeps_its_exit_code_and_stops_the_loggers(tmp
 
 def test_sigterm_during_the_exit_trap_does_not_cut_the_loggers_line(tmp_path):
     """A failed two-node job: n2's training exits 1, srun (--kill-on-bad-exit) has Slurm send
-    SIGTERM to every process of n1's step, whose own training is ending at the same moment.
+    SIGTERM to every process of n1's step, whose own training may be ending at the same moment.
     The exit trap had put SIGTERM back to its default before it stopped the loggers, so a
-    SIGTERM arriving then ended node.sh without its "loggers stopped" line (CI, once: n1)."""
+    second SIGTERM arriving then ended node.sh without its "loggers stopped" line (CI, once:
+    n1). Here SIGTERM goes to the whole step every 1 ms from the training's start: the first
+    one starts the trap, the next ones arrive while it runs."""
     script = tmp_path / "train.py"
     script.write_text("import time\nprint('training: started', flush=True)\ntime.sleep(1)\n"
                       "raise SystemExit(1)\n")
@@ -651,6 +653,37 @@ def test_sigterm_during_the_exit_trap_does_not_cut_the_loggers_line(tmp_path):
         assert proc.returncode != 0, f"attempt {attempt}: {out}"
         assert out.count("[n1] loggers stopped (pids: ") == 1, f"attempt {attempt}: {out}"
         assert_loggers_gone(tmp_path, run_dir)
+
+
+def test_a_logger_that_ignores_sigterm_is_killed_and_node_sh_still_stops(tmp_path):
+    """The exit trap ignores the stop signals while it stops the loggers, so a logger that does
+    not answer SIGTERM (nvidia-smi stuck in the driver after a GPU fault) would keep node.sh,
+    and the training under it, running for ever: it gets SIGKILL after 5 s, and the line says
+    so."""
+    smi = tmp_path / "stuck-smi"
+    smi.write_text("#!/bin/bash\nif [ \"$1\" = -L ]; then echo 'GPU 0: Fake'; exit 0; fi\n"
+                   "trap '' TERM\nwhile :; do echo x; sleep 0.2; done\n")
+    smi.chmod(0o755)
+    script = tmp_path / "train.py"
+    script.write_text("import time\nprint('training: started', flush=True)\ntime.sleep(120)\n")
+    env = base_env(tmp_path) | {"RUN_DIR": str(tmp_path / "run"), "NODE_NAME": "n1",
+                                "PSRECORD": "no-psrecord-here", "NVIDIA_SMI": str(smi)}
+    proc = subprocess.Popen(["bash", str(LAUNCH / "node.sh"), "python", str(script)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        head = read_until(proc, "training: started")
+        proc.send_signal(signal.SIGTERM)  # to node.sh alone, as job.sh sends it
+        out = head + proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, out
+    assert re.search(r"\[n1\] loggers stopped \(pids: (\d+); SIGKILL for \1, which ignored "
+                     r"SIGTERM for 5 s\); exit code 143", out), out
+    assert "[n1] waiting for the training to stop" in out
+    assert wait_for(lambda: not processes_mentioning(str(smi)) + processes_mentioning(str(script)),
+                    10), out
 
 
 def test_a_slow_to_stop_training_does_not_hold_back_the_loggers_line(tmp_path):
