@@ -1061,6 +1061,12 @@ def test_a_memory_line_with_the_workspace_is_read_without_a_transient_column(tmp
     assert code == 0 and (r["predicted_workspace_mib"], r["predicted_transient_mib"]) == (
         "86.0", "")
     assert "| Comm. buffers | Workspace | Data on GPU |" in md and "transient" not in md
+    # results.csv: every size any line version has, the older transient beside the workspace
+    assert set(contract.READ_MEMORY_SIZE_KEYS) == set(contract.MEMORY_SIZE_KEYS
+                                                      + contract.EARLIER_MEMORY_KEYS)
+    head = (tmp_path / "out" / "results.csv").read_text().splitlines()[0].split(",")
+    assert head.index("predicted_workspace_mib") + 1 == head.index("predicted_transient_mib") \
+        < head.index("predicted_peak_mib")
     assert "| ddp, 1 node x 1 GPU | 2 | 2 | 2 | 0 | 0 | 4 | 0 | 86 | 6 | 0 | 0 | 102 | 100 | " \
         "+2% |" in md
 

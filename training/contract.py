@@ -63,9 +63,10 @@ PROFILE_KEYS = ("steps", "step_ms", "compute_ms", "exposed_comm_ms", "data_wait_
                 "comm_ms", "launches_per_step")
 
 #: The keys every ``[MEMORY]`` line has, in order (sizes in MiB, per GPU, one process): the
-#: model states, what the strategy's communication holds, the activations saved for backward,
-#: the data held on the device and the input batches in flight, and their sum, the predicted
-#: peak (training/memory.py says what each counts).
+#: model states, the activations saved for backward, what the strategy's communication holds,
+#: the measured workspace of the GPU's libraries, the data held on the device and the input
+#: batches in flight, and their sum, the predicted peak (training/memory.py says what each
+#: counts).
 MEMORY_SIZE_KEYS = ("params_mib", "grads_mib", "optimizer_mib", "buffers_mib", "amp_copies_mib",
                     "activations_mib", "comm_mib", "workspace_mib", "data_mib", "inputs_mib",
                     "host_mib", "peak_mib")
@@ -78,8 +79,11 @@ LATER_MEMORY_KEYS = ("data_mib", "inputs_mib", "workspace_mib")
 EARLIER_MEMORY_KEYS = ("transient_mib",)
 MEMORY_KEYS = ("strategy", "variant", "world_size", "per_gpu_batch", "image_size",
                "amp") + MEMORY_SIZE_KEYS
-#: Every size a [MEMORY] line of any version may have: what collect_results.py reads.
-READ_MEMORY_SIZE_KEYS = MEMORY_SIZE_KEYS + EARLIER_MEMORY_KEYS
+#: Every size a [MEMORY] line of any version may have, in the order of collect_results.py's
+#: columns: the older lines' transient beside the workspace that replaced it.
+READ_MEMORY_SIZE_KEYS = ("params_mib", "grads_mib", "optimizer_mib", "buffers_mib",
+                         "amp_copies_mib", "activations_mib", "comm_mib", "workspace_mib",
+                         "transient_mib", "data_mib", "inputs_mib", "host_mib", "peak_mib")
 
 #: --simulate-world-size's ``[MEMORY-HELD]`` line: what rank 0 of N holds, counted from its live
 #: tensors (MiB; host_mib: --offload's share in host memory; units_in_flight: the most FSDP

@@ -17,7 +17,7 @@ What a step keeps on one GPU, and how each part is counted here:
   cuDNN's workspaces, the weight gradients of the backward before they are added to ``.grad``,
   the caching allocator's rounding. Not counted from the model but measured (``WORKSPACE``).
   The peak is where the backward starts: a replay of the backward on the CPU that follows
-  every storage (``bench/memory_check.py --backward``) finds the backward's most 10 MiB above
+  every storage (``bench/memory_check.py --backward``) finds the backward's most 6 MiB above
   what the forward saved (ResNet-50, batch 256), since the gradient of a large early
   activation comes when the later ones are freed;
 - **communication buffers**: DDP's gradient buckets, FSDP's unsharded parameters and
