@@ -1002,18 +1002,25 @@ def test_where_the_memory_goes_sets_each_prediction_beside_its_peak(study):
     assert (out / "memory_breakdown.png").read_bytes()[:8] == PNG_MAGIC
 
 
-def test_a_cpu_runs_peak_is_not_compared_with_the_prediction(tmp_path):
+def _one_run_study(tmp_path, memory_sizes: str, device: str, peak: float) -> tuple:
+    """A study of one run whose log has a [MEMORY] line with ``memory_sizes`` (its sizes, as
+    a version of the scripts printed them) and a final [METRIC] line; collect()'s result."""
     run = tmp_path / "ddp-1n1g-1"
     run.mkdir()
     (run / "train.log").write_text(
         "[MEMORY] strategy=ddp variant=- world_size=1 per_gpu_batch=16 image_size=32 amp=off "
         "params_mib=2.1 grads_mib=2.1 optimizer_mib=2.1 buffers_mib=0 amp_copies_mib=0 "
-        "activations_mib=3.5 comm_mib=0 transient_mib=0.5 host_mib=0 peak_mib=10.3\n"
-        "[METRIC] strategy=ddp model=cnn dataset=synthetic device=cpu world_size=1 nodes=1 "
-        "gpus_per_node=1 epoch=1 epochs=1 val_loss=1.5 val_acc=40 epoch_time_s=3 "
-        "throughput_img_s=50 peak_mem_mib=410 final=1 total_time_s=4\n")
+        f"activations_mib=3.5 comm_mib=0 {memory_sizes}\n"
+        f"[METRIC] strategy=ddp model=cnn dataset=synthetic device={device} world_size=1 "
+        "nodes=1 gpus_per_node=1 epoch=1 epochs=1 val_loss=1.5 val_acc=40 epoch_time_s=3 "
+        f"throughput_img_s=50 peak_mem_mib={peak} final=1 total_time_s=4\n")
     (run / "job.env").write_text("EXIT_CODE=0\n")
-    code, rows, md = collect([run], tmp_path / "out")
+    return collect([run], tmp_path / "out")
+
+
+def test_a_cpu_runs_peak_is_not_compared_with_the_prediction(tmp_path):
+    code, rows, md = _one_run_study(tmp_path, "transient_mib=0.5 host_mib=0 peak_mib=10.3",
+                                    "cpu", 410)
     assert code == 0 and rows["ddp-1n1g-1"]["memory_error"] == ""
     # an older [MEMORY] line, without workspace_mib, data_mib and inputs_mib: read, those
     # cells empty, and its backward transient in a column of its own
@@ -1024,18 +1031,9 @@ def test_a_cpu_runs_peak_is_not_compared_with_the_prediction(tmp_path):
 
 
 def test_the_data_and_input_batches_of_a_memory_line_are_read(tmp_path):
-    run = tmp_path / "ddp-1n1g-1"
-    run.mkdir()
-    (run / "train.log").write_text(
-        "[MEMORY] strategy=ddp variant=- world_size=1 per_gpu_batch=16 image_size=32 amp=off "
-        "params_mib=2.1 grads_mib=2.1 optimizer_mib=2.1 buffers_mib=0 amp_copies_mib=0 "
-        "activations_mib=3.5 comm_mib=0 transient_mib=0.5 data_mib=6.2 inputs_mib=0.1 "
-        "host_mib=0 peak_mib=16.6\n"
-        "[METRIC] strategy=ddp model=cnn dataset=synthetic device=cuda world_size=1 nodes=1 "
-        "gpus_per_node=1 epoch=1 epochs=1 val_loss=1.5 val_acc=40 epoch_time_s=3 "
-        "throughput_img_s=50 peak_mem_mib=17 final=1 total_time_s=4\n")
-    (run / "job.env").write_text("EXIT_CODE=0\n")
-    code, rows, md = collect([run], tmp_path / "out")
+    code, rows, md = _one_run_study(
+        tmp_path, "transient_mib=0.5 data_mib=6.2 inputs_mib=0.1 host_mib=0 peak_mib=16.6",
+        "cuda", 17)
     r = rows["ddp-1n1g-1"]
     assert code == 0 and (r["predicted_data_mib"], r["predicted_inputs_mib"]) == ("6.2", "0.1")
     assert "| Data on GPU | Input batches |" in md
@@ -1045,18 +1043,9 @@ def test_the_data_and_input_batches_of_a_memory_line_are_read(tmp_path):
 def test_a_memory_line_with_the_workspace_is_read_without_a_transient_column(tmp_path):
     """Since 2026-11-28 a [MEMORY] line has the measured workspace and no backward transient:
     the table has no column for a part none of its runs has."""
-    run = tmp_path / "ddp-1n1g-1"
-    run.mkdir()
-    (run / "train.log").write_text(
-        "[MEMORY] strategy=ddp variant=- world_size=1 per_gpu_batch=16 image_size=32 amp=off "
-        "params_mib=2.1 grads_mib=2.1 optimizer_mib=2.1 buffers_mib=0 amp_copies_mib=0 "
-        "activations_mib=3.5 comm_mib=0 workspace_mib=86.0 data_mib=6.2 inputs_mib=0.1 "
-        "host_mib=0 peak_mib=102.1\n"
-        "[METRIC] strategy=ddp model=cnn dataset=synthetic device=cuda world_size=1 nodes=1 "
-        "gpus_per_node=1 epoch=1 epochs=1 val_loss=1.5 val_acc=40 epoch_time_s=3 "
-        "throughput_img_s=50 peak_mem_mib=100 final=1 total_time_s=4\n")
-    (run / "job.env").write_text("EXIT_CODE=0\n")
-    code, rows, md = collect([run], tmp_path / "out")
+    code, rows, md = _one_run_study(
+        tmp_path, "workspace_mib=86.0 data_mib=6.2 inputs_mib=0.1 host_mib=0 peak_mib=102.1",
+        "cuda", 100)
     r = rows["ddp-1n1g-1"]
     assert code == 0 and (r["predicted_workspace_mib"], r["predicted_transient_mib"]) == (
         "86.0", "")
