@@ -169,7 +169,7 @@ still_running() {
 # takes longer to stop must not keep this node from saying that its loggers are gone.
 # shellcheck disable=SC2317  # reached through the EXIT trap
 stop_all() {
-  local rc=$? p wait_s stopped=() killed=()
+  local rc=$? p tenths stopped=() killed=()
   trap - EXIT
   # Slurm sends SIGTERM to every process of the step when another node's task failed, often
   # as this node's own training ends: at their default, one arriving now would end this trap
@@ -184,8 +184,8 @@ stop_all() {
   for p in $gpu_pid $cpu_pid; do
     if still_running "$p"; then
       kill -TERM "$p" 2>/dev/null || true
-      wait_s=0
-      while still_running "$p" && [ "$wait_s" -lt 50 ]; do sleep 0.1; wait_s=$((wait_s + 1)); done
+      tenths=0
+      while still_running "$p" && [ "$tenths" -lt 50 ]; do sleep 0.1; tenths=$((tenths + 1)); done
       if still_running "$p"; then kill -KILL "$p" 2>/dev/null || true; killed+=("$p"); fi
     fi
     wait "$p" 2>/dev/null || true
