@@ -65,7 +65,8 @@ def read_rows(paths: list) -> list:
 
 
 def checked_row(row: dict, where: str) -> dict:
-    """``row`` with its ``command``, or BadFile naming what a training row lacks."""
+    """``row`` with its ``command`` and whether it ran eager, or BadFile naming what a
+    training row lacks."""
     numbers = {"peak": row.get("peak"), "predicted": row.get("predicted", 0) or 0}
     missing = [key for key in ("label", "image", "batch", "cmd") if key not in row]
     if missing or not isinstance(row["cmd"], str) or not all(
@@ -81,11 +82,12 @@ def checked_row(row: dict, where: str) -> dict:
     if at is None:
         raise BadFile(f"{where} has a command that runs none of {', '.join(SCRIPTS)}")
     flags = without_graphs(words[at + 1:])
+    eager = flags == words[at + 1:]  # no CUDA graph, no torch.compile: the model's own memory
     if "--amp" not in flags:  # the GPU's default, which the row says
         if not isinstance(row.get("amp"), str):
             raise BadFile(f"{where} says neither --amp in its command nor an amp")
         flags += ["--amp", row["amp"]]
-    return row | {"command": (Path(words[at]).name, tuple(flags))}
+    return row | {"command": (Path(words[at]).name, tuple(flags)), "eager": eager}
 
 
 def without_graphs(flags: list) -> list:
@@ -125,11 +127,6 @@ def predict(script: str, flags: list) -> tuple:
     return None, f"no [MEMORY] line for variant {variant}"
 
 
-def eager(row: dict) -> bool:
-    """A row without CUDA graphs or torch.compile, whose allocations are the model's own."""
-    return not any(flag in row["cmd"] for flag in ("--cuda-graph", "--compile"))
-
-
 def within_5_percent(predicted: float, measured: float) -> bool:
     return abs(predicted / measured - 1) <= 0.05
 
@@ -166,7 +163,7 @@ def check(paths: list) -> int:
             cells += [f"{now:,.0f}", f"{now / measured - 1:+.1%}"]
             within["now"] += within_5_percent(now, measured)
             within["predicted"] += 1
-            if eager(row):  # what the step held beside the parts the model counts
+            if row["eager"]:  # what the step held beside the parts the model counts
                 implied[command] = measured - (now - figures.get("workspace_mib", 0))
         print("| " + " | ".join(str(c) for c in cells) + " |")
     print(f"\nwithin 5%: {within['then']} of {len(rows)} rows then; now {within['now']} of the "
