@@ -55,8 +55,7 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
         distributed.set_layout(env)  # who prints, until the process group answers it
         catch_stop_signals()  # from the start: a signal is never lost
         hangs.print_stacks_on_signal()  # kill -USR2: where this process is, and it goes on
-        import torchvision
-        devices.check_versions(torch.__version__, torchvision.__version__)  # the floor
+        devices.check_versions(torch.__version__, devices.torchvision_version())  # the floor
         check_flags(args)  # before the watchdog and the process group use them
         if args.check or args.profile is not None:  # NCCL's transport, for [BANDWIDTH]
             network.capture_nccl_log()  # before the process group: NCCL reads it once
@@ -177,7 +176,6 @@ def evaluate(model, loader, device, dtype, n_real: int, prepare=None) -> torch.T
 
 def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:
     """Lines logged once at start by rank 0: versions, devices, layout, resolved arguments."""
-    import torchvision  # imported here: it takes about 2 s, and only this line names it
     if torch.cuda.is_available():
         cuda = (f"CUDA {torch.version.cuda} | NCCL "
                 f"{'.'.join(map(str, torch.cuda.nccl.version()))}")
@@ -191,7 +189,7 @@ def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:
         names = f"CPU {platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
     args_text = " ".join(f"{k}={v}" for k, v in sorted(vars(args).items()))
     return [
-        f"torch {torch.__version__} | torchvision {torchvision.__version__} | {cuda} | "
+        f"torch {torch.__version__} | torchvision {devices.torchvision_version()} | {cuda} | "
         f"python {platform.python_version()} | host {platform.node()}",
         f"devices: {names}",
         f"layout: world_size={env.world_size} nodes={env.nodes} "

@@ -16,6 +16,7 @@ Importing this module has no side effects; of this project it imports faults.py 
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import shutil
@@ -42,6 +43,19 @@ OLD_GPUS, BLACKWELL_ON_CUDA12, NEWEST = "cu126", "cu128", "cu130"
 #: attribute 'record_event'); on 2.5 fsdp_train.py cannot import MixedPrecisionPolicy. .ci/run
 #: tests this pair.
 MIN_TORCH, MIN_TORCHVISION = (2, 9), (0, 24)
+
+
+def torchvision_version() -> str:
+    """The installed torchvision's version, from its package metadata: importing torchvision
+    takes about 0.6 s of every process's start, and only ResNet and the image folders need it."""
+    try:
+        return importlib.metadata.version("torchvision")
+    except importlib.metadata.PackageNotFoundError:  # on the path without its metadata
+        try:
+            import torchvision
+        except ImportError:
+            return "(not installed)"
+        return torchvision.__version__
 
 
 def check_versions(torch_version: str, torchvision_version: str) -> None:
