@@ -228,6 +228,18 @@ def test_the_version_floor(torch_version, vision_version, ok):
         devices.check_versions(torch_version, vision_version)
 
 
+def test_a_cnn_run_reads_torchvisions_version_without_importing_it():
+    """The version floor and the start-up line name torchvision's version; importing it cost
+    every run's start about 0.1 s more, though only ResNet and the image folders use it."""
+    import torchvision
+    code = ("import sys\n"
+            "from training import devices\n"
+            "print(devices.torchvision_version(), 'torchvision' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=REPO, env=env_for_tests()).stdout.split()
+    assert out == [torchvision.__version__.split("+")[0], "False"], out
+
+
 def test_requirements_txt_states_the_same_floor():
     text = (REPO / "requirements.txt").read_text()
     assert f"torch>={devices.MIN_TORCH[0]}.{devices.MIN_TORCH[1]}\n" in text
