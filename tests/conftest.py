@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,20 @@ def run_script(script: str, args=(), nproc: int | None = None, timeout: int = 60
                f"--nproc-per-node={nproc}", str(REPO / script), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=env_for_tests(env), cwd=cwd or REPO)
+
+
+
+def runs_two_at_a_time(request, test_name: str, run) -> dict:
+    """For a module-scoped fixture: ``run(params)`` for each selected case of the parametrized
+    ``test_name`` in this module, two at a time, in the order the cases run, started when the
+    fixture is first asked for. A one-process run keeps one core busy, mostly with importing
+    torch; CI has two. Returns {case id: future}; a test takes its case's result with
+    ``runs[request.node.callspec.id].result()``, or the exception its run raised."""
+    cases = [item.callspec for item in request.session.items
+             if item.module is request.module and item.originalname == test_name]
+    pool = ThreadPoolExecutor(2)
+    request.addfinalizer(lambda: pool.shutdown(cancel_futures=True))
+    return {case.id: pool.submit(run, case.params) for case in cases}
 
 
 #: The architectures of pip's torch 2.14, built for CUDA 13.0 (torch.cuda.get_arch_list()).

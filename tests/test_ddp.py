@@ -16,7 +16,7 @@ from torch.utils.data import DistributedSampler
 
 from training import contract, datasets, distributed, loading, models, tinyimagenet
 from conftest import (FAST, REPO, check_ok, env_for_tests, epoch_lines, fake_gpus, metrics,
-                      run_script)
+                      run_script, runs_two_at_a_time)
 
 
 def test_torchrun_two_processes_prints_contract_lines():
@@ -243,14 +243,22 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def bad_input_runs(request, tmp_path_factory):
+    def run(case: dict):
+        tmp_path, args = tmp_path_factory.mktemp("bad_input"), case["args"]
+        if args[:2] == ["--dataset", "mnist"]:
+            args = args + ["--data-dir", str(tmp_path)]
+        (tmp_path / "keep.txt").write_text("a user's file")
+        (tmp_path / "afile").write_text("not a folder")
+        args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+        return tmp_path, run_script("ddp_train.py", args + ["--epochs", "1"], timeout=120)
+    return runs_two_at_a_time(request, "test_bad_input_exits_2_with_one_line", run)
+
+
 @pytest.mark.parametrize("args,message", BAD_INPUTS)
-def test_bad_input_exits_2_with_one_line(args, message, tmp_path):
-    if args[:2] == ["--dataset", "mnist"]:
-        args = args + ["--data-dir", str(tmp_path)]
-    (tmp_path / "keep.txt").write_text("a user's file")
-    (tmp_path / "afile").write_text("not a folder")
-    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    proc = run_script("ddp_train.py", args + ["--epochs", "1"], timeout=120)
+def test_bad_input_exits_2_with_one_line(args, message, bad_input_runs, request):
+    tmp_path, proc = bad_input_runs[request.node.callspec.id].result()
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -275,6 +283,15 @@ def _broken_tree(src, dst, damage):
     return dst
 
 
+@pytest.fixture(scope="module")
+def malformed_runs(request, tiny_imagenet, tmp_path_factory):
+    def run(case: dict):
+        bad = _broken_tree(tiny_imagenet[0], tmp_path_factory.mktemp("malformed") / "bad",
+                           case["damage"])
+        return run_script("ddp_train.py", ["--data-dir", str(bad), "--epochs", "1"], timeout=120)
+    return runs_two_at_a_time(request, "test_malformed_tinyimagenet_exits_2", run)
+
+
 @pytest.mark.parametrize("damage,message", [
     (lambda d: shutil.rmtree(d / "train"), "train is missing"),
     (lambda d: (d / "val" / "val_annotations.txt").unlink(), "val_annotations.txt is missing"),
@@ -287,10 +304,8 @@ def _broken_tree(src, dst, damage):
     (lambda d: (d / "val" / "val_annotations.txt").write_bytes(b"val_0.JPEG\t\xff\xfe\n"),
      "val_annotations.txt is not a text file (bytes that are not UTF-8 at offset 11)"),
 ])
-def test_malformed_tinyimagenet_exits_2(tiny_imagenet, tmp_path, damage, message):
-    root, _ = tiny_imagenet
-    bad = _broken_tree(root, tmp_path / "bad", damage)
-    proc = run_script("ddp_train.py", ["--data-dir", str(bad), "--epochs", "1"], timeout=120)
+def test_malformed_tinyimagenet_exits_2(malformed_runs, request, damage, message):
+    proc = malformed_runs[request.node.callspec.id].result()
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
 

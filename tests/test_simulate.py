@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torchvision
 
-from conftest import REPO, check_ok, run_script
+from conftest import REPO, check_ok, run_script, runs_two_at_a_time
 from training import contract, distributed, faults, memory, models
 
 RUNGS = [("ddp_train.py", [], "-"), ("ddp_train.py", ["--zero1"], "zero1"),
@@ -39,12 +39,25 @@ def _predicted(script: str, extra: list, variant: str, world: int, model_name: s
     return module.memory_per_gpu(model, args, world, saved, variant)
 
 
+def _simulate_rung(case: dict):
+    world = case["world"]
+    return run_script(case["script"], ["--model", "resnet50", "--batch-size", "2",
+                                       "--synthetic-size", str(4 * world), "--num-workers", "0",
+                                       "--amp", "off", "--simulate-world-size", str(world),
+                                       *case["extra"]], timeout=300)
+
+
+@pytest.fixture(scope="module")
+def rung_runs(request):
+    return runs_two_at_a_time(request, "test_rank0_of_n_holds_what_the_memory_model_predicts",
+                              _simulate_rung)
+
+
 @pytest.mark.parametrize("world", [2, 8, 64])
 @pytest.mark.parametrize("script, extra, variant", RUNGS, ids=[v for _, _, v in RUNGS])
-def test_rank0_of_n_holds_what_the_memory_model_predicts(script, extra, variant, world):
-    proc = run_script(script, ["--model", "resnet50", "--batch-size", "2", "--synthetic-size",
-                               str(4 * world), "--num-workers", "0", "--amp", "off",
-                               "--simulate-world-size", str(world)] + extra, timeout=300)
+def test_rank0_of_n_holds_what_the_memory_model_predicts(script, extra, variant, world,
+                                                         rung_runs, request):
+    proc = rung_runs[request.node.callspec.id].result()
     check_ok(proc)
     # every line says it is a simulation, and none is a training result
     assert all(line.startswith(f"simulation, rank 0 of {world}: ")
