@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 
-from conftest import ON_CUDA, check_ok, run_script
+from conftest import ON_CUDA, check_ok, run_script, runs_two_at_a_time
 from training import cudagraph, schedule
 from training.faults import UsageError
 from test_gpu_path import run_patched
@@ -21,6 +21,13 @@ CPU = ["--model", "cnn", "--synthetic-size", "64", "--batch-size", "16", "--epoc
 
 
 # ---- refusals: one sentence, exit 2, before any training
+@pytest.fixture(scope="module")
+def refusals(request):
+    return runs_two_at_a_time(request, "test_cuda_graph_refuses_what_it_cannot_capture",
+                              lambda case: run_script(case["script"], CPU + ["--cuda-graph"] +
+                                                      case["extra"], timeout=120))
+
+
 @pytest.mark.parametrize("script, extra, message", [
     ("ddp_train.py", ["--device", "cpu"], "--cuda-graph captures GPU kernels, and --device cpu "
                                           "was given: drop --cuda-graph to train on the CPU"),
@@ -29,10 +36,10 @@ CPU = ["--model", "cnn", "--synthetic-size", "64", "--batch-size", "16", "--epoc
     ("ddp_train.py", ["--zero1"], "drop one of --cuda-graph and --zero1"),
     ("ddp_train.py", ["--compile"], "--cuda-graph and --compile each replace the eager step"),
 ])
-def test_cuda_graph_refuses_what_it_cannot_capture(script, extra, message):
+def test_cuda_graph_refuses_what_it_cannot_capture(script, extra, message, refusals, request):
     if ON_CUDA:
         pytest.skip("the CPU's refusals")
-    proc = run_script(script, CPU + ["--cuda-graph"] + extra, timeout=120)
+    proc = refusals[request.node.callspec.id].result()
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert "[METRIC]" not in proc.stdout

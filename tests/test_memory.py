@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 from training import contract, memory, models
-from conftest import REPO, check_ok, env_for_tests, epoch_lines, metrics, run_script
+from conftest import (REPO, check_ok, env_for_tests, epoch_lines, metrics, run_script,
+                      runs_two_at_a_time)
 
 
 def graph_count(outputs: torch.Tensor, own: set) -> int:
@@ -283,6 +284,12 @@ def test_estimate_memory_for_ddp_zero1_shards_the_optimizer_state():
                                                      abs=0.5)
 
 
+@pytest.fixture(scope="module")
+def bad_flag_runs(request):
+    return runs_two_at_a_time(request, "test_bad_memory_flags_exit_2",
+                              lambda case: run_script("ddp_train.py", case["args"], timeout=120))
+
+
 @pytest.mark.parametrize("args,message", [
     (["--estimate-memory", "0"], "--estimate-memory N: N is a number of GPUs, at least 1"),
     # -1 was the internal "no N" and printed the whole table
@@ -292,8 +299,8 @@ def test_estimate_memory_for_ddp_zero1_shards_the_optimizer_state():
     (["--image-size", "224", "--model", "cnn"], "--model cnn takes its dataset's fixed image"),
     (["--image-size", "8"], "--image-size is the side of the square image in pixels, 16 to"),
 ])
-def test_bad_memory_flags_exit_2(args, message):
-    proc = run_script("ddp_train.py", args, timeout=120)
+def test_bad_memory_flags_exit_2(args, message, bad_flag_runs, request):
+    proc = bad_flag_runs[request.node.callspec.id].result()
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
 

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from training import checkpoint, contract, datasets, loading, models
-from conftest import FAST, REPO, check_ok, env_for_tests, epoch_lines, metrics, run_script
+from conftest import (FAST, REPO, check_ok, env_for_tests, epoch_lines, metrics, run_script,
+                      runs_two_at_a_time)
 
 # --clip-grad-norm 0.1: below every step's gradient norm (about 0.2 and more here), so each strategy
 # clips every step, and ends with DDP's weights only if it finds the same global norm.
@@ -195,6 +196,12 @@ def test_dp_on_one_device_matches_ddp_single_process(tmp_path):
                          torch.load(tmp_path / "dp.pt", weights_only=True))
 
 
+@pytest.fixture(scope="module")
+def bad_input_runs(request):
+    return runs_two_at_a_time(request, "test_bad_input_exits_2",
+                              lambda case: run_script(case["script"], case["args"], timeout=120))
+
+
 @pytest.mark.parametrize("script,args,message", [
     ("dp_train.py", ["--gpus", "2"], "no GPU is visible"),
     ("dp_train.py", ["--gpus", "0"], "argument --gpus: must be a whole number above 0, got '0'"),
@@ -217,8 +224,8 @@ def test_dp_on_one_device_matches_ddp_single_process(tmp_path):
     ("ddp_train.py", ["--model", "mnist_net", "--data-dir", "/tmp"],
      "choose another --model, or add --dataset mnist (a data dir"),
 ])
-def test_bad_input_exits_2(script, args, message):
-    proc = run_script(script, args, timeout=120)
+def test_bad_input_exits_2(script, args, message, bad_input_runs, request):
+    proc = bad_input_runs[request.node.callspec.id].result()
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
