@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from bench import memory_check
 from conftest import REPO
 
 CHECK = REPO / "bench" / "memory_check.py"
@@ -17,6 +18,16 @@ CHECK = REPO / "bench" / "memory_check.py"
 def _run(*args, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(CHECK), *map(str, args)], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def _main(capsys, *args) -> tuple:
+    """memory_check's main() in this process, for its refusals: (exit code, stderr). A
+    process of its own adds only its start; test_a_refusal_from_the_command_line has one."""
+    try:
+        code = memory_check.main([str(a) for a in args])
+    except SystemExit as done:  # argparse's errors
+        code = done.code
+    return code, capsys.readouterr().err
 
 
 def _row(cmd: str, peak: float, predicted: float, **extra) -> str:
@@ -80,13 +91,18 @@ def _without(key: str) -> str:
      "has a command that does not split into words (No closing quotation)"),
     (_without("amp"), "says neither --amp in its command nor an amp"),
 ])
-def test_a_bad_file_is_one_sentence_and_exit_2(tmp_path, text, message):
+def test_a_bad_file_is_one_sentence_and_exit_2(tmp_path, capsys, text, message):
     path = tmp_path / "rows.jsonl"
     if text is not None:
         path.write_text(text)
-    proc = _run(path)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
+    code, stderr = _main(capsys, path)
+    assert code == 2 and message in stderr and len(stderr.splitlines()) == 1, stderr
+
+
+def test_a_refusal_from_the_command_line_is_one_sentence_and_exit_2(tmp_path):
+    proc = _run(tmp_path / "rows.jsonl")
+    assert proc.returncode == 2 and "cannot read" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1
 
 
 @pytest.mark.parametrize("amp", ["bf16", "off"])
@@ -116,7 +132,6 @@ def test_the_replay_sees_what_the_forward_saves_and_a_backward_peak_above_it(amp
     (["--backward", "--model", "cnn", "--image-size", "8", "--batches", "4"],
      "--model cnn takes 3x32x32 images"),
 ])
-def test_bad_flags_exit_2(args, message):
-    proc = _run(*args)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_bad_flags_exit_2(capsys, args, message):
+    code, stderr = _main(capsys, *args)
+    assert code == 2 and message in stderr, stderr
