@@ -68,8 +68,21 @@ def test_help_gives_each_default_once():
         assert "(default: the CPUs this process may use" in text  # --num-workers says its own
 
 
-def test_dp_runs_on_cpu_and_prints_both_lines():
-    proc = run_script("dp_train.py", FAST)
+@pytest.fixture(scope="module")
+def fast_run():
+    """A FAST run that several tests read, made once: fast_run(script, *flags, nproc=None)."""
+    done = {}
+
+    def run(script, *extra, nproc=None):
+        key = (script, extra, nproc)
+        if key not in done:
+            done[key] = run_script(script, FAST + list(extra), nproc=nproc)
+        return done[key]
+    return run
+
+
+def test_dp_runs_on_cpu_and_prints_both_lines(fast_run):
+    proc = fast_run("dp_train.py")
     check_ok(proc)
     assert "DataParallel runs on the CPU as a single device" in proc.stdout
     assert len(epoch_lines(proc.stdout)) == 2
@@ -79,8 +92,8 @@ def test_dp_runs_on_cpu_and_prints_both_lines():
 
 
 @pytest.mark.parametrize("sharding", ["full", "grad-op", "hybrid"])
-def test_fsdp_two_processes_each_sharding(sharding):
-    proc = run_script("fsdp_train.py", FAST + ["--sharding", sharding], nproc=2)
+def test_fsdp_two_processes_each_sharding(fast_run, sharding):
+    proc = fast_run("fsdp_train.py", "--sharding", sharding, nproc=2)
     check_ok(proc)
     assert len(epoch_lines(proc.stdout)) == 2
     ms = metrics(proc.stdout)
@@ -89,11 +102,13 @@ def test_fsdp_two_processes_each_sharding(sharding):
     assert f"sharding: {sharding}" in proc.stdout
 
 
-def test_same_metric_keys_for_every_strategy():
+def test_same_metric_keys_for_every_strategy(fast_run):
+    """An epoch's line and the final one, the same keys from each script."""
     keys = set()
-    for script, nproc, extra in (("ddp_train.py", 2, []), ("fsdp_train.py", 2, []),
-                                 ("dp_train.py", None, [])):
-        proc = run_script(script, FAST + ["--epochs", "1"] + extra, nproc=nproc)
+    runs = (("ddp_train.py", 2, []), ("fsdp_train.py", 2, ["--sharding", "full"]),
+            ("dp_train.py", None, []))
+    for script, nproc, extra in runs:
+        proc = fast_run(script, *extra, nproc=nproc)
         check_ok(proc)
         m = metrics(proc.stdout)
         keys.add(tuple(m[0]))
