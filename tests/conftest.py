@@ -180,6 +180,25 @@ def check_ok(proc: subprocess.CompletedProcess) -> None:
                          f"{stderr[-3000:]}{first_crash}")
 
 
+# launch/run_benchmarks.py --local's study: DDP and FSDP, one and two processes, the CNN.
+TINY = ["--model", "cnn", "--synthetic-size", "256", "--epochs", "2", "--num-workers", "0",
+        "--amp", "off"]
+
+
+@pytest.fixture(scope="session")
+def local_study(tmp_path_factory):
+    """TINY's study, run once: test_run_benchmarks checks, collects and resumes it,
+    test_tensorboard opens its runs. Returns (study folder, the completed process)."""
+    study = tmp_path_factory.mktemp("local") / "study"
+    cmd = [sys.executable, str(REPO / "launch" / "run_benchmarks.py"), "--local", "--study-dir",
+           str(study), "--strategies", "ddp", "fsdp", "--gpus", "1", "2", "--nodes", "1",
+           "--per-gpu-batch", "16", "--", *TINY]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env=env_for_tests({"LOG_INTERVAL": "0.5", "CUDA_VISIBLE_DEVICES": ""}))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return study, proc
+
+
 @pytest.fixture(scope="session")
 def tiny_imagenet(tmp_path_factory):
     root = tmp_path_factory.mktemp("data") / "tiny-imagenet-200"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TESTS, env_for_tests
+from conftest import REPO, TESTS, TINY, env_for_tests
 
 import collect_results
 from reporting import plots, scaling
@@ -384,20 +384,6 @@ def test_resume_keeps_the_studys_settings(tmp_path, fakebin):
 # --------------------------------------------------------------------------------------------
 # A real local study on this machine (CPU: gloo processes), collected into tables and plots
 # --------------------------------------------------------------------------------------------
-
-TINY = ["--model", "cnn", "--synthetic-size", "256", "--epochs", "2", "--num-workers", "0",
-        "--amp", "off"]
-
-
-@pytest.fixture(scope="module")
-def local_study(tmp_path_factory):
-    study = tmp_path_factory.mktemp("local") / "study"
-    proc = rb("--local", "--study-dir", study, "--strategies", "ddp", "fsdp", "--gpus", "1",
-              "2", "--nodes", "1", "--per-gpu-batch", "16", "--", *TINY,
-              env={"LOG_INTERVAL": "0.5", "CUDA_VISIBLE_DEVICES": ""})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return study, proc
-
 
 def test_local_study_runs_every_configuration(local_study):
     study, proc = local_study

@@ -178,22 +178,15 @@ def test_under_a_launcher_it_is_on_by_default_and_off_on_request(tmp_path):
     assert not (off / "tensorboard").exists()
 
 
-def test_a_study_shows_one_run_per_configuration(tmp_path):
-    study = tmp_path / "study"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "launch" / "run_benchmarks.py"), "--local", "--study-dir",
-         str(study), "--strategies", "ddp", "--gpus", "1", "2", "--per-gpu-batch", "16", "--",
-         "--model", "cnn", "--synthetic-size", "128", "--epochs", "1", "--num-workers", "0",
-         "--amp", "off"], capture_output=True, text=True, timeout=900, env=env_for_tests(),
-        cwd=tmp_path)
-    check_ok(proc)
+def test_a_study_shows_one_run_per_configuration(local_study):
+    study, _ = local_study
     multiplexer = EventMultiplexer()
     multiplexer.AddRunsFromDirectory(str(study))
     multiplexer.Reload()
     runs = sorted(multiplexer.Runs())
-    assert len(runs) == 2 and all(run.endswith("/tensorboard") for run in runs), runs
-    assert [run.split("-")[0] + "-" + run.split("-")[1] for run in runs] == ["ddp-1n1g",
-                                                                              "ddp-1n2g"]
+    assert len(runs) == 4 and all(run.endswith("/tensorboard") for run in runs), runs
+    assert [run.split("-")[0] + "-" + run.split("-")[1] for run in runs] == [
+        "ddp-1n1g", "ddp-1n2g", "fsdp-1n1g", "fsdp-1n2g"]
     for run in runs:
         assert "epoch/val_loss" in multiplexer.Runs()[run]["scalars"]
 
