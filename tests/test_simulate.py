@@ -74,17 +74,25 @@ def test_rank0_of_n_holds_what_the_memory_model_predicts(script, extra, variant,
         assert held["units_in_flight"] == ("16" if variant == "grad-op" else "2")
 
 
+@pytest.fixture(scope="module")
+def cnn_runs(request):
+    return runs_two_at_a_time(
+        request, "test_the_cifar_cnn_with_its_in_place_relu_is_simulated",
+        lambda case: run_script("fsdp_train.py", ["--model", "cnn", "--batch-size", "2",
+                                                  "--synthetic-size", "8", "--num-workers", "0",
+                                                  "--amp", "off", "--simulate-world-size", "4",
+                                                  *case["extra"]], timeout=120))
+
+
 @pytest.mark.parametrize("extra, variant, in_flight", [
     (["--sharding", "full"], "full", "2"), (["--sharding", "grad-op"], "grad-op", "6"),
     (["--offload"], "offload", "2")])
-def test_the_cifar_cnn_with_its_in_place_relu_is_simulated(extra, variant, in_flight):
+def test_the_cifar_cnn_with_its_in_place_relu_is_simulated(extra, variant, in_flight,
+                                                          cnn_runs, request):
     """The CIFAR-10 CNN changes each convolution's output in place (ReLU(inplace=True)). The
     count of units in flight once used full backward hooks, whose view of a unit's output
     autograd refuses to see changed in place: the run crashed at the first step."""
-    proc = run_script("fsdp_train.py", ["--model", "cnn", "--batch-size", "2",
-                                        "--synthetic-size", "8", "--num-workers", "0",
-                                        "--amp", "off", "--simulate-world-size", "4"] + extra,
-                      timeout=120)
+    proc = cnn_runs[request.node.callspec.id].result()
     check_ok(proc)
     held = _held(proc.stdout)
     expected = _predicted("fsdp_train.py", extra + ["--amp", "off"], variant, 4, "cnn", 10,
@@ -127,6 +135,14 @@ def test_repeated_blocks_of_other_models_become_units():
     assert [type(u).__name__ for u in fsdp_train.shard_units(cnn)] == ["Conv2d"] * 4 + ["Linear"] * 2
 
 
+@pytest.fixture(scope="module")
+def refusals(request):
+    return runs_two_at_a_time(
+        request, "test_simulate_refuses_what_it_cannot_simulate",
+        lambda case: run_script(case["script"], ["--model", "cnn", "--num-workers", "0",
+                                                 *case["args"]], timeout=120))
+
+
 @pytest.mark.parametrize("script, args, message", [
     ("dp_train.py", ["--simulate-world-size", "4"], "DataParallel has none"),
     ("ddp_train.py", ["--simulate-world-size", "1"], "at least 2, got 1"),
@@ -137,8 +153,8 @@ def test_repeated_blocks_of_other_models_become_units():
      "error: simulation, rank 0 of 4: --simulate-world-size simulates one node's ranks: use "
      "--sharding full or grad-op"),
 ])
-def test_simulate_refuses_what_it_cannot_simulate(script, args, message):
-    proc = run_script(script, ["--model", "cnn", "--num-workers", "0"] + args, timeout=120)
+def test_simulate_refuses_what_it_cannot_simulate(script, args, message, refusals, request):
+    proc = refusals[request.node.callspec.id].result()
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
