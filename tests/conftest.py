@@ -180,6 +180,14 @@ def check_ok(proc: subprocess.CompletedProcess) -> None:
                          f"{stderr[-3000:]}{first_crash}")
 
 
+@pytest.fixture(scope="session")
+def check_runs():
+    """`--check --model cnn` on 2 processes, ddp_train.py's and fsdp_train.py's, run once:
+    test_fault_tolerance reads the preflight, test_progress the bandwidth lines."""
+    return {script: run_script(script, ["--check", "--model", "cnn"], nproc=2)
+            for script in ("ddp_train.py", "fsdp_train.py")}
+
+
 # launch/run_benchmarks.py --local's study: DDP and FSDP, one and two processes, the CNN.
 TINY = ["--model", "cnn", "--synthetic-size", "256", "--epochs", "2", "--num-workers", "0",
         "--amp", "off"]

@@ -433,13 +433,13 @@ def test_killed_rank_ends_the_job_quickly():
     assert f"(pid: {victim})" in out or "exitcode: -9" in out, out[-2000:]
 
 
-def test_check_runs_preflight_and_all_reduce_only():
-    proc = run_script("ddp_train.py", ["--check", "--model", "cnn"], nproc=2)
+def test_check_runs_preflight_and_all_reduce_only(check_runs):
+    proc = check_runs["ddp_train.py"]
     check_ok(proc)
     assert "check: all-reduce OK across 2 rank(s) (sum 3 == 3)" in proc.stdout
     assert "busbw" in proc.stdout and "preflight OK" in proc.stdout
     assert "Epoch [" not in proc.stdout
-    proc = run_script("fsdp_train.py", ["--check", "--model", "cnn"], nproc=2)
+    proc = check_runs["fsdp_train.py"]
     check_ok(proc)
     assert "all-reduce OK across 2 rank(s)" in proc.stdout
 

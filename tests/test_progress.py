@@ -127,11 +127,11 @@ def test_lr_scaling_rules():
     assert [factor(s) for s in (0, 11, 24, 25)] == [1 / 25, 12 / 25, 1.0, 1.0]
 
 
-def test_check_measures_bandwidth_the_way_nccl_tests_do():
+def test_check_measures_bandwidth_the_way_nccl_tests_do(check_runs):
     """fsdp --check: all-gather, reduce-scatter and all-reduce at four sizes up to the model's
     gradient size; algbw = bytes / time, busbw = algbw x 2(n-1)/n (all-reduce) or (n-1)/n."""
     from training import models
-    proc = run_script("fsdp_train.py", ["--check", "--model", "cnn"], nproc=2)
+    proc = check_runs["fsdp_train.py"]
     check_ok(proc)
     lines = [dict(kv.split("=") for kv in line.split()[1:]) for line in proc.stdout.splitlines()
              if line.startswith(contract.BANDWIDTH_PREFIX + " ")]
@@ -146,7 +146,7 @@ def test_check_measures_bandwidth_the_way_nccl_tests_do():
         factor = 1.0 if x["op"] == "all_reduce" else 0.5  # 2(n-1)/n and (n-1)/n at n = 2
         assert abs(float(x["busbw_gbs"]) - float(x["algbw_gbs"]) * factor) <= 0.0015
     # DDP measures the all-reduce it uses; one process has nothing to measure
-    ddp = run_script("ddp_train.py", ["--check", "--model", "cnn"], nproc=2)
+    ddp = check_runs["ddp_train.py"]
     check_ok(ddp)
     assert ddp.stdout.count("[BANDWIDTH] op=all_reduce ") == 4
     # beside the figures, the network that carried them: gloo's TCP and its interface on the
