@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import ON_CUDA, REPO, check_ok, env_for_tests, metrics, run_script
@@ -59,18 +60,21 @@ def test_progress_lines_come_at_their_cadence_with_an_eta_that_holds(tmp_path):
 
 
 def test_data_wait_is_the_share_of_time_spent_waiting_for_the_loader(tmp_path):
-    # 20 ms a sample, 0.3 s a batch: several times what the step itself takes (2 epochs of 8)
-    slow = run_slow(tmp_path, "--log-every", "0", "--synthetic-size", "128", "--epochs", "2",
-                    sample_s=0.02)
+    # the same model on data held on the device, next to no waiting: run beside the slow one,
+    # which mostly sleeps
+    with ThreadPoolExecutor(1) as pool:
+        on_device = pool.submit(run_script, "ddp_train.py", [
+            "--model", "cnn", "--synthetic-size", "512", "--batch-size", "16", "--epochs", "2",
+            "--amp", "off", "--data-on-device"])
+        # 20 ms a sample, 0.3 s a batch: several times what the step takes (2 epochs of 8)
+        slow = run_slow(tmp_path, "--log-every", "0", "--synthetic-size", "128", "--epochs",
+                        "2", sample_s=0.02)
+        fast = on_device.result()
     check_ok(slow)
     assert "progress:" not in slow.stdout  # --log-every 0: none
     waits = [float(m["data_wait_frac"]) for m in metrics(slow.stdout)]
     assert len(waits) == 3 and min(waits) > 0.5, waits
     assert re.search(r"\| Data wait: [5-9]\d% \|", slow.stdout, re.M)
-    # the same model on data held on the device: next to no waiting
-    fast = run_script("ddp_train.py", ["--model", "cnn", "--synthetic-size", "512",
-                                       "--batch-size", "16", "--epochs", "2", "--amp", "off",
-                                       "--data-on-device"])
     check_ok(fast)
     waits = [float(m["data_wait_frac"]) for m in metrics(fast.stdout)]
     assert waits and max(waits) < 0.2, waits
