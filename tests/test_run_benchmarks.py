@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -475,25 +476,28 @@ def test_check_args_is_argparse_of_every_script_named():
     """launch/check_args.py, which job.sh (one script) and a study (each strategy's) run before
     anything starts: 0 when every script takes the arguments, 2 with argparse's sentence naming
     the script that refuses them, 1 with one sentence for a script that is not there."""
-    def check(*argv):
+    def check(argv):
         return subprocess.run([sys.executable, str(SLURM / "check_args.py"), *argv], cwd=REPO,
                               capture_output=True, text=True, timeout=300)
-    ok = check("ddp_train,fsdp_train.py", "--epochs", "3", "--lr-scaling", "linear")
+    with ThreadPoolExecutor(2) as pool:  # six checks, each mostly torch's import: two at once
+        ok, refused, impossible, unnamed, named, missing = pool.map(check, [
+            ["ddp_train,fsdp_train.py", "--epochs", "3", "--lr-scaling", "linear"],
+            ["ddp_train.py,fsdp_train", "--sharding", "full"],  # fsdp's flag, not ddp's
+            ["ddp_train.py,fsdp_train", "--epochs", "0"],  # a value, not a typo
+            ["ddp_train.py", "--data-cache"],
+            ["ddp_train.py", "--dataset", "cifar10", "--data-cache"],
+            [str(REPO / "no_such_train"), "--epochs", "3"]])
     assert ok.returncode == 0 and ok.stderr == ""
-    refused = check("ddp_train.py,fsdp_train", "--sharding", "full")  # fsdp's flag, not ddp's
     assert refused.returncode == 2
     assert refused.stderr.splitlines()[-1] == ("ddp_train.py: error: unrecognized arguments: "
                                                "--sharding full")
-    impossible = check("ddp_train.py,fsdp_train", "--epochs", "0")  # a value, not a typo
     assert impossible.returncode == 2
     assert impossible.stderr.splitlines()[-1] == ("ddp_train.py: error: --epochs must be at "
                                                   "least 1, got 0")
     # what depends on the dataset waits for the job when nothing names it here ($DATA_DIR may
     # come from the job's site.sh), and is checked when something does
-    assert check("ddp_train.py", "--data-cache").returncode == 0
-    named = check("ddp_train.py", "--dataset", "cifar10", "--data-cache")
+    assert unnamed.returncode == 0
     assert named.returncode == 2 and "--data-cache works with TinyImageNet only" in named.stderr
-    missing = check(str(REPO / "no_such_train"), "--epochs", "3")
     assert missing.returncode == 1 and "Traceback" not in missing.stderr
     assert missing.stderr.splitlines() == [f"error: no training script {REPO}/no_such_train.py: "
                                            f"name one, e.g. ddp_train.py"]
