@@ -100,7 +100,6 @@ def run_script(script: str, args=(), nproc: int | None = None, timeout: int = 60
                           env=env_for_tests(env), cwd=cwd or REPO)
 
 
-
 def runs_two_at_a_time(request, test_name: str, run) -> dict:
     """For a module-scoped fixture: ``run(params)`` for each selected case of the parametrized
     ``test_name`` in this module, two at a time, in the order the cases run, started when the
