@@ -11,14 +11,15 @@ import shutil
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from training import checkpoint, contract, datasets, loading, models
-from conftest import (FAST, REPO, check_ok, env_for_tests, epoch_lines, metrics, run_script,
-                      runs_two_at_a_time)
+from conftest import (FAST, ON_CUDA, REPO, check_ok, env_for_tests, epoch_lines, metrics,
+                      run_script, runs_two_at_a_time)
 
 # --clip-grad-norm 0.1: below every step's gradient norm (about 0.2 and more here), so each strategy
 # clips every step, and ends with DDP's weights only if it finds the same global norm.
@@ -205,8 +206,14 @@ def test_fsdp_hybrid_across_two_nodes_matches_ddp(ddp_weights, tmp_path):
 def test_dp_on_one_device_matches_ddp_single_process(tmp_path):
     args = EQUIV_DP
     one_gpu = ["--gpus", "1"] if torch.cuda.is_available() else []  # else dp takes every GPU
-    check_ok(run_script("dp_train.py", args + one_gpu + ["--save-model", str(tmp_path / "dp.pt")]))
-    check_ok(run_script("ddp_train.py", args + ["--save-model", str(tmp_path / "ddp.pt")]))
+    # on the CPU side by side, a core each; on a GPU one after the other, each with the GPU
+    with ThreadPoolExecutor(1 if ON_CUDA else 2) as pool:
+        runs = [pool.submit(run_script, "dp_train.py",
+                            args + one_gpu + ["--save-model", str(tmp_path / "dp.pt")]),
+                pool.submit(run_script, "ddp_train.py",
+                            args + ["--save-model", str(tmp_path / "ddp.pt")])]
+    for run in runs:
+        check_ok(run.result())
     _assert_same_weights(torch.load(tmp_path / "ddp.pt", weights_only=True),
                          torch.load(tmp_path / "dp.pt", weights_only=True))
 
