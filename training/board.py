@@ -13,7 +13,7 @@ The x axis is the optimizer step over the whole run (epoch x steps per epoch + s
 resumed from a checkpoint continues its curves in the same directory: TensorBoard drops the
 points a killed run wrote after the checkpoint it resumes from (``purge_step``). A fresh start
 (--resume never, or no checkpoint yet) in a directory that holds an earlier run's curves first
-moves them into ``superseded-<time>/`` inside it, so the two never mix into one curve with
+moves them into ``superseded-<time>-*/`` inside it, so the two never mix into one curve with
 steps twice and backwards, and the old run stays readable as a run of its own.
 """
 
@@ -113,7 +113,7 @@ def view_dir(path: Path, under_launcher: bool) -> Path:
 
 def set_aside_curves(path: Path) -> Path | None:
     """Move the training's event files (and --profile's trace) in ``path`` into
-    ``path/superseded-<time>/``; return that folder, or None when there were none. The memory
+    ``path/superseded-<time>-*/``; return that folder, or None when there were none. The memory
     scalars of analyze_memory.py --tensorboard (``*.system``) stay: they are rewritten for every
     attempt of the run directory at once."""
     old = [p for p in path.glob("events.out.tfevents.*") if not p.name.endswith(".system")]

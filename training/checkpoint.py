@@ -131,7 +131,7 @@ def claim_checkpoint_dir(directory, fresh: bool = False) -> None:
 
 
 def set_aside_checkpoints(directory, old: list, why: str) -> None:
-    """Move the checkpoints ``old`` into ``superseded-<time>/`` inside ``directory``: a run's
+    """Move the checkpoints ``old`` into ``superseded-<time>-*/`` inside ``directory``: a run's
     own would otherwise be pruned first whenever an older run's sort newer (a later epoch, or
     a later step at more steps per epoch), and --resume auto would later continue the older
     run. Nothing is deleted."""

@@ -14,7 +14,7 @@ Every line a launcher or a parser reacts to is ``[TAG] key=value ...``:
 - ``[RANKS]``: each rank's own time and waits in one epoch (``RANKS_KEYS``, values one per rank
   joined by ","), written by training/stragglers.py, read by collect_results.py.
 
-The training scripts write the epoch and ``[METRIC]`` lines, checkpoint.py the ``[STOP]`` line,
+loop.py and measure.py write the epoch and ``[METRIC]`` lines, stopping.py the ``[STOP]`` line,
 faults.py the ``[EXIT]`` line, profiling.py the ``[PROFILE]`` line, bandwidth.py the
 ``[BANDWIDTH]`` lines; the parsers read them with ``fields`` (a value with ``number``). A
 ``[METRIC]`` line is read by one set of rules, ``read_metric_line``'s, whether a log's lines

@@ -68,7 +68,7 @@ class ImageList(Dataset):
 
     def __init__(self, samples, strict: bool = False, augment_seed=None,
                  size: int | None = None):
-        from torchvision import transforms as T  # imported here: it takes about 2 s
+        from torchvision import transforms as T  # imported here, where an image folder needs it
         self.samples, self.size = samples, size  # size: --image-size, resized after the crop
         self.targets = [label for _, label in samples]
         self.to_tensor, self.normalize = T.ToTensor(), T.Normalize(*NORMALIZE["tinyimagenet"])
@@ -218,7 +218,7 @@ def rank0_first(fn):
 
 
 def _torchvision_data(args) -> DataBundle:
-    # torchvision is imported here, as it takes about 2 s: a synthetic run never needs it
+    # torchvision is imported here, where its datasets are read: a synthetic run never needs it
     from torchvision import datasets, transforms as T
     root = Path(args.data_dir or "data")
     if root.is_file():

@@ -10,7 +10,8 @@ ends a frozen rank, ``report`` reads every rank's record, from either source, an
 
     [HANG] rank=1 node=n01 gpu=cuda:1 waits_in=all_reduce seq=412 numel=... bytes=...
            step=37 phase=backward.bucket3   (one line, cut here)
-    [HANG] first_disagreement seq=412 rank0=all_reduce/2359296 rank1=all_reduce/6
+    [HANG] first_disagreement seq=412 rank0=all_reduce/2359296/backward.bucket3
+           rank1=all_reduce/6/evaluation   (one line, cut here)
 
 A rank that sits in no collective (a loop, a lock, a wait on the GPU) says where it is itself:
 STACKS_SIGNAL (SIGUSR2) makes it print every thread's Python stack and go on

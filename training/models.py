@@ -83,7 +83,7 @@ def check_model(name: str, shape: tuple) -> None:
                          f"synthetic), not {shown}: choose another --model")
     if name in ("cnn", "mnist_net"):
         return
-    # torchvision is imported here: it takes about 2 s, and cnn and mnist_net need none of it
+    # torchvision is imported here, where ResNet needs it: cnn and mnist_net need none of it
     from torchvision import models
     if name not in models.list_models(module=models):
         raise UsageError(f"unknown --model {name!r}: use resnet50, cnn, mnist_net or a "
