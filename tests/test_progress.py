@@ -228,6 +228,12 @@ def test_profile_writes_a_trace_and_a_step_breakdown_that_adds_up(tmp_path):
         assert abs(sum(parts) - step) <= 0.02 * step, (parts, step)
         assert parts[0] > 0.3 * step  # a CPU step is mostly compute
         assert (float(fields["comm_ms"]) > 0) == (nproc == 2)  # dp: no process group
+        # the sentence after it: how much of the communication compute hid, or that there is
+        # none (never "0 ms, 100% of it hidden")
+        said = re.search(r"^profile: [\d.]+ ms per step = .*\((.*)\); open ", proc.stdout, re.M)
+        assert said, proc.stdout
+        assert re.fullmatch(r"communication [\d.]+ ms, \d+% of it hidden behind compute"
+                            if nproc == 2 else r"no communication", said.group(1)), said.group(1)
         # the bandwidth the collectives get, at the gradient size: collect_results' model
         assert (f"{contract.BANDWIDTH_PREFIX} op=all_reduce " in proc.stdout) == (nproc == 2)
         # with the collectives per step, for the model's latency term: the CNN's gradients fit

@@ -113,6 +113,18 @@ def format_profile_line(parts: dict, trace_path) -> str:
         + f" trace={trace_path}")
 
 
+def format_profile_sentence(parts: dict, trace_path) -> str:
+    """The [PROFILE] line in words, with how much of the communication compute hid."""
+    comm = parts["comm_ms"]
+    hidden = (f"communication {comm:.1f} ms, "
+              f"{1 - parts['exposed_comm_ms'] / comm:.0%} of it hidden behind compute"
+              if comm else "no communication")
+    return (f"profile: {parts['step_ms']:.1f} ms per step = compute {parts['compute_ms']:.1f}"
+            f" + exposed communication {parts['exposed_comm_ms']:.1f} + data wait "
+            f"{parts['data_wait_ms']:.1f} + other {parts['other_ms']:.1f} ({hidden}); open "
+            f"{trace_path} in https://ui.perfetto.dev")
+
+
 class StepProfiler:
     """--profile: rank 0 traces a window of steps of the first epoch it runs (3 warm-up steps,
     then 5; with --cuda-graph the window starts after the capture) with torch.profiler, marks
@@ -205,9 +217,4 @@ class _Trace:
             parts = step_breakdown(json.load(f), self.steps, window_s,
                                    gpu=self.device.type == "cuda")
         print0(format_profile_line(parts, self.path))
-        hidden = 1 - parts["exposed_comm_ms"] / parts["comm_ms"] if parts["comm_ms"] else 1.0
-        print0(f"profile: {parts['step_ms']:.1f} ms per step = compute {parts['compute_ms']:.1f}"
-               f" + exposed communication {parts['exposed_comm_ms']:.1f} + data wait "
-               f"{parts['data_wait_ms']:.1f} + other {parts['other_ms']:.1f} (communication "
-               f"{parts['comm_ms']:.1f} ms, {hidden:.0%} of it hidden behind compute); open "
-               f"{self.path} in https://ui.perfetto.dev")
+        print0(format_profile_sentence(parts, self.path))
