@@ -159,16 +159,19 @@ def explain_markdown(key: tuple, configs: dict, model: tuple) -> list:
     if not shown:
         return []
     lines = ["### Where the step time goes", "",
-             "ms per training step (final epoch). Data wait: the loader kept the step waiting. "
-             "Compute, exposed communication (not hidden behind compute) and other: from "
-             "`--profile`'s 5 traced steps, where profiled.", "",
-             "| Config | Step | Data wait | Compute | Exposed comm. | Other | Comm. total | "
-             "Bus bandwidth (GB/s) |", "|---|---|---|---|---|---|---|---|"]
+             "Step and data wait: ms per training step of the final epoch (data wait: the loader "
+             "kept the step waiting). Where profiled, the 5 steps `--profile` traced in the first "
+             "epoch, under the profiler (which slows the host's side of a step): their step and "
+             "its parts, which add up to it: compute, exposed communication (not hidden behind "
+             "compute), data wait and other; beside them all communication, hidden or not.", "",
+             "| Config | Step | Data wait | Profiled step | Compute | Exposed comm. | Data wait "
+             "| Other | Comm. total | Bus bandwidth (GB/s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for (nodes, g), r in shown:
         profiled = num(r, "profile_step_ms") is not None
-        parts = ([_ms(r, f"profile_{k}_ms") for k in ("compute", "exposed_comm", "other",
-                                                      "comm")]
-                 if profiled else ["not profiled"] * 3 + ["—"])
+        parts = ([_ms(r, f"profile_{k}_ms") for k in ("step", "compute", "exposed_comm",
+                                                      "data_wait", "other", "comm")]
+                 if profiled else ["not profiled"] + ["—"] * 5)
         bw = ", ".join(f"{op} {r[f'busbw_{op}_gbs']}" for op in
                        ("all_reduce", "all_gather", "reduce_scatter") if r[f"busbw_{op}_gbs"])
         if bw and r.get("transport"):  # which network carried it (a log from before: unsaid)
