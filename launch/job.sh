@@ -213,6 +213,24 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
 fi
 launch+=(bash "$LAUNCH_DIR/node.sh" "$mode" "$TRAIN_SCRIPT" "$@" "${extra_args[@]}")
 
+# The data the training will read, as far as the launcher can tell from the arguments and
+# DATA_DIR (the training's own "data:" line says what it found there).
+data_dir=${DATA_DIR:-} dataset="" prev=""
+for arg in "$@"; do
+  case $prev in --data-dir) data_dir=$arg ;; --dataset) dataset=$arg ;; esac
+  case $arg in --data-dir=*) data_dir=${arg#*=} ;; --dataset=*) dataset=${arg#*=} ;; esac
+  prev=$arg
+done
+if [ "$dataset" = synthetic ]; then
+  data_shown="built-in synthetic data (--dataset synthetic)"
+elif [ -n "$data_dir" ]; then
+  data_shown="${dataset:-tinyimagenet} at $data_dir"
+elif [ -n "$dataset" ]; then
+  data_shown="$dataset (from its default folder)"
+else
+  data_shown="built-in synthetic data (no --dataset, --data-dir or DATA_DIR)"
+fi
+
 start=$(date '+%Y-%m-%d %H:%M:%S')
 printf '%s=%q\n' JOB_ID "$job_id" JOB_NAME "$job_name" STRATEGY "$STRATEGY" \
   NODES "$nnodes" NODELIST "${nodes[*]:0:$nnodes}" GPUS_PER_NODE "$gpus_per_node" \
@@ -230,7 +248,7 @@ nodes         : $nnodes (${nodes[*]:0:$nnodes})
 GPUs per node : $gpus_shown
 processes     : $world_size ($per_node)
 rendezvous    : ${RDZV_ENDPOINT:-standalone}
-data          : ${DATA_DIR:-built-in synthetic data (DATA_DIR unset)}
+data          : $data_shown
 NCCL          : NCCL_DEBUG=$NCCL_DEBUG NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-<auto>} \
 GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-<${NCCL_SOCKET_IFNAME:+per node, from NCCL_SOCKET_IFNAME}${NCCL_SOCKET_IFNAME:-auto}>}
 run dir       : $RUN_DIR

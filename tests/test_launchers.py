@@ -231,6 +231,7 @@ def test_local_sh_two_processes(tmp_path):
     assert (info["STRATEGY"], info["NODES"], info["NPROC_PER_NODE"], info["WORLD_SIZE"],
             info["EXIT_CODE"]) == ("ddp", "1", "2", "2", "0")
     assert "--standalone" in out and "--nproc-per-node=2" in out
+    assert "data          : built-in synthetic data (no --dataset, --data-dir or DATA_DIR)" in out
     check_training_log((run_dir / "train.log").read_text(), "ddp", 2, 1, 2)
     check_run_dir(run_dir, [node], gpu_logs=True, cpu_logs=has_tool("psrecord", env))
     assert f"[{node}] loggers stopped" in out
@@ -241,11 +242,15 @@ def test_local_sh_on_a_machine_without_gpus_says_so(tmp_path):
     """It printed 'GPUs per node : 1' beside 'processes : 2 (2 per node)'."""
     env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
     res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--",
-                          *TINY, "--check"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
+                          *TINY, "--check", "--dataset=synthetic"], cwd=tmp_path,
+                         env=env | {"DATA_DIR": str(tmp_path)}, capture_output=True, text=True,
+                         timeout=300)
     out = res.stdout + res.stderr
     assert "GPUs per node : none seen (a CPU run: each process stands in for a GPU)" in out, out
     assert "processes     : 2 (2 per node)" in out
+    # the banner's data line reads the arguments: here DATA_DIR is set, and --dataset says
+    # what the training reads instead of it
+    assert "data          : built-in synthetic data (--dataset synthetic)" in out
 
 
 def test_a_job_given_gpus_that_torch_cannot_use_stops_with_the_reason(tmp_path):
@@ -283,6 +288,7 @@ def test_local_sh_prepares_the_data_cache_before_the_training(tmp_path, tiny_ima
     assert prepared < out.index("torchrun_once.py")  # before the training started
     assert f"data cache ready: {cache}" in out
     assert "data cache: building" not in out[prepared + 1:].split("data cache ready")[1]
+    assert f"data          : tinyimagenet at {root}\n" in out
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert "train_images=160" in (run_dir / "train.log").read_text()
 
