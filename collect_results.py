@@ -488,11 +488,13 @@ def write_csv(rows: list, path: Path) -> None:
 
 
 def runs_with_logs(rows: list):
-    """(row, run directory) of every row whose run directory holds memory logs."""
+    """(row, run directory) of every row whose run directory holds memory logs. A run
+    directory this user may not read is none of them: its row says so already (os.path.isdir
+    is False there, where Path.is_dir raises PermissionError)."""
     for row in rows:
         run_dir = Path(row["path"]) if row["path"] else None
-        if run_dir is not None and any((run_dir / d).is_dir() for d in ("gpu_memory",
-                                                                         "cpu_memory")):
+        if run_dir is not None and any(os.path.isdir(run_dir / d) for d in ("gpu_memory",
+                                                                            "cpu_memory")):
             yield row, run_dir
 
 

@@ -849,15 +849,18 @@ _AS_NOBODY = """
 import os, sys
 sys.path.insert(0, sys.argv[1])
 import collect_results
-collect_results.main([sys.argv[2], "--out", sys.argv[3]])  # as root first: every import done
+extra = sys.argv[6:]
+collect_results.main([sys.argv[2], "--out", sys.argv[3], *extra])  # as root: every import done
 os.setgroups([]); os.setgid(65534); os.setuid(65534)   # then as 'nobody', as a user would be
-sys.exit(collect_results.main([sys.argv[4], "--out", sys.argv[5]]))
+sys.exit(collect_results.main([sys.argv[4], "--out", sys.argv[5], *extra]))
 """
 
 
 def test_an_unreadable_run_is_listed_and_the_others_collected():
     """A run directory another user made unreadable: PermissionError traceback and no results
-    before; now that run is 'unreadable', naming the path, and every other run is collected."""
+    before; now that run is 'unreadable', naming the path, and every other run is collected,
+    with --plot and --tensorboard too (which refused the whole study with "cannot write to
+    OUT" before, while looking for the unreadable run's memory logs)."""
     import stat
     import tempfile
     top = Path(tempfile.mkdtemp(prefix="unreadable-"))  # not under pytest's root-only tmp dir
@@ -870,14 +873,19 @@ def test_an_unreadable_run_is_listed_and_the_others_collected():
             if p != top / "study" / "ddp-1n2g-5002" and not p.is_symlink():
                 p.chmod(p.stat().st_mode | stat.S_IROTH | stat.S_IWOTH
                         | (stat.S_IXOTH if p.is_dir() else 0))
+        extra = ["--plot", "--tensorboard"]
         if os.geteuid() == 0:
             cmd = [sys.executable, "-c", _AS_NOBODY, str(REPO), str(top / "plain"),
-                   str(top / "plain-out"), str(top / "study"), str(top / "out")]
+                   str(top / "plain-out"), str(top / "study"), str(top / "out"), *extra]
         else:
             cmd = [sys.executable, str(REPO / "collect_results.py"), str(top / "study"),
-                   "--out", str(top / "out")]
+                   "--out", str(top / "out"), *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        # the other runs' timelines are drawn; the unreadable one has none
+        timelines = {p.name for p in (top / "out").glob("timeline-*.png")}
+        assert "timeline-ddp-1n1g-5001.png" in timelines, sorted(timelines)
+        assert "timeline-ddp-1n2g-5002.png" not in timelines
         with open(top / "out" / "results.csv", newline="") as f:
             rows = {r["run"]: r for r in csv.DictReader(f)}
         full = {r["run"]: r["status"] for r in collect_results.read_inputs([STUDY])}
