@@ -136,12 +136,27 @@ def settings_from(args, train_args: list) -> dict:
     except ValueError as e:
         raise StudyError(f"--sbatch-args {args.sbatch_args!r}: {e}; quote it as one "
                          f"string, e.g. --sbatch-args '--partition=gpu --time=01:00:00'") from None
+    for arg in sbatch_args or []:
+        name = arg.split("=", 1)[0] if arg.startswith("--") else arg[:2]
+        if name in SBATCH_SETS:
+            raise StudyError(f"--sbatch-args {arg}: the study sets {SBATCH_SETS[name]} for "
+                             f"every job itself (sbatch would take yours, the last one): "
+                             f"leave it out, and use --gpus, --nodes, --cpus-per-gpu or "
+                             f"--study-dir")
     return {"strategies": args.strategies, "gpus": args.gpus, "nodes": args.nodes,
             "multi_node_gpus": args.multi_node_gpus, "scaling": args.scaling,
             "per_gpu_batch": args.per_gpu_batch, "global_batch": args.global_batch,
             "cpus_per_gpu": args.cpus_per_gpu, "sbatch_args": sbatch_args,
             "train_args": train_args + (["--lr-scaling", args.lr_scaling] if args.lr_scaling
                                         else [])}
+
+
+# The sbatch options the study sets for every job (long and short forms), which --sbatch-args,
+# coming after them, would silently override
+SBATCH_SETS = {name: long for long, short in (
+    ("--job-name", "-J"), ("--nodes", "-N"), ("--gpus-per-node", None),
+    ("--cpus-per-task", "-c"), ("--output", "-o"), ("--export", None), ("--parsable", None))
+    for name in (long, short) if name}
 
 
 # The flags the study sets for every run, each with the shortest abbreviation argparse takes
@@ -432,7 +447,11 @@ def write_manifest(study: Path, manifest: dict) -> None:
 def record_plan(study_dir: Path, manifest: dict, settings: dict, planned: list, resume: bool,
                 argv: list) -> dict:
     """Write study.json before anything runs; returns its entries by name."""
-    study_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        study_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StudyError(f"cannot create --study-dir {study_dir} ({e.strerror or e}): name a "
+                         f"directory you may write to") from None
     if resume:  # the matrix only grows: a resumed part keeps the rest of the study
         for key in ("strategies", "gpus", "nodes", "multi_node_gpus"):
             settings[key] = _unique(manifest["settings"][key] + settings[key])
@@ -593,6 +612,10 @@ def study(args, train_args: list, argv: list) -> int:
     planned = plan(settings, study_dir, args.local, local_gpus() if args.local else 0)
     states = (resume_states(study_dir, manifest, [p.name for p in planned if not p.skipped])
               if args.resume else None)
+    if planned and all(p.skipped for p in planned):
+        reasons = list(dict.fromkeys(p.skipped for p in planned))
+        raise StudyError(f"nothing to run: all {len(planned)} configuration(s) are skipped "
+                         f"({'; '.join(reasons)}): change --gpus, --nodes or the batch flags")
     todo, lines = select(planned, states)
     mode_text = (f"weak scaling, {settings['per_gpu_batch']} images per GPU"
                  if settings["scaling"] == "weak"
@@ -639,7 +662,12 @@ def study(args, train_args: list, argv: list) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     at = argv.index("--") if "--" in argv else len(argv)
-    args = build_parser().parse_args(argv[:at])  # ours; the flags after "--" are the training's
+    ours = argv[:at]
+    # argparse takes `--sbatch-args --partition=gpu` for two options of its own: join them
+    for i in range(len(ours) - 1, 0, -1):
+        if ours[i - 1] == "--sbatch-args" and ours[i].startswith("-"):
+            ours[i - 1:i + 1] = [f"--sbatch-args={ours[i]}"]
+    args = build_parser().parse_args(ours)  # ours; the flags after "--" are the training's
     try:
         return study(args, argv[at + 1:], argv)
     except StudyError as err:

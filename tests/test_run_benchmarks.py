@@ -215,6 +215,13 @@ def test_training_arguments_unchecked_where_the_scripts_cannot_be_imported(tmp_p
     (["--resume", "--study-dir", "{tmp}"], "no study.json in"),
     (["--study-dir", "{tmp}/a,b"], "contains a comma"),
     (["--sbatch-args", "'--partition=gpu"], "quote it as one string"),
+    # what the study sets itself, which sbatch would take from --sbatch-args (the last one)
+    (["--sbatch-args", "-N 4 --partition=gpu"], "--sbatch-args -N: the study sets --nodes"),
+    (["--sbatch-args=--output=/tmp/x.out"], "the study sets --output for every job itself"),
+    (["--sbatch-args", "--gpus-per-node=8"], "the study sets --gpus-per-node"),
+    (["--strategies", "ddp", "--scaling", "strong", "--global-batch", "7", "--gpus", "2"],
+     "nothing to run: all 1 configuration(s) are skipped (strong scaling: global batch 7 "
+     "does not divide by 2 GPUs"),
     (["--lr-scaling", "linear", "--", "--lr-scaling", "sqrt"], "keep the one before it"),
     (["--", "--nonsense"], "are refused (dp_train.py: error: unrecognized arguments: "
                            "--nonsense); fix them (python dp_train.py --help lists its flags)"),
@@ -229,6 +236,26 @@ def test_bad_flags_are_one_clear_sentence(tmp_path, args, says):
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
+
+
+def test_sbatch_args_of_one_option_is_taken_as_its_value(tmp_path):
+    """`--sbatch-args --partition=gpu` (one option, so no space inside the quotes) was argparse's
+    "expected one argument": it took the value for an option of its own."""
+    proc = rb("--dry-run", "--study-dir", tmp_path / "s", "--strategies", "ddp", "--gpus", "1",
+              "--sbatch-args", "--partition=gpu", "--", "--epochs", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert " --partition=gpu --export=ALL,STRATEGY=ddp," in proc.stdout, proc.stdout
+
+
+def test_a_study_dir_that_cannot_be_made_is_one_sentence(tmp_path):
+    """Under a file (or where this user may not write): a NotADirectoryError traceback before."""
+    (tmp_path / "file").write_text("")
+    proc = rb("--local", "--study-dir", tmp_path / "file" / "study", "--strategies", "ddp",
+              "--gpus", "1", "--", "--model", "cnn", "--epochs", "1", no_torch=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: cannot create --study-dir {tmp_path / 'file' / 'study'} (Not a directory): "
+        f"name a directory you may write to"), proc.stderr
 
 
 def test_the_study_knows_the_shortest_abbreviation_of_each_flag_it_sets():
