@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -317,6 +318,80 @@ def test_prepare_tinyimagenet_builds_the_cache_the_training_reuses(tiny_imagenet
                               *map(str, args)], capture_output=True, text=True,
                              env=env_for_tests(), timeout=120)
         assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_an_image_left_out_as_unreadable_is_decoded_once_it_can_be_read(tiny_imagenet,
+                                                                         tmp_path):
+    """The cache left out an image it could not read, which was then repaired with the same
+    name, label and size (here its bytes garbled, then restored; on a cluster, made readable
+    again with chmod). The file list's checksum did not change, so the cache was reused
+    without the image for good; now the next use decodes it, and a still unreadable image
+    does not make the cache be rebuilt."""
+    root, _ = tiny_imagenet
+    data, cache = tmp_path / "tin", tmp_path / "cache"
+    shutil.copytree(root, data)
+    image = sorted((data / "train").glob("*/images/*.JPEG"))[0]
+    good = image.read_bytes()
+    image.write_bytes(b"\0" * len(good))
+
+    def prepare():
+        logs = []
+        tinyimagenet.prepare(data, cache, log=logs.append)
+        return "\n".join(logs), json.loads((cache / "train_meta.json").read_text())["count"]
+
+    logs, count = prepare()
+    assert f"(1 unreadable left out, e.g. {image}: UnidentifiedImageError" in logs, logs
+    assert count == 159
+    logs, count = prepare()
+    assert "building" not in logs and count == 159  # still unreadable: the cache is reused
+    image.write_bytes(good)
+    logs, count = prepare()
+    assert "data cache: building train" in logs and count == 160, logs
+    assert "building val" not in logs  # the other split is reused
+
+
+_SCAN_AS_NOBODY = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from training import faults, tinyimagenet
+if os.geteuid() == 0:
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)  # as 'nobody', as a user would be
+try:
+    tinyimagenet.scan_tinyimagenet(sys.argv[2])
+except faults.UsageError as err:
+    sys.exit(f"error: {err}")
+"""
+
+
+def test_an_unreadable_class_folder_and_a_pipe_among_the_images_are_no_traceback_nor_hang(
+        tiny_imagenet):
+    """A class folder another user may not read: a PermissionError traceback before, now one
+    sentence. A pipe named like an image: the cache build waited on it for ever, now it is not
+    an image."""
+    import stat
+    import tempfile
+    from conftest import REPO
+    root, info = tiny_imagenet
+    top = Path(tempfile.mkdtemp(prefix="unreadable-"))  # not under pytest's root-only tmp dir
+    data, wnid = top / "tin", sorted(info["wnids"])[0]
+    folder = data / "train" / wnid / "images"
+    try:
+        shutil.copytree(root, data)
+        os.mkfifo(folder / "pipe.JPEG")
+        _, train, _ = tinyimagenet.scan_tinyimagenet(data)
+        assert len(train) == 160 and not any("pipe" in path for path, _ in train)
+        for p in [top, *top.rglob("*")]:
+            p.chmod(p.stat().st_mode | stat.S_IROTH | (stat.S_IXOTH if p.is_dir() else 0))
+        folder.chmod(0)
+        proc = subprocess.run([sys.executable, "-c", _SCAN_AS_NOBODY, str(REPO), str(data)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip() == (f"error: cannot read {folder} (Permission denied): make "
+                                       f"the dataset readable (chmod -R a+rX {data})")
+    finally:
+        if folder.exists():
+            folder.chmod(0o755)
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def _odd_sized_copy(src, dst):

@@ -5,8 +5,9 @@ prepare_tinyimagenet.py builds it ahead, the training on each node's local rank 
 The cache holds, per split, {split}_u8.npy (N x 64 x 64 x 3), {split}_labels.npy and
 {split}_meta.json; datasets.CachedSplit reads them. The meta file holds a checksum of the file
 list (names, labels, sizes): when the dataset changes the cache is rebuilt, otherwise reused.
-Unreadable images are left out and counted, an image of another size than 64x64 is resized
-with a warning naming it (--strict: stop and name the first of either).
+Unreadable images are left out and counted (and decoded on a later use, once they can be
+read), an image of another size than 64x64 is resized with a warning naming it (--strict: stop
+and name the first of either).
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def read_text_file(path: Path) -> str:
 
 
 def _images_in(folder: Path) -> list:
-    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMG_EXTENSIONS)
+    """The image files of ``folder``: regular files only (opening a pipe named .JPEG would
+    wait for a writer for ever)."""
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMG_EXTENSIONS
+                  and p.is_file())
 
 
 _HINT = ("give the tiny-imagenet-200 folder, which holds wnids.txt, train/ and val/ "
@@ -69,10 +73,14 @@ def scan_tinyimagenet(root) -> tuple:
     if not root.is_dir():
         what = "is a file, not a folder" if root.exists() else "does not exist"
         raise UsageError(f"data dir {root} {what}: {_HINT}")
-    classes = _scan_classes(root / "wnids.txt")
-    index = {wnid: i for i, wnid in enumerate(classes)}
-    train = _scan_train(root / "train", classes, index)
-    val = _scan_val(root / "val", classes, index)
+    try:
+        classes = _scan_classes(root / "wnids.txt")
+        index = {wnid: i for i, wnid in enumerate(classes)}
+        train = _scan_train(root / "train", classes, index)
+        val = _scan_val(root / "val", classes, index)
+    except OSError as exc:  # a folder of the tree this user may not list or enter
+        raise UsageError(f"cannot read {exc.filename or root} ({exc.strerror or exc}): make "
+                         f"the dataset readable (chmod -R a+rX {root})") from None
     return classes, train, val
 
 
@@ -216,6 +224,9 @@ def file_list_checksum(root: Path, samples) -> str:
 
 
 def cache_is_valid(directory: Path, split: str, checksum: str, count: int) -> bool:
+    """The cache of ``split`` holds the images of this file list, as it was built: the
+    checksum matches and no image it left out as unreadable can be read now (a file made
+    readable again, whose name, label and size are the same, is decoded, not lost for good)."""
     meta_file = directory / f"{split}_meta.json"
     # A damaged meta file (not UTF-8, or not JSON: both raise ValueError) means a rebuild.
     try:
@@ -227,7 +238,9 @@ def cache_is_valid(directory: Path, split: str, checksum: str, count: int) -> bo
     return (isinstance(meta, dict) and meta.get("version") == CACHE_VERSION
             and meta.get("checksum") == checksum and meta.get("sources") == count
             and images.shape == (meta.get("count"), 64, 64, 3)
-            and labels.shape == (meta.get("count"),))
+            and labels.shape == (meta.get("count"),)
+            and isinstance(meta.get("skipped", []), list)
+            and all(isinstance(_decode_rgb(path), str) for path in meta.get("skipped", [])))
 
 
 SIZE = 64  # every TinyImageNet image is 64x64 pixels
@@ -294,7 +307,7 @@ def build_split(directory: Path, split: str, samples, checksum: str, strict: boo
                     if strict:
                         raise UsageError(f"unreadable image {path} ({img}): replace or delete "
                                          f"it, or drop --strict to skip such files")
-                    bad.append(path)
+                    bad.append((path, img))
                 else:
                     pixels, resized_from = img
                     if resized_from and strict:
@@ -326,11 +339,13 @@ def build_split(directory: Path, split: str, samples, checksum: str, strict: boo
     meta_tmp = directory / f"{split}_meta.json{tag}"
     meta_tmp.write_text(json.dumps({"version": CACHE_VERSION, "checksum": checksum,
                                     "count": len(labels), "sources": len(samples),
-                                    "skipped": bad[:20], "skipped_count": len(bad)}))
+                                    "skipped": [path for path, _ in bad],
+                                    "skipped_count": len(bad)}))
     os.replace(meta_tmp, directory / f"{split}_meta.json")
     log(f"data cache: decoded {len(labels)} {split} images into {directory} in "
         f"{time.perf_counter() - t0:.1f} s" + (f" ({len(bad)} unreadable left out, e.g. "
-                                               f"{bad[0]})" if bad else ""))
+                                               f"{bad[0][0]}: {bad[0][1]}; decoded on the "
+                                               f"next use once readable)" if bad else ""))
 
 
 def prepare(root, directory, strict: bool = False, workers: int = 1, log=print,
