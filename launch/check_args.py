@@ -16,6 +16,9 @@ import importlib
 import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+TRAINING_SCRIPTS = ("dp_train.py", "ddp_train.py", "fsdp_train.py")
+
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -24,13 +27,22 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 1
     for script in argv[0].split(","):
-        path = Path(script if script.endswith(".py") else script + ".py").resolve()
+        name = script if script.endswith(".py") else script + ".py"
+        path = Path(name).resolve()
+        if not path.is_file():  # a name of this repository's, from another folder
+            path = REPO / name
         if not path.is_file():
-            print(f"error: no training script {path}: name one, e.g. ddp_train.py",
-                  file=sys.stderr)
+            print(f"error: no training script {Path(name).resolve()}: name one of "
+                  f"{', '.join(TRAINING_SCRIPTS)}, or its path", file=sys.stderr)
             return 1
         sys.path.insert(0, str(path.parent))  # the script's own imports (training/, ...)
-        parser = importlib.import_module(path.stem).build_parser()
+        module = importlib.import_module(path.stem)
+        if not (callable(getattr(module, "build_parser", None))
+                and callable(getattr(module, "train", None))):
+            print(f"error: {path} is not a training script (one with build_parser() and "
+                  f"train(), such as {', '.join(TRAINING_SCRIPTS)})", file=sys.stderr)
+            return 1
+        parser = module.build_parser()
         parser.prog = path.name  # argparse's sentence names the script, not this file
         args = parser.parse_args(argv[1:])
         flags = importlib.import_module("training.flags")

@@ -502,18 +502,22 @@ def test_local_resume_reruns_only_the_failed_run(local_study, tmp_path):
 def test_check_args_is_argparse_of_every_script_named():
     """launch/check_args.py, which job.sh (one script) and a study (each strategy's) run before
     anything starts: 0 when every script takes the arguments, 2 with argparse's sentence naming
-    the script that refuses them, 1 with one sentence for a script that is not there."""
-    def check(argv):
-        return subprocess.run([sys.executable, str(SLURM / "check_args.py"), *argv], cwd=REPO,
+    the script that refuses them, 1 with one sentence for a script that is not there or is
+    not a training script (analyze_memory.py was an AttributeError traceback). A script's name
+    alone is found in this repository from any folder."""
+    def check(argv, cwd=REPO):
+        return subprocess.run([sys.executable, str(SLURM / "check_args.py"), *argv], cwd=cwd,
                               capture_output=True, text=True, timeout=300)
-    with ThreadPoolExecutor(2) as pool:  # six checks, each mostly torch's import: two at once
-        ok, refused, impossible, unnamed, named, missing = pool.map(check, [
+    with ThreadPoolExecutor(2) as pool:  # eight checks, each mostly torch's import: two at once
+        ok, refused, impossible, unnamed, named, missing, elsewhere, other = pool.map(check, [
             ["ddp_train,fsdp_train.py", "--epochs", "3", "--lr-scaling", "linear"],
             ["ddp_train.py,fsdp_train", "--sharding", "full"],  # fsdp's flag, not ddp's
             ["ddp_train.py,fsdp_train", "--epochs", "0"],  # a value, not a typo
             ["ddp_train.py", "--data-cache"],
             ["ddp_train.py", "--dataset", "cifar10", "--data-cache"],
-            [str(REPO / "no_such_train"), "--epochs", "3"]])
+            [str(REPO / "no_such_train"), "--epochs", "3"],
+            ["dp_train.py", "--epochs", "0"], ["analyze_memory.py", "x"]],
+            [REPO] * 6 + [REPO / "launch", REPO])
     assert ok.returncode == 0 and ok.stderr == ""
     assert refused.returncode == 2
     assert refused.stderr.splitlines()[-1] == ("ddp_train.py: error: unrecognized arguments: "
@@ -527,4 +531,11 @@ def test_check_args_is_argparse_of_every_script_named():
     assert named.returncode == 2 and "--data-cache works with TinyImageNet only" in named.stderr
     assert missing.returncode == 1 and "Traceback" not in missing.stderr
     assert missing.stderr.splitlines() == [f"error: no training script {REPO}/no_such_train.py: "
-                                           f"name one, e.g. ddp_train.py"]
+                                           f"name one of dp_train.py, ddp_train.py, "
+                                           f"fsdp_train.py, or its path"]
+    assert elsewhere.returncode == 2, elsewhere.stderr  # found from launch/, and checked
+    assert elsewhere.stderr.splitlines()[-1] == ("dp_train.py: error: --epochs must be at "
+                                                 "least 1, got 0")
+    assert other.returncode == 1 and other.stderr.splitlines() == [
+        f"error: {REPO}/analyze_memory.py is not a training script (one with build_parser() and "
+        f"train(), such as dp_train.py, ddp_train.py, fsdp_train.py)"]
