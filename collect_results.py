@@ -590,10 +590,14 @@ def main(argv=None) -> int:
     try:
         if not 50 <= args.dpi <= 600:  # 600 dpi makes a 4200 x 2700 plot, more than print needs
             raise UsageError(f"--dpi {args.dpi} is out of range: use 50 to 600 (default 100)")
-        if not (args.inter_node_busbw > 0 and args.ring_latency_us >= 0):
+        if args.out == "":
+            raise UsageError("--out '' names no folder: give one, or leave --out out")
+        # a network's figures: from a 1 Gb/s link's bus bandwidth to well above NVLink's, and
+        # a latency of at most a second (inf or nan would make every prediction meaningless)
+        if not (0.001 <= args.inter_node_busbw <= 10_000 and 0 <= args.ring_latency_us <= 1e6):
             raise UsageError(f"--inter-node-busbw {args.inter_node_busbw:g} and "
                              f"--ring-latency-us {args.ring_latency_us:g}: the bandwidth must "
-                             f"be above 0 GB/s and the latency at least 0 us")
+                             f"be 0.001 to 10000 GB/s and the latency 0 to 1000000 us")
         if args.plot and (why := plots.missing_matplotlib()):
             raise UsageError(why)
         if args.tensorboard and (why := analyze_memory.missing_tensorboard()):

@@ -954,13 +954,27 @@ def test_the_model_assumes_a_stated_settable_bandwidth_between_nodes_none_measur
 
 
 @pytest.mark.parametrize("flag", [["--inter-node-busbw", "0"], ["--ring-latency-us", "-1"],
-                                  ["--inter-node-busbw", "nan"]])
+                                  ["--inter-node-busbw", "nan"], ["--ring-latency-us", "inf"],
+                                  ["--inter-node-busbw", "1e-300"]])
 def test_a_bad_model_figure_is_one_sentence(tmp_path, flag, capsys):
+    """inf and 1e-300 were taken: the model then said 'h = inf' and 100% efficiency at 256
+    GPUs."""
     code, _rows, _md = collect([STUDY], tmp_path / "out", *flag)
     assert code == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --inter-node-busbw ") and "must be above 0 GB/s" in err
+    assert err.startswith("error: --inter-node-busbw ") and ("the bandwidth must be 0.001 to "
+                                                             "10000 GB/s") in err
     assert not (tmp_path / "out" / "results.csv").exists()
+
+
+def test_an_empty_out_is_one_sentence_not_the_run_directory(tmp_path, capsys):
+    """--out '' wrote results.* into the run directory given, as if --out were not there."""
+    run = tmp_path / "run"
+    shutil.copytree(STUDY / "ddp-1n1g-5001", run)
+    assert collect_results.main([str(run), "--out", ""]) == 2
+    assert capsys.readouterr().err == "error: --out '' names no folder: give one, or leave " \
+                                      "--out out\n"
+    assert not (run / "results.csv").exists()
 
 
 @pytest.mark.parametrize("measured, carried, hidden", [
