@@ -182,6 +182,11 @@ def read_log(path) -> tuple:
     return kind, lines, skips, bad
 
 
+# No node or GPU has a pebibyte of memory (in MB or MiB): a larger figure is a damaged line,
+# and a 400-digit one would overflow the averages
+MAX_MEMORY = 2**30
+
+
 def parse_gpu_lines(lines, skips: Counter) -> dict:
     """{index: {"used": [MiB], "name", "total": MiB or None, "stamp": [timestamp text],
     "util": [% or None], "power_w": [...], "sm_mhz": [...], "temp_c": [...]}} of an nvidia-smi
@@ -214,6 +219,7 @@ def parse_gpu_lines(lines, skips: Counter) -> dict:
         # contract.number reads "nan" and "inf" as unavailable (None); a negative clock, power or
         # temperature is no more possible than a negative utilization
         if ((total.isdecimal() and int(used) > int(total)) or (extra["util"] or 0) > 100
+                or int(used) > MAX_MEMORY or (total.isdecimal() and int(total) > MAX_MEMORY)
                 or any(value is not None and value < 0 for value in extra.values())):
             skips[SKIP_IMPOSSIBLE] += 1  # a damaged line that still parses is not a sample
             continue
@@ -239,9 +245,11 @@ def parse_cpu_lines(lines, skips: Counter) -> list:
         except ValueError:      # not four numbers
             skips[SKIP_MALFORMED] += 1
             continue
-        # float() also reads "nan", "inf" and 1e400 (as inf): such a value, or a negative one,
-        # comes from a damaged line and would spoil every statistic and the --json output
-        if not all(math.isfinite(v) and v >= 0 for v in (elapsed, cpu, rss, virtual)):
+        # float() also reads "nan", "inf" and 1e400 (as inf): such a value, a negative one or
+        # an impossible memory, comes from a damaged line and would spoil every statistic and
+        # the --json output
+        if not (all(math.isfinite(v) and v >= 0 for v in (elapsed, cpu, rss, virtual))
+                and max(rss, virtual) <= MAX_MEMORY):
             skips[SKIP_IMPOSSIBLE] += 1
             continue
         samples.append((elapsed, cpu, rss))

@@ -901,6 +901,31 @@ def test_nan_infinite_and_negative_values_are_impossible(tmp_path):
     _strict_json(run_cli("--json", gpu_log).stdout)
 
 
+def test_memory_no_machine_has_is_impossible_not_an_overflow(tmp_path):
+    """Two psrecord lines of 1e308 MB made the average overflow (OverflowError traceback), and
+    one was printed as a 309-digit RSS; a 400-digit memory.used made the GPU average a float
+    division that overflowed. More than a pebibyte is a damaged line: skipped and counted."""
+    header = "# Elapsed time   CPU (%)     Real (MB)   Virtual (MB)\n"
+    log = tmp_path / "n1.txt"
+    log.write_text(header + "0.0 10.0 100.0 200.0\n1.0 10.0 1e308 1\n2.0 10.0 1e308 1\n"
+                   "3.0 30.0 300.0 200.0\n")
+    (cpu,), skips = records_and_skips(log)
+    assert skips == {am.SKIP_IMPOSSIBLE: 2}
+    assert (cpu["peak_rss_mb"], cpu["avg_rss_mb"]) == (300.0, 200.0)
+    huge = "9" * 400
+    gpu_log = tmp_path / "n1.csv"
+    gpu_log.write_text(
+        "timestamp, index, name, memory.used [MiB], memory.total [MiB]\n"
+        "2026/11/24 06:30:00.1, 0, H100, 100, 81559\n"
+        f"2026/11/24 06:30:05.1, 0, H100, {huge}, {huge}\n"
+        "2026/11/24 06:30:10.1, 0, H100, 300, 81559\n")
+    (gpu,), skips = records_and_skips(gpu_log)
+    assert skips == {am.SKIP_IMPOSSIBLE: 1}
+    assert (gpu["samples"], gpu["peak_mib"], gpu["total_mib"]) == (2, 300, 81559)
+    p = run_cli(log, gpu_log)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+
+
 def test_values_with_units_read_like_nounits(tmp_path):
     """nvidia-smi --format=csv without nounits writes the same header but "100 MiB", "50 %",
     "70.00 W": every line was skipped as malformed and the file refused with "no usable samples
