@@ -63,6 +63,9 @@ def find_checkpoint(path: Path) -> Path:
         if found:
             print(f"newest of the {len(found)} checkpoint(s) in {path}: {found[0].name}")
             return found[0]
+    if not (path.is_dir() or path.is_file()):  # a pipe (/dev/stdin) would wait, or not seek
+        raise UsageError(f"{path} is not a file or folder (a pipe or a device?): give the "
+                         f"checkpoint's own path, not a stream of it")
     return path
 
 
