@@ -233,6 +233,9 @@ def export(source: Path, out: Path, model_name: str | None) -> dict:
     path = find_checkpoint(source)
     if out.is_dir():
         raise UsageError(f"{out} is a folder: give a file name, e.g. {out / 'model.pt'}")
+    if any(folder.exists() and not folder.is_dir() for folder in out.parents):
+        raise UsageError(f"cannot write {out}: a folder of its path is a file; give a path "
+                         f"in a folder")
     if out.resolve() == path.resolve() or path.resolve() in out.resolve().parents:
         raise UsageError(f"{out} is the checkpoint itself (or inside it): give another file, "
                          f"the checkpoint is kept")

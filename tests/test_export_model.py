@@ -193,4 +193,10 @@ def test_output_that_would_lose_or_confuse_a_checkpoint_is_refused(tmp_path, cap
     assert "is the checkpoint itself" in capsys.readouterr().err
     assert export_model.main([str(ck), str(tmp_path / "ckpt-e0002-s0000000.pt")]) == 2
     assert "named like a checkpoint" in capsys.readouterr().err
+    # under a file: "(File exists)" before, which named no culprit
+    (tmp_path / "train.log").write_text("")
+    out = tmp_path / "train.log" / "model.pt"
+    assert export_model.main([str(ck), str(out)]) == 2
+    assert capsys.readouterr().err == (f"error: cannot write {out}: a folder of its path is a "
+                                       f"file; give a path in a folder\n")
     assert ck.read_bytes() == before
