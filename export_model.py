@@ -242,7 +242,14 @@ def export(source: Path, out: Path, model_name: str | None) -> dict:
     if re.match(checkpoint.CHECKPOINT_RE, out.name):
         raise UsageError(f"{out.name} is named like a checkpoint, and --resume auto would take "
                          f"it for one in a --checkpoint-dir: give it another name, e.g. model.pt")
-    weights, saved, kind = read_weights(path)
+    try:
+        weights, saved, kind = read_weights(path)
+    except UsageError as err:  # the newest of a --checkpoint-dir: the one before it may do
+        older = checkpoint.list_checkpoints(source)[1:2] if path != source else []
+        if not older:
+            raise
+        raise UsageError(f"{err}; or export the checkpoint before it: python export_model.py "
+                         f"{older[0]} {out}") from None
     weights = plain_weights(weights)
     meta = recorded(saved) if saved is not None else None
     saved_name = meta["model"] if meta else None

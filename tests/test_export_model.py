@@ -184,6 +184,24 @@ def test_not_a_checkpoint_is_one_sentence(tmp_path, capsys, thing, words):
     assert not out.exists()
 
 
+def test_a_damaged_newest_checkpoint_names_the_one_before_it(tmp_path, capsys):
+    """A --checkpoint-dir whose newest checkpoint was cut short (the job killed while it was
+    copied): the sentence names the one before it, which holds the run's weights too."""
+    for epoch in (1, 2):
+        torch.save({"model": CifarCNN(10).state_dict(), "epoch": epoch, "step": 0,
+                    "world_size": 1, "args": {"model": "cnn"}},
+                   tmp_path / f"ckpt-e{epoch:04d}-s0000000")
+    newest = tmp_path / "ckpt-e0002-s0000000"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    out = tmp_path / "out" / "model.pt"
+    assert export_model.main([str(tmp_path), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {newest} is ") and err.endswith(
+        f"; or export the checkpoint before it: python export_model.py "
+        f"{tmp_path / 'ckpt-e0001-s0000000'} {out}\n"), err
+    assert export_model.main([str(tmp_path / "ckpt-e0001-s0000000"), str(out)]) == 0
+
+
 def test_output_that_would_lose_or_confuse_a_checkpoint_is_refused(tmp_path, capsys):
     ck = tmp_path / "ckpt-e0001-s0000000"
     torch.save({"model": CifarCNN(10).state_dict(), "epoch": 1, "step": 0, "world_size": 1,
