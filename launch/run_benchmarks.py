@@ -124,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                         ".slurm files), so DataLoader workers per GPU stay the same")
     r.add_argument("--sbatch-args", metavar="'ARGS'",
                    help="extra sbatch options for every job, one quoted string, e.g. "
-                        "'--partition=gpu --time=00:30:00 --account=proj'")
+                        "'--partition=gpu --time=00:30:00 --account=proj'; not those the "
+                        "study sets (--job-name, --nodes, --gpus-per-node, --cpus-per-task, "
+                        "--output, --export)")
     return parser
 
 
