@@ -125,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--sbatch-args", metavar="'ARGS'",
                    help="extra sbatch options for every job, one quoted string, e.g. "
                         "'--partition=gpu --time=00:30:00 --account=proj'; not those the "
-                        "study sets (--job-name, --nodes, --gpus-per-node, --cpus-per-task, "
-                        "--output, --export)")
+                        "study sets (--job-name, --nodes, --gpus-per-node, --cpus-per-task "
+                        "or --cpus-per-gpu, --output, --export)")
     return parser
 
 
@@ -139,12 +139,16 @@ def settings_from(args, train_args: list) -> dict:
         raise StudyError(f"--sbatch-args {args.sbatch_args!r}: {e}; quote it as one "
                          f"string, e.g. --sbatch-args '--partition=gpu --time=01:00:00'") from None
     for arg in sbatch_args or []:
-        name = arg.split("=", 1)[0] if arg.startswith("--") else arg[:2]
-        if name in SBATCH_SETS:
-            raise StudyError(f"--sbatch-args {arg}: the study sets {SBATCH_SETS[name]} for "
-                             f"every job itself (sbatch would take yours, the last one): "
-                             f"leave it out, and use --gpus, --nodes, --cpus-per-gpu or "
-                             f"--study-dir")
+        # sbatch takes a long option's unique abbreviation too (--out for --output)
+        name = arg.split("=", 1)[0]
+        sets = ([long for long in SBATCH_SETS.values() if long.startswith(name)]
+                if arg.startswith("--") and len(name) > 3 else
+                [SBATCH_SETS[arg[:2]]] if arg[:2] in SBATCH_SETS else [])
+        if len(set(sets)) == 1:
+            raise StudyError(f"--sbatch-args {arg}: the study sets {sets[0]} for every job "
+                             f"itself (sbatch would take yours instead): leave it out; this "
+                             f"command's --gpus, --nodes, --cpus-per-gpu and --study-dir set "
+                             f"them")
     return {"strategies": args.strategies, "gpus": args.gpus, "nodes": args.nodes,
             "multi_node_gpus": args.multi_node_gpus, "scaling": args.scaling,
             "per_gpu_batch": args.per_gpu_batch, "global_batch": args.global_batch,
@@ -155,10 +159,11 @@ def settings_from(args, train_args: list) -> dict:
 
 # The sbatch options the study sets for every job (long and short forms), which --sbatch-args,
 # coming after them, would silently override
+# (--cpus-per-gpu beside the study's --cpus-per-task would be a conflict sbatch refuses)
 SBATCH_SETS = {name: long for long, short in (
     ("--job-name", "-J"), ("--nodes", "-N"), ("--gpus-per-node", None),
-    ("--cpus-per-task", "-c"), ("--output", "-o"), ("--export", None), ("--parsable", None))
-    for name in (long, short) if name}
+    ("--cpus-per-task", "-c"), ("--cpus-per-gpu", None), ("--output", "-o"),
+    ("--export", None)) for name in (long, short) if name}
 
 
 # The flags the study sets for every run, each with the shortest abbreviation argparse takes
@@ -614,10 +619,10 @@ def study(args, train_args: list, argv: list) -> int:
     planned = plan(settings, study_dir, args.local, local_gpus() if args.local else 0)
     states = (resume_states(study_dir, manifest, [p.name for p in planned if not p.skipped])
               if args.resume else None)
-    if planned and all(p.skipped for p in planned):
+    if planned and all(p.skipped for p in planned) and not args.dry_run:
         reasons = list(dict.fromkeys(p.skipped for p in planned))
-        raise StudyError(f"nothing to run: all {len(planned)} configuration(s) are skipped "
-                         f"({'; '.join(reasons)}): change --gpus, --nodes or the batch flags")
+        raise StudyError(f"nothing to run: all {len(planned)} configuration(s) are skipped: "
+                         f"{'; '.join(reasons)}")
     todo, lines = select(planned, states)
     mode_text = (f"weak scaling, {settings['per_gpu_batch']} images per GPU"
                  if settings["scaling"] == "weak"
@@ -664,12 +669,16 @@ def study(args, train_args: list, argv: list) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     at = argv.index("--") if "--" in argv else len(argv)
-    ours = argv[:at]
-    # argparse takes `--sbatch-args --partition=gpu` for two options of its own: join them
+    ours, parser = argv[:at], build_parser()
+    # argparse takes `--sbatch-args --partition=gpu` for two options: join them, unless the
+    # second is one of ours (or argparse's abbreviation of one), a forgotten value
+    names = [o for o in parser._option_string_actions if o.startswith("--")]
     for i in range(len(ours) - 1, 0, -1):
-        if ours[i - 1] == "--sbatch-args" and ours[i].startswith("-"):
+        name = ours[i].split("=", 1)[0]
+        if (ours[i - 1] == "--sbatch-args" and ours[i].startswith("-")
+                and not any(o.startswith(name) for o in names)):
             ours[i - 1:i + 1] = [f"--sbatch-args={ours[i]}"]
-    args = build_parser().parse_args(ours)  # ours; the flags after "--" are the training's
+    args = parser.parse_args(ours)  # ours; the flags after "--" are the training's
     try:
         return study(args, argv[at + 1:], argv)
     except StudyError as err:

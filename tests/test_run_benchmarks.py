@@ -219,9 +219,7 @@ def test_training_arguments_unchecked_where_the_scripts_cannot_be_imported(tmp_p
     (["--sbatch-args", "-N 4 --partition=gpu"], "--sbatch-args -N: the study sets --nodes"),
     (["--sbatch-args=--output=/tmp/x.out"], "the study sets --output for every job itself"),
     (["--sbatch-args", "--gpus-per-node=8"], "the study sets --gpus-per-node"),
-    (["--strategies", "ddp", "--scaling", "strong", "--global-batch", "7", "--gpus", "2"],
-     "nothing to run: all 1 configuration(s) are skipped (strong scaling: global batch 7 "
-     "does not divide by 2 GPUs"),
+    (["--sbatch-args", "--out=/tmp/x.out"], "the study sets --output"),  # sbatch's abbreviation
     (["--lr-scaling", "linear", "--", "--lr-scaling", "sqrt"], "keep the one before it"),
     (["--", "--nonsense"], "are refused (dp_train.py: error: unrecognized arguments: "
                            "--nonsense); fix them (python dp_train.py --help lists its flags)"),
@@ -245,10 +243,19 @@ def test_sbatch_args_of_one_option_is_taken_as_its_value(tmp_path):
               "--sbatch-args", "--partition=gpu", "--", "--epochs", "1")
     assert proc.returncode == 0, proc.stderr
     assert " --partition=gpu --export=ALL,STRATEGY=ddp," in proc.stdout, proc.stdout
+    # a forgotten value: the study's own flag after it is not taken for one (--dry-run was,
+    # and the study ran sbatch)
+    proc = rb("--study-dir", tmp_path / "t", "--strategies", "ddp", "--gpus", "1",
+              "--sbatch-args", "--dry-run")
+    assert proc.returncode == 2 and proc.stderr.strip().endswith(
+        "error: argument --sbatch-args: expected one argument"), proc.stderr
+    assert not (tmp_path / "t").exists()
 
 
-def test_a_study_dir_that_cannot_be_made_is_one_sentence(tmp_path):
-    """Under a file (or where this user may not write): a NotADirectoryError traceback before."""
+def test_a_study_dir_that_cannot_be_made_or_a_study_of_skips_is_one_sentence(tmp_path):
+    """Under a file (or where this user may not write): a NotADirectoryError traceback before.
+    A study whose every configuration is skipped said '0 of 0 runs ok' and exit 0; a dry run
+    of it still lists the plan."""
     (tmp_path / "file").write_text("")
     proc = rb("--local", "--study-dir", tmp_path / "file" / "study", "--strategies", "ddp",
               "--gpus", "1", "--", "--model", "cnn", "--epochs", "1", no_torch=True)
@@ -256,6 +263,15 @@ def test_a_study_dir_that_cannot_be_made_is_one_sentence(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: cannot create --study-dir {tmp_path / 'file' / 'study'} (Not a directory): "
         f"name a directory you may write to"), proc.stderr
+    skips = ["--local", "--study-dir", tmp_path / "skips", "--strategies", "ddp", "--scaling",
+             "strong", "--global-batch", "7", "--gpus", "2"]
+    proc = rb(*skips, no_torch=True)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "error: nothing to run: all 1 configuration(s) are skipped: strong scaling: global "
+        "batch 7 does not divide by 2 GPUs; pick a global batch that all GPU counts divide")
+    assert not (tmp_path / "skips").exists()
+    proc = rb("--dry-run", *skips, no_torch=True)
+    assert proc.returncode == 0 and "1 skipped, 0 to run" in proc.stdout, proc.stderr
 
 
 def test_the_study_knows_the_shortest_abbreviation_of_each_flag_it_sets():
