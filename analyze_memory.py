@@ -182,9 +182,10 @@ def read_log(path) -> tuple:
     return kind, lines, skips, bad
 
 
-# No node or GPU has a pebibyte of memory (in MB or MiB): a larger figure is a damaged line,
-# and a 400-digit one would overflow the averages
-MAX_MEMORY = 2**30
+# No node or GPU has a pebibyte of memory (in MiB; psrecord's MB are MiB too), nor a million
+# cores' worth of CPU time, nor has a job run for a million hours: a larger figure is a damaged
+# line, and a huge one would overflow the averages
+MAX_MEMORY, MAX_CPU_PCT, MAX_ELAPSED_S = 2**30, 1e8, 3.6e9
 
 
 def parse_gpu_lines(lines, skips: Counter) -> dict:
@@ -249,7 +250,8 @@ def parse_cpu_lines(lines, skips: Counter) -> list:
         # an impossible memory, comes from a damaged line and would spoil every statistic and
         # the --json output
         if not (all(math.isfinite(v) and v >= 0 for v in (elapsed, cpu, rss, virtual))
-                and max(rss, virtual) <= MAX_MEMORY):
+                and max(rss, virtual) <= MAX_MEMORY and cpu <= MAX_CPU_PCT
+                and elapsed <= MAX_ELAPSED_S):
             skips[SKIP_IMPOSSIBLE] += 1
             continue
         samples.append((elapsed, cpu, rss))

@@ -908,9 +908,9 @@ def test_memory_no_machine_has_is_impossible_not_an_overflow(tmp_path):
     header = "# Elapsed time   CPU (%)     Real (MB)   Virtual (MB)\n"
     log = tmp_path / "n1.txt"
     log.write_text(header + "0.0 10.0 100.0 200.0\n1.0 10.0 1e308 1\n2.0 10.0 1e308 1\n"
-                   "3.0 30.0 300.0 200.0\n")
+                   "3.0 30.0 300.0 200.0\n4.0 1e308 100 1\n5.0 1e308 100 1\n")
     (cpu,), skips = records_and_skips(log)
-    assert skips == {am.SKIP_IMPOSSIBLE: 2}
+    assert skips == {am.SKIP_IMPOSSIBLE: 4}  # the CPU % column overflowed the same way
     assert (cpu["peak_rss_mb"], cpu["avg_rss_mb"]) == (300.0, 200.0)
     huge = "9" * 400
     gpu_log = tmp_path / "n1.csv"
