@@ -194,11 +194,11 @@ def test_damaged_cache_meta_means_rebuild_not_a_crash(tmp_path, meta):
     np.save(tmp_path / "val_u8.npy", np.zeros((1, 64, 64, 3), dtype=np.uint8))
     np.save(tmp_path / "val_labels.npy", np.zeros(1, dtype=np.int64))
     (tmp_path / "val_meta.json").write_bytes(meta)
-    assert tinyimagenet.cache_is_valid(tmp_path, "val", "c", 1) is False
+    assert tinyimagenet.cache_is_valid(tmp_path, "val", "c", 1, tmp_path) is False
     # and the intact meta is still accepted
     (tmp_path / "val_meta.json").write_text(json.dumps(
         {"version": tinyimagenet.CACHE_VERSION, "checksum": "c", "sources": 1, "count": 1}))
-    assert tinyimagenet.cache_is_valid(tmp_path, "val", "c", 1) is True
+    assert tinyimagenet.cache_is_valid(tmp_path, "val", "c", 1, tmp_path) is True
 
 
 def test_the_cache_build_ends_its_workers_without_a_signal(tiny_imagenet, tmp_path,
@@ -209,7 +209,8 @@ def test_the_cache_build_ends_its_workers_without_a_signal(tiny_imagenet, tmp_pa
     _, train, _ = tinyimagenet.scan_tinyimagenet(tiny_imagenet[0])
     sent, kill = [], os.kill
     monkeypatch.setattr(os, "kill", lambda pid, signum: (sent.append(signum), kill(pid, signum)))
-    tinyimagenet.build_split(tmp_path / "cache", "train", train, "x", False, 2, lambda line: None)
+    tinyimagenet.build_split(tmp_path / "cache", "train", train, "x", False, 2, lambda line: None,
+                             tiny_imagenet[0])
     assert signal.SIGTERM not in sent and (tmp_path / "cache" / "train_meta.json").is_file()
 
 
@@ -225,7 +226,7 @@ def test_a_strict_cache_build_stops_at_a_bad_image_without_signalling_its_worker
     monkeypatch.setattr(os, "kill", lambda pid, signum: (sent.append(signum), kill(pid, signum)))
     with pytest.raises(faults.UsageError, match=f"unreadable image {bad}"):
         tinyimagenet.build_split(tmp_path / "cache", "train", [(bad, 0)] + train * 4, "x",
-                                 True, 2, lambda line: None)
+                                 True, 2, lambda line: None, tiny_imagenet[0])
     assert signal.SIGTERM not in sent
     assert not multiprocessing.active_children()  # the workers have ended
     assert not (tmp_path / "cache" / "train_meta.json").exists()
@@ -247,7 +248,7 @@ def faulty_decode(path):  # the forked workers run this one
     return decode(path)
 tinyimagenet._decode_rgb = faulty_decode
 try:
-    tinyimagenet.build_split(cache, "train", train * 20, "x", False, 2, print)
+    tinyimagenet.build_split(cache, "train", train * 20, "x", False, 2, print, root)
 except faults.UsageError as exc:
     print(f"error: {exc}")
 """
@@ -325,8 +326,9 @@ def test_an_image_left_out_as_unreadable_is_decoded_once_it_can_be_read(tiny_ima
     """The cache left out an image it could not read, which was then repaired with the same
     name, label and size (here its bytes garbled, then restored; on a cluster, made readable
     again with chmod). The file list's checksum did not change, so the cache was reused
-    without the image for good; now the next use decodes it, and a still unreadable image
-    does not make the cache be rebuilt."""
+    without the image for good; now the next use decodes it, also when it reaches the data
+    by another path, and a still unreadable image does not make the cache be rebuilt. A
+    cache of the earlier format, which listed 20 of the images it left out, is rebuilt."""
     root, _ = tiny_imagenet
     data, cache = tmp_path / "tin", tmp_path / "cache"
     shutil.copytree(root, data)
@@ -334,20 +336,26 @@ def test_an_image_left_out_as_unreadable_is_decoded_once_it_can_be_read(tiny_ima
     good = image.read_bytes()
     image.write_bytes(b"\0" * len(good))
 
-    def prepare():
+    def prepare(data):
         logs = []
         tinyimagenet.prepare(data, cache, log=logs.append)
         return "\n".join(logs), json.loads((cache / "train_meta.json").read_text())["count"]
 
-    logs, count = prepare()
+    logs, count = prepare(data)
     assert f"(1 unreadable left out, e.g. {image}: UnidentifiedImageError" in logs, logs
     assert count == 159
-    logs, count = prepare()
+    logs, count = prepare(data)
     assert "building" not in logs and count == 159  # still unreadable: the cache is reused
-    image.write_bytes(good)
-    logs, count = prepare()
+    moved = data.rename(tmp_path / "moved")  # the same data, reached by another path
+    (moved / image.relative_to(data)).write_bytes(good)
+    logs, count = prepare(moved)
     assert "data cache: building train" in logs and count == 160, logs
     assert "building val" not in logs  # the other split is reused
+    meta = json.loads((cache / "val_meta.json").read_text())
+    checksum = tinyimagenet.file_list_checksum(moved, tinyimagenet.scan_tinyimagenet(moved)[2])
+    assert tinyimagenet.cache_is_valid(cache, "val", checksum, meta["sources"], moved)
+    (cache / "val_meta.json").write_text(json.dumps(meta | {"skipped_count": 25}))
+    assert not tinyimagenet.cache_is_valid(cache, "val", checksum, meta["sources"], moved)
 
 
 _SCAN_AS_NOBODY = """

@@ -52,9 +52,10 @@ def read_text_file(path: Path) -> str:
 
 def _images_in(folder: Path) -> list:
     """The image files of ``folder``: regular files only (opening a pipe named .JPEG would
-    wait for a writer for ever)."""
-    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMG_EXTENSIONS
-                  and p.is_file())
+    wait for a writer for ever), told by the directory entry's type, without a stat each."""
+    with os.scandir(folder) as entries:
+        return sorted(Path(e.path) for e in entries
+                      if os.path.splitext(e.name)[1].lower() in IMG_EXTENSIONS and e.is_file())
 
 
 _HINT = ("give the tiny-imagenet-200 folder, which holds wnids.txt, train/ and val/ "
@@ -223,10 +224,13 @@ def file_list_checksum(root: Path, samples) -> str:
     return h.hexdigest()
 
 
-def cache_is_valid(directory: Path, split: str, checksum: str, count: int) -> bool:
+def cache_is_valid(directory: Path, split: str, checksum: str, count: int,
+                   root: Path) -> bool:
     """The cache of ``split`` holds the images of this file list, as it was built: the
     checksum matches and no image it left out as unreadable can be read now (a file made
-    readable again, whose name, label and size are the same, is decoded, not lost for good)."""
+    readable again, whose name, label and size are the same, is decoded, not lost for good).
+    The images left out are listed relative to the data dir, which may be reached by another
+    path next time; each reuse tries to read them again, a moment for a few."""
     meta_file = directory / f"{split}_meta.json"
     # A damaged meta file (not UTF-8, or not JSON: both raise ValueError) means a rebuild.
     try:
@@ -240,7 +244,8 @@ def cache_is_valid(directory: Path, split: str, checksum: str, count: int) -> bo
             and images.shape == (meta.get("count"), 64, 64, 3)
             and labels.shape == (meta.get("count"),)
             and isinstance(meta.get("skipped", []), list)
-            and all(isinstance(_decode_rgb(path), str) for path in meta.get("skipped", [])))
+            and len(meta.get("skipped", [])) == meta.get("skipped_count", 0)  # older: 20 at most
+            and all(isinstance(_decode_rgb(root / path), str) for path in meta.get("skipped", [])))
 
 
 SIZE = 64  # every TinyImageNet image is 64x64 pixels
@@ -285,7 +290,7 @@ def _start_cache_worker() -> None:
 
 
 def build_split(directory: Path, split: str, samples, checksum: str, strict: bool,
-                workers: int, log) -> None:
+                workers: int, log, root: Path) -> None:
     """Decode ``samples`` into {split}_u8.npy / {split}_labels.npy / {split}_meta.json,
     written under temporary names and renamed into place (meta last), so a reader never sees
     half a cache. A progress line every 10 s."""
@@ -339,7 +344,8 @@ def build_split(directory: Path, split: str, samples, checksum: str, strict: boo
     meta_tmp = directory / f"{split}_meta.json{tag}"
     meta_tmp.write_text(json.dumps({"version": CACHE_VERSION, "checksum": checksum,
                                     "count": len(labels), "sources": len(samples),
-                                    "skipped": [path for path, _ in bad],
+                                    "skipped": [str(Path(path).relative_to(root))
+                                                for path, _ in bad],
                                     "skipped_count": len(bad)}))
     os.replace(meta_tmp, directory / f"{split}_meta.json")
     log(f"data cache: decoded {len(labels)} {split} images into {directory} in "
@@ -359,10 +365,10 @@ def prepare(root, directory, strict: bool = False, workers: int = 1, log=print,
     try:
         for split, samples in zip(SPLITS, (train, val)):
             checksum = file_list_checksum(root, samples)
-            if not cache_is_valid(directory, split, checksum, len(samples)):
+            if not cache_is_valid(directory, split, checksum, len(samples), root):
                 log(f"data cache: building {split} in {directory} (first use, or the dataset "
                     f"changed)")
-                build_split(directory, split, samples, checksum, strict, workers, log)
+                build_split(directory, split, samples, checksum, strict, workers, log, root)
     except OSError as exc:
         raise UsageError(f"cannot write the data cache in {directory} ({exc.strerror}): give "
                          f"a writable folder (--data-cache DIR, or prepare_tinyimagenet.py's "
