@@ -592,8 +592,8 @@ def main(argv=None) -> int:
             raise UsageError(f"--dpi {args.dpi} is out of range: use 50 to 600 (default 100)")
         if args.out == "":
             raise UsageError("--out '' names no folder: give one, or leave --out out")
-        # a network's figures: from a 1 Gb/s link's bus bandwidth to well above NVLink's, and
-        # a latency of at most a second (inf or nan would make every prediction meaningless)
+        # a network's figures: from 1 MB/s to well above NVLink's bus bandwidth, and a latency
+        # of at most a second (inf or nan would make every prediction meaningless)
         if not (0.001 <= args.inter_node_busbw <= 10_000 and 0 <= args.ring_latency_us <= 1e6):
             raise UsageError(f"--inter-node-busbw {args.inter_node_busbw:g} and "
                              f"--ring-latency-us {args.ring_latency_us:g}: the bandwidth must "

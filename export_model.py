@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -248,8 +249,9 @@ def export(source: Path, out: Path, model_name: str | None) -> dict:
         older = checkpoint.list_checkpoints(source)[1:2] if path != source else []
         if not older:
             raise
-        raise UsageError(f"{err}; or export the checkpoint before it: python export_model.py "
-                         f"{older[0]} {out}") from None
+        again = ["python", "export_model.py", str(older[0]), str(out)]
+        raise UsageError(f"{err}; or export the checkpoint before it: {shlex.join(again)}"
+                         + (f" --model {shlex.quote(model_name)}" if model_name else "")) from None
     weights = plain_weights(weights)
     meta = recorded(saved) if saved is not None else None
     saved_name = meta["model"] if meta else None

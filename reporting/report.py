@@ -160,8 +160,8 @@ def explain_markdown(key: tuple, configs: dict, model: tuple) -> list:
         return []
     lines = ["### Where the step time goes", "",
              "Step and data wait: ms per training step of the final epoch (data wait: the loader "
-             "kept the step waiting). Where profiled, the 5 steps `--profile` traced in the first "
-             "epoch, under the profiler (which slows the host's side of a step): their step and "
+             "kept the step waiting). Where profiled, the steps `--profile` traced early in the "
+             "run, under the profiler, so their step is not the final epoch's: their step and "
              "its parts, which add up to it: compute, exposed communication (not hidden behind "
              "compute), data wait and other; beside them all communication, hidden or not.", "",
              "| Config | Step | Data wait | Profiled step | Compute | Exposed comm. | Data wait "
