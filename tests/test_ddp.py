@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 
-from training import contract, datasets, distributed, loading, models, tinyimagenet
+from training import contract, datasets, distributed, faults, loading, models, tinyimagenet
 from conftest import (FAST, REPO, check_ok, env_for_tests, epoch_lines, fake_gpus, metrics,
                       run_script, runs_two_at_a_time)
 
@@ -213,6 +213,19 @@ def test_dist_env_ignores_batch_step(monkeypatch):
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_NTASKS", "8")
     assert distributed.dist_env().world_size == 1
+
+
+@pytest.mark.parametrize("local_world", ["0", "3"])
+def test_a_local_world_size_that_cannot_be_is_one_sentence(monkeypatch, local_world):
+    """LOCAL_WORLD_SIZE=0 was a ZeroDivisionError traceback where the loader's workers are
+    shared out; more processes on the node than in the whole job cannot be either."""
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                 "LOCAL_WORLD_SIZE": local_world}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(faults.UsageError, match=rf"^\$LOCAL_WORLD_SIZE={local_world} is not a "
+                                                r"number of processes on this node \(1 to "
+                                                r"WORLD_SIZE=2\)"):
+        distributed.dist_env()
 
 
 BAD_INPUTS = [

@@ -94,3 +94,21 @@ def test_estimate_memory_leaves_the_flags_as_resolved(capsys):
     assert memory.estimate_only(args, script.memory_per_gpu, script.MEMORY_VARIANTS) == 0
     assert "note: --amp bf16 assumed" in capsys.readouterr().out
     assert args.amp is None
+
+
+@pytest.mark.parametrize("argv, says", [
+    # --momentum 2 trained into a NaN loss whose message blamed the learning rate
+    (["--momentum", "1"], "--momentum must be below 1 (0.9 is common), got 1.0"),
+    # a seed above 64 bits was an OverflowError traceback from torch.Generator
+    (["--seed", str(2**64)], f"--seed must be 0 to {2**63 - 1}, got {2**64}"),
+    # --save-model onto the checkpoint it resumed from replaced it with the weights alone
+    (["--resume", "{ck}", "--save-model", "{ck}"],
+     "--save-model {ck} is the checkpoint --resume reads"),
+])
+def test_values_that_fail_later_are_refused_at_the_start(tmp_path, argv, says):
+    ck = tmp_path / "ckpt-e0001-s0000000"
+    ck.write_bytes(b"")
+    argv = [a.replace("{ck}", str(ck)) for a in argv]
+    with pytest.raises(UsageError) as refused:
+        flags.check_flags(_parse("ddp_train", argv))
+    assert says.replace("{ck}", str(ck)) in str(refused.value)

@@ -114,6 +114,10 @@ def dist_env() -> DistEnv:
         _check_ranks(rank, world)
         local_world = (_int_env("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ
                        else world)
+        if not 1 <= local_world <= world:
+            raise UsageError(f"$LOCAL_WORLD_SIZE={local_world} is not a number of processes on "
+                             f"this node (1 to WORLD_SIZE={world}): unset it, or let torchrun "
+                             f"set it")
         return DistEnv(rank, _int_env("LOCAL_RANK") if "LOCAL_RANK" in os.environ
                        else 0, world, local_world, "torchrun",  # its nodes: GROUP_WORLD_SIZE
                        _int_env("GROUP_WORLD_SIZE") if "GROUP_WORLD_SIZE" in os.environ else 0)

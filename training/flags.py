@@ -271,6 +271,10 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
         if not (getattr(args, flag) or 0) >= 0:  # NaN too; None: resolve_args' default
             raise UsageError(f"--{flag.replace('_', '-')} cannot be negative, got "
                              f"{getattr(args, flag)}")
+    if not args.momentum < 1:  # at 1 or more the momentum buffer grows every step
+        raise UsageError(f"--momentum must be below 1 (0.9 is common), got {args.momentum}")
+    if not args.seed < 2**63:  # torch.Generator's seed is a 64-bit integer
+        raise UsageError(f"--seed must be 0 to {2**63 - 1}, got {args.seed}")
     for flag in ("lr", "gamma"):  # the learning rate, and what multiplies it every --step-size
         if not 0 < getattr(args, flag) < math.inf:
             raise UsageError(f"--{flag} must be a positive number, got {getattr(args, flag)}")
@@ -284,6 +288,11 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
             Path(args.save_model).resolve() == Path(args.checkpoint_dir).resolve()):
         raise UsageError(f"--save-model {args.save_model} is the --checkpoint-dir: give it a "
                          f"file name, e.g. --save-model {Path(args.save_model) / 'model.pt'}")
+    if args.save_model and args.resume not in ("auto", "never") and (
+            Path(args.save_model).resolve() == Path(args.resume).resolve()):
+        raise UsageError(f"--save-model {args.save_model} is the checkpoint --resume reads: "
+                         f"the weights alone would replace it; give another file, e.g. "
+                         f"--save-model model.pt")
     if args.cuda_graph and args.compile:
         raise UsageError("--cuda-graph and --compile each replace the eager step with their own "
                          "graphs: drop one of them")
