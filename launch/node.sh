@@ -212,9 +212,12 @@ forward_usr1() {
   echo "[$node] SIGUSR1 passed on to the training processes"
 }
 trap stop_all EXIT
-trap 'exit 143' TERM
-trap 'exit 130' INT
-trap 'exit 129' HUP
+# The first stop signal ends the script through stop_all; from its handler's first command on,
+# the next ones are ignored (Slurm sends SIGTERM to the whole step, often more than once), which
+# stop_all's own first lines would otherwise set a moment too late under load.
+trap 'trap "" INT TERM HUP; exit 143' TERM
+trap 'trap "" INT TERM HUP; exit 130' INT
+trap 'trap "" INT TERM HUP; exit 129' HUP
 trap forward_usr1 USR1
 
 # --data-cache: decode the dataset once on this node before the training starts. Inside the
@@ -286,5 +289,9 @@ fi
 rc=0
 wait_for "$train_pid" || rc=$?  # through the USR1 trap, until the training has ended
 train_pid=""
+# The training has ended, and the exit trap stops the loggers at once. A stop signal from here on
+# (Slurm ends the step when another node's training failed, often as this one's fails too) would
+# end that trap before its "loggers stopped" line.
+trap '' INT TERM HUP
 exit "$rc"
 }
