@@ -631,34 +631,46 @@ def test_usr1_as_the_training_ends_keeps_its_exit_code_and_stops_the_loggers(tmp
         assert_loggers_gone(tmp_path, run_dir)
 
 
+def sigterm_node_sh_repeatedly(tmp_path: Path, training: str, start_at: str, attempts: int,
+                               interval_s: float, stagger_s: float = 0.0) -> None:
+    """Runs node.sh over the ``training`` program ``attempts`` times; once the program prints
+    ``start_at`` (``stagger_s`` later each attempt, by fours), SIGTERM goes to the whole step,
+    as slurmstepd sends it, every ``interval_s`` until node.sh has ended. Each attempt must
+    fail, say "loggers stopped" once, and leave no logger running."""
+    script = tmp_path / "train.py"
+    script.write_text(training)
+    run_dir = tmp_path / "run"
+    env = base_env(tmp_path, fake_gpus=True) | {"RUN_DIR": str(run_dir), "NODE_NAME": "n1",
+                                                "PSRECORD": "no-psrecord-here"}
+    for attempt in range(attempts):
+        proc = subprocess.Popen(["bash", str(LAUNCH / "node.sh"), "python", str(script)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        head = read_until(proc, start_at)
+        time.sleep(attempt % 4 * stagger_s)
+        while proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                break
+            time.sleep(interval_s)
+        out = head + proc.communicate(timeout=60)[0]
+        assert proc.returncode != 0, f"attempt {attempt}: {out}"
+        assert out.count("[n1] loggers stopped (pids: ") == 1, f"attempt {attempt}: {out}"
+        assert_loggers_gone(tmp_path, run_dir)
+
+
 def test_sigterm_during_the_exit_trap_does_not_cut_the_loggers_line(tmp_path):
     """A failed two-node job: n2's training exits 1, srun (--kill-on-bad-exit) has Slurm send
     SIGTERM to every process of n1's step, whose own training may be ending at the same moment.
     The exit trap had put SIGTERM back to its default before it stopped the loggers, so a
     second SIGTERM arriving then ended node.sh without its "loggers stopped" line (CI, once:
     n1). Here SIGTERM goes to the whole step every 1 ms from the training's start: the first
-    one starts the trap, the next ones arrive while it runs."""
-    script = tmp_path / "train.py"
-    script.write_text("import time\nprint('training: started', flush=True)\ntime.sleep(1)\n"
-                      "raise SystemExit(1)\n")
-    run_dir = tmp_path / "run"
-    env = base_env(tmp_path, fake_gpus=True) | {"RUN_DIR": str(run_dir), "NODE_NAME": "n1",
-                                                "PSRECORD": "no-psrecord-here"}
-    for attempt in range(6):  # the old trap lost the line in every one of 10
-        proc = subprocess.Popen(["bash", str(LAUNCH / "node.sh"), "python", str(script)],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        head = read_until(proc, "training: started")
-        while proc.poll() is None:  # to the whole step, as slurmstepd sends it
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                break
-            time.sleep(0.001)
-        out = head + proc.communicate(timeout=60)[0]
-        assert proc.returncode != 0, f"attempt {attempt}: {out}"
-        assert out.count("[n1] loggers stopped (pids: ") == 1, f"attempt {attempt}: {out}"
-        assert_loggers_gone(tmp_path, run_dir)
+    one starts the trap, the next ones arrive while it runs. The old trap lost the line in
+    every one of 10 attempts."""
+    sigterm_node_sh_repeatedly(tmp_path, "import time\nprint('training: started', flush=True)\n"
+                               "time.sleep(1)\nraise SystemExit(1)\n", "training: started",
+                               attempts=6, interval_s=0.001)
 
 
 def test_sigterm_as_the_training_ends_on_its_own_does_not_cut_the_loggers_line(tmp_path):
@@ -668,29 +680,11 @@ def test_sigterm_as_the_training_ends_on_its_own_does_not_cut_the_loggers_line(t
     without its "loggers stopped" line (CI, once: n2; here 3 of 20 attempts before the fix).
     The training ignores SIGTERM so that it ends on its own; the signals start as it ends, a
     little later each attempt."""
-    script = tmp_path / "train.py"
-    script.write_text("import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-                      "print('training: started', flush=True)\ntime.sleep(0.5)\n"
-                      "print('training: ending', flush=True)\nos._exit(1)\n")
-    run_dir = tmp_path / "run"
-    env = base_env(tmp_path, fake_gpus=True) | {"RUN_DIR": str(run_dir), "NODE_NAME": "n1",
-                                                "PSRECORD": "no-psrecord-here"}
-    for attempt in range(12):
-        proc = subprocess.Popen(["bash", str(LAUNCH / "node.sh"), "python", str(script)],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        head = read_until(proc, "training: ending")
-        time.sleep(attempt % 4 * 0.0005)
-        while proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                break
-            time.sleep(0.0005)
-        out = head + proc.communicate(timeout=60)[0]
-        assert proc.returncode != 0, f"attempt {attempt}: {out}"
-        assert out.count("[n1] loggers stopped (pids: ") == 1, f"attempt {attempt}: {out}"
-        assert_loggers_gone(tmp_path, run_dir)
+    sigterm_node_sh_repeatedly(
+        tmp_path, "import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('training: started', flush=True)\ntime.sleep(0.5)\n"
+        "print('training: ending', flush=True)\nos._exit(1)\n", "training: ending",
+        attempts=12, interval_s=0.0005, stagger_s=0.0005)
 
 
 def test_a_logger_that_ignores_sigterm_is_killed_and_node_sh_still_stops(tmp_path):
