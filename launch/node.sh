@@ -172,8 +172,9 @@ stop_all() {
   local rc=$? p tenths stopped=() killed=()
   trap - EXIT
   # Slurm sends SIGTERM to every process of the step when another node's task failed, often
-  # as this node's own training ends: at their default, one arriving now would end this trap
-  # before the line below. A second stop signal may end the wait for the training, not this.
+  # as this node's own training ends: the TERM trap's exit would end this trap before the line
+  # below (exit_ignoring_stops sets them aside earlier on its paths; this covers set -e's).
+  # A second stop signal may end the wait for the training, not this.
   trap '' INT TERM HUP
   # job.sh sends SIGUSR1 to every process of the step every 10 s until the training has ended.
   # At its default, one would end still_running's subshell, and with it the check, or this trap
@@ -211,13 +212,19 @@ forward_usr1() {
   fi
   echo "[$node] SIGUSR1 passed on to the training processes"
 }
+# exit_ignoring_stops CODE: exit through stop_all with the stop signals already set aside.
+# Slurm sends SIGTERM to the whole step, often more than once, and as this node's own training
+# ends; one arriving before stop_all's first lines, which also set them aside, a moment too late
+# under load, ended stop_all before its "loggers stopped" line.
+# shellcheck disable=SC2317  # reached through the traps below
+exit_ignoring_stops() {
+  trap '' INT TERM HUP
+  exit "$1"
+}
 trap stop_all EXIT
-# The first stop signal ends the script through stop_all; from its handler's first command on,
-# the next ones are ignored (Slurm sends SIGTERM to the whole step, often more than once), which
-# stop_all's own first lines would otherwise set a moment too late under load.
-trap 'trap "" INT TERM HUP; exit 143' TERM
-trap 'trap "" INT TERM HUP; exit 130' INT
-trap 'trap "" INT TERM HUP; exit 129' HUP
+trap 'exit_ignoring_stops 143' TERM
+trap 'exit_ignoring_stops 130' INT
+trap 'exit_ignoring_stops 129' HUP
 trap forward_usr1 USR1
 
 # --data-cache: decode the dataset once on this node before the training starts. Inside the
@@ -289,9 +296,5 @@ fi
 rc=0
 wait_for "$train_pid" || rc=$?  # through the USR1 trap, until the training has ended
 train_pid=""
-# The training has ended, and the exit trap stops the loggers at once. A stop signal from here on
-# (Slurm ends the step when another node's training failed, often as this one's fails too) would
-# end that trap before its "loggers stopped" line.
-trap '' INT TERM HUP
-exit "$rc"
+exit_ignoring_stops "$rc"  # the training has ended: a stop signal now would only cut the line
 }
