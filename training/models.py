@@ -102,6 +102,10 @@ def memory_format(model: nn.Module, device: torch.device) -> torch.memory_format
     return torch.channels_last if device.type == "cuda" and conv else torch.contiguous_format
 
 
+# torchvision's classifiers whose training-mode output is a tuple with auxiliary logits
+AUXILIARY_HEADS = ("googlenet", "inception_v3")
+
+
 def build_model(name: str, num_classes: int, input_shape: tuple) -> nn.Module:
     """A fresh model; the caller seeds torch first so every rank builds the same weights."""
     check_model(name, input_shape)
@@ -110,14 +114,22 @@ def build_model(name: str, num_classes: int, input_shape: tuple) -> nn.Module:
     if name == "mnist_net":
         return MnistNet(num_classes)
     from torchvision import models  # imported here, as in check_model
-    # ResNets: each residual block starts as the identity (its last BatchNorm's weight at 0),
-    # the initialisation of Goyal et al. (2017) that --lr-scaling follows. Without it, after a
-    # few dozen steps BatchNorm's running statistics are still far from the batches' and
-    # evaluation multiplies the mismatch through every block: the synthetic demo's validation
-    # loss was 208-256 after its first epoch, against 5.3 (ln 200) at chance; with it, 5.26.
-    zero_init = name.startswith(("resnet", "resnext", "wide_resnet"))
-    model = models.get_model(name, weights=None, num_classes=num_classes,
-                             **({"zero_init_residual": True} if zero_init else {}))
+    options = {}
+    if name.startswith(("resnet", "resnext", "wide_resnet")):
+        # ResNets: each residual block starts as the identity (its last BatchNorm's weight at
+        # 0), the initialisation of Goyal et al. (2017) that --lr-scaling follows. Without it,
+        # after a few dozen steps BatchNorm's running statistics are still far from the
+        # batches' and evaluation multiplies the mismatch through every block: the synthetic
+        # demo's validation loss was 208-256 after its first epoch, against 5.3 (ln 200) at
+        # chance; with it, 5.26.
+        options = {"zero_init_residual": True}
+    if name in AUXILIARY_HEADS:
+        # GoogLeNet and Inception v3 come with auxiliary classifiers, whose outputs they return
+        # beside the logits in training mode, for a weighted extra loss these scripts do not
+        # compute: built without them, they return logits as every other model does.
+        # init_weights=True is their current initialisation, said so to silence their warning.
+        options = {"aux_logits": False, "init_weights": True}
+    model = models.get_model(name, weights=None, num_classes=num_classes, **options)
     # One image through the model, no state changed: some models take one image size only
     # (ViT: 224x224), and this says so before any training starts.
     try:
@@ -125,7 +137,10 @@ def build_model(name: str, num_classes: int, input_shape: tuple) -> nn.Module:
             model.eval()(torch.zeros(1, *input_shape))
     except (AssertionError, RuntimeError, ValueError) as err:
         shown = "x".join(map(str, input_shape))
+        size = getattr(model, "image_size", None)  # a ViT's one image size
+        fix = (f"add --image-size {size} (synthetic or TinyImageNet data) or choose --model "
+               f"resnet50" if isinstance(size, int) else "choose --model resnet50")
         raise UsageError(f"--model {name} cannot take this dataset's {shown} images "
                          f"({str(err).splitlines()[0] if str(err) else type(err).__name__}): "
-                         f"choose --model resnet50") from None
+                         f"{fix}") from None
     return model.train()

@@ -1,0 +1,45 @@
+"""The models as the scripts build them (training/models.py): a torchvision classifier with
+auxiliary heads returns plain logits in training, as every other model does, and a model that
+takes one image size only says which size, as a flag a user can add."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from training import memory, models
+from training.faults import UsageError
+
+
+@pytest.mark.parametrize("name, side", [("googlenet", 64), ("inception_v3", 96)])
+def test_a_model_with_auxiliary_heads_trains_on_its_logits(name, side):
+    """They returned a (logits, aux2, aux1) tuple in training mode, which the scripts' loss and
+    the memory model's count took for a tensor: --model googlenet ended on a traceback."""
+    assert name in models.AUXILIARY_HEADS
+    torch.manual_seed(0)
+    model = models.build_model(name, 10, (3, side, side))
+    assert model.training
+    logits = model(torch.randn(2, 3, side, side))
+    assert isinstance(logits, torch.Tensor) and logits.shape == (2, 10)
+    F.cross_entropy(logits, torch.tensor([1, 7])).backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    # the preflight's count of what the forward saves, where the traceback was
+    assert memory.saved_for_backward(model, (3, side, side), "off").per_image > 0
+
+
+def test_a_vit_at_another_size_is_told_the_image_size_it_takes():
+    """--model vit_b_16 on 64 px images was told to choose --model resnet50; the fix for a user
+    who wants a ViT is --image-size 224, which then builds."""
+    with pytest.raises(UsageError) as refused:
+        models.build_model("vit_b_16", 200, (3, 64, 64))
+    assert str(refused.value).endswith(
+        "add --image-size 224 (synthetic or TinyImageNet data) or choose --model resnet50")
+    assert "cannot take this dataset's 3x64x64 images" in str(refused.value)
+    assert models.build_model("vit_b_16", 200, (3, 224, 224)).training
+
+
+def test_a_model_without_one_fixed_size_keeps_the_general_advice():
+    with pytest.raises(UsageError) as refused:  # too small for its pooling
+        models.build_model("squeezenet1_1", 10, (3, 16, 16))
+    assert str(refused.value).endswith(": choose --model resnet50")
