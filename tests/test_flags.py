@@ -5,6 +5,7 @@ whose advice, followed, gives flags that pass; what does nothing is said."""
 from __future__ import annotations
 
 import importlib
+import os
 import re
 
 import pytest
@@ -112,3 +113,32 @@ def test_values_that_fail_later_are_refused_at_the_start(tmp_path, argv, says):
     with pytest.raises(UsageError) as refused:
         flags.check_flags(_parse("ddp_train", argv))
     assert says.replace("{ck}", str(ck)) in str(refused.value)
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--checkpoint-every", "5"], "note: --checkpoint-every 5 does nothing without "
+     "--checkpoint-dir: this run saves no checkpoint; add --checkpoint-dir DIR"),
+    (["--checkpoint-every", "5", "--keep-checkpoints", "3"], "note: --checkpoint-every 5 and "
+     "--keep-checkpoints 3 do nothing without --checkpoint-dir: this run saves no checkpoint; "
+     "add --checkpoint-dir DIR"),
+    (["--keep-checkpoints", "3", "--checkpoint-dir", "ck"], None),
+    ([], None),
+])
+def test_checkpoint_flags_without_a_folder_are_said_and_the_stop_line_says_nothing_is_saved(
+        capsys, monkeypatch, argv, said):
+    """Without --checkpoint-dir, --checkpoint-every and --keep-checkpoints were taken without a
+    word, and the start-up line offered to "stop with a checkpoint" that was never written."""
+    from training import common
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    args = _parse("ddp_train", argv + ["--device", "cpu"])
+    flags.check_flags(args)
+    env = distributed.DistEnv(0, 0, 1, 1, "single")
+    flags.resolve_args(args, env, torch.device("cpu"))
+    notes = [line for line in capsys.readouterr().out.splitlines() if "checkpoint" in line]
+    assert notes == ([said] if said else [])
+    stop = common.provenance(args, env, torch.device("cpu"), "gloo")[-1]
+    assert stop == (f"stop with a checkpoint: kill -TERM {os.getpid()} (or -USR1)"
+                    if args.checkpoint_dir else
+                    f"stop: kill -TERM {os.getpid()} (or -USR1); nothing is saved without "
+                    f"--checkpoint-dir")

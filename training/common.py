@@ -198,18 +198,24 @@ def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:
         f"mixed precision: {AMP_TEXT[args.amp]} (--amp {args.amp}; default: bf16 on GPUs of "
         f"compute capability 8.0+, fp16 on older GPUs, off on CPU)",
         f"args: {args_text}",
-    ] + stop_line(env)
+    ] + stop_line(env, args.checkpoint_dir)
 
 
-def stop_line(env: DistEnv) -> list:
+def stop_line(env: DistEnv, checkpoint_dir: str | None) -> list:
     """How to stop a run started by hand with a checkpoint, said at its start: the signal and
     the process that must get it. torchrun passes a SIGTERM on to its workers, while a SIGUSR1
     ends torchrun itself (it has no handler for it) and the work since the last checkpoint is
-    lost. One rank that gets it is enough: the ranks vote and all stop at the same step. Under
-    Slurm nothing: scancel and the launchers' traps do it (docs/fault-tolerance.md)."""
+    lost. One rank that gets it is enough: the ranks vote and all stop at the same step.
+    Without a --checkpoint-dir the same signal stops the run at a step and saves nothing, and
+    the line says so. Under Slurm nothing: scancel and the launchers' traps do it
+    (docs/fault-tolerance.md)."""
     if os.environ.get("SLURM_JOB_ID") or env.source == "simulated":
         return []
     if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun, this process's parent
-        return [f"stop with a checkpoint: kill -TERM {os.getppid()} (torchrun, which passes "
-                f"SIGTERM on to its workers; SIGUSR1 would end torchrun itself)"]
-    return [f"stop with a checkpoint: kill -TERM {os.getpid()} (or -USR1)"]
+        how = (f"kill -TERM {os.getppid()} (torchrun, which passes SIGTERM on to its workers; "
+               f"SIGUSR1 would end torchrun itself)")
+    else:
+        how = f"kill -TERM {os.getpid()} (or -USR1)"
+    if checkpoint_dir is None:
+        return [f"stop: {how}; nothing is saved without --checkpoint-dir"]
+    return [f"stop with a checkpoint: {how}"]

@@ -27,6 +27,7 @@ DATASETS = ("tinyimagenet", "cifar10", "mnist", "fashion-mnist", "synthetic")
 # would convert), so that no N typed on the command line (-1 was) can mean it.
 ALL_GPU_COUNTS = (1, 2, 4, 8)
 MAX_DIST_TIMEOUT = 86400  # seconds; far beyond it, gloo's and NCCL's own timers overflow
+KEEP_CHECKPOINTS = 2  # --keep-checkpoints' default
 DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_net",
                  "fashion-mnist": "mnist_net", "synthetic": "resnet50"}
 # --clip-grad-norm's default per model; 0 (off) for the others. The CIFAR CNN has no BatchNorm
@@ -227,7 +228,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "--checkpoint-every steps); resume from it with --resume auto")
     g.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="also checkpoint every N training steps (0 = only at epoch ends)")
-    g.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
+    g.add_argument("--keep-checkpoints", type=int, default=KEEP_CHECKPOINTS, metavar="K",
                    help="keep the newest K checkpoints, delete older ones")
     g.add_argument("--resume", default="auto", metavar="{auto,never,PATH}",
                    help="auto: continue from the newest usable checkpoint in --checkpoint-dir "
@@ -395,6 +396,13 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
         print(f"note: --share-gpus does nothing here: the ranks train on the CPU "
               f"({'--device cpu' if args.device == 'cpu' else 'no GPU visible'}), each on its "
               f"own cores; drop --share-gpus", flush=True)
+    unsaved = [f"--{name.replace('_', '-')} {value}" for name, value, default in (
+        ("checkpoint_every", args.checkpoint_every or 0, 0),
+        ("keep_checkpoints", args.keep_checkpoints, KEEP_CHECKPOINTS)) if value != default]
+    if unsaved and args.checkpoint_dir is None and env.rank == 0:
+        print(f"note: {' and '.join(unsaved)} {'does' if len(unsaved) == 1 else 'do'} nothing "
+              f"without --checkpoint-dir: this run saves no checkpoint; add --checkpoint-dir "
+              f"DIR", flush=True)
     if args.warmup_epochs > args.epochs and env.rank == 0:
         print(f"note: --warmup-epochs {args.warmup_epochs:g} is longer than --epochs "
               f"{args.epochs}: the learning rate never reaches its peak", flush=True)
