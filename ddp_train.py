@@ -206,7 +206,7 @@ def train(args, env: distributed.DistEnv) -> int:
 
     # Same seed on every rank: identical initial weights (DDP also broadcasts rank 0's).
     torch.manual_seed(args.seed)
-    model = models.build_model(args.model, data.num_classes, data.input_shape)
+    model = models.build_model(args.model, data.num_classes, data.input_shape, args.batch_size)
     if preflight(args, model, data, device, world):  # --check: a preflight, no training
         return 0
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'

@@ -182,7 +182,7 @@ def train(args, env: distributed.DistEnv) -> int:
            f"DataLoader batch split by DataParallel")
 
     torch.manual_seed(args.seed)
-    model = models.build_model(args.model, data.num_classes, data.input_shape)
+    model = models.build_model(args.model, data.num_classes, data.input_shape, args.batch_size)
     if preflight(args, model, data, gpu_ids, world):  # --check: a preflight, no training
         return 0
     # From here on, randomness is this process's own (crops, flips, dropout, loader workers).

@@ -370,7 +370,7 @@ def train(args, env: distributed.DistEnv) -> int:
     # Same seed on every rank: identical full weights before sharding, so each rank keeps
     # its slice of the same model.
     torch.manual_seed(args.seed)
-    model = models.build_model(args.model, data.num_classes, data.input_shape)
+    model = models.build_model(args.model, data.num_classes, data.input_shape, args.batch_size)
     if preflight(args, model, data, device, world, mesh):  # --check: a preflight, no training
         return 0
     # From here on, randomness is per rank: crops, flips, dropout and the loader workers'

@@ -1,6 +1,7 @@
 """The models as the scripts build them (training/models.py): a torchvision classifier with
-auxiliary heads returns plain logits in training, as every other model does, and a model that
-takes one image size only says which size, as a flag a user can add."""
+auxiliary heads returns plain logits in training, as every other model does; a model that
+takes one image size only says which size, as a flag a user can add; and a batch of one image
+that BatchNorm cannot train on is refused before the first step."""
 
 from __future__ import annotations
 
@@ -43,3 +44,16 @@ def test_a_model_without_one_fixed_size_keeps_the_general_advice():
     with pytest.raises(UsageError) as refused:  # too small for its pooling
         models.build_model("squeezenet1_1", 10, (3, 16, 16))
     assert str(refused.value).endswith(": choose --model resnet50")
+
+
+def test_a_batch_of_one_that_batchnorm_cannot_normalise_is_refused_before_training():
+    """ResNet-18 at 32 px ends its last stage on 1x1 feature maps: at one image per step each
+    BatchNorm there sees one value per channel, and torch's ValueError came in the first step."""
+    with pytest.raises(UsageError) as refused:
+        models.build_model("resnet18", 10, (3, 32, 32), batch=1)
+    assert "its BatchNorm layer4.0.bn1 sees one value per channel" in str(refused.value)
+    assert str(refused.value).endswith(": use --batch-size 2 or more")
+    for shape, batch in (((3, 32, 32), 2), ((3, 64, 64), 1)):  # the advice, and 2x2 maps
+        model = models.build_model("resnet18", 10, shape, batch=batch)
+        model(torch.randn(batch, *shape)).sum().backward()  # trains: BatchNorm accepts it
+    models.build_model("cnn", 10, (3, 32, 32), batch=1)  # no BatchNorm: any batch

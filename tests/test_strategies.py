@@ -245,6 +245,11 @@ def bad_input_runs(request):
      "$DATA_DIR, without --dataset is TinyImageNet)"),
     ("ddp_train.py", ["--model", "mnist_net", "--data-dir", "/tmp"],
      "choose another --model, or add --dataset mnist (a data dir"),
+    # it was BatchNorm's ValueError and a traceback in the first step
+    ("fsdp_train.py", ["--model", "resnet18", "--image-size", "32", "--batch-size", "1"],
+     "--batch-size 1 with --model resnet18 on 3x32x32 images: its BatchNorm layer4.0.bn1 sees "
+     "one value per channel (a 1x1 feature map), which it cannot normalise in training: use "
+     "--batch-size 2 or more"),
 ])
 def test_bad_input_exits_2(script, args, message, bad_input_runs, request):
     proc = bad_input_runs[request.node.callspec.id].result()

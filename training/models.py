@@ -102,12 +102,29 @@ def memory_format(model: nn.Module, device: torch.device) -> torch.memory_format
     return torch.channels_last if device.type == "cuda" and conv else torch.contiguous_format
 
 
+def watch_batchnorms(model: nn.Module, single: list) -> list:
+    """Hooks (remove them after one forward) that append to ``single`` the name of each
+    BatchNorm of ``model`` whose input holds one value per channel of an image: a 1x1 feature
+    map, or a BatchNorm1d's (batch, features)."""
+    def watch(where):
+        def hook(module, inputs):
+            if inputs[0][0, 0].numel() == 1:
+                single.append(where)
+        return hook
+    return [module.register_forward_pre_hook(watch(where))
+            for where, module in model.named_modules()
+            if isinstance(module, nn.modules.batchnorm._BatchNorm)]
+
+
 # torchvision's classifiers whose training-mode output is a tuple with auxiliary logits
 AUXILIARY_HEADS = ("googlenet", "inception_v3")
 
 
-def build_model(name: str, num_classes: int, input_shape: tuple) -> nn.Module:
-    """A fresh model; the caller seeds torch first so every rank builds the same weights."""
+def build_model(name: str, num_classes: int, input_shape: tuple,
+                batch: int | None = None) -> nn.Module:
+    """A fresh model; the caller seeds torch first so every rank builds the same weights.
+    ``batch``: the images one replica trains on per step (the scripts' --batch-size), which
+    a BatchNorm that sees a 1x1 feature map needs to be at least 2 (checked when given)."""
     check_model(name, input_shape)
     if name == "cnn":
         return CifarCNN(num_classes)
@@ -131,7 +148,10 @@ def build_model(name: str, num_classes: int, input_shape: tuple) -> nn.Module:
         options = {"aux_logits": False, "init_weights": True}
     model = models.get_model(name, weights=None, num_classes=num_classes, **options)
     # One image through the model, no state changed: some models take one image size only
-    # (ViT: 224x224), and this says so before any training starts.
+    # (ViT: 224x224), and this says so before any training starts. It also finds the
+    # BatchNorms that see one value per channel of an image (a 1x1 feature map).
+    single = []
+    hooks = watch_batchnorms(model, single)
     try:
         with torch.no_grad():
             model.eval()(torch.zeros(1, *input_shape))
@@ -143,4 +163,14 @@ def build_model(name: str, num_classes: int, input_shape: tuple) -> nn.Module:
         raise UsageError(f"--model {name} cannot take this dataset's {shown} images "
                          f"({str(err).splitlines()[0] if str(err) else type(err).__name__}): "
                          f"{fix}") from None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if batch == 1 and single:
+        # BatchNorm in training normalises each channel over the batch and the feature map:
+        # one value has no variance, and torch refuses it in the first step
+        raise UsageError(f"--batch-size 1 with --model {name} on "
+                         f"{'x'.join(map(str, input_shape))} images: its BatchNorm {single[0]} "
+                         f"sees one value per channel (a 1x1 feature map), which it cannot "
+                         f"normalise in training: use --batch-size 2 or more")
     return model.train()
