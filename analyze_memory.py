@@ -155,7 +155,9 @@ def read_log(path) -> tuple:
     killed mid-write, or a crash left NUL bytes after it): it is counted in skips and dropped.
     bad: how many bytes of each BAD_* kind (NUL bytes are dropped; bytes that are not UTF-8
     become U+FFFD, so that a number they spoil makes its line malformed)."""
-    data = Path(path).read_bytes()
+    # a UTF-8 byte order mark (a log saved again by an editor on Windows) is not text: before
+    # the header, it hid the header and the whole file was refused
+    data = Path(path).read_bytes().removeprefix(b"\xef\xbb\xbf")
     if not data.replace(b"\0", b"").strip():
         if b"\0" in data:   # what a crash leaves when no line reached the disk
             raise LogError("no text, only zero bytes (NUL); the node probably crashed before "

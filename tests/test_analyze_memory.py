@@ -391,6 +391,16 @@ def test_undecodable_bytes_are_noted_never_a_traceback(tmp_path):
     assert any(f"{log}: skipped 1 line(s) (malformed: 1)" in n for n in notes)
 
 
+def test_a_byte_order_mark_before_the_header_is_read_past(tmp_path):
+    """A log saved again by an editor that writes a UTF-8 BOM was "not an nvidia-smi log"."""
+    for source, name in ((N1_GPU, "n1.csv"), (N1_CPU, "n1.txt")):
+        marked = tmp_path / name
+        marked.write_bytes(b"\xef\xbb\xbf" + source.read_bytes())
+        kind, lines, skips, bad = am.read_log(marked)
+        assert (kind, lines, skips, bad) == am.read_log(source)
+        assert run_cli(marked).stdout == run_cli(source).stdout != ""  # both named n1
+
+
 def test_log_folders_never_drop_a_file_silently(tmp_path):
     # gpu_memory/ and cpu_memory/ hold only logs: a file there without a recognised header (one
     # holding nothing but the zeros of a crash, one holding something else) is an error.
