@@ -522,10 +522,19 @@ def write_timelines(rows: list, out_dir: Path, shown_dir: Path) -> list:
     already noted; not how a CPU-only run's log was placed, which every CPU run would repeat;
     a run it cannot draw gets a note (its reason unless a note above already gives it), which
     names ``shown_dir``, where the files end up, not the staging folder out_dir."""
-    written = []
+    written, taken = [], set()
     for row, run_dir in runs_with_logs(rows):
+        # two runs of the same name (from two studies) get a file each, the second said so
+        name, n = f"timeline-{row['run']}.png", 1
+        while name in taken:
+            n += 1
+            name = f"timeline-{row['run']}-{n}.png"
+        taken.add(name)
+        if n > 1:
+            row["notes"].append(f"{name} is the timeline of {run_dir}: an earlier run is named "
+                                f"{row['run']} too")
         try:
-            path = out_dir / f"timeline-{row['run']}.png"
+            path = out_dir / name
             notes = []
             analyze_memory.plot_timeline(run_dir, path, notes, alignment_notes=False)
             written.append(path)

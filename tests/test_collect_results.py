@@ -287,6 +287,24 @@ def test_plot_draws_every_runs_timeline_into_the_output_folder(study):
     assert not list(STUDY.rglob("timeline*.png"))  # the run directories are left as they are
 
 
+def test_two_runs_of_the_same_name_get_a_timeline_each(tmp_path):
+    """Two studies each with a run of the same name: the second timeline replaced the first."""
+    for study_dir in ("monday", "tuesday"):
+        shutil.copytree(TESTS / "fixtures" / "memory" / "timeline_run",
+                        tmp_path / study_dir / "ddp-1g")
+    shutil.rmtree(tmp_path / "tuesday" / "ddp-1g" / "gpu_memory")  # a timeline of its own
+    out = tmp_path / "out"
+    assert collect_results.main([str(tmp_path / "monday" / "ddp-1g"),
+                                 str(tmp_path / "tuesday" / "ddp-1g"), "--out", str(out),
+                                 "--plot"]) == 0
+    first, second = out / "timeline-ddp-1g.png", out / "timeline-ddp-1g-2.png"
+    assert first.read_bytes()[:8] == second.read_bytes()[:8] == PNG_MAGIC
+    assert first.read_bytes() != second.read_bytes()
+    md = (out / "results.md").read_text()
+    assert (f"- ddp-1g: timeline-ddp-1g-2.png is the timeline of {tmp_path / 'tuesday'}/ddp-1g: "
+            f"an earlier run is named ddp-1g too") in md, md
+
+
 @pytest.mark.parametrize("tz, noted", [("UTC", False), ("JST-9", True)])
 def test_plot_puts_what_the_timeline_notes_into_results_md(tmp_path, tz, noted):
     """The fixture run's nvidia-smi times are UTC: read in another time zone, its epochs fall
