@@ -467,13 +467,21 @@ def _runs(logs: dict, problems: list, what: str, flag: str) -> list:
 
 
 def write_timelines(logs: dict, notes: list, problems: list) -> list:
-    """Draw TIMELINE_NAME in each run directory of collect_logs' result; return the paths
-    written. A log outside a run directory and a timeline that cannot be drawn (no sample with
-    a time) or written go to problems."""
+    """Draw TIMELINE_NAME in each run directory of collect_logs' result, of all the run's logs
+    even where only some were named; return the paths written. A log outside a run directory
+    and a timeline that cannot be drawn (no sample with a time) or written go to problems."""
     written = []
     for run_dir, run_logs in _runs(logs, problems, "timeline", "--plot"):
+        named = {log["path"].resolve() for attempts in run_logs.values() for log in attempts}
+        if any(f.resolve() not in named for f in _log_files([run_dir], [])):
+            # Some of the run's logs were named: its timeline.png is still the whole run's
+            # (drawn from one GPU's log, it replaced the run's timeline of every node).
+            notes.append(f"{run_dir / TIMELINE_NAME} shows all of the run's logs, not only "
+                         f"those named")
+            run_logs = None  # read again from run_dir, by plot_timeline
+        drawn = []  # the drawing's notes (and those of logs read again, less any said)
         try:
-            plot_timeline(run_dir, run_dir / TIMELINE_NAME, notes, logs=run_logs)
+            plot_timeline(run_dir, run_dir / TIMELINE_NAME, drawn, logs=run_logs)
             written.append(run_dir / TIMELINE_NAME)
         except LogError as e:
             problems.append(_problem(BAD_INPUT, run_dir, f"no timeline drawn: {e}"))
@@ -481,6 +489,7 @@ def write_timelines(logs: dict, notes: list, problems: list) -> list:
             problems.append(_problem(BAD_INPUT, run_dir / TIMELINE_NAME, f"cannot write the "
                                      f"timeline ({e.strerror or e}); make the run directory "
                                      f"writable or copy the run somewhere you can write"))
+        notes.extend(note for note in drawn if note not in notes)
     return written
 
 
@@ -544,7 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one CSV table with a header row: column kind (gpu or cpu), "
                           "then the GPU and CPU record keys; empty cells where not applicable")
     parser.add_argument("--plot", action="store_true",
-                        help=f"also draw {TIMELINE_NAME} in each run directory (needs "
+                        help=f"also draw {TIMELINE_NAME} in each run directory, of all its "
+                             f"logs even where only some are named (needs "
                              f"matplotlib): memory and utilisation over time, per node, with "
                              f"the epochs of train.log (nvidia-smi logs the node's local time: "
                              f"set TZ=... if this machine's differs); prints each file written")

@@ -715,6 +715,25 @@ def test_plot_timeline_panels_and_line_data(tmp_path, utc):
     assert not [n for n in notes if "align" in n or "time zone" in n]
 
 
+def test_plot_of_one_log_still_draws_the_whole_runs_timeline(tmp_path, utc, capsys):
+    """--plot RUN/gpu_memory/n1.csv replaced the run's timeline.png (both nodes) with one of
+    n1's GPU log alone; it now draws what --plot RUN draws, and says so."""
+    run = _timeline_copy(tmp_path)
+    assert am.main(["--plot", str(run)]) == 0
+    whole = (run / "timeline.png").read_bytes()
+    (run / "timeline.png").unlink()
+    capsys.readouterr()
+    assert am.main(["--plot", str(run / "gpu_memory" / "n1.csv")]) == 0
+    assert (run / "timeline.png").read_bytes() == whole
+    out, err = capsys.readouterr()
+    # the statistics stay those of the log named
+    assert [line.split(" - ")[0] for line in out.splitlines()] == ["[n1", "[n1",
+                                                                    f"timeline: {run}/timeline.png"]
+    assert (f"note: {run / 'timeline.png'} shows all of the run's logs, not only those named"
+            in err.splitlines())
+    assert len(err.splitlines()) == len(set(err.splitlines()))  # no note said twice
+
+
 def test_plot_of_damaged_logs_keeps_the_readable_samples(tmp_path, utc):
     run = _timeline_copy(tmp_path)
     restart = run / "gpu_memory" / "n1.restart1.csv"
