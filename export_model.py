@@ -203,9 +203,10 @@ def bare_model(name: str, classes: int) -> tuple:
     if name not in torchvision.models.list_models(module=torchvision.models):
         raise UsageError(f"unknown --model {name!r}: give the --model the run trained (cnn, "
                          f"mnist_net or a torchvision classifier such as resnet50)")
-    return (torchvision.models.get_model(name, weights=None, num_classes=classes),
+    options = models.loading_options(name)  # GoogLeNet's: without its auxiliary heads
+    return (torchvision.models.get_model(name, weights=None, num_classes=classes, **options),
             f"import torchvision\nmodel = torchvision.models.get_model({name!r}, "
-            f"num_classes={classes})")
+            f"num_classes={classes}{''.join(f', {k}={v!r}' for k, v in options.items())})")
 
 
 def describe_progress(meta: dict) -> str:

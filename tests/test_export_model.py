@@ -127,6 +127,26 @@ def test_wrapper_names_are_removed(tmp_path, capsys):
     assert "after epoch 1, 1 rank(s)" in capsys.readouterr().out
 
 
+def test_a_model_built_without_its_auxiliary_heads_exports_and_loads(tmp_path, capsys):
+    """GoogLeNet trains without its auxiliary heads (models.build_model); the export built it
+    with them, and refused every GoogLeNet checkpoint as not fitting --model googlenet."""
+    from training import models
+    trained = models.build_model("googlenet", 10, (3, 64, 64)).eval()
+    ck = tmp_path / "ckpt-e0001-s0000000"
+    torch.save({"model": trained.state_dict(), "epoch": 1, "step": 0, "world_size": 1,
+                "args": {"model": "googlenet"}}, ck)
+    assert export_model.main([str(ck), str(tmp_path / "m.pt")]) == 0
+    printed = capsys.readouterr().out
+    code = printed.split("load it with:\n")[1]
+    assert ("model = torchvision.models.get_model('googlenet', num_classes=10, "
+            "aux_logits=False, init_weights=False)") in code
+    scope = {}
+    exec(code.replace("\n    ", "\n").strip(), scope)  # what a user pastes elsewhere
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(scope["model"].eval()(x), trained(x), rtol=0, atol=0)
+
+
 def test_save_model_file_needs_model_to_name_it(tmp_path, capsys):
     ref = tmp_path / "full.pt"
     torch.save(CifarCNN(10).state_dict(), ref)

@@ -120,6 +120,13 @@ def watch_batchnorms(model: nn.Module, single: list) -> list:
 AUXILIARY_HEADS = ("googlenet", "inception_v3")
 
 
+def loading_options(name: str) -> dict:
+    """The options of torchvision's builder under which a model of ``name`` takes the weights
+    these scripts trained: GoogLeNet and Inception v3 without their auxiliary heads, which
+    build_model leaves out, and without their initialisation, which the weights replace."""
+    return {"aux_logits": False, "init_weights": False} if name in AUXILIARY_HEADS else {}
+
+
 def build_model(name: str, num_classes: int, input_shape: tuple,
                 batch: int | None = None) -> nn.Module:
     """A fresh model; the caller seeds torch first so every rank builds the same weights.
@@ -145,7 +152,7 @@ def build_model(name: str, num_classes: int, input_shape: tuple,
         # beside the logits in training mode, for a weighted extra loss these scripts do not
         # compute: built without them, they return logits as every other model does.
         # init_weights=True is their current initialisation, said so to silence their warning.
-        options = {"aux_logits": False, "init_weights": True}
+        options = loading_options(name) | {"init_weights": True}
     model = models.get_model(name, weights=None, num_classes=num_classes, **options)
     # One image through the model, no state changed: some models take one image size only
     # (ViT: 224x224), and this says so before any training starts. It also finds the
