@@ -471,8 +471,10 @@ def write_timelines(logs: dict, notes: list, problems: list) -> list:
     even where only some were named; return the paths written. A log outside a run directory
     and a timeline that cannot be drawn (no sample with a time) or written go to problems."""
     written = []
+    # the files read, and those that could not be (named in problems): every file named
+    named = {Path(p["path"]).resolve() for p in problems}
     for run_dir, run_logs in _runs(logs, problems, "timeline", "--plot"):
-        named = {log["path"].resolve() for attempts in run_logs.values() for log in attempts}
+        named |= {log["path"].resolve() for attempts in run_logs.values() for log in attempts}
         if any(f.resolve() not in named for f in _log_files([run_dir], [])):
             # Some of the run's logs were named: its timeline.png is still the whole run's
             # (drawn from one GPU's log, it replaced the run's timeline of every node).
@@ -489,7 +491,8 @@ def write_timelines(logs: dict, notes: list, problems: list) -> list:
             problems.append(_problem(BAD_INPUT, run_dir / TIMELINE_NAME, f"cannot write the "
                                      f"timeline ({e.strerror or e}); make the run directory "
                                      f"writable or copy the run somewhere you can write"))
-        notes.extend(note for note in drawn if note not in notes)
+        said = notes + [p["message"] for p in problems]
+        notes.extend(note for note in drawn if note not in said)
     return written
 
 

@@ -732,6 +732,11 @@ def test_plot_of_one_log_still_draws_the_whole_runs_timeline(tmp_path, utc, caps
     assert (f"note: {run / 'timeline.png'} shows all of the run's logs, not only those named"
             in err.splitlines())
     assert len(err.splitlines()) == len(set(err.splitlines()))  # no note said twice
+    # the whole run named, one of its logs unreadable: read once, its error said once
+    (run / "gpu_memory" / "n3.csv").write_bytes(b"\0\0\0\0")
+    assert am.main(["--plot", str(run)]) == 1
+    err = capsys.readouterr().err
+    assert "shows all of the run's logs" not in err and err.count("only zero bytes") == 1, err
 
 
 def test_plot_of_damaged_logs_keeps_the_readable_samples(tmp_path, utc):
