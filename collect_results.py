@@ -522,17 +522,21 @@ def write_timelines(rows: list, out_dir: Path, shown_dir: Path) -> list:
     already noted; not how a CPU-only run's log was placed, which every CPU run would repeat;
     a run it cannot draw gets a note (its reason unless a note above already gives it), which
     names ``shown_dir``, where the files end up, not the staging folder out_dir."""
-    written, taken = [], set()
-    for row, run_dir in runs_with_logs(rows):
-        # two runs of the same name (from two studies) get a file each, the second said so
-        name, n = f"timeline-{row['run']}.png", 1
-        while name in taken:
-            n += 1
-            name = f"timeline-{row['run']}-{n}.png"
-        taken.add(name)
-        if n > 1:
+    written, drawn = [], list(runs_with_logs(rows))
+    # Two runs of the same name (from two studies) get a file each, the later one said so; a
+    # suffix never takes another run's own name (a run named ddp-2 beside two named ddp).
+    taken = {f"timeline-{row['run']}.png" for row, _ in drawn}
+    seen = set()
+    for row, run_dir in drawn:
+        name = f"timeline-{row['run']}.png"
+        if name in seen:
+            n = 2
+            while (name := f"timeline-{row['run']}-{n}.png") in taken:
+                n += 1
+            taken.add(name)
             row["notes"].append(f"{name} is the timeline of {run_dir}: an earlier run is named "
                                 f"{row['run']} too")
+        seen.add(f"timeline-{row['run']}.png")
         try:
             path = out_dir / name
             notes = []

@@ -288,21 +288,23 @@ def test_plot_draws_every_runs_timeline_into_the_output_folder(study):
 
 
 def test_two_runs_of_the_same_name_get_a_timeline_each(tmp_path):
-    """Two studies each with a run of the same name: the second timeline replaced the first."""
-    for study_dir in ("monday", "tuesday"):
-        shutil.copytree(TESTS / "fixtures" / "memory" / "timeline_run",
-                        tmp_path / study_dir / "ddp-1g")
-    shutil.rmtree(tmp_path / "tuesday" / "ddp-1g" / "gpu_memory")  # a timeline of its own
+    """Two studies each with a run of the same name: the second timeline replaced the first.
+    A third run named ddp-1g-2 keeps its own name; the second ddp-1g takes the next one."""
+    runs = [tmp_path / "monday" / "ddp-1g", tmp_path / "tuesday" / "ddp-1g",
+            tmp_path / "wednesday" / "ddp-1g-2"]
+    for run in runs:
+        shutil.copytree(TESTS / "fixtures" / "memory" / "timeline_run", run)
+    shutil.rmtree(runs[1] / "gpu_memory")  # a timeline of its own
     out = tmp_path / "out"
-    assert collect_results.main([str(tmp_path / "monday" / "ddp-1g"),
-                                 str(tmp_path / "tuesday" / "ddp-1g"), "--out", str(out),
-                                 "--plot"]) == 0
-    first, second = out / "timeline-ddp-1g.png", out / "timeline-ddp-1g-2.png"
-    assert first.read_bytes()[:8] == second.read_bytes()[:8] == PNG_MAGIC
-    assert first.read_bytes() != second.read_bytes()
+    assert collect_results.main([*map(str, runs), "--out", str(out), "--plot"]) == 0
+    first, second, third = (out / f"timeline-ddp-1g{n}.png" for n in ("", "-3", "-2"))
+    assert first.read_bytes()[:8] == second.read_bytes()[:8] == third.read_bytes()[:8] == PNG_MAGIC
+    assert first.read_bytes() != second.read_bytes()  # monday's run, then tuesday's
+    assert len(list(out.glob("timeline-*.png"))) == 3
     md = (out / "results.md").read_text()
-    assert (f"- ddp-1g: timeline-ddp-1g-2.png is the timeline of {tmp_path / 'tuesday'}/ddp-1g: "
-            f"an earlier run is named ddp-1g too") in md, md
+    assert (f"- ddp-1g: timeline-ddp-1g-3.png is the timeline of {runs[1]}: an earlier run is "
+            f"named ddp-1g too") in md, md
+    assert md.count("an earlier run is named") == 1
 
 
 @pytest.mark.parametrize("tz, noted", [("UTC", False), ("JST-9", True)])
