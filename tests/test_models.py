@@ -57,3 +57,13 @@ def test_a_batch_of_one_that_batchnorm_cannot_normalise_is_refused_before_traini
         model = models.build_model("resnet18", 10, shape, batch=batch)
         model(torch.randn(batch, *shape)).sum().backward()  # trains: BatchNorm accepts it
     models.build_model("cnn", 10, (3, 32, 32), batch=1)  # no BatchNorm: any batch
+
+
+def test_estimate_memory_refuses_the_batch_of_one_that_training_refuses():
+    import ddp_train
+    from training import flags
+    args = ddp_train.build_parser().parse_args(["--estimate-memory", "1", "--model", "resnet18",
+                                                "--image-size", "32", "--batch-size", "1"])
+    flags.check_flags(args)
+    with pytest.raises(UsageError, match="use --batch-size 2 or more$"):
+        memory.estimate_only(args, ddp_train.memory_per_gpu, ddp_train.MEMORY_VARIANTS)

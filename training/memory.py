@@ -322,7 +322,7 @@ def estimate_only(args, memory_per_gpu, variants: tuple) -> int:
         print0("note: --amp bf16 assumed, a GPU run's default (fp16 saves the same bytes; "
                "--amp off for fp32)")
     torch.manual_seed(args.seed)
-    model = models.build_model(args.model, classes, shape)
+    model = models.build_model(args.model, classes, shape, args.batch_size)
     saved = saved_for_backward(model, shape, args.amp)
     estimates = [memory_per_gpu(model, args, n, saved, variant)
                  for variant in variants for n in gpu_counts(args.estimate_memory)]
