@@ -171,6 +171,21 @@ def test_ctrl_c_is_one_line_and_releases_the_checkpoint_dir(tmp_path):
     assert not (ck / faults.LOCK_FILE).exists()
 
 
+def test_ctrl_c_without_a_checkpoint_dir_says_nothing_is_saved():
+    """It spoke of "the last checkpoint" and a command to stop with one, for a run that saves
+    none."""
+    proc = _start([sys.executable, str(REPO / "ddp_train.py"), *RUN, "--epochs", "30"])
+    for line in proc.stdout:  # until the first epoch's line: the run is training
+        if line.startswith("Epoch [1/30]"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out[-3000:]
+    assert [l for l in out.splitlines() if l.startswith("error:")] == [
+        "error: interrupted (Ctrl-C); this run saves no checkpoint (no --checkpoint-dir), so a "
+        "rerun starts over"], out[-3000:]
+
+
 def test_ctrl_c_to_torchrun_leaves_no_watchdog_traceback(tmp_path):
     """torchrun hands Ctrl-C to each worker's process group, where the worker's watchdog
     (training/watchdog.py) sat in select() with SIGINT's default: a KeyboardInterrupt
