@@ -23,6 +23,7 @@ an output that cannot be written (one sentence naming the fix).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
 import sys
@@ -123,6 +124,8 @@ def read_weights(path: Path) -> tuple:
             return read_dcp_model(path), meta, "a sharded checkpoint of fsdp_train.py"
         # mmap: of a checkpoint's optimizer state nothing is read, only the model's tensors
         saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if checkpoint.damaged_member(path) is not None:  # loaded, but with changed bytes
+            raise not_loadable(path)
     except (KeyboardInterrupt, SystemExit, UsageError):  # UsageError: a shard's own sentence
         raise
     # BaseException: DCP's CheckpointException derives from it
@@ -232,9 +235,19 @@ def describe_progress(meta: dict) -> str:
 
 def export(source: Path, out: Path, model_name: str | None) -> dict:
     """Write ``source``'s weights to ``out``; return what the file holds, for the report."""
+    if model_name is not None and not model_name.strip():
+        raise UsageError("--model is empty: give the --model the run trained, or leave --model "
+                         "out for a checkpoint, which records it")
     path = find_checkpoint(source)
+    # The file is written beside OUT and renamed over it: a link would be replaced by a file,
+    # so the file it points to is written; and a device or a pipe (/dev/null, as root) would
+    # be replaced, so it is refused.
+    out = Path(os.path.realpath(out)) if out.is_symlink() else out
     if out.is_dir():
         raise UsageError(f"{out} is a folder: give a file name, e.g. {out / 'model.pt'}")
+    if out.exists() and not out.is_file():
+        raise UsageError(f"{out} is not a regular file (a device, a pipe or a socket): give "
+                         f"the name of a file to write, e.g. model.pt")
     if any(folder.exists() and not folder.is_dir() for folder in out.parents):
         raise UsageError(f"cannot write {out}: a folder of its path is a file; give a path "
                          f"in a folder")

@@ -238,3 +238,47 @@ def test_output_that_would_lose_or_confuse_a_checkpoint_is_refused(tmp_path, cap
     assert capsys.readouterr().err == (f"error: cannot write {out}: a folder of its path is a "
                                        f"file; give a path in a folder\n")
     assert ck.read_bytes() == before
+
+
+def test_a_pipe_is_refused_and_a_link_is_written_through(tmp_path, capsys):
+    """The file is written beside OUT and renamed over it: a FIFO (or, as root, /dev/null) was
+    replaced by a regular file, and a symbolic link by a file of its own."""
+    ck = tmp_path / "ckpt-e0001-s0000000"
+    torch.save({"model": CifarCNN(10).state_dict(), "epoch": 1, "step": 0, "world_size": 1,
+                "args": {"model": "cnn"}}, ck)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert export_model.main([str(ck), str(fifo)]) == 2
+    assert capsys.readouterr().err == (f"error: {fifo} is not a regular file (a device, a pipe "
+                                       f"or a socket): give the name of a file to write, e.g. "
+                                       f"model.pt\n")
+    assert fifo.is_fifo()
+    link, target = tmp_path / "model.pt", tmp_path / "shared" / "v3.pt"
+    target.parent.mkdir()
+    link.symlink_to(target)
+    assert export_model.main([str(ck), str(link)]) == 0
+    assert link.is_symlink() and target.is_file()
+    CifarCNN(10).load_state_dict(torch.load(link, weights_only=True))
+    assert export_model.main([str(ck), str(tmp_path / "m.pt"), "--model", ""]) == 2
+    assert "error: --model is empty" in capsys.readouterr().err
+
+
+def test_changed_bytes_inside_a_checkpoint_are_caught_by_its_checksum(tmp_path, capsys):
+    """torch.load does not check the zip's CRC-32: bytes changed inside a tensor loaded as
+    weights (NaN among them), and the export wrote them, exit 0. The resume skips such a
+    checkpoint as it skips a truncated one."""
+    ck = tmp_path / "ckpt-e0001-s0000000"
+    torch.save({"model": CifarCNN(10).state_dict(), "epoch": 1, "step": 0, "world_size": 1,
+                "args": {"model": "cnn"}}, ck)
+    data = bytearray(ck.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = b"\xff" * 64  # inside the largest weight
+    ck.write_bytes(bytes(data))
+    torch.load(ck, weights_only=True)  # loads, as before
+    assert export_model.main([str(ck), str(tmp_path / "m.pt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {ck} is damaged: the bytes of its ") and \
+        "fail their checksum (changed on the disk or in a copy)" in err, err
+    assert not (tmp_path / "m.pt").exists()
+    with pytest.raises(ValueError, match="fail their checksum"):
+        checkpoint.load_one_file(ck, {})
+    assert checkpoint.not_a_checkpoint(ck).startswith("damaged: the bytes of its ")

@@ -381,6 +381,9 @@ def not_a_checkpoint(path) -> str | None:
         return "not a checkpoint: not a file that torch.save wrote"
     if not zipfile.is_zipfile(path):
         return "truncated or damaged: its end is missing"
+    if (bad := damaged_member(path)) is not None:
+        return (f"damaged: the bytes of its {bad} fail their checksum (changed on the disk or "
+                f"in a copy)")
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 (the load's own error is the one to report)
@@ -437,9 +440,23 @@ def _resume_path_error(path, what: str | None, exc: BaseException) -> str:
             f"or of another --model loads only with those; {fix}")
 
 
+def damaged_member(path) -> str | None:
+    """The first entry of a torch.save file (a zip archive) whose bytes fail the CRC-32 that
+    the zip keeps of them, or None. torch.load does not check it: bytes changed on the disk or
+    in a copy loaded as weights (NaN among them), without a word."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip()
+    except (zipfile.BadZipFile, OSError):  # torch.load says what is wrong with those
+        return None
+
+
 def load_one_file(path, state: dict) -> dict:
     """Load a one-file checkpoint (ddp_train.py's and dp_train.py's: rank 0 wrote every
-    object's state_dict into one file) into ``state``; returns what the file holds."""
+    object's state_dict into one file) into ``state``; returns what the file holds. A file
+    whose bytes fail their checksum raises (load_newest says why, from not_a_checkpoint)."""
+    if (bad := damaged_member(path)) is not None:
+        raise ValueError(f"the bytes of its {bad} fail their checksum")
     # weights_only: a checkpoint holds only tensors and plain values, so loading it cannot
     # run code.
     saved = torch.load(path, map_location="cpu", weights_only=True)
