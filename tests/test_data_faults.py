@@ -435,3 +435,22 @@ def test_an_image_of_the_wrong_size_is_resized_and_named_on_both_paths(tiny_imag
     assert strict.returncode == 2 and "Traceback" not in strict.stderr, strict.stderr
     assert f"{odd} is 100x80 pixels, not TinyImageNet's 64x64: resize or delete it" \
         in strict.stderr
+
+
+def test_a_file_name_that_is_not_utf8_and_a_huge_image_are_said_not_raised(tmp_path,
+                                                                            monkeypatch):
+    """prepare_tinyimagenet.py ended on a traceback for both: a file name whose bytes are not
+    UTF-8 (the cache's checksum encoded it as text), and PIL's DecompressionBombError (not one
+    of the errors that mark an image unreadable)."""
+    from PIL import Image
+    named = tmp_path / os.fsdecode(b"bad\xff.JPEG")
+    Image.new("RGB", (64, 64), (10, 20, 30)).save(named, format="JPEG")
+    plain = tmp_path / "plain.JPEG"
+    shutil.copy(named, plain)
+    checksum = tinyimagenet.file_list_checksum(tmp_path, [(str(named), 0), (str(plain), 1)])
+    assert checksum != tinyimagenet.file_list_checksum(tmp_path, [(str(plain), 0)])
+    assert tinyimagenet._decode_rgb(named)[0].shape == (64, 64, 3)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 64x64 is now a "bomb" to PIL
+    reason = tinyimagenet._decode_rgb(plain)
+    assert isinstance(reason, str) and reason.startswith("ValueError: Image size (4096 pixels) "
+                                                         "exceeds limit"), reason

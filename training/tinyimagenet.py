@@ -220,7 +220,9 @@ def file_list_checksum(root: Path, samples) -> str:
     h = hashlib.sha256()
     for path, label in samples:
         p = Path(path)
-        h.update(f"{p.relative_to(root)}\t{label}\t{p.stat().st_size}\n".encode())
+        # os.fsencode: a file name's own bytes, which need not be UTF-8 (str.encode refused
+        # them); the same bytes as before for every name that is
+        h.update(os.fsencode(p.relative_to(root)) + f"\t{label}\t{p.stat().st_size}\n".encode())
     return h.hexdigest()
 
 
@@ -257,8 +259,11 @@ def load_rgb(path):
     (datasets.ImageList) and the cache share it, so both treat an odd image the same way.
     Raises PIL's errors for a file that cannot be read."""
     from PIL import Image  # imported here: runs on synthetic data or the cache never need it
-    with Image.open(path) as img:  # some TinyImageNet images are greyscale
-        rgb = img.convert("RGB")
+    try:
+        with Image.open(path) as img:  # some TinyImageNet images are greyscale
+            rgb = img.convert("RGB")
+    except Image.DecompressionBombError as exc:  # not an OSError: said as PIL's others are
+        raise ValueError(str(exc)) from None
     if rgb.size == (SIZE, SIZE):
         return rgb, None
     return rgb.resize((SIZE, SIZE)), rgb.size
