@@ -166,10 +166,12 @@ SBATCH_SETS = {name: long for long, short in (
     ("--export", None)) for name in (long, short) if name}
 
 
-# The flags the study sets for every run, each with the shortest abbreviation argparse takes
-# for it from the training scripts today (a shorter one fits other flags too: --ba is
-# --base-batch or --batch-size, and argparse refuses it)
-STUDY_SETS = {"--batch-size": "--bat", "--checkpoint-dir": "--checkpoint-d", "--gpus": "--gp"}
+# The flags the study sets for every run (or that would name one path for all its runs), each
+# with the shortest abbreviation argparse takes for it from the training scripts today (a
+# shorter one fits other flags too: --ba is --base-batch or --batch-size, and argparse refuses
+# it)
+STUDY_SETS = {"--batch-size": "--bat", "--checkpoint-dir": "--checkpoint-d", "--gpus": "--gp",
+              "--save-model": "--sa"}
 
 
 def study_flag(arg: str) -> str | None:
@@ -196,6 +198,11 @@ def check_train_args(train_args: list) -> None:
             raise StudyError(f"{arg} after --: every run would share one checkpoint folder and "
                              f"resume from the others' checkpoints; drop it (each run "
                              f"checkpoints in its own run directory)")
+        if flag == "--save-model":
+            raise StudyError(f"{arg} after --: every run would write that one file, the last to "
+                             f"end replacing the others' model; drop it (export a run's model "
+                             f"from its checkpoints: python export_model.py RUN_DIR/checkpoints "
+                             f"model.pt)")
         if flag == "--gpus":
             raise StudyError(f"{arg} after --: the study sets the GPUs of every run; use --gpus "
                              f"before the --")

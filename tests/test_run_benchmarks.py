@@ -204,6 +204,9 @@ def test_training_arguments_unchecked_where_the_scripts_cannot_be_imported(tmp_p
     (["--", "--gp", "2"], "the study sets the GPUs of every run"),
     (["--", "--checkpoint-d=/tmp/ck"], "share one checkpoint folder"),
     (["--", "--checkpoint-dir", "/tmp/ck"], "share one checkpoint folder"),
+    # every run wrote the same file, the last to end replacing the others'
+    (["--", "--save-model", "/tmp/model.pt"], "every run would write that one file"),
+    (["--", "--sa=model.pt"], "every run would write that one file"),
     (["--scaling", "strong"], "needs --global-batch"),
     (["--scaling", "strong", "--global-batch", "64", "--per-gpu-batch", "8"],
      "--per-gpu-batch is for weak scaling"),
