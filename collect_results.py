@@ -353,6 +353,9 @@ def read_manifest(study: Path) -> dict | None:
         if not isinstance(manifest["settings"], dict) or manifest["mode"] not in ("slurm",
                                                                                  "local"):
             raise ValueError("settings or mode malformed")
+        if not (isinstance(manifest["runs"], list)
+                and isinstance(manifest.get("invocations", []), list)):
+            raise ValueError("runs or invocations is not a list")
         for e in manifest["runs"]:
             e["name"], e["strategy"] = str(e["name"]), str(e["strategy"])
             e["nodes"], e["gpus_per_node"] = int(e["nodes"]), int(e["gpus_per_node"])

@@ -470,7 +470,8 @@ def record_plan(study_dir: Path, manifest: dict, settings: dict, planned: list, 
         for key in ("strategies", "gpus", "nodes", "multi_node_gpus"):
             settings[key] = _unique(manifest["settings"][key] + settings[key])
     manifest["settings"] = settings
-    manifest["invocations"].append(
+    # (setdefault: a study.json edited by hand may have lost the record; it starts again here)
+    manifest.setdefault("invocations", []).append(
         {"time": _now(), "command": shlex.join(["python", "launch/run_benchmarks.py", *argv]),
          "env": {k: os.environ[k] for k in PROVENANCE_ENV if k in os.environ}})
     entries = {e["name"]: e for e in manifest["runs"]}

@@ -309,6 +309,26 @@ def test_resume_of_a_study_json_with_edited_settings_is_one_sentence(tmp_path, e
                                    f"writes); restore it, or start a new study with another "
                                    f"--study-dir"), proc.stderr
 
+
+def test_a_study_json_without_its_record_of_invocations_resumes_and_one_with_text_is_refused(
+        tmp_path):
+    """--resume of a study.json whose "invocations" was deleted or made text: a KeyError or an
+    AttributeError traceback when the resume recorded itself (after --dry-run had said all was
+    well)."""
+    module = run_benchmarks_module()
+    manifest = json.loads((FIXTURE_STUDY / "study.json").read_text())
+    del manifest["invocations"]
+    module.record_plan(tmp_path, manifest, dict(manifest["settings"]), [], True, ["--resume"])
+    assert [i["command"] for i in manifest["invocations"]] == [
+        "python launch/run_benchmarks.py --resume"]
+    manifest["invocations"] = "x"
+    (tmp_path / "study.json").write_text(json.dumps(manifest))
+    proc = rb("--dry-run", "--resume", "--study-dir", tmp_path, env={"PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().startswith(f"error: {tmp_path / 'study.json'}: not a study "
+                                          f"manifest (ValueError: runs or invocations is not a "
+                                          f"list)"), proc.stderr
+
 # --------------------------------------------------------------------------------------------
 # Submitting, with a fake sbatch
 # --------------------------------------------------------------------------------------------
