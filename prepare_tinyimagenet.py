@@ -34,12 +34,19 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
+    if not args.cache_dir.strip():  # "" was the current folder
+        parser.error("the cache folder is empty (\"\"): give a folder, or leave it out for "
+                     "the default beside the data")
     try:
         directory = prepare(args.data_dir, args.cache_dir, args.strict, args.workers,
                             log=lambda m: print(m, flush=True))
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the splits already written stay, and are reused
+        print("error: interrupted (Ctrl-C); the cache is not complete: run the same command "
+              "again, it reuses what was finished", file=sys.stderr)
+        return 130
     print(f"data cache ready: {directory} (train with --data-cache {directory})")
     return 0
 

@@ -9,10 +9,12 @@ import argparse
 import json
 import multiprocessing
 import os
+import platform
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -454,3 +456,54 @@ def test_a_file_name_that_is_not_utf8_and_a_huge_image_are_said_not_raised(tmp_p
     reason = tinyimagenet._decode_rgb(plain)
     assert isinstance(reason, str) and reason.startswith("ValueError: Image size (4096 pixels) "
                                                          "exceeds limit"), reason
+
+
+PREPARE_SLOWLY = """
+import sys, time
+import prepare_tinyimagenet
+from training import tinyimagenet
+decode = tinyimagenet._decode_rgb
+def slow_decode(path):  # the forked workers run this one
+    time.sleep(0.02)
+    return decode(path)
+tinyimagenet._decode_rgb = slow_decode
+sys.exit(prepare_tinyimagenet.main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_during_the_cache_build_is_one_line_and_leaves_no_part_behind(tiny_imagenet,
+                                                                             tmp_path):
+    """Ctrl-C (SIGINT to the terminal's whole process group) while prepare_tinyimagenet.py
+    decoded: a KeyboardInterrupt traceback, the workers killed under the pool (whose shutdown
+    then hung now and then), and the temporary parts, 1.2 GB for the train split, left behind.
+    A part an earlier build left (its process gone) is removed by the next build."""
+    from conftest import REPO, env_for_tests
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    stale = cache / f"train_u8.npy.tmp-{platform.node()}-999999999"  # no such process
+    stale.write_bytes(b"half a cache")
+    proc = subprocess.Popen([sys.executable, "-c", PREPARE_SLOWLY, str(tiny_imagenet[0]),
+                             str(cache), "--workers", "2"], cwd=REPO, env=env_for_tests(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert "building train" in proc.stdout.readline()
+    time.sleep(1)  # the workers decode (160 images at 20 ms, 3 s or more)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert err == ("error: interrupted (Ctrl-C); the cache is not complete: run the same "
+                   "command again, it reuses what was finished\n")
+    assert not list(cache.glob("*.tmp-*")) and not (cache / "train_meta.json").exists()
+
+
+def test_an_empty_cache_folder_is_refused(tmp_path, monkeypatch, capsys):
+    """prepare_tinyimagenet.py DATA "" wrote the cache into the current folder."""
+    import prepare_tinyimagenet
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as ended:
+        prepare_tinyimagenet.main([str(tmp_path), ""])
+    assert ended.value.code == 2 and list(tmp_path.iterdir()) == []
+    assert capsys.readouterr().err.endswith("error: the cache folder is empty (\"\"): give a "
+                                            "folder, or leave it out for the default beside "
+                                            "the data\n")

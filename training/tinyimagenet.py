@@ -291,7 +291,31 @@ def _start_cache_worker() -> None:
     ends the others with SIGTERM, which a rank's forked children otherwise ignore
     (stopping._child_signals), and it would wait for them for ever."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Ctrl-C reaches the whole foreground process group: the parent stops the build (its
+    # workers end after their chunk). A worker killed by it too broke the pool under the
+    # parent's feet, and its shutdown then waited for ever now and then.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
+
+
+def _remove_stale_parts(directory: Path, split: str) -> None:
+    """The temporary files of an earlier build of ``split`` on this host whose process is gone
+    (a Ctrl-C or a kill while it wrote them): a train split's is 1.2 GB, and a new build has
+    another process id, so it never reused them."""
+    for part in directory.glob(f"{split}_*.tmp-{platform.node()}-*"):
+        pid = part.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _process_exists(int(pid)):
+            part.unlink(missing_ok=True)
 
 
 def build_split(directory: Path, split: str, samples, checksum: str, strict: bool,
@@ -300,6 +324,7 @@ def build_split(directory: Path, split: str, samples, checksum: str, strict: boo
     written under temporary names and renamed into place (meta last), so a reader never sees
     half a cache. A progress line every 10 s."""
     directory.mkdir(parents=True, exist_ok=True)
+    _remove_stale_parts(directory, split)
     tag = f".tmp-{platform.node()}-{os.getpid()}"
     t0 = last = time.perf_counter()
     images = np.empty((len(samples), 64, 64, 3), dtype=np.uint8)
@@ -338,21 +363,25 @@ def build_split(directory: Path, split: str, samples, checksum: str, strict: boo
         except BaseException:
             pool.shutdown(cancel_futures=True)
             raise
-    images_tmp = directory / f"{split}_u8.npy{tag}"
-    with open(images_tmp, "wb") as f:
-        np.save(f, images[:len(labels)])
-    labels_tmp = directory / f"{split}_labels.npy{tag}"
-    with open(labels_tmp, "wb") as f:
-        np.save(f, np.asarray(labels, dtype=np.int64))
-    os.replace(images_tmp, directory / f"{split}_u8.npy")
-    os.replace(labels_tmp, directory / f"{split}_labels.npy")
-    meta_tmp = directory / f"{split}_meta.json{tag}"
-    meta_tmp.write_text(json.dumps({"version": CACHE_VERSION, "checksum": checksum,
-                                    "count": len(labels), "sources": len(samples),
-                                    "skipped": [str(Path(path).relative_to(root))
-                                                for path, _ in bad],
-                                    "skipped_count": len(bad)}))
-    os.replace(meta_tmp, directory / f"{split}_meta.json")
+    parts = [directory / f"{split}_{name}{tag}" for name in ("u8.npy", "labels.npy",
+                                                             "meta.json")]
+    try:
+        with open(parts[0], "wb") as f:
+            np.save(f, images[:len(labels)])
+        with open(parts[1], "wb") as f:
+            np.save(f, np.asarray(labels, dtype=np.int64))
+        os.replace(parts[0], directory / f"{split}_u8.npy")
+        os.replace(parts[1], directory / f"{split}_labels.npy")
+        parts[2].write_text(json.dumps({"version": CACHE_VERSION, "checksum": checksum,
+                                        "count": len(labels), "sources": len(samples),
+                                        "skipped": [str(Path(path).relative_to(root))
+                                                    for path, _ in bad],
+                                        "skipped_count": len(bad)}))
+        os.replace(parts[2], directory / f"{split}_meta.json")
+    except BaseException:  # a full disk, a Ctrl-C: no part of this build is left behind
+        for part in parts:
+            part.unlink(missing_ok=True)
+        raise
     log(f"data cache: decoded {len(labels)} {split} images into {directory} in "
         f"{time.perf_counter() - t0:.1f} s" + (f" ({len(bad)} unreadable left out, e.g. "
                                                f"{bad[0][0]}: {bad[0][1]}; decoded on the "
