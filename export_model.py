@@ -319,6 +319,10 @@ def main(argv=None) -> int:
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the file is written beside OUT and renamed: never half of it
+        print(f"error: interrupted (Ctrl-C); {out} was not written, the checkpoint is "
+              f"untouched: run the command again", file=sys.stderr)
+        return 130
     report(info, out)
     return 0
 

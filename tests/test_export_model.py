@@ -282,3 +282,16 @@ def test_changed_bytes_inside_a_checkpoint_are_caught_by_its_checksum(tmp_path, 
     with pytest.raises(ValueError, match="fail their checksum"):
         checkpoint.load_one_file(ck, {})
     assert checkpoint.not_a_checkpoint(ck).startswith("damaged: the bytes of its ")
+
+
+def test_ctrl_c_is_one_line(tmp_path, monkeypatch, capsys):
+    def interrupted(*_):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(export_model.checkpoint, "atomic_save", interrupted)
+    ck = tmp_path / "ckpt-e0001-s0000000"
+    torch.save({"model": CifarCNN(10).state_dict(), "epoch": 1, "step": 0, "world_size": 1,
+                "args": {"model": "cnn"}}, ck)
+    assert export_model.main([str(ck), str(tmp_path / "m.pt")]) == 130
+    assert capsys.readouterr().err == (f"error: interrupted (Ctrl-C); {tmp_path / 'm.pt'} was "
+                                       f"not written, the checkpoint is untouched: run the "
+                                       f"command again\n")
