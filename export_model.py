@@ -283,9 +283,12 @@ def export(source: Path, out: Path, model_name: str | None) -> dict:
         try:
             model.load_state_dict(weights)
         except RuntimeError as exc:
-            raise UsageError(f"the weights in {path} do not fit --model {name} "
-                             f"({str(exc).splitlines()[0][:160]}): give the --model the run "
-                             f"trained") from None
+            # torch's first line only names the model: the next one says what does not fit
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            why = lines[1] if len(lines) > 1 else lines[0] if lines else ""
+            why = why if len(why) <= 160 else why[:160].rsplit(", ", 1)[0] + ", ..."
+            raise UsageError(f"the weights in {path} do not fit --model {name} ({why}): give "
+                             f"the --model the run trained") from None
         info["class"] = f"{type(model).__module__}.{type(model).__name__}"
     try:
         checkpoint.atomic_save(weights, out)
