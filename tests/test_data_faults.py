@@ -507,3 +507,15 @@ def test_an_empty_cache_folder_is_refused(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.endswith("error: the cache folder is empty (\"\"): give a "
                                             "folder, or leave it out for the default beside "
                                             "the data\n")
+
+
+def test_no_more_cache_workers_than_chunks_of_images(tiny_imagenet, tmp_path, monkeypatch):
+    """--workers 200 forked 200 processes to decode 52 images (12 s)."""
+    _, train, _ = tinyimagenet.scan_tinyimagenet(tiny_imagenet[0])
+    started, pool = [], tinyimagenet.ProcessPoolExecutor
+    monkeypatch.setattr(tinyimagenet, "ProcessPoolExecutor",
+                        lambda workers, **kw: started.append(workers) or pool(workers, **kw))
+    for samples in (train[:52], train * 2):  # 1 chunk, then 320 images: 2
+        tinyimagenet.build_split(tmp_path / "cache", "train", samples, "x", False, 200,
+                                 lambda line: None, tiny_imagenet[0])
+    assert started == [1, 2]

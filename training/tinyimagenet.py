@@ -318,6 +318,9 @@ def _remove_stale_parts(directory: Path, split: str) -> None:
             part.unlink(missing_ok=True)
 
 
+CHUNK = 256  # images a cache worker decodes per task
+
+
 def build_split(directory: Path, split: str, samples, checksum: str, strict: bool,
                 workers: int, log, root: Path) -> None:
     """Decode ``samples`` into {split}_u8.npy / {split}_labels.npy / {split}_meta.json,
@@ -333,9 +336,11 @@ def build_split(directory: Path, split: str, samples, checksum: str, strict: boo
     # the one they decode, unsignalled (a SIGTERM to a worker forked a moment before is
     # dropped, stopping._child_signals, and a multiprocessing pool's terminate() then waited
     # for that worker for ever).
-    with ProcessPoolExecutor(max(1, workers), mp_context=get_context("fork"),
+    # no more workers than chunks of CHUNK images: --workers 200 forked 200 for 52 images
+    workers = max(1, min(workers, -(-len(samples) // CHUNK)))
+    with ProcessPoolExecutor(workers, mp_context=get_context("fork"),
                              initializer=_start_cache_worker) as pool:
-        decoded = pool.map(_decode_rgb, [p for p, _ in samples], chunksize=256)
+        decoded = pool.map(_decode_rgb, [p for p, _ in samples], chunksize=CHUNK)
         try:
             for i, ((path, label), img) in enumerate(zip(samples, decoded), 1):
                 if isinstance(img, str):
