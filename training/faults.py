@@ -193,13 +193,19 @@ def _lock_holder(path: Path, wait_for_writer: bool = True) -> tuple:
     host, pid = m.groups()
     alive = age < LOCK_STALE_S
     if alive and host == platform.node():
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            alive = False
-        except PermissionError:
-            pass  # exists, another user's
+        alive = process_exists(int(pid))
     return f"host {host}, pid {pid}", alive
+
+
+def process_exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        pass
+    return True
 
 
 def _refresh_lock(path: Path, me: str) -> None:

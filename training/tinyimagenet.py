@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.faults import UsageError
+from training.faults import UsageError, process_exists
 from training.stopping import die_with_parent
 
 # --------------------------------------------------------------------------------------------
@@ -298,23 +298,13 @@ def _start_cache_worker() -> None:
     die_with_parent()
 
 
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        pass
-    return True
-
-
 def _remove_stale_parts(directory: Path, split: str) -> None:
     """The temporary files of an earlier build of ``split`` on this host whose process is gone
     (a Ctrl-C or a kill while it wrote them): a train split's is 1.2 GB, and a new build has
     another process id, so it never reused them."""
     for part in directory.glob(f"{split}_*.tmp-{platform.node()}-*"):
         pid = part.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _process_exists(int(pid)):
+        if pid.isdigit() and not process_exists(int(pid)):
             part.unlink(missing_ok=True)
 
 
