@@ -83,6 +83,8 @@ def test_export_loads_into_the_bare_model_with_the_same_outputs(runs, tmp_path, 
                      "cp DIR/*"),
     ("truncated shard", "has incomplete shard files (__0_0.distcp: 1,000 of its "),
     ("zeros in a shard", "(__0_0.distcp, __1_0.distcp) is damaged inside"),
+    # it said "Weights only load failed. In PyTorch 2.6, we changed the default ..."
+    ("garbage meta.pt", "is damaged: its meta.pt, the run's records, does not load"),
 ])
 def test_a_damaged_sharded_checkpoint_names_the_file(runs, tmp_path, capsys, caplog, damage,
                                                       words):
@@ -96,6 +98,8 @@ def test_a_damaged_sharded_checkpoint_names_the_file(runs, tmp_path, capsys, cap
         (copy / ".metadata").unlink()
     elif damage == "truncated shard":
         os.truncate(copy / "__0_0.distcp", 1000)
+    elif damage == "garbage meta.pt":
+        (copy / "meta.pt").write_bytes(b"damaged " * 100)
     else:
         with open(copy / "__0_0.distcp", "r+b") as f:
             f.seek(100)

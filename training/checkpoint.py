@@ -370,7 +370,14 @@ def not_a_checkpoint(path) -> str | None:
     if path.is_dir():
         if (path / "meta.pt").exists() or (path / ".metadata").exists():
             wrong = incomplete_shards(path)
-            return f"truncated or damaged: {wrong}" if wrong else None
+            if wrong:
+                return f"truncated or damaged: {wrong}"
+            try:  # the run's records (epoch, step, flags): torch.load's own error spoke of
+                # weights_only, as if the file were fine and the loading too strict
+                torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
+            except Exception:  # noqa: BLE001 (any of several, for a damaged pickle)
+                return "damaged: its meta.pt, the run's records, does not load"
+            return None
         return "not a checkpoint: a folder without the meta.pt of fsdp_train.py's checkpoints"
     try:
         with open(path, "rb") as f:
