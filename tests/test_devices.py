@@ -268,7 +268,7 @@ def test_the_start_up_line_says_what_cuda_is_the_builds(monkeypatch, built, gpu,
     monkeypatch.setattr(torch.version, "cuda", built)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
-    args = argparse.Namespace(amp="off")
+    args = argparse.Namespace(amp="off", checkpoint_dir=None)
     first = common.provenance(args, distributed.DistEnv(0, 0, 1, 1, "single"),
                               torch.device("cpu"), "gloo")[0]
     assert says in first and "n/a" not in first
