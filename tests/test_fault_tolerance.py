@@ -142,14 +142,10 @@ def test_a_stop_without_a_checkpoint_dir_is_no_requeue(nproc):
     args = [*RUN, "--epochs", "30"]
     proc = _start(_torchrun("ddp_train.py", args, nproc) if nproc else
                   [sys.executable, str(REPO / "ddp_train.py"), *args])
-    seen = []
-    for line in proc.stdout:  # until the first epoch's line: the run is training
-        seen.append(line)
-        if line.startswith("Epoch [1/30]"):
-            break
+    head = read_until(proc, "Epoch [1/30]")  # the run is training
     for pid in _children(proc.pid) if nproc else [proc.pid]:  # the training process(es)
         os.kill(pid, signal.SIGTERM)
-    out = "".join(seen) + proc.communicate(timeout=120)[0]
+    out = head + proc.communicate(timeout=120)[0]
     assert proc.returncode == (1 if nproc else 143), out[-3000:]
     assert ("SIGTERM: stopping without a checkpoint (no --checkpoint-dir), so a requeue would "
             "start over; exiting with code 143\n") in out, out[-3000:]
@@ -175,9 +171,7 @@ def test_ctrl_c_without_a_checkpoint_dir_says_nothing_is_saved():
     """It spoke of "the last checkpoint" and a command to stop with one, for a run that saves
     none."""
     proc = _start([sys.executable, str(REPO / "ddp_train.py"), *RUN, "--epochs", "30"])
-    for line in proc.stdout:  # until the first epoch's line: the run is training
-        if line.startswith("Epoch [1/30]"):
-            break
+    read_until(proc, "Epoch [1/30]")  # the run is training
     proc.send_signal(signal.SIGINT)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 130, out[-3000:]

@@ -97,15 +97,14 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
             return collective_failed(err, env)
         return exit_line(crashed(err, env), env)
     except KeyboardInterrupt:  # Ctrl-C: one line, and end_process releases the checkpoint lock
-        if (env is None or env.rank == 0) and args.checkpoint_dir is None:
-            print("error: interrupted (Ctrl-C); this run saves no checkpoint (no "
-                  "--checkpoint-dir), so a rerun starts over", file=sys.stderr, flush=True)
-        elif env is None or env.rank == 0:
-            print("error: interrupted (Ctrl-C); nothing was saved since the last checkpoint. "
-                  "To stop with a checkpoint, run the command of the start-up line 'stop with "
-                  "a checkpoint: ...' (SIGTERM to torchrun, never SIGUSR1), or under Slurm "
-                  "scancel --signal=USR1",
-                  file=sys.stderr, flush=True)
+        if env is None or env.rank == 0:
+            print("error: interrupted (Ctrl-C); " + (
+                "this run saves no checkpoint (no --checkpoint-dir), so a rerun starts over"
+                if args.checkpoint_dir is None else
+                "nothing was saved since the last checkpoint. To stop with a checkpoint, run "
+                "the command of the start-up line 'stop with a checkpoint: ...' (SIGTERM to "
+                "torchrun, never SIGUSR1), or under Slurm scancel --signal=USR1"),
+                file=sys.stderr, flush=True)
         return 130
     finally:
         if distributed.is_distributed():
