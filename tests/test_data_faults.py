@@ -477,7 +477,7 @@ def test_ctrl_c_during_the_cache_build_is_one_line_and_leaves_no_part_behind(tin
     decoded: a KeyboardInterrupt traceback, the workers killed under the pool (whose shutdown
     then hung now and then), and the temporary parts, 1.2 GB for the train split, left behind.
     A part an earlier build left (its process gone) is removed by the next build."""
-    from conftest import REPO, env_for_tests
+    from conftest import REPO, env_for_tests, read_until
     cache = tmp_path / "cache"
     cache.mkdir()
     stale = cache / f"train_u8.npy.tmp-{platform.node()}-999999999"  # no such process
@@ -487,7 +487,7 @@ def test_ctrl_c_during_the_cache_build_is_one_line_and_leaves_no_part_behind(tin
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    assert "building train" in proc.stdout.readline()
+    read_until(proc, "data cache: building train")
     time.sleep(1)  # the workers decode (160 images at 20 ms, 3 s or more)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
