@@ -181,6 +181,28 @@ def study_flag(arg: str) -> str | None:
                  if name.startswith(flag) and flag.startswith(shortest)), None)
 
 
+# The training flags whose optional value is a folder (given bare, each run writes in its own
+# run directory), each with the shortest abbreviation argparse takes for it
+FOLDER_FLAGS = {"--profile": "--p", "--tensorboard": "--tensorboard"}
+
+
+def run_folder_flag(train_args: list) -> tuple | None:
+    """(``--profile DIR`` or ``--tensorboard DIR`` as given in ``train_args``, with = or
+    abbreviated too, and the flag's full name), or None; ``--tensorboard off`` names no
+    folder."""
+    for i, arg in enumerate(train_args):
+        flag, eq, value = arg.partition("=")
+        name = next((n for n, shortest in FOLDER_FLAGS.items()
+                     if n.startswith(flag) and flag.startswith(shortest)), None)
+        if name is None:
+            continue
+        if not eq and i + 1 < len(train_args) and not train_args[i + 1].startswith("-"):
+            value, arg = train_args[i + 1], f"{arg} {train_args[i + 1]}"
+        if value and not (name == "--tensorboard" and value == "off"):
+            return arg, name
+    return None
+
+
 def check_train_args(train_args: list) -> None:
     """Refuse what the study sets for every run itself, abbreviated too (argparse takes --bat
     for --batch-size, and the last value wins: the runs would train at another batch than the
@@ -206,6 +228,11 @@ def check_train_args(train_args: list) -> None:
         if flag == "--gpus":
             raise StudyError(f"{arg} after --: the study sets the GPUs of every run; use --gpus "
                              f"before the --")
+    folder = run_folder_flag(train_args)
+    if folder:
+        raise StudyError(f"{folder[0]} after --: every run would write into that one folder, "
+                         f"their files mixed; give {folder[1]} without a folder (each run "
+                         f"writes in its own run directory)")
 
 
 def fill_defaults(s: dict) -> dict:
@@ -388,7 +415,8 @@ def saved_settings(manifest: dict, path: Path) -> dict:
         return isinstance(s.get(key), list) and all(type(v) is kind for v in s[key])
 
     if not (listed("strategies", str) and set(s["strategies"]) <= set(STRATEGIES)
-            and all(listed(key, int) for key in ("gpus", "nodes", "multi_node_gpus"))
+            and all(listed(key, int) and min(s[key], default=1) >= 1
+                    for key in ("gpus", "nodes", "multi_node_gpus"))
             and s.get("scaling") in ("weak", "strong") and ints("cpus_per_gpu")
             and ints("per_gpu_batch", True) and ints("global_batch", True)
             and listed("sbatch_args", str) and listed("train_args", str)):

@@ -290,15 +290,44 @@ def test_the_study_knows_the_shortest_abbreviation_of_each_flag_it_sets():
                 continue
             assert [n for n in names if n.startswith(shortest)] == [flag], (script, shortest)
             assert [n for n in names if n.startswith(shortest[:-1])] != [flag], (script, shortest)
+        # --tensorboard is its own shortest: --tensorb fits --tensorboard-every too
+        for flag, shortest in run_benchmarks_module().FOLDER_FLAGS.items():
+            fits = [n for n in names if n.startswith(shortest)]
+            assert fits == [flag] or shortest == flag in fits, (script, shortest)
+            assert [n for n in names if n.startswith(shortest[:-1])] != [flag], (script, shortest)
 
 
-@pytest.mark.parametrize("edit", ["gpus", "strategies", "scaling"])
+@pytest.mark.parametrize("given, named", [
+    (["--tensorboard", "/scratch/tb"], "--tensorboard /scratch/tb"),
+    (["--tensorboard=tb"], "--tensorboard=tb"), (["--p", "out"], "--p out"),
+    (["--epochs", "1", "--profile=/tmp/prof"], "--profile=/tmp/prof")])
+def test_a_folder_for_profiles_or_curves_after_the_double_dash_is_refused(tmp_path, given,
+                                                                          named):
+    """--tensorboard DIR or --profile DIR after --: every run of the study wrote its curves or
+    trace into that one folder, mixed (the traces of one rank 0 replacing another's). Given
+    bare, or --tensorboard off, each run writes in its own run directory."""
+    base = ["--dry-run", "--strategies", "ddp", "--gpus", "1", "--"]
+    proc = rb("--study-dir", tmp_path / "s", *base, *given, no_torch=True)
+    flag = "--profile" if named.startswith("--p") else "--tensorboard"
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"error: {named} after --: every run would write into that one folder, their files "
+        f"mixed; give {flag} without a folder (each run writes in its own run directory)"), \
+        proc.stderr
+    for fine in (["--profile", "--tensorboard"], ["--tensorboard", "off"], ["--tensorboard"]):
+        proc = rb("--study-dir", tmp_path / "t", *base, *fine, "--epochs", "1", no_torch=True)
+        assert proc.returncode == 0, (fine, proc.stderr)
+
+
+@pytest.mark.parametrize("edit", ["gpus", "strategies", "scaling", "nodes"])
 def test_resume_of_a_study_json_with_edited_settings_is_one_sentence(tmp_path, edit):
     """study.json edited by hand (gpus ["2"], strategies gone, an unknown scaling) ended in a
-    TypeError or KeyError where the settings were used; now it is the manifest's sentence."""
+    TypeError or KeyError where the settings were used; now it is the manifest's sentence. Nodes
+    [0] was blamed on a --nodes 0 the user never typed."""
     manifest = json.loads((FIXTURE_STUDY / "study.json").read_text())
     if edit == "strategies":
         del manifest["settings"]["strategies"]
+    elif edit == "nodes":
+        manifest["settings"]["nodes"] = [0]
     else:
         manifest["settings"][edit] = ["2"] if edit == "gpus" else "diagonal"
     (tmp_path / "study.json").write_text(json.dumps(manifest))
