@@ -23,6 +23,7 @@ an output that cannot be written (one sentence naming the fix).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
 import shlex
@@ -58,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
 def find_checkpoint(path: Path) -> Path:
     """The checkpoint ``path`` names: itself, or the newest in a --checkpoint-dir."""
     if not path.exists():
+        if path.is_symlink():  # a link to nothing, or to itself through others
+            try:
+                os.stat(path)
+            except OSError as e:
+                end = ("that leads back to itself" if e.errno == errno.ELOOP
+                       else f"to {os.readlink(path)}, which does not exist")
+                raise UsageError(f"{path} is a symbolic link {end}: give the checkpoint's own "
+                                 f"path") from None
         raise UsageError(f"{path} does not exist: give a checkpoint (ckpt-eNNNN-sNNNNNNN) or "
                          f"the --checkpoint-dir that holds them")
     if path.is_dir() and not (path / ".metadata").exists():

@@ -190,6 +190,11 @@ def test_a_checkpoint_without_its_records_still_gives_its_weights(tmp_path, caps
     ("model entry", "has a \"model\" entry without a model's tensors"),
     # a pipe waited for a writer for ever; /dev/stdin fed by cat was "truncated or damaged"
     ("pipe", "is not a file or folder (a pipe or a device?): give the checkpoint's own path"),
+    # a link loop, or a link to a checkpoint deleted since, read as "does not exist", which
+    # the user's `ls` contradicts
+    ("link loop", "thing is a symbolic link that leads back to itself: give the checkpoint's own"
+                  " path"),
+    ("dangling link", "which does not exist: give the checkpoint's own path"),
 ])
 def test_not_a_checkpoint_is_one_sentence(tmp_path, capsys, thing, words):
     path = tmp_path / "thing"
@@ -203,6 +208,11 @@ def test_not_a_checkpoint_is_one_sentence(tmp_path, capsys, thing, words):
         torch.save([1, 2], path)
     elif thing == "model entry":
         torch.save({"model": "weights", "epoch": 1}, path)
+    elif thing == "link loop":
+        (tmp_path / "other").symlink_to(path)
+        path.symlink_to(tmp_path / "other")
+    elif thing == "dangling link":
+        path.symlink_to(tmp_path / "ckpt-e0003-s0000300")
     out = tmp_path / "model.pt"
     assert export_model.main([str(path), str(out)]) == 2
     err = capsys.readouterr().err
