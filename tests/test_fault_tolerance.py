@@ -300,6 +300,13 @@ def test_resume_past_the_end_never_and_missing_path(tmp_path):
     assert final["total_time_s"] == "nan" and "Total time" not in again.stdout
     assert {k: v for k, v in final.items() if k != "total_time_s"} == \
         {k: v for k, v in done.items() if k != "total_time_s"}
+    # DataParallel given DDP's finished checkpoint: its final line said strategy=ddp unexplained
+    other = run_script("dp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck)])
+    check_ok(other)
+    assert ("nothing to train: the checkpoint is already past --epochs; the final line below is "
+            "its last epoch, which ddp trained on 1 process(es), not this dp run on 1") \
+        in other.stdout, other.stdout
+    assert metrics(other.stdout)[0]["strategy"] == "ddp"
     fresh = run_script("ddp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck),
                                               "--resume", "never"])
     check_ok(fresh)

@@ -126,7 +126,7 @@ def test_metric_line_without_the_spread_still_formats_as_nan(capsys):
     m = {k: 1 for k in contract.METRIC_KEYS if k not in ("slowest_rank", "rank_spread")}
     with pytest.raises(KeyError, match="slowest_rank"):
         contract.format_metric_line(m)
-    measure.print_final(m, 12.0, trained=True)
+    measure.print_final(m, 12.0, trained=True, run=m)
     assert "slowest_rank=nan rank_spread=nan final=1 total_time_s=12" in capsys.readouterr().out
 
 

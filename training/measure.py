@@ -154,14 +154,20 @@ def epoch_metrics(totals: list, epoch_time: float, data_wait: float, peaks: list
         eval_end_unix=clock)
 
 
-def print_final(metrics: dict, total_time: float, trained: bool) -> None:
+def print_final(metrics: dict, total_time: float, trained: bool, run: dict) -> None:
     """After the last epoch (rank 0 prints): the final [METRIC] line, the last epoch's metrics
     with final=1 and total_time_s (seconds since this process's first epoch began: training,
     evaluation, checkpoints), then the total time. A run resumed from a checkpoint already past
     --epochs trains nothing: it says so, and its final line repeats the checkpoint's last epoch
-    with total_time_s=nan (nothing was timed), so that the study still sees the run end."""
+    with total_time_s=nan (nothing was timed), so that the study still sees the run end; where
+    another strategy or world size (``run``: this run's run_info) trained it, it says which."""
     if not trained:
-        print0("nothing to train: the checkpoint is already past --epochs")
+        trainer = {k: metrics.get(k) for k in ("strategy", "world_size")}
+        other = ("" if not metrics or trainer == {k: run[k] for k in trainer} else
+                 f"; the final line below is its last epoch, which {trainer['strategy']} "
+                 f"trained on {trainer['world_size']} process(es), not this {run['strategy']} "
+                 f"run on {run['world_size']}")
+        print0(f"nothing to train: the checkpoint is already past --epochs{other}")
     if metrics:
         total = total_time if trained else math.nan
         # a checkpoint written before a key was added to the line resumes without it: nan
