@@ -286,6 +286,18 @@ def summarize_file(path, notes: list) -> tuple:
 
 # ---- Files and directories: every log, grouped by node
 
+def _name(path) -> str:
+    """The name of the file or folder path names, also when it is spelled "." or ".."
+    (Path(".").name is "")."""
+    return os.path.basename(os.path.abspath(path))
+
+
+def _up(path, levels: int = 1) -> Path:
+    """The folder levels above path, spelled from path as the user gave it: ".." for "n1.csv"
+    (Path("n1.csv").parent is ".", which is the log folder itself, not its run directory)."""
+    return Path(os.path.normpath(os.path.join(path, *[os.pardir] * levels)))
+
+
 def _problem(kind: str, path, why: str) -> dict:
     return {"kind": kind, "path": str(path), "message": f"{path}: {why}"}
 
@@ -309,7 +321,7 @@ def _log_files(paths, problems: list):
         n_problems, found = len(problems), []
         for folder, dirs, files in os.walk(p, onerror=unlistable):
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            if Path(folder).name in LOG_DIRS:
+            if _name(folder) in LOG_DIRS:
                 found += [Path(folder) / f for f in sorted(files) if not f.startswith(".")]
         found = [path for path in found if path.is_file()]
         yield from found    # only after the whole walk, so its errors come before the files'
@@ -456,7 +468,7 @@ def _runs(logs: dict, problems: list, what: str, flag: str) -> list:
     runs = {}
     for key, attempts in logs.items():
         if key[1].name in LOG_DIRS:
-            run_dir = attempts[0]["path"].parent.parent     # as the user spelled it
+            run_dir = _up(attempts[0]["path"], 2)     # as the user spelled it
             runs.setdefault(key[1].parent, (run_dir, {}))[1][key] = attempts
             continue
         for log in attempts:
@@ -527,8 +539,8 @@ def format_cpu_line(record: dict) -> str:
 def _run_of(record: dict) -> Path:
     """The run directory of a record: the folder above gpu_memory/ or cpu_memory/, else the
     folder of its first file."""
-    folder = Path(record["file"].split(";")[0]).parent
-    return folder.parent if folder.name in LOG_DIRS else folder
+    folder = _up(record["file"].split(";")[0])
+    return _up(folder) if _name(folder) in LOG_DIRS else folder
 
 
 def missing_tensorboard() -> str | None:

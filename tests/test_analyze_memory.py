@@ -831,6 +831,22 @@ def test_cli_plot_writes_one_png_per_run_and_prints_its_path(tmp_path):
     assert "Traceback" not in p.stderr and "time zone" not in p.stderr
 
 
+def test_a_path_spelled_dot_is_the_folder_it_names(tmp_path):
+    """Run inside gpu_memory/: "." is that folder (Path(".").name is "", which found no log),
+    and the run directory of "n2.csv" is "..", where --plot draws (not into gpu_memory/, where
+    timeline.png then broke every later summary of the run)."""
+    run = tmp_path / "run"
+    shutil.copytree(RUN, run)
+    p = run_cli(".", cwd=run / "gpu_memory")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == EXPECTED_RUN_GPU_LINES
+    p = run_cli("--plot", "n2.csv", cwd=run / "gpu_memory")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1] == f"timeline: {Path('..') / 'timeline.png'}"
+    assert (run / "timeline.png").is_file()
+    assert sorted(os.listdir(run / "gpu_memory")) == ["n1.csv", "n2.csv"]
+
+
 def test_cli_plot_notes_a_time_zone_mismatch(tmp_path):
     run = _timeline_copy(tmp_path)
     p = subprocess.run([sys.executable, str(SCRIPT), "--json", "--plot", str(run)], cwd=ROOT,
