@@ -260,9 +260,10 @@ def read_run_dir(run_dir: Path, plan: dict) -> dict:
     The configuration comes from the [METRIC] line, else from the plan, else from job.env."""
     job = read_job_env(run_dir / "job.env") if (run_dir / "job.env").is_file() else {}
     name = job.get("JOB_NAME", "")
+    folder = run_name(run_dir)
     if name not in plan:  # without job.env: the directory is <job name>-<job id>
-        name = next((n for n in plan if run_dir.name.startswith(n + "-")), name)
-    row = new_row(run_dir.name, plan.get(name), str(run_dir))
+        name = next((n for n in plan if folder.startswith(n + "-")), name)
+    row = new_row(folder, plan.get(name), str(run_dir))
     lines = []
     if (run_dir / "train.log").is_file():
         lines, row["bad"] = read_log(run_dir / "train.log")
@@ -379,6 +380,12 @@ def check_entry(entry: dict) -> None:
         raise ValueError(f"run {entry['name']}: scaling, skipped or attempts malformed")
 
 
+def run_name(run_dir: Path) -> str:
+    """A run directory's name, which its row and timeline-<run>.png take: that of the real
+    folder, also when it is spelled "." (Path(".").name is "") or reached by a link."""
+    return run_dir.resolve().name
+
+
 def is_run_dir(path: Path) -> bool:
     """A folder with job.env or train.log; one that cannot be looked into counts too, so that
     it is listed as unreadable rather than left out without a word."""
@@ -390,8 +397,9 @@ def is_run_dir(path: Path) -> bool:
 
 def unreadable_row(run_dir: Path, err: OSError, plan: dict) -> dict:
     """The row of a run directory that cannot be read: listed, with why, and no numbers."""
-    name = next((n for n in plan if run_dir.name.startswith(n + "-")), "")
-    row = new_row(run_dir.name, plan.get(name), str(run_dir))
+    folder = run_name(run_dir)
+    name = next((n for n in plan if folder.startswith(n + "-")), "")
+    row = new_row(folder, plan.get(name), str(run_dir))
     if name:
         row.update(planned_config(plan[name]))
     row["job_name"] = name
@@ -434,7 +442,8 @@ def read_study(top: Path) -> list:
         raise UsageError(f"cannot read {top} ({err.strerror}): run as a user who may read it, "
                          f"or make it readable (chmod -R a+rX {top})") from None
     single = is_run_dir(top)
-    manifest = read_manifest(top.parent if single else top)
+    # resolved: the parent of "." (a run directory collected from inside it) is "." too
+    manifest = read_manifest(top.resolve().parent if single else top)
     dirs = [top] if single else sorted(d for d in top.iterdir() if is_run_dir(d))
     if not single and manifest is None:
         check_not_a_folder_of_studies(top, dirs)

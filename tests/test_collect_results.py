@@ -820,6 +820,16 @@ def test_one_run_directory_of_a_study(tmp_path):
     assert "| 1 GPU, 1 Node (baseline) | — |" in md  # not in what was collected
 
 
+def test_a_run_directory_spelled_dot_keeps_its_name_and_study(tmp_path, monkeypatch):
+    """Collected from inside it, "." is the run directory: Path(".").name is "" (an empty run
+    column, timeline-.png) and Path(".").parent is "." (no study.json, no scaling mode)."""
+    monkeypatch.chdir(STUDY / "ddp-1n2g-5002")
+    code, rows, _md = collect(["."], tmp_path, "--plot")
+    assert code == 0 and list(rows) == ["ddp-1n2g-5002"]
+    assert rows["ddp-1n2g-5002"]["scaling"] == "weak"
+    assert [p.name for p in tmp_path.glob("timeline-*")] == ["timeline-ddp-1n2g-5002.png"]
+
+
 @pytest.mark.parametrize("loose", [True, False], ids=["and a loose run", "studies only"])
 def test_a_folder_of_studies_is_refused_naming_them(tmp_path, capsys, loose):
     """Before, runs/ holding the studies study-cpu, lr-linear and lr-none and one run directory
