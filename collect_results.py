@@ -445,6 +445,12 @@ def read_study(top: Path) -> list:
     # resolved: the parent of "." (a run directory collected from inside it) is "." too
     manifest = read_manifest(top.resolve().parent if single else top)
     dirs = [top] if single else sorted(d for d in top.iterdir() if is_run_dir(d))
+    # a link to a run beside it (latest -> ddp-1n2g-5002) is that run, listed once, by the
+    # real folder's path
+    real = {}
+    for d in sorted(dirs, key=Path.is_symlink):
+        real.setdefault(d.resolve(), d)
+    dirs = sorted(real.values())
     if not single and manifest is None:
         check_not_a_folder_of_studies(top, dirs)
     if not dirs and manifest is None:

@@ -830,6 +830,18 @@ def test_a_run_directory_spelled_dot_keeps_its_name_and_study(tmp_path, monkeypa
     assert [p.name for p in tmp_path.glob("timeline-*")] == ["timeline-ddp-1n2g-5002.png"]
 
 
+def test_a_link_to_a_run_in_the_study_is_that_run_once(tmp_path):
+    """latest -> ddp-1n2g-5002 beside it: one row (it was two, one more ok run in the
+    counts), named and found at the real folder, also when the link's name sorts first."""
+    study = tmp_path / "study"
+    shutil.copytree(STUDY, study)
+    (study / "a-latest").symlink_to("ddp-1n2g-5002")
+    code, rows, _md = collect([study, study / "a-latest"], tmp_path / "out")
+    lines = (tmp_path / "out" / "results.csv").read_text().splitlines()
+    assert code == 0 and len(rows) == len(lines) - 1 == 19
+    assert rows["ddp-1n2g-5002"]["path"] == str(study / "ddp-1n2g-5002")
+
+
 @pytest.mark.parametrize("loose", [True, False], ids=["and a loose run", "studies only"])
 def test_a_folder_of_studies_is_refused_naming_them(tmp_path, capsys, loose):
     """Before, runs/ holding the studies study-cpu, lr-linear and lr-none and one run directory
