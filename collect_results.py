@@ -350,7 +350,9 @@ def read_manifest(study: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        # utf-8-sig: a byte order mark (the file saved again by an editor on Windows) is not
+        # JSON, and json.loads refused the whole manifest for it
+        manifest = json.loads(path.read_text(encoding="utf-8-sig"))
         if not isinstance(manifest["settings"], dict) or manifest["mode"] not in ("slurm",
                                                                                  "local"):
             raise ValueError("settings or mode malformed")

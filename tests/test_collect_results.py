@@ -842,6 +842,15 @@ def test_a_link_to_a_run_in_the_study_is_that_run_once(tmp_path):
     assert rows["ddp-1n2g-5002"]["path"] == str(study / "ddp-1n2g-5002")
 
 
+def test_a_study_json_with_a_byte_order_mark_is_read(tmp_path):
+    """A study.json saved again by an editor on Windows starts with a UTF-8 byte order mark:
+    it was refused as "not a study manifest" (by run_benchmarks.py --resume too, which reads it
+    with read_manifest)."""
+    text = (STUDY / collect_results.MANIFEST).read_bytes()
+    (tmp_path / collect_results.MANIFEST).write_bytes(b"\xef\xbb\xbf" + text)
+    assert collect_results.read_manifest(tmp_path) == collect_results.read_manifest(STUDY)
+
+
 @pytest.mark.parametrize("loose", [True, False], ids=["and a loose run", "studies only"])
 def test_a_folder_of_studies_is_refused_naming_them(tmp_path, capsys, loose):
     """Before, runs/ holding the studies study-cpu, lr-linear and lr-none and one run directory
