@@ -55,11 +55,15 @@ def missing_matplotlib() -> str | None:
 # A study: four plots against the number of GPUs, and where the step time goes
 # --------------------------------------------------------------------------------------------
 
-def throughput_title(ideal: list) -> str:
+def throughput_title(ideal: list, measured: bool = True) -> str:
     """throughput.png's title: the ideal line is there only where a strategy has a 1-GPU
-    baseline and a larger run."""
-    return ("Throughput against ideal linear scaling" if ideal else
-            "Throughput (no ideal line: it needs a 1-GPU run and a larger one)")
+    baseline (a throughput above 0) and a larger run. measured: whether any run has a
+    throughput above 0 to draw."""
+    if ideal:
+        return "Throughput against ideal linear scaling"
+    if not measured:
+        return "Throughput (no run logged one above 0: no points, no ideal line)"
+    return "Throughput (no ideal line: it needs a 1-GPU run with a throughput and a larger one)"
 
 
 def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) -> list:
@@ -84,6 +88,8 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
     plain = FuncFormatter(lambda v, _pos: f"{v:g}")
 
     def draw(ax, column, ylabel, logy=False, with_ideal=False):
+        """One panel of column against GPUs; a panel with no point says so, never an empty
+        legend (a nan plotted as a line was invisible, but listed)."""
         for s in series:
             pts = [p for p in s["points"] if p[column] is not None]
             if pts:
@@ -95,6 +101,11 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
                             **look[s["group"]])
         for group, label, xs, ys in ideal if with_ideal else ():
             ax.plot(xs, ys, ":", color=look[group]["color"], label=label)
+        if not ax.lines:
+            logy = False  # a log scale without data has no range to label
+            ax.text(0.5, 0.5, f"nothing to draw: no run logged a finite {column}"
+                    + (" above 0" if column == "throughput_img_s" else ""),
+                    transform=ax.transAxes, ha="center", va="center", gid="nothing to draw")
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_locator(FixedLocator(sorted({p["gpus"] for p in shown})))
         ax.xaxis.set_major_formatter(plain)
@@ -109,6 +120,12 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
 
+    def legend(*axes):
+        """The legend, on the first of axes that has a line: an empty panel gets none."""
+        ax = next((ax for ax in axes if ax.lines), None)
+        if ax is not None:
+            ax.legend(fontsize=8)
+
     def save(fig, name, title, markers=True):
         fig.suptitle(title)
         partial = markers and any(p["partial"] for p in shown)
@@ -121,13 +138,13 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     draw(ax, "epoch_time_s", "time per epoch (s, training part, final epoch)", logy=True)
-    ax.legend(fontsize=8)
+    legend(ax)
     save(fig, "time_per_epoch.png", "Time per epoch")
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.2))
     draw(a1, "val_loss", "validation loss (cross-entropy)")
     draw(a2, "val_acc", "validation accuracy (%)")
-    a1.legend(fontsize=8)
+    legend(a1, a2)
     save(fig, "val_loss_acc.png", "Validation loss and accuracy (final epoch)")
 
     gpu_log = any(p["gpu0_peak_mib"] is not None for p in shown)  # without one, one panel
@@ -143,14 +160,15 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
          if devices == {"cuda"} else
          "peak memory per process, max over ranks (MiB)\n(GPU: allocated; CPU: RSS)")
     last.set_title("the training's [METRIC] peak_mem_mib", fontsize=10)
-    first.legend(fontsize=8)
+    legend(first, last)
     save(fig, "peak_memory.png", "Peak memory per process (CPU run)" if devices == {"cpu"}
          else "Peak memory per GPU")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     draw(ax, "throughput_img_s", "throughput (training images/s)", logy=True, with_ideal=True)
-    ax.legend(fontsize=8)
-    save(fig, "throughput.png", throughput_title(ideal))
+    legend(ax)
+    save(fig, "throughput.png", throughput_title(
+        ideal, any(p["throughput_img_s"] is not None for p in shown)))
 
     drawn = [name for name in PLOTS if name != "memory_breakdown.png"]  # memory_plot draws it
     if not bars:  # no run with a step time (its [METRIC] line lacks the figures for one)

@@ -370,10 +370,11 @@ def plot_data(chosen: dict) -> tuple:
     """(series, ideal, bars) for plots.study_plots: per strategy, a line through its 1-node runs
     and a dashed one per GPUs-per-node through its node sweep; the ideal throughput (1-GPU x
     GPUs) where there is a 1-GPU baseline; a bar of the step's parts per configuration."""
-    def points(rows: list) -> list:  # a throughput that is no figure is left out
+    def points(rows: list) -> list:  # a value that is no figure (nan, inf) is left out (None)
         return [dict(gpus=gpus(r), partial=r["status"] != OK, device=r.get("device"),
-                     **{column: throughput(r) if column == "throughput_img_s" else num(r, column)
-                        for column in PLOTTED}) for r in rows]
+                     **{column: throughput(r) if column == "throughput_img_s"
+                        else contract.number(r.get(column)) for column in PLOTTED})
+                for r in rows]
 
     series, ideal, bars = [], [], []
     for key in sorted(chosen):

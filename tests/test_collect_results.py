@@ -279,6 +279,34 @@ def test_plot_without_step_times_leaves_out_the_breakdown(tmp_path):
     assert "step_breakdown.png" not in (tmp_path / "out" / "results.md").read_text()
 
 
+def test_a_panel_without_a_finite_value_says_so_not_an_empty_legend(tmp_path, monkeypatch):
+    """val_loss=nan and throughput_img_s=0 in every run: the panel said nothing, the val_loss
+    one had a legend of four invisible nan lines, and the throughput title blamed a missing
+    1-GPU run that the study has."""
+    study = tmp_path / "study"
+    shutil.copytree(STUDY, study)
+    for log in study.glob("*/train.log"):
+        log.write_text(re.sub(r"throughput_img_s=[\d.]+", "throughput_img_s=0",
+                              re.sub(r"val_loss=[\d.]+", "val_loss=nan", log.read_text())))
+    figures = {}
+    pyplot = plots._pyplot()
+    close = pyplot.close
+    monkeypatch.setattr(pyplot, "close", lambda fig: figures.setdefault(fig._suptitle.get_text(),
+                                                                       fig))
+    monkeypatch.setattr(collect_results, "write_timelines", lambda *args: [])
+    assert collect_results.main([str(study), "--out", str(tmp_path / "out"), "--plot"]) == 0
+    for fig in figures.values():
+        close(fig)
+    loss, acc = figures["Validation loss and accuracy (final epoch)"].axes
+    assert not loss.lines and loss.get_legend() is None
+    assert [t.get_text() for t in loss.texts] == ["nothing to draw: no run logged a finite "
+                                                  "val_loss"]
+    assert len(acc.get_legend().get_texts()) == 4
+    title = next(t for t in figures if t.startswith("Throughput"))
+    assert "1-GPU run" not in title and "no run logged one above 0" in title
+    assert "throughput_img_s above 0" in figures[title].axes[0].texts[0].get_text()
+
+
 def test_plot_draws_every_runs_timeline_into_the_output_folder(study):
     _rows, _md, out = study
     names = sorted(p.name for p in out.glob("timeline-*.png"))
