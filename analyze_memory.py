@@ -35,7 +35,7 @@ on stderr in one line); 2 nothing could be summarised, a bad command line (--plo
 repository missing beside this file.
 
 collect_results.py imports summarize_paths (records keyed by GPU_KEYS / CPU_KEYS, and problems
-of kind NO_LOGS or BAD_INPUT) and plot_timeline; importing has no side effects.
+of kind NO_LOGS or BAD_INPUT), plot_timeline and printable_stdout; importing has no side effects.
 """
 
 from __future__ import annotations
@@ -607,8 +607,17 @@ def print_results(args, gpu_stats: list, cpu_stats: list, problems: list,
     sys.stdout.flush()      # results before the notes when both go to one terminal
 
 
+def printable_stdout() -> None:
+    """Print a file or folder name that is not UTF-8 (Python holds its bytes as surrogate
+    escapes) with backslash escapes where stdout would refuse it (PYTHONIOENCODING=utf-8:strict,
+    a pipe under some locales): a UnicodeEncodeError ended the summary there."""
+    if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="backslashreplace")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    printable_stdout()
     if args.plot and (why := plots.missing_matplotlib()):
         print(f"error: {why}", file=sys.stderr)
         return 2

@@ -500,7 +500,8 @@ def write_csv(rows: list, path: Path) -> None:
     middle = {}
     for row in sorted(rows, key=lambda r: not r["metric_lines"]):
         middle.update(dict.fromkeys(k for k in row if k not in HEAD + TAIL + NOT_COLUMNS))
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    # surrogateescape: a run folder's name that is not UTF-8 is written as its own bytes
+    with open(path, "w", newline="", encoding="utf-8", errors="surrogateescape") as f:
         writer = csv.DictWriter(f, fieldnames=HEAD + tuple(middle) + TAIL,
                                 extrasaction="ignore", lineterminator="\n")
         writer.writeheader()
@@ -619,6 +620,7 @@ def publish(staging: Path, out: Path) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    analyze_memory.printable_stdout()
     out = Path(args.out or (args.paths[0] if len(args.paths) == 1 else "."))
     try:
         if not 50 <= args.dpi <= 600:  # 600 dpi makes a 4200 x 2700 plot, more than print needs

@@ -260,11 +260,17 @@ def timeline_figure(title: str, nodes: dict, phases: list):
 
     rows = [len(_node_rows(entry)) for entry in nodes.values()]
     fig = Figure(figsize=(13, 1.0 + sum(2.0 * r + 0.6 for r in rows)), layout="constrained")
-    fig.suptitle(title)
+    fig.suptitle(_drawable(title))
     subfigs = fig.subfigures(len(nodes), 1, squeeze=False, height_ratios=rows)[:, 0]
     for subfig, (node, entry) in zip(subfigs, nodes.items()):
         _draw_node(subfig, node, entry, phases, t0, xlim)
     return fig
+
+
+def _drawable(text: str) -> str:
+    """text with the bytes of a name that is not UTF-8 (held as surrogate escapes, which
+    matplotlib refuses with a TypeError) written as \\xe9."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _run_start(nodes: dict, phases: list) -> float:
@@ -326,7 +332,7 @@ def _draw_node(subfig, node: str, entry: dict, phases: list, t0: float, xlim: tu
         missing.append("no utilisation in the GPU logs (written before node.sh logged it)")
     if not entry["cpu"]:
         missing.append("no CPU log (psrecord did not run)")
-    subfig.suptitle(f"node {node}" + ("".join(f"; {m}" for m in missing)), fontsize="medium")
+    subfig.suptitle(_drawable(f"node {node}") + ("".join(f"; {m}" for m in missing)), fontsize="medium")
     axes = subfig.subplots(len(rows), 1, sharex=True, squeeze=False)[:, 0]
     for ax, row in zip(axes, rows):
         ax.set_xlim(*xlim)

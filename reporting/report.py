@@ -355,7 +355,8 @@ def write_markdown(rows: list, chosen: dict, models: dict, studies: list, path: 
             notes.append(f"- {r['run']}: ... and {len(r['bad']) - 5} more unparseable lines")
     if notes:
         lines += ["## Notes", ""] + notes + [""]
-    path.write_text("\n".join(lines), encoding="utf-8")
+    # surrogateescape: a run folder's name that is not UTF-8 is written as its own bytes
+    path.write_text("\n".join(lines), encoding="utf-8", errors="surrogateescape")
 
 
 # --------------------------------------------------------------------------------------------

@@ -847,6 +847,20 @@ def test_a_path_spelled_dot_is_the_folder_it_names(tmp_path):
     assert sorted(os.listdir(run / "gpu_memory")) == ["n1.csv", "n2.csv"]
 
 
+def test_a_run_folder_name_that_is_not_utf8_is_printed_and_drawn(tmp_path):
+    """A folder named with a Latin-1 byte (caf\\xe9): the timeline's title (matplotlib refused
+    its surrogate escape) and the printed path (a strict stdout refused it) ended in a
+    traceback."""
+    run = tmp_path / os.fsdecode(b"caf\xe9")
+    shutil.copytree(TIMELINE_RUN, run)
+    p = subprocess.run([sys.executable, str(SCRIPT), "--plot", str(run)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "TZ": "UTC", "PYTHONIOENCODING": "utf-8:strict"})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1] == f"timeline: {tmp_path}/caf\\udce9/timeline.png"
+    assert (run / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_cli_plot_notes_a_time_zone_mismatch(tmp_path):
     run = _timeline_copy(tmp_path)
     p = subprocess.run([sys.executable, str(SCRIPT), "--json", "--plot", str(run)], cwd=ROOT,

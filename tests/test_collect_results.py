@@ -879,6 +879,20 @@ def test_a_study_json_with_a_byte_order_mark_is_read(tmp_path):
     assert collect_results.read_manifest(tmp_path) == collect_results.read_manifest(STUDY)
 
 
+def test_a_run_folder_name_that_is_not_utf8_is_written_as_its_bytes(tmp_path):
+    """A run folder named with a Latin-1 byte (caf\\xe9): results.csv, results.md and the
+    printed summary ended in a UnicodeEncodeError; the files now hold the name's own bytes."""
+    study = tmp_path / "study"
+    shutil.copytree(STUDY / "ddp-1n4g-5003", study / os.fsdecode(b"caf\xe9"))
+    p = subprocess.run([sys.executable, str(REPO / "collect_results.py"), str(study)],
+                       capture_output=True, text=True, timeout=120,
+                       env=env_for_tests({"PYTHONIOENCODING": "utf-8:strict"}))
+    assert p.returncode == 0, p.stderr
+    assert "  caf\\udce9: failed" in p.stdout
+    assert b"\ncaf\xe9,failed," in (study / "results.csv").read_bytes()
+    assert b"caf\xe9/train.log" in (study / "results.md").read_bytes()
+
+
 @pytest.mark.parametrize("loose", [True, False], ids=["and a loose run", "studies only"])
 def test_a_folder_of_studies_is_refused_naming_them(tmp_path, capsys, loose):
     """Before, runs/ holding the studies study-cpu, lr-linear and lr-none and one run directory
