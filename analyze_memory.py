@@ -190,11 +190,12 @@ def read_log(path) -> tuple:
 MAX_MEMORY, MAX_CPU_PCT, MAX_ELAPSED_S = 2**30, 1e8, 3.6e9
 
 
-def parse_gpu_lines(lines, skips: Counter) -> dict:
+def parse_gpu_lines(lines, skips: Counter, unread: dict | None = None) -> dict:
     """{index: {"used": [MiB], "name", "total": MiB or None, "stamp": [timestamp text],
     "util": [% or None], "power_w": [...], "sm_mhz": [...], "temp_c": [...]}} of an nvidia-smi
     log, one list entry per memory.used sample (an unreadable optional value is None and keeps
-    the sample).
+    the sample). unread, if a dict, gets {index: (name, Counter of memory.used texts)} of each
+    GPU with a line whose memory.used is no number ([N/A], [GPU requires reset]).
     Each header line sets the columns of the lines after it; a value may end with its column's
     unit (a log written with --format=csv alone, without nounits)."""
     gpus, columns = {}, GPU_COLUMNS
@@ -213,6 +214,8 @@ def parse_gpu_lines(lines, skips: Counter) -> dict:
         time, index, name, used, total = (row[c] for c in GPU_COLUMNS)
         if index.startswith("[") or used.startswith("["):   # [N/A], [Unknown Error], ...
             skips[SKIP_UNAVAILABLE] += 1
+            if unread is not None and index.isdecimal():
+                unread.setdefault(int(index), (name, Counter()))[1][used] += 1
             continue
         if not (index.isdecimal() and used.isdecimal()):
             skips[SKIP_MALFORMED] += 1
@@ -269,19 +272,35 @@ def summarize_file(path, notes: list) -> tuple:
                bad[BAD_NUL_INSIDE] else "the file is damaged or not all text")
         notes.append(f"{path}: ignored {' and '.join(f'{n} {k}' for k, n in bad.items() if n)} "
                      f"({why})")
-    samples = (parse_gpu_lines if kind == KIND_GPU else parse_cpu_lines)(lines, skips)
+    unread = {}
+    samples = (parse_gpu_lines(lines, skips, unread) if kind == KIND_GPU
+               else parse_cpu_lines(lines, skips))
+    # a GPU whose every line lacks its memory would vanish from the summary without a word
+    silent = [_never_reported(i, *unread[i]) for i in sorted(unread) if i not in samples]
     skipped = (f"skipped {sum(skips.values())} line(s) "
                f"({', '.join(f'{why}: {n}' for why, n in sorted(skips.items()))})")
     if not samples and skips and set(skips) <= {SKIP_MALFORMED, SKIP_IMPOSSIBLE}:
         raise LogError(f"no usable samples ({skipped}): the log holds lines, but not ones its "
                        f"logger writes; check that the file is that logger's own, whole")
+    if not samples and silent:
+        raise LogError(f"no usable samples: {'; '.join(silent)}")
     if not samples:
         raise LogError(f"no usable samples{' (' + skipped + ')' if skips else ''}; the logger "
                        f"probably stopped right after it started, check that it ran during "
                        f"training")
+    notes.extend(f"{path}: {why}; it is left out of the summary" for why in silent)
     if skips:
         notes.append(f"{path}: {skipped}; the statistics use the remaining samples")
     return kind, samples, skips
+
+
+def _never_reported(index: int, name: str, values: Counter) -> str:
+    """Why a GPU of an nvidia-smi log has no sample: what the log holds for its memory."""
+    value = values.most_common(1)[0][0]
+    why = ("nvidia-smi gives [N/A] for memory.used on this GPU (its memory is the CPU's: a "
+           "unified-memory GPU, such as GB10 or Jetson)" if value == "[N/A]" else
+           f"nvidia-smi wrote {value} in its place; check the GPU on its node (nvidia-smi -q)")
+    return f"GPU {index} ({name}) never reported its memory: {why}"
 
 
 # ---- Files and directories: every log, grouped by node

@@ -861,6 +861,29 @@ def test_a_run_folder_name_that_is_not_utf8_is_printed_and_drawn(tmp_path):
     assert (run / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_gpu_that_never_reported_its_memory_is_named(tmp_path):
+    """A unified-memory GPU (GB10) logs memory.used as [N/A] on every line: it was blamed on a
+    logger that stopped at once. A GPU whose every line reads [GPU requires reset] vanished
+    from a log whose other GPU has samples, without a word."""
+    header = "timestamp, index, name, memory.used [MiB], memory.total [MiB]\n"
+    gb10, h100 = tmp_path / "gb10.csv", tmp_path / "h100.csv"
+    gb10.write_text(header + "2025/01/01 12:00:00.000, 0, NVIDIA GB10, [N/A], [N/A]\n" * 2)
+    h100.write_text(header + "".join(
+        f"2025/01/01 12:00:0{s}.000, 0, NVIDIA H100, {mib}, 81559\n"
+        f"2025/01/01 12:00:0{s}.000, 1, NVIDIA H100, [GPU requires reset], [GPU requires reset]\n"
+        for s, mib in ((0, 100), (5, 200))))
+    notes = []
+    gpu, _cpu, problems = am.summarize_paths([gb10, h100], notes)
+    assert [(r["node"], r["gpu"]) for r in gpu] == [("h100", 0)]
+    assert [p["message"] for p in problems] == [
+        f"{gb10}: no usable samples: GPU 0 (NVIDIA GB10) never reported its memory: nvidia-smi "
+        f"gives [N/A] for memory.used on this GPU (its memory is the CPU's: a unified-memory "
+        f"GPU, such as GB10 or Jetson)"]
+    assert (f"{h100}: GPU 1 (NVIDIA H100) never reported its memory: nvidia-smi wrote [GPU "
+            f"requires reset] in its place; check the GPU on its node (nvidia-smi -q); it is "
+            f"left out of the summary") in notes
+
+
 def test_cli_plot_notes_a_time_zone_mismatch(tmp_path):
     run = _timeline_copy(tmp_path)
     p = subprocess.run([sys.executable, str(SCRIPT), "--json", "--plot", str(run)], cwd=ROOT,
