@@ -186,10 +186,14 @@ def read_rows(path: Path) -> tuple:
     return rows, broken
 
 
+CUT = "cut short"  # the words a row the end of --minutes cut starts its note with
+
+
 def finished(row: dict) -> bool:
     """Whether an earlier run's row has its result (passed, failed or not for this device),
-    so --continue leaves it; a row "not started", or cut by an interruption, runs."""
-    return not str(row.get("skipped", "")).startswith(("not started", INTERRUPTED))
+    so --continue leaves it; a row "not started", or cut by an interruption or by the end of
+    --minutes, runs."""
+    return not str(row.get("skipped", "")).startswith(("not started", INTERRUPTED, CUT))
 
 
 def measured_seconds(rows: list, device: str) -> dict:
@@ -200,6 +204,14 @@ def measured_seconds(rows: list, device: str) -> dict:
             for r in rows if r.get("device") == device and is_time(r.get("seconds"))
             and type(r.get("steps_per_epoch")) is int
             and "skipped" not in r}  # a cut row's seconds say nothing of the row
+
+
+def cut_seconds(rows: list, device: str) -> dict:
+    """{(key, steps per epoch): seconds} of the rows the end of --minutes cut in an earlier run
+    on ``device``: the least each needs, the floor of its time estimate."""
+    return {(row_key(r["label"], r["image"], r["batch"]), r.get("steps_per_epoch")):
+            r["at_least_s"] for r in rows if r.get("device") == device
+            and str(r.get("skipped", "")).startswith(CUT) and is_time(r.get("at_least_s"))}
 
 
 def is_time(value) -> bool:
@@ -326,8 +338,11 @@ def acceptance_run(argv=None) -> int:
         print(f"notice: {len(no_time)} earlier row(s) whose seconds are no time (such as "
               f"{no_time[0]['seconds']!r}): the plan's guesses stand for them", flush=True)
 
+    floors = cut_seconds(earlier, device)
+
     def need(row: Row) -> float:
-        return seconds.get((row.key, row_steps(row, steps)), row.need_s)
+        key = (row.key, row_steps(row, steps))
+        return max(seconds.get(key, row.need_s), floors.get(key, 0.0))
 
     results, pending = to_run(rows, kept, gpu, args.lanes)
     if args.dry_run:
@@ -419,16 +434,24 @@ class Run:
 
     def row(self, row: Row) -> dict:
         """Runs one job of a lane: the data, or a row (a row that needs the data fails with
-        the data's error)."""
-        timeout = max(10.0, min(max(self.args.row_timeout, 2 * self.need(row)),
-                                self.deadline - time.monotonic()))
+        the data's error). A row whose timeout the end of --minutes cut shorter than its own,
+        and which reached it, is no failure of the row: it is marked cut (--continue runs it),
+        with the seconds it had, the least its next estimate may be."""
+        own = max(self.args.row_timeout, 2 * self.need(row))
+        timeout = max(10.0, min(own, self.deadline - time.monotonic()))
         if row.kind == "data":
             error = prepare_data(Path(self.setting.paths["data"]), self.setting.paths,
                                  self.setting.gpu, bool(self.args.data_dir))
             return {"error": error} if error else {}
         if row.needs_data and self.data_error:
             return {"error": self.data_error[0]}
-        return run_row(row, self.setting, timeout)
+        t0 = time.monotonic()
+        result = run_row(row, self.setting, timeout)
+        if timeout < own and time.monotonic() - t0 >= timeout and not STOP.is_set():
+            return {"skipped": f"{CUT} by the end of --minutes {self.args.minutes:g} after "
+                               f"{timeout:.0f} s (its estimate: {self.need(row):.0f} s); "
+                               f"--continue runs it", "at_least_s": round(timeout)}
+        return result
 
     def record(self, row: Row, result: dict) -> None:
         """A job of a lane ended: its row kept, printed, appended and reported."""

@@ -334,6 +334,34 @@ def test_gpu_check_continue_runs_only_the_rows_not_yet_there(gpu_check, monkeypa
     assert gpu_check.main(["--continue", "--out", str(tmp_path / "none.md")]) == 2
 
 
+def test_gpu_check_continue_reruns_a_row_the_end_of_minutes_cut(gpu_check, monkeypatch,
+                                                                tmp_path, capsys):
+    """A row whose timeout the end of --minutes cut short (a cold --compile row over its
+    guess) was a failure, "no result within N s", and --continue never ran it again. It is now
+    marked cut, and its next estimate is at least the seconds it had."""
+    monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: _small_plan()[:1])
+
+    def overruns(row, args, timeout, inductor_cache=None):
+        time.sleep(timeout)
+        return {"error": f"no result within {timeout:.0f} s", "cmd": ["python"]}
+
+    monkeypatch.setattr(gpu_rows, "run_training", overruns)
+    earlier = tmp_path / "earlier.jsonl"  # a guess of 1 s: the row starts with 3 s left
+    earlier.write_text(json.dumps({"label": gpu_plan.CEILING, "batch": 8, "image": 64,
+                                   "seconds": 1.0, "device": "cpu", "steps_per_epoch": 3}))
+    out = tmp_path / "r.md"
+    assert gpu_check.main(["--out", str(out), "--minutes", "0.05", "--estimates",
+                           str(earlier)]) == 0
+    (row,) = [json.loads(line) for line in out.with_suffix(".jsonl").read_text().splitlines()]
+    assert row["skipped"] == ("cut short by the end of --minutes 0.05 after 10 s (its "
+                              "estimate: 1 s); --continue runs it") and row["at_least_s"] == 10
+    capsys.readouterr()
+    assert gpu_check.main(["--continue", "--dry-run", "--out", str(out), "--estimates",
+                           str(earlier)]) == 0
+    assert re.search(rf"^ +0 - +10 s  {re.escape(gpu_plan.CEILING)}, 64 px, batch 8$",
+                     capsys.readouterr().out, re.M)
+
+
 def test_gpu_check_gives_each_row_its_share_of_the_hosts_cores(gpu_check, monkeypatch, tmp_path):
     """Rows side by side share the host: each row's processes get cores / (rows that can run
     at once) intra-op threads (OMP_NUM_THREADS), named in the report; one the user set is
