@@ -161,13 +161,14 @@ def recompiles_between(log: str, start: float, end: float) -> int:
 
 def _pytest(args: list, env: dict, timeout: float) -> tuple:
     """(passed, pytest's last line, its FAILED/ERROR lines, the first crash's stack): which
-    test failed, not only how many, and where a crashed rank was."""
+    test failed, not only how many, and where a crashed rank was. At the timeout every process
+    of the tests ends, the training runs they started included (a rank left behind kept the
+    GPU busy beside the next rows), and the stack is where the runs were."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                              cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return False, f"no result within {timeout:.0f} s", [], []
+        proc = run_command(cmd, timeout, env)
+    except RowTimeout as late:
+        return False, str(late), [], late.stack
     lines = proc.stdout.strip().splitlines() or ["no output"]
     failed = [line[:300] for line in lines if line.startswith(("FAILED ", "ERROR "))]
     return (proc.returncode == 0, lines[-1], failed[:10],

@@ -826,6 +826,34 @@ def test_gpu_check_says_where_a_row_was_when_its_timeout_ended_it(tmp_path):
     assert "in waits_here" in text
 
 
+HANGING_TEST = """
+import pathlib, subprocess, sys, time
+
+def test_starts_a_run_and_waits():
+    run = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
+                           start_new_session=True)  # as torchrun's workers are
+    pathlib.Path({pid_file!r}).write_text(str(run.pid))
+    time.sleep(300)
+"""
+
+
+def test_gpu_check_ends_the_runs_of_equivalence_tests_that_outlive_their_timeout(tmp_path):
+    """The equivalence tests' row at its timeout ended pytest alone: the training runs the
+    tests had started went on, on the GPU beside the next rows (the timed ones among them)."""
+    pid_file = tmp_path / "pid"
+    (tmp_path / "test_hangs_here.py").write_text(HANGING_TEST.format(pid_file=str(pid_file)))
+    passed, summary, failed, _ = gpu_rows._pytest([str(tmp_path / "test_hangs_here.py")],
+                                                  env_for_tests(), 8)
+    assert passed is False and summary.startswith("no result within 8 s"), summary
+    assert pid_file.exists(), "the test did not start its run"
+    for _ in range(50):
+        if process_tree.exited(int(pid_file.read_text())):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the test's run outlived the row's timeout")
+
+
 DEEP_DUMP = """
 import faulthandler, traceback
 try:
