@@ -3,7 +3,7 @@
     python bench/gpu_check.py --out bench/results/gpu.md          # at most 8 minutes
     python bench/gpu_check.py --out bench/results/gpu.md --continue   # the rows a cut run left
     python bench/gpu_check.py --rows targets --out bench/results/gpu-targets.md  # one lane
-    python bench/gpu_check.py --rows compile --minutes 12 --out bench/results/gpu-compile.md
+    python bench/gpu_check.py --rows compile --minutes 9 --out bench/results/gpu-compile.md
     python bench/gpu_check.py --dry-run                            # the lanes, estimated
 
 What it does: a list of rows, each in its own process with its own timeout, run in lanes. The
@@ -51,8 +51,8 @@ The rows (--rows speed, the default; ResNet-50, bf16 unless said):
   GPU with them: about 7 minutes on an H200 by the plan's guesses.
 - --rows compile, an allocation of its own: eager, --cuda-graph and each --compile mode at
   224 px batch 256 (the target's size, first), then at 64 px batch 1024, one after another,
-  with a persistent Inductor cache (TORCHINDUCTOR_CACHE_DIR: inductor-cache beside --out), so
-  a second run on the same node compiles from it. By the plan's guesses (150 to 360 s a
+  with Inductor's own cache (/tmp/torchinductor_$USER), so a second run on the same node
+  compiles from it. By the plan's guesses (150 to 360 s a
   compiled row) the 224 px rows take about 20 minutes: --minutes and --continue split them
   over allocations (--dry-run shows where).
 - --rows memory: every strategy and ZeRO rung (dp, ddp, ddp --zero1, fsdp grad-op, full, full
@@ -99,6 +99,9 @@ from bench.lanes import CAUGHT, INTERRUPTED, catch_stops, print_plan, run_lanes 
 from bench.process_tree import STOP  # noqa: E402
 from training import allocation, flags  # noqa: E402
 
+TITLE = "# GPU acceptance run"  # the first line of every report it writes
+CUT = "cut short"  # the words a row the end of --minutes cut starts its note with
+
 
 def versions(gpu: bool) -> list:
     lines = [f"date: {datetime.date.today().isoformat()}", f"host: {platform.node()}",
@@ -139,6 +142,12 @@ def missing_input(args, jsonl: Path | None) -> str | None:
     out = Path(args.out) if args.out else None
     if out and out.is_dir():
         return f"--out {out} is a folder: give the report a file name, such as {out / 'gpu.md'}"
+    if out and out.is_file() and not out.read_bytes().startswith(TITLE.encode()):
+        other = out.with_name(out.stem + "-run.md")
+        return (f"--out {out} is a report gpu_check did not write (its first line is not "
+                f"\"{TITLE} (...)\": edited by hand?), which the run would replace: give "
+                f"another --out, such as {other} (to continue its rows, copy "
+                f"{jsonl.name} to {other.with_suffix('.jsonl').name} first)")
     if out and out == jsonl:
         return (f"--out {out} would be its own rows file (the rows go to the .jsonl beside "
                 f"--out): give the report a .md name, such as {out.with_suffix('.md')}")
@@ -184,9 +193,6 @@ def read_rows(path: Path) -> tuple:
         else:
             broken += 1
     return rows, broken
-
-
-CUT = "cut short"  # the words a row the end of --minutes cut starts its note with
 
 
 def finished(row: dict) -> bool:
@@ -298,8 +304,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="write the report (markdown) here, rewritten after every row, and the "
                         "rows as JSON lines beside it (.jsonl), appended as each finishes, and "
-                        "the launcher row's logs and timeline in a folder beside it; the "
-                        "--compile rows keep Inductor's cache in inductor-cache beside it")
+                        "the launcher row's logs and timeline in a folder beside it")
     p.add_argument("--row-timeout", type=int, default=180,
                    help="seconds one row may take at most, or twice its time estimate where "
                         "that is more (the time left caps it too)")
@@ -366,13 +371,12 @@ def acceptance_run(argv=None) -> int:
     setting = Setting(gpu=gpu, model="resnet50" if gpu else "resnet18", steps=steps, work=work,
                       paths={"data": str(root), "cache": str(work / "cache"),
                              "profile": str(work / "profile")},
-                      keep=out.with_name(out.stem + "-launcher") if out else None,
-                      inductor_cache=(out.parent if out else work) / "inductor-cache")
+                      keep=out.with_name(out.stem + "-launcher") if out else None)
     jsonl = jsonl or work / "rows.jsonl"
     cmd = "python bench/gpu_check.py" + "".join(
         f" {shlex.quote(a)}" for a in (sys.argv[1:] if argv is None else argv))
     with row_threads(rows_at_once(pending, args.lanes)) as threads:
-        head = [f"# GPU acceptance run ({setting.model})", ""] + [
+        head = [f"{TITLE} ({setting.model})", ""] + [
             f"- {v}" for v in versions(gpu)] + [f"- command: `{cmd}`",
                                                 f"- OMP_NUM_THREADS of each row: {threads}"] + (
             [f"- continued: {len(kept)} row(s) from the earlier run in {jsonl.name}"]

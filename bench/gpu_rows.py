@@ -40,7 +40,6 @@ class Setting:
     work: Path  # the generated tree, the cache, the traces, the rows' checkpoints
     paths: dict  # data, cache, profile: the folders a training row's command line names
     keep: Path | None  # where the launcher row's logs and timeline are kept (beside --out)
-    inductor_cache: Path  # TORCHINDUCTOR_CACHE_DIR of the --compile rows
 
 
 def run_row(row: Row, setting: Setting, timeout: float) -> dict:
@@ -59,8 +58,7 @@ def run_row(row: Row, setting: Setting, timeout: float) -> dict:
         return run_raw(row, raw_args(row, setting.model, steps, setting.gpu), timeout)
     if row.kind == "launcher":
         return run_launcher(row, setting.model, steps, setting.work, setting.keep, timeout)
-    return run_training(row, row_args(row, setting.model, steps, setting.paths), timeout,
-                        setting.inductor_cache)
+    return run_training(row, row_args(row, setting.model, steps, setting.paths), timeout)
 
 
 def run_raw(row: Row, args: list, timeout: float) -> dict:
@@ -90,8 +88,7 @@ def _failure(proc: subprocess.CompletedProcess, what: str = "exit") -> str:
     return f"{what} {proc.returncode}: {last[:200]}"
 
 
-def run_training(row: Row, args: list, timeout: float, inductor_cache: Path | None = None
-                 ) -> dict:
+def run_training(row: Row, args: list, timeout: float) -> dict:
     """One training run: the second epoch's [METRIC] figures, how much longer the first epoch
     took (its warm-up) and the [MEMORY] prediction; a "profile" row: the [PROFILE] step
     breakdown and launches per step; a "held" row (--simulate-world-size): the [MEMORY]
@@ -99,11 +96,10 @@ def run_training(row: Row, args: list, timeout: float, inductor_cache: Path | No
     cmd = [sys.executable, str(REPO / row.script), *args]
     env = None
     if "--compile" in args:
-        # torch logs each recompilation, to count those inside the timed epoch; Inductor's
-        # cache outlives the run, so the next run of the row compiles from it
+        # torch logs each recompilation, to count those inside the timed epoch. Inductor's
+        # cache (torch's default: /tmp/torchinductor_$USER) outlives the run, so the next run
+        # of the row on this node compiles from it
         env = dict(os.environ, TORCH_LOGS="recompiles")
-        if inductor_cache is not None:
-            env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
     try:
         proc = run_command(cmd, timeout, env)
     except RowTimeout as late:

@@ -149,7 +149,7 @@ def test_gpu_check_names_the_equivalence_test_that_failed(monkeypatch):
     second run of the lease. The report now carries pytest's FAILED lines."""
     out = ("..F\nFAILED tests/test_strategies.py::test_fsdp_ends_with_the_same_weights_as_ddp"
            "[full] - AssertionError: Tensor-likes are not close!\n1 failed, 2 passed in 55s\n")
-    monkeypatch.setattr(gpu_rows.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+    monkeypatch.setattr(gpu_rows, "run_command", lambda *a, **k: subprocess.CompletedProcess(
         a, 1, stdout=out, stderr=""))
     passed, text, fatal = gpu_rows.equivalence_tests(1, 60)
     assert passed is False and fatal == []
@@ -295,7 +295,7 @@ def test_gpu_check_judges_the_throughput_targets_by_the_fastest_way_and_names_it
     assert judged(results[:1]) == [(wanted[0], False, "35,057 with eager")]
 
 
-def _fake_training(row, args, timeout, inductor_cache=None):
+def _fake_training(row, args, timeout):
     return {"img_s": 100.0, "amp": "off", "step_ms": 80.0, "steps": 2, "warmup_s": 0.5,
             "peak": 900.0, "predicted": 150.0, "recompiles_timed": None, "cmd": ["python"]}
 
@@ -341,7 +341,7 @@ def test_gpu_check_continue_reruns_a_row_the_end_of_minutes_cut(gpu_check, monke
     marked cut, and its next estimate is at least the seconds it had."""
     monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: _small_plan()[:1])
 
-    def overruns(row, args, timeout, inductor_cache=None):
+    def overruns(row, args, timeout):
         time.sleep(timeout)
         return {"error": f"no result within {timeout:.0f} s", "cmd": ["python"]}
 
@@ -451,13 +451,19 @@ def test_gpu_check_refuses_an_out_it_cannot_write_before_any_row_runs(gpu_check,
     the folder; --out r.jsonl made the report overwrite its own rows. Each is one sentence and
     exit 2 now, before anything runs; so are --minutes nan and a --work-dir that is a file."""
     (tmp_path / "file").write_text("")
+    # a report written by hand beside its rows: --continue replaced its analysis with the table
+    (tmp_path / "notes.md").write_text("# What the allocation showed\n")
+    (tmp_path / "notes.jsonl").write_text("")
     for args, said in [(["--out", str(tmp_path)], "is a folder: give the report a file name"),
+                       (["--continue", "--out", str(tmp_path / "notes.md")],
+                        f"--out {tmp_path / 'notes.md'} is a report gpu_check did not write"),
                        (["--out", str(tmp_path / "r.jsonl")], "would be its own rows file"),
                        (["--out", str(tmp_path / "file" / "r.md")], "is a file, not a folder"),
                        (["--work-dir", str(tmp_path / "file")], "is a file, not a folder"),
                        (["--work-dir", str(tmp_path / "file" / "w" / "x")], "is a file")]:
         assert gpu_check.main(args) == 2, args
         assert said in capsys.readouterr().err, args
+    assert (tmp_path / "notes.md").read_text() == "# What the allocation showed\n"
     with pytest.raises(SystemExit) as refused:
         gpu_check.main(["--dry-run", "--minutes", "nan"])
     assert refused.value.code == 2 and "numbers above 0" in capsys.readouterr().err
@@ -619,11 +625,11 @@ def test_gpu_check_keeps_the_first_lines_of_a_crashed_ranks_stack(monkeypatch):
     assert process_tree.fatal_stack("1 failed, 2 passed") == []
     seen = {}
 
-    def run(cmd, **kwargs):
-        seen.update(kwargs["env"])
+    def run(cmd, timeout, env):
+        seen.update(env)
         return subprocess.CompletedProcess(cmd, 1, stdout=FAULTHANDLER_DUMP + "1 failed",
                                            stderr="")
-    monkeypatch.setattr(gpu_rows.subprocess, "run", run)
+    monkeypatch.setattr(gpu_rows, "run_command", run)
     passed, text, fatal = gpu_rows.equivalence_tests(1, 60, shared=True)
     assert seen["PYTHONFAULTHANDLER"] == "1" and passed is False and fatal == stack
     result = {"label": "equivalence tests, 2 ranks sharing a GPU", "batch": 0, "image": 64,
