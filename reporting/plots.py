@@ -332,7 +332,8 @@ def _draw_node(subfig, node: str, entry: dict, phases: list, t0: float, xlim: tu
         missing.append("no utilisation in the GPU logs (written before node.sh logged it)")
     if not entry["cpu"]:
         missing.append("no CPU log (psrecord did not run)")
-    subfig.suptitle(_drawable(f"node {node}") + ("".join(f"; {m}" for m in missing)), fontsize="medium")
+    subfig.suptitle(_drawable(f"node {node}") + "".join(f"; {m}" for m in missing),
+                    fontsize="medium")
     axes = subfig.subplots(len(rows), 1, sharex=True, squeeze=False)[:, 0]
     for ax, row in zip(axes, rows):
         ax.set_xlim(*xlim)
