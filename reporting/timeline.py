@@ -103,26 +103,42 @@ def gpu_series(log: dict, notes: list) -> dict:
     return series
 
 
-def _cpu_start(log: dict, gpu_starts: dict, notes: list) -> float:
+def _cpu_start(log: dict, gpu_starts: dict, phases: list, notes: list, warnings: list
+               ) -> float:
     """Clock time of psrecord's 0 s for one attempt of a node. node.sh starts psrecord with the
     node's nvidia-smi, so: the first sample of the same attempt's GPU log. Without one (a CPU
     run), the log file's last change, when psrecord wrote its last sample, minus that
-    sample's elapsed time (a note says so: a copy that did not keep the file's time is off)."""
+    sample's elapsed time (notes says so). A copy that did not keep the file's time (scp -r,
+    cp -r) put the log months away from the training log's epochs (``phases``), a lone line
+    on an empty axis: then its last sample is placed at the last epoch's end, and warnings
+    says so."""
     if log["attempt"] in gpu_starts:
         return gpu_starts[log["attempt"]]
     notes.append(f"{log['path']}: no GPU log to align it to; its start is the file's last "
                  f"change minus its last sample's elapsed time")
-    return Path(log["path"]).stat().st_mtime - max(sample[0] for sample in log["data"])
+    last = max(sample[0] for sample in log["data"])
+    changed = Path(log["path"]).stat().st_mtime
+    start = changed - last
+    if phases and not any(start - 600 <= p["train_start"] <= changed + 600 for p in phases):
+        end = max(p["eval_end"] or p["train_start"] for p in phases)
+        warnings.append(f"{log['path']}: the file's last change "
+                        f"({datetime.fromtimestamp(changed):%Y-%m-%d %H:%M}) is far from the "
+                        f"training log's epochs (copied without its file times?); its last "
+                        f"sample is placed at the end of the last epoch instead (copy with cp "
+                        f"-a or rsync -a to keep the times)")
+        start = end - last
+    return start
 
 
 def node_timelines(gpu_logs: list, cpu_logs: list, notes: list,
-                   alignment_notes: bool = True) -> dict:
+                   alignment_notes: bool = True, phases: list = ()) -> dict:
     """{node: {"gpu": [gpu_series of each attempt], "cpu": [{"time", "rss"} of each attempt]}}
     of one run, every time in seconds since 1970 (psrecord's elapsed seconds aligned by
     _cpu_start), nodes in sorted order; a node without any sample that has a time is left out.
     gpu_logs, cpu_logs: (node, attempts) pairs, the attempts being analyze_memory.collect_logs'
     dicts of one node's nvidia-smi or psrecord logs. notes gets the samples left out and, with
-    alignment_notes, how a CPU log without a GPU log was placed."""
+    alignment_notes, how a CPU log without a GPU log was placed (``phases``, the training log's
+    epochs, place it where its file's time does not fit them)."""
     nodes = {node: {"gpu": [], "cpu": [], "gpu_starts": {}, "cpu_logs": []}
              for node in sorted({node for node, _attempts in gpu_logs + cpu_logs})}
     for node, attempts in gpu_logs:
@@ -139,7 +155,8 @@ def node_timelines(gpu_logs: list, cpu_logs: list, notes: list,
         for log in entry.pop("cpu_logs"):
             if not log["data"]:
                 continue
-            start = _cpu_start(log, entry["gpu_starts"], notes if alignment_notes else [])
+            start = _cpu_start(log, entry["gpu_starts"], phases,
+                               notes if alignment_notes else [], notes)
             entry["cpu"].append({"time": [start + sample[0] for sample in log["data"]],
                                  "rss": [sample[2] for sample in log["data"]]})
         del entry["gpu_starts"]
@@ -168,7 +185,7 @@ def draw(run_dir, gpu_logs: list, cpu_logs: list, out_path=None, notes: list | N
     sample has a time, OSError when out_path cannot be written."""
     notes = [] if notes is None else notes
     phases = read_phases(find_training_logs(run_dir, notes), notes)
-    nodes = node_timelines(gpu_logs, cpu_logs, notes, alignment_notes)
+    nodes = node_timelines(gpu_logs, cpu_logs, notes, alignment_notes, phases)
     if not nodes:   # only GPU logs, none with a readable timestamp
         raise NothingToDraw(f"no timestamp of its nvidia-smi logs reads like nvidia-smi's own "
                             f"({STAMP_EXAMPLE}) and it has no psrecord log; write the "
@@ -194,7 +211,9 @@ def write_board(run_dir, gpu_logs: list, cpu_logs: list, notes: list) -> Path:
     from tensorboard.compat.proto.event_pb2 import Event
     from tensorboard.compat.proto.summary_pb2 import Summary
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
-    nodes = node_timelines(gpu_logs, cpu_logs, notes)
+    # the epochs place a CPU log whose file lost its time in a copy (their notes: --plot's)
+    phases = read_phases(find_training_logs(run_dir, []), [])
+    nodes = node_timelines(gpu_logs, cpu_logs, notes, phases=phases)
     starts = [t for entry in nodes.values() for series in entry["gpu"] for s in series.values()
               for t in s["time"][:1]] + [c["time"][0] for e in nodes.values() for c in e["cpu"]
                                         if c["time"]]

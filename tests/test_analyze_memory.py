@@ -788,6 +788,17 @@ def test_plot_cpu_only_run_gets_a_note_not_an_empty_gpu_axis(tmp_path):
         pytest.approx([3, 14, 62])
     assert any("n1.txt: no GPU log to align it to; its start is the file's last change" in n
                for n in notes)
+    # a copy (scp -r) that did not keep the file's time: a lone line months after the epochs,
+    # and collect_results said nothing; now placed by the epochs, with a note either way
+    os.utime(log, (1795501803.0 + 9e6, 1795501803.0 + 9e6))
+    for notes, collected in (([], False), ([], True)):
+        fig = am.plot_timeline(run, None, notes, alignment_notes=not collected)
+        (cpu,) = fig.subfigs[0].axes
+        epochs = [ln.get_xdata()[0] for ln in cpu.get_lines() if ln.get_gid() == "epoch start"]
+        times = _data(cpu, "CPU, attempt 0")[0]
+        assert times[0] <= epochs[-1] <= times[-1] + 600, (times, epochs)
+        assert any("n1.txt: the file's last change" in n and "is far from the training log's "
+                   "epochs (copied without its file times?)" in n for n in notes), notes
     # No training log either: the same samples, no phases
     (run / "slurm-77.out").unlink()
     (cpu,) = am.plot_timeline(run, None, []).subfigs[0].axes
