@@ -519,9 +519,11 @@ def write_timelines(logs: dict, notes: list, problems: list) -> list:
         except LogError as e:
             problems.append(_problem(BAD_INPUT, run_dir, f"no timeline drawn: {e}"))
         except OSError as e:
+            fix = (f"it is a folder: move it away (mv {run_dir / TIMELINE_NAME} ...)"
+                   if (run_dir / TIMELINE_NAME).is_dir() else "make the run directory "
+                   "writable or copy the run somewhere you can write")
             problems.append(_problem(BAD_INPUT, run_dir / TIMELINE_NAME, f"cannot write the "
-                                     f"timeline ({e.strerror or e}); make the run directory "
-                                     f"writable or copy the run somewhere you can write"))
+                                     f"timeline ({e.strerror or e}); {fix}"))
         said = notes + [p["message"] for p in problems]
         notes.extend(note for note in drawn if note not in said)
     return written

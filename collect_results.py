@@ -647,6 +647,9 @@ def main(argv=None) -> int:
         chosen = scaling.scale(rows)
         scaling.step_times(rows)
         models = scaling.predict(rows, chosen, args.inter_node_busbw, args.ring_latency_us)
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out {out} is a file: name a folder for results.csv, results.md "
+                             f"and the plots")
         try:
             out.mkdir(parents=True, exist_ok=True)
             boards = write_boards(rows) if args.tensorboard else []

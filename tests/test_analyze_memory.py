@@ -925,7 +925,16 @@ def test_cli_plot_bad_inputs_one_sentence_no_traceback(tmp_path):
     assert p.returncode == 1 and "Traceback" not in p.stderr
     errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 1 and "cannot write the timeline" in errors[0]
-    assert "make the run directory writable" in errors[0]
+    # (a folder in its place: "make the run directory writable" was the wrong fix)
+    assert errors[0].endswith(f"it is a folder: move it away (mv {run / 'timeline.png'} ...)")
+    (run / "timeline.png").rmdir()
+    run.chmod(0o500)
+    try:
+        p = run_cli("--plot", run)
+    finally:
+        run.chmod(0o700)
+    if os.geteuid() != 0:  # root writes anyway
+        assert p.returncode == 1 and "make the run directory writable" in p.stderr
 
 
 def test_summary_without_plot_does_not_import_matplotlib():

@@ -793,7 +793,9 @@ def test_bad_input_is_one_clear_sentence(tmp_path, case):
         args, says = [tmp_path / "run" / "train.log"], "pass a study directory"
     elif case == "out is a file":
         (tmp_path / "file").write_text("")
-        args, says = [STUDY / "ddp-1n1g-5001", "--out", tmp_path / "file"], "writable --out"
+        # "cannot write to file (File exists); pass a writable --out DIR" named no fix
+        args, says = [STUDY / "ddp-1n1g-5001", "--out", tmp_path / "file"], (
+            f"--out {tmp_path / 'file'} is a file: name a folder for results.csv")
     elif case == "dpi 5000":  # before: minutes per plot, and PNGs of several MB
         args, says = [STUDY, "--plot", "--dpi", "5000"], "--dpi 5000 is out of range: use 50"
     else:
