@@ -445,7 +445,7 @@ class Run:
         timeout = max(10.0, min(own, self.deadline - time.monotonic()))
         if row.kind == "data":
             error = prepare_data(Path(self.setting.paths["data"]), self.setting.paths,
-                                 self.setting.gpu, bool(self.args.data_dir))
+                                 self.setting.gpu, bool(self.args.data_dir), timeout)
             return {"error": error} if error else {}
         if row.needs_data and self.data_error:
             return {"error": self.data_error[0]}

@@ -335,9 +335,11 @@ def whole_weights(model: str, path: Path) -> str | None:
     return None
 
 
-def prepare_data(root: Path, paths: dict, gpu: bool, given: bool) -> str | None:
+def prepare_data(root: Path, paths: dict, gpu: bool, given: bool, timeout: float
+                 ) -> str | None:
     """The TinyImageNet tree (unless given) and its uint8 cache, once, outside any timed row;
-    an error's text, or None."""
+    an error's text, or None. A cache build that outlives ``timeout`` is ended (its lane
+    waited for ever, and the run with it)."""
     t0 = time.monotonic()
     if not given and not (root / "wnids.txt").is_file():
         if gpu:
@@ -345,9 +347,12 @@ def prepare_data(root: Path, paths: dict, gpu: bool, given: bool) -> str | None:
         else:
             make_tree(root, classes=4, train_per_class=40, val_per_class=10)
         print(f"data: generated {root} in {time.monotonic() - t0:.0f} s", flush=True)
-    built = subprocess.run([sys.executable, str(REPO / "ddp_train.py"), "--data-dir", str(root),
-                            "--data-cache", paths["cache"], "--check"], capture_output=True,
-                           text=True, cwd=REPO)
+    try:
+        built = run_command([sys.executable, str(REPO / "ddp_train.py"), "--data-dir", str(root),
+                             "--data-cache", paths["cache"], "--check"],
+                            timeout - (time.monotonic() - t0))
+    except RowTimeout as late:
+        return f"building the cache: {late}"
     if built.returncode != 0:
         last = (built.stderr.strip() or "no output").splitlines()[-1]
         return f"building the cache failed: {last[:200]}"

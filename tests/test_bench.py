@@ -832,6 +832,18 @@ def test_gpu_check_says_where_a_row_was_when_its_timeout_ended_it(tmp_path):
     assert "in waits_here" in text
 
 
+def test_gpu_check_ends_a_cache_build_that_outlives_its_timeout(tmp_path, monkeypatch):
+    """The data row's cache build ran without a timeout: one that hung held its lane, and the
+    whole run, until the allocation ended."""
+    (tmp_path / "ddp_train.py").write_text("import time\ntime.sleep(300)\n")
+    monkeypatch.setattr(gpu_rows, "REPO", tmp_path)
+    t0 = time.monotonic()
+    said = gpu_rows.prepare_data(tmp_path / "tree", {"cache": str(tmp_path / "cache")},
+                                 gpu=False, given=True, timeout=3)
+    assert said.startswith("building the cache: no result within 3 s"), said
+    assert time.monotonic() - t0 < 30
+
+
 HANGING_TEST = """
 import pathlib, subprocess, sys, time
 
