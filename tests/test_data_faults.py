@@ -216,6 +216,25 @@ def test_the_cache_build_ends_its_workers_without_a_signal(tiny_imagenet, tmp_pa
     assert signal.SIGTERM not in sent and (tmp_path / "cache" / "train_meta.json").is_file()
 
 
+def test_a_ctrl_c_that_reaches_a_cache_worker_before_it_set_ctrl_c_aside_is_dropped(
+        tiny_imagenet, tmp_path, monkeypatch):
+    """A Ctrl-C in the first milliseconds of a build reached a worker forked a moment before
+    its initializer set SIGINT aside: the worker died, and the build said "a worker died
+    (out of memory?)". The parent now holds SIGINT back while it forks them (it gets its own
+    once they are, and stops the build)."""
+    _, train, _ = tinyimagenet.scan_tinyimagenet(tiny_imagenet[0])
+    set_aside = tinyimagenet._start_cache_worker
+
+    def reached_first():
+        os.kill(os.getpid(), signal.SIGINT)  # the terminal's Ctrl-C, before the handler
+        set_aside()
+
+    monkeypatch.setattr(tinyimagenet, "_start_cache_worker", reached_first)
+    tinyimagenet.build_split(tmp_path / "cache", "train", train, "x", False, 2, lambda line: None,
+                             tiny_imagenet[0])
+    assert (tmp_path / "cache" / "train_meta.json").is_file()
+
+
 def test_a_strict_cache_build_stops_at_a_bad_image_without_signalling_its_workers(
         tiny_imagenet, tmp_path, monkeypatch):
     """--strict and an unreadable image: the queued chunks are cancelled and the workers end

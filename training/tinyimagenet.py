@@ -295,6 +295,9 @@ def _start_cache_worker() -> None:
     # workers end after their chunk). A worker killed by it too broke the pool under the
     # parent's feet, and its shutdown then waited for ever now and then.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the parent held Ctrl-C back while it forked the workers (build_split): one that came in
+    # the meantime is dropped here, now that it is set aside
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     die_with_parent()
 
 
@@ -330,8 +333,15 @@ def build_split(directory: Path, split: str, samples, checksum: str, strict: boo
     workers = max(1, min(workers, -(-len(samples) // CHUNK)))
     with ProcessPoolExecutor(workers, mp_context=get_context("fork"),
                              initializer=_start_cache_worker) as pool:
-        decoded = pool.map(_decode_rgb, [p for p, _ in samples], chunksize=CHUNK)
         try:
+            # Ctrl-C held back while the workers are forked (the first map forks them all):
+            # a worker it reached before its initializer set it aside died, and the build
+            # read as "a worker died (out of memory?)". It is raised here, once they are.
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                decoded = pool.map(_decode_rgb, [p for p, _ in samples], chunksize=CHUNK)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
             for i, ((path, label), img) in enumerate(zip(samples, decoded), 1):
                 if isinstance(img, str):
                     if strict:
