@@ -8,8 +8,9 @@ unknown --model) then costs one sentence, not a failed job or a study of failed 
 
 Exit status: 0 every script accepts the arguments; 2 one refuses them, and its sentence
 ("ddp_train.py: error: ...") is the last line on stderr; anything else means not checked (a
-script this Python cannot import, e.g. without torch: the error is the last line). The callers
-go on in that case; the training itself will say why.
+script this Python cannot import: the error is the last line), 3 this Python has no torch ("error:
+PYTHON cannot import torch" the last line). The callers go on in those cases, but job.sh stops at
+3 where the training runs with this Python; the training itself will say why.
 """
 
 import importlib
@@ -36,7 +37,13 @@ def main(argv=None) -> int:
                   f"{', '.join(TRAINING_SCRIPTS)}, or its path", file=sys.stderr)
             return 1
         sys.path.insert(0, str(path.parent))  # the script's own imports (training/, ...)
-        module = importlib.import_module(path.stem)
+        try:
+            module = importlib.import_module(path.stem)
+        except ModuleNotFoundError as e:
+            if e.name != "torch":
+                raise
+            print(f"error: {sys.executable} cannot import torch", file=sys.stderr)
+            return 3
         if not (callable(getattr(module, "build_parser", None))
                 and callable(getattr(module, "train", None))):
             print(f"error: {path} is not a training script (one with build_parser() and "

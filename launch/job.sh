@@ -59,6 +59,8 @@ unset EARLY_SIGNAL EARLY_AT
 trap 'early_signal=${early_signal:-USR1} early_at=${early_at:-$(date +%H:%M:%S)}' USR1
 trap 'early_signal=TERM early_at=$(date +%H:%M:%S)' TERM
 
+# A CDPATH from the user's dotfiles makes `cd` print the folder, into the paths taken below
+unset CDPATH
 LAUNCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=/dev/null  # launch/lib.sh, checked on its own
 source "$LAUNCH_DIR/lib.sh"
@@ -70,9 +72,16 @@ SITE_SH=${SITE_SH-$LAUNCH_DIR/site.sh}
 if [ -f "$SITE_SH" ]; then  # false for SITE_SH= (none)
   echo "site settings: $SITE_SH"
   set +u  # module and conda scripts read unset variables
+  # A failing line (a module that is not there, conda without its conda.sh) ended the job
+  # with bash's own line at most: name the line and the way out.
+  set -E
+  trap 'echo "error: site settings $SITE_SH, line $LINENO: \"$BASH_COMMAND\" failed" \
+    "(exit $?): fix that line (conda: source its etc/profile.d/conda.sh first), or run" \
+    "with SITE_SH= to skip the file" >&2; exit 2' ERR
   # shellcheck source=/dev/null
   source "$SITE_SH"
-  set -u
+  trap - ERR
+  set +E -u
 fi
 
 # ---- defaults, each overridable from the environment -----------------------------------------
@@ -88,6 +97,17 @@ export STRATEGY PYTHON LOG_INTERVAL NCCL_DEBUG PYTHONFAULTHANDLER
 if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then export NCCL_SOCKET_IFNAME; fi
 if [ -n "${GLOO_SOCKET_IFNAME:-}" ]; then export GLOO_SOCKET_IFNAME; fi
 if [ -n "${DATA_DIR:-}" ]; then export DATA_DIR; fi
+if ! [[ $LOG_INTERVAL =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)$ ]] || \
+    [[ $LOG_INTERVAL =~ ^[0.]+$ ]]; then  # psrecord took 0 for a busy loop, abc for nothing
+  echo "error: LOG_INTERVAL=$LOG_INTERVAL: give the seconds between memory samples, a" \
+    "number above 0 (default 5)" >&2
+  exit 2
+fi
+if [ -n "${NPROC_PER_NODE:-}" ] && ! [[ $NPROC_PER_NODE =~ ^[1-9][0-9]*$ ]]; then
+  echo "error: NPROC_PER_NODE=$NPROC_PER_NODE: give the processes per node, a whole number" \
+    "of 1 or more, or unset it for one per GPU" >&2
+  exit 2
+fi
 read -ra python_cmd <<<"$PYTHON"
 # (Not with SRUN_EXTRA_ARGS, e.g. a container image: PYTHON may exist only inside the step.)
 if [ -z "${SRUN_EXTRA_ARGS:-}" ] && ! command -v "${python_cmd[0]:-}" >/dev/null; then
@@ -113,10 +133,11 @@ fi
 # (launch/check_args.py, as run_benchmarks.py does for a study) before any run directory, logger
 # or torchrun: a typo or an impossible value gets one sentence, not a failed run and torchrun's
 # traceback. Not again for a
-# requeued or continued run (its arguments were accepted); any exit but 2 means not checked
-# (e.g. this Python cannot import the script): then the training itself will say why.
+# requeued run (its arguments were accepted), but for one continued with RUN_DIR (its arguments
+# are new). Exit 3: this Python lacks torch (unless a container's, SRUN_EXTRA_ARGS, runs the
+# training); any other exit but 2 means not checked: then the training itself will say why.
 restarts=${SLURM_RESTART_COUNT:-0}
-if [ -z "$own_script" ] && [ "$restarts" = 0 ] && [ -z "${RUN_DIR:-}" ]; then
+if [ -z "$own_script" ] && [ "$restarts" = 0 ]; then
   check_rc=0
   refused=$(timeout 300 "${python_cmd[@]}" "$LAUNCH_DIR/check_args.py" "$TRAIN_SCRIPT" "$@" \
     2>&1 >/dev/null) || check_rc=$?
@@ -124,6 +145,11 @@ if [ -z "$own_script" ] && [ "$restarts" = 0 ] && [ -z "${RUN_DIR:-}" ]; then
   if [ "$check_rc" = 2 ] && [[ $refused == *": error: "* ]]; then
     echo "error: the training arguments are refused: $refused (python" \
       "$(basename "$TRAIN_SCRIPT") --help lists its flags)" >&2
+    exit 2
+  fi
+  if [ "$check_rc" = 3 ] && [ -z "${SRUN_EXTRA_ARGS:-}" ]; then
+    echo "$refused: activate the environment that has it (pip install -r requirements.txt)," \
+      "or set PYTHON to its python" >&2
     exit 2
   fi
 fi
@@ -167,9 +193,21 @@ fi
 
 continued=""
 if [ -n "${RUN_DIR:-}" ]; then
+  if [ -e "$RUN_DIR" ] && [ ! -d "$RUN_DIR" ]; then
+    echo "error: RUN_DIR=$RUN_DIR is a file: name the run directory to continue, or unset" \
+      "RUN_DIR for a new one (RUNS_DIR sets the folder new ones go in)" >&2
+    exit 2
+  fi
   if [ ! -d "$RUN_DIR" ]; then
     echo "error: RUN_DIR=$RUN_DIR does not exist: unset RUN_DIR for a new run directory, or" \
       "name an existing one to continue it" >&2
+    exit 2
+  fi
+  # a folder of runs (RUNS_DIR's), or /tmp, took train.log, job.env and the logs' folders
+  if [ ! -f "$RUN_DIR/job.env" ]; then
+    echo "error: RUN_DIR=$RUN_DIR is not a run directory (no job.env): name one the" \
+      "launcher made (RUNS_DIR/<job>-<id>) to continue it, or set RUNS_DIR, not RUN_DIR, for" \
+      "the folder new runs go in" >&2
     exit 2
   fi
   echo "continuing in RUN_DIR=$RUN_DIR"

@@ -30,6 +30,15 @@ while [ $# -gt 0 ]; do
     *) break ;;  # the first unknown argument starts the training arguments
   esac
 done
+for arg in "$@"; do  # the training's parser would name the training script, not the fix
+  case $arg in
+    --nproc-per-node | --nproc_per_node | --nproc-per-node=* | --nproc_per_node=*)
+      echo "error: $arg comes after the training arguments: put it before them" \
+        "(bash launch/local.sh --nproc-per-node N -- TRAINING ARGS), or set NPROC=N" >&2
+      exit 2
+      ;;
+  esac
+done
 if [ -n "$nproc_opt" ]; then
   if ! [[ $nproc_opt =~ ^[1-9][0-9]*$ ]]; then
     echo "error: --nproc-per-node/NPROC must be a positive integer, got '$nproc_opt'" >&2

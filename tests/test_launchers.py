@@ -864,6 +864,7 @@ def test_an_unusable_runs_dir_or_python_is_one_sentence(tmp_path, bad):
     env[bad] = {"RUNS_DIR": str(tmp_path / "afile" / "runs"), "PYTHON": "/nonexistent/python",
                 "RUN_DIR": str(tmp_path / "old")}[bad]
     (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "job.env").write_text("JOB_ID=1\n")
     (tmp_path / "old" / "gpu_memory").write_text("")  # a file where the folder goes
     res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--", *TINY], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=120)
@@ -874,6 +875,67 @@ def test_an_unusable_runs_dir_or_python_is_one_sentence(tmp_path, bad):
         "PYTHON": "PYTHON=/nonexistent/python is not a command",
         "RUN_DIR": "make RUN_DIR writable, or unset it for a new run directory"}[bad] in line
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("case", ["no torch", "site.sh", "LOG_INTERVAL", "NPROC_PER_NODE",
+                                  "RUN_DIR /tmp", "RUN_DIR file", "nproc last", "CDPATH"])
+def test_a_launch_that_cannot_work_is_one_sentence_before_anything_starts(tmp_path, case):
+    """Each ended otherwise: a Python without torch in torchrun's ModuleNotFoundError traceback
+    (an empty run directory left); a failing site.sh line in bash's own line and exit 127;
+    LOG_INTERVAL=0 in a psrecord busy loop, abc in no CPU log and exit 0; NPROC_PER_NODE=abc in
+    'unbound variable'; RUN_DIR=/tmp (a folder of runs) in train.log, job.env and the logs'
+    folders written into it; RUN_DIR a file in "does not exist"; --nproc-per-node after the
+    training arguments in ddp_train.py's "unrecognized arguments"; a CDPATH of the user's
+    dotfiles (cd prints the folder) in "lib.sh: No such file"."""
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
+    launcher, args, cwd = [str(LAUNCH / "local.sh")], ["--", *TINY], tmp_path
+    (tmp_path / "afile").write_text("")
+    if case == "no torch":  # -S: no site-packages, so no torch
+        env["PYTHON"] = f"{sys.executable} -S"
+        said = f"error: {sys.executable} cannot import torch: activate the environment that has it"
+    elif case == "site.sh":
+        (tmp_path / "site.sh").write_text("export A=1\nconda activate myenv\nexport B=2\n")
+        env["SITE_SH"] = str(tmp_path / "site.sh")
+        said = (f'error: site settings {tmp_path / "site.sh"}, line 2: "conda activate myenv" '
+                f'failed (exit 127): fix that line')
+    elif case in ("LOG_INTERVAL", "NPROC_PER_NODE"):  # as a .slurm file gives it to job.sh
+        env[case] = "abc"
+        launcher = [str(LAUNCH / "job.sh")]
+        said = f"error: {case}=abc: give the "
+    elif case == "RUN_DIR /tmp":
+        env["RUN_DIR"] = str(tmp_path)
+        said = f"error: RUN_DIR={tmp_path} is not a run directory (no job.env)"
+    elif case == "RUN_DIR file":
+        env["RUN_DIR"] = str(tmp_path / "afile")
+        said = f"error: RUN_DIR={tmp_path / 'afile'} is a file"
+    elif case == "nproc last":
+        args = ["--epochs", "1", "--nproc-per-node", "2"]
+        said = "error: --nproc-per-node comes after the training arguments: put it before them"
+    else:  # the launcher named by a relative path, as users do
+        launcher, args, cwd = ["launch/local.sh"], ["--", "--epochs", "0"], REPO
+        env["CDPATH"] = f".:{tmp_path}"
+        said = "error: the training arguments are refused: ddp_train.py: error: --epochs"
+    res = subprocess.run(["bash", *launcher, *args], cwd=cwd, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if not ln.endswith("command not found")]
+    assert line.startswith(said), res.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "train.log").exists()
+
+
+def test_a_run_continued_with_run_dir_has_its_new_flags_checked(tmp_path):
+    """RUN_DIR=... continues a run with the arguments given now: they went unchecked, and a typo
+    ended in torchrun's traceback, with job.env rewritten to say the finished run failed."""
+    run_dir = tmp_path / "runs" / "local-1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "job.env").write_text("EXIT_CODE=0\n")
+    env = base_env(tmp_path) | {"RUN_DIR": str(run_dir)}
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--", *TINY, "--bogus"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr.startswith(
+        "error: the training arguments are refused: ddp_train.py: error: unrecognized "
+        "arguments: --bogus"), res.stdout + res.stderr
+    assert (run_dir / "job.env").read_text() == "EXIT_CODE=0\n"
 
 
 def test_local_sh_check_only_and_bad_run_dir(tmp_path):
