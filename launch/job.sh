@@ -371,13 +371,17 @@ tee_pid=$!
 launch_pid=$!
 trap 'forward_stop USR1' USR1
 trap 'forward_stop TERM' TERM
+# Ctrl-C reaches every process of the terminal's job: the training ends with its own sentence,
+# and this shell, which died of it, printed neither the exit code nor the memory summary
+interrupted=""
+trap 'interrupted=1' INT
 case $early_signal in  # one that came before: a USR1 once node.sh has its own trap
   USR1) forward_stop USR1 later ;;
   TERM) forward_stop TERM ;;
 esac
 rc=0
 wait_for "$launch_pid" || rc=$?
-trap - USR1 TERM
+trap - USR1 TERM INT
 if [ -n "$resend_pid" ]; then kill "$resend_pid" 2>/dev/null || true; fi
 exec {log_fd}>&-
 wait "$tee_pid" 2>/dev/null || true
@@ -418,6 +422,9 @@ elif [ "$rc" != 0 ] && abort_line=$(grep -E -m1 "$NCCL_ABORT_RE" \
       "the job is merely slow" >&2
   fi
   rc=1
+fi
+if [ -n "$interrupted" ] && [ "$rc" != 0 ] && [ "$rc" != 75 ]; then
+  rc=130 stop_signal=INT
 fi
 echo "training exit code: $rc${stop_signal:+ (after SIG$stop_signal)}"
 

@@ -9,9 +9,10 @@ be the only process that got it. torchrun's own handler raises on every stop sig
 second one cuts its shutdown short: its "Received 15 death signal" line ends in "--- Logging
 error ---" in train.log, or it stops waiting for its workers and signals them again. Here a
 repeat is ignored: torchrun signals its workers once, waits for them (their checkpoint sentence
-and [STOP] line) and ends.
+and [STOP] line) and ends. After a Ctrl-C it ends with 130 and without its traceback.
 """
 
+import signal
 import sys
 from pathlib import Path
 
@@ -28,7 +29,14 @@ def main(argv=None) -> None:
         # Not a reason to refuse the job: torchrun still stops, only less cleanly on a repeat.
         print(f"warning: {e}; torchrun runs as it is, and a second stop signal may cut its "
               f"shutdown short", file=sys.stderr)
-    run.main(argv)
+    try:
+        run.main(argv)
+    except Exception as e:
+        # Ctrl-C: torchrun's handler raises its SignalException once the workers have ended,
+        # each with its own one-line sentence; its traceback below them said nothing more
+        if getattr(e, "sigval", None) != signal.SIGINT:
+            raise
+        sys.exit(128 + signal.SIGINT)
 
 
 if __name__ == "__main__":

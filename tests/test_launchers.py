@@ -923,6 +923,26 @@ def test_a_launch_that_cannot_work_is_one_sentence_before_anything_starts(tmp_pa
     assert not (tmp_path / "runs").exists() and not (tmp_path / "train.log").exists()
 
 
+def test_ctrl_c_to_local_sh_is_the_trainings_sentence_exit_130_and_the_summary(tmp_path):
+    """Ctrl-C in the terminal (SIGINT to the whole job): torchrun's SignalException traceback
+    followed the training's one-line sentence, and job.sh died of it too, without the exit
+    code, the memory summary or job.env's EXIT_CODE (exit 1 or -2)."""
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
+    proc = subprocess.Popen(["bash", str(LAUNCH / "local.sh"), "--", *LOCAL_STOP_RUN],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    head = read_until(proc, "Epoch [1/")
+    os.killpg(proc.pid, signal.SIGINT)
+    out = head + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out[-3000:]
+    assert "error: interrupted (Ctrl-C)" in out and "Traceback" not in out, out[-3000:]
+    assert "training exit code: 130 (after SIGINT)" in out and "== memory summary" in out
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert read_env_file(run_dir / "job.env")["EXIT_CODE"] == "130"
+    assert_loggers_gone(tmp_path, run_dir)
+
+
 def test_a_run_continued_with_run_dir_has_its_new_flags_checked(tmp_path):
     """RUN_DIR=... continues a run with the arguments given now: they went unchecked, and a typo
     ended in torchrun's traceback, with job.env rewritten to say the finished run failed."""
