@@ -105,6 +105,35 @@ def test_a_jump_is_named_once_with_its_step_and_the_noise_near_zero_is_not():
         assert (named in out.getvalue()) if named else out.getvalue() == "", losses
 
 
+class _Fp16Scale:
+    """GradScaler as fp16 has it at the start: enabled, at 65536."""
+    def is_enabled(self):
+        return True
+
+    def get_scale(self):
+        return 65536.0
+
+
+def test_with_fp16_a_loss_that_stays_nan_to_the_check_stops_the_run():
+    """fp16: a NaN now and then is an overflow whose step GradScaler skipped, but a too-high
+    --lr (finite weights that overflow every forward) let NaN epochs through, exit 0, and
+    their checkpoints, for the 17 steps the scale took to fall below 1. A loss that is still
+    NaN at the check, from the weights about to be saved, now stops the run as in bf16."""
+    nan = float("nan")
+
+    def check(losses):
+        watch = lossguard.LossWatch(torch.device("cpu"), _Fp16Scale(), 10, len(losses))
+        for step, loss in enumerate(losses):
+            watch.track(torch.tensor(loss), step)
+        watch.check(epoch=0)
+
+    check([2.3, nan, 2.2, 2.1])  # one overflow, skipped: the run goes on
+    for losses in ([2.3, 2.2, nan, nan], [2.3, nan]):
+        first = losses.index(nan) + 1
+        with pytest.raises(lossguard.NonFiniteLoss, match=f"at epoch 1, step {first};"):
+            check(losses)
+
+
 @pytest.mark.parametrize("extra, expected", [([], 1.0), (["--model", "resnet18"], 0.0),
                                              (["--clip-grad-norm", "0"], 0.0),
                                              (["--clip-grad-norm", "2.5"], 2.5)])

@@ -22,22 +22,28 @@ class NonFiniteLoss(Exception):
     """The loss became NaN/inf in a way GradScaler does not absorb."""
 
 
-def check_finite(bad_steps: torch.Tensor, first_bad: torch.Tensor, epoch: int, scaler) -> None:
+def check_finite(bad_steps: torch.Tensor, first_bad: torch.Tensor, last_bad: torch.Tensor,
+                 epoch: int, scaler) -> None:
     """Host sync, called only before a checkpoint and at the end of an epoch, on every rank.
 
     The ranks vote first (one all-reduce, every rank of the group): a NaN seen on rank 1 alone
     stops every rank here, with the same message, instead of rank 1 raising while the others
-    wait in their next collective until --dist-timeout. With fp16, a few non-finite losses are
-    overflows that GradScaler skips; it is fatal once the scale has collapsed below 1 (the
-    overflow never goes away). Otherwise any non-finite loss is fatal."""
+    wait in their next collective until --dist-timeout. With fp16, a non-finite loss now and
+    then is an overflow whose step GradScaler skipped, the weights left as they were; it is
+    fatal where the last step's loss (``last_bad``, 1 on a rank where it was not finite) is
+    too, since the weights about to be saved give it (a too-high --lr: finite weights that
+    overflow every forward, which no scale brings back), or once the scale has collapsed below
+    1. Otherwise any non-finite loss is fatal."""
     never = torch.full_like(first_bad, -2**62)
-    verdict = torch.stack([bad_steps, torch.where(first_bad >= 0, -first_bad, never)])
+    verdict = torch.stack([bad_steps, torch.where(first_bad >= 0, -first_bad, never),
+                           last_bad.to(bad_steps.dtype)])
     if rank_and_world()[1] > 1:
-        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)  # most bad steps; earliest bad step
-    bad, neg_first = verdict.tolist()
+        # most bad steps; earliest bad step; a rank whose last step was bad
+        dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+    bad, neg_first, last = verdict.tolist()
     if bad == 0:
         return
-    if scaler.is_enabled() and scaler.get_scale() >= 1.0:
+    if scaler.is_enabled() and scaler.get_scale() >= 1.0 and not last:
         return
     raise NonFiniteLoss(f"the loss became NaN or inf at epoch {epoch + 1}, step "
                         f"{-neg_first + 1}; nothing was saved after the last good "
@@ -108,5 +114,7 @@ class LossWatch:
             else:
                 bad.append(step)
         name_jump(torch.tensor(jump, device=self.device, dtype=torch.float64), epoch)
+        last_bad = bool(bad) and bad[-1] == self.upto - 1
         check_finite(torch.tensor(len(bad), device=self.device),
-                     torch.tensor(bad[0] if bad else -1, device=self.device), epoch, self.scaler)
+                     torch.tensor(bad[0] if bad else -1, device=self.device),
+                     torch.tensor(int(last_bad), device=self.device), epoch, self.scaler)
