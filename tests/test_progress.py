@@ -86,6 +86,15 @@ def test_progress_wording():
     assert "data_wait_frac" in contract.METRIC_KEYS
 
 
+def test_the_epoch_line_shows_a_learning_rate_six_decimals_cannot():
+    """--lr 1e-7, or a warm-up's first epochs, read "LR: 0.000000"; --lr 1e30 a 40-digit one."""
+    figures = dict(epoch=1, epochs=2, train_loss=1.0, val_loss=1.0, train_acc=50.0,
+                   val_acc=50.0, throughput_img_s=10.0, data_wait_frac=0.1, image_size=32)
+    shown = [re.search(r"LR: (\S+) ", contract.format_epoch_line(figures | {"lr": lr}))[1]
+             for lr in (0.01, 0.1, 1e-4, 1e-7, 1e30)]
+    assert shown == ["0.010000", "0.100000", "0.000100", "1.000e-07", "1.000e+30"]
+
+
 def test_linear_lr_scaling_with_warm_up_gives_the_documented_rate_at_every_step(tmp_path):
     """--lr-scaling linear: peak = --lr x global batch / --base-batch; over --warmup-epochs the
     rate at step s (0-based) is peak x (s + 1) / warm-up steps; then x --gamma every

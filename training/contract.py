@@ -110,15 +110,18 @@ STOP_LINE = (STOP_PREFIX + " signal={signal} epoch={epoch} step={step} saved={sa
 EXIT_LINE = EXIT_PREFIX + " code={code} rank={rank}"
 
 #: The per-epoch line people read (the workshop's), values global across ranks.
-EPOCH_LINE = ("Epoch [{epoch}/{epochs}] LR: {lr:.6f} | Loss (train, val): {train_loss:.3f}, "
+EPOCH_LINE = ("Epoch [{epoch}/{epochs}] LR: {lr_shown} | Loss (train, val): {train_loss:.3f}, "
               "{val_loss:.3f} | Accuracy (train, val): {train_acc:.2f}%, {val_acc:.2f}% | "
               "Throughput: {throughput_img_s:.1f} img/s | Data wait: {data_wait_frac:.0%} | "
               "Images: {image_size}x{image_size}")
 
 
 def format_epoch_line(m: dict) -> str:
-    """The per-epoch line users know from the workshop (values global across ranks)."""
-    return EPOCH_LINE.format(**m)
+    """The per-epoch line users know from the workshop (values global across ranks). The
+    learning rate as the workshop shows it, 0.010000, where six decimals show it: 1e-07 or a
+    warm-up's first epochs read "0.000000" so."""
+    lr = m["lr"]
+    return EPOCH_LINE.format(**m, lr_shown=f"{lr:.6f}" if 1e-4 <= lr < 1e6 else f"{lr:.3e}")
 
 
 def _fmt(value) -> str:

@@ -279,6 +279,20 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
     for flag in ("lr", "gamma"):  # the learning rate, and what multiplies it every --step-size
         if not 0 < getattr(args, flag) < math.inf:
             raise UsageError(f"--{flag} must be a positive number, got {getattr(args, flag)}")
+    # the optimizer holds them as float32: --lr 1e39 was a RuntimeError traceback in its first
+    # step, --gamma 1e308 one at the first decay, after an epoch of training
+    f32_max = torch.finfo(torch.float32).max
+    for flag, common in (("lr", "0.01 to 1"), ("weight_decay", "5e-4")):
+        if not getattr(args, flag) < f32_max:
+            raise UsageError(f"--{flag.replace('_', '-')} must be below the largest float32 "
+                             f"({f32_max:.3g}), got {getattr(args, flag):g} ({common} is "
+                             f"common)")
+    decays = args.epochs // args.step_size
+    if math.log(args.lr) + decays * math.log(args.gamma) >= math.log(f32_max):
+        raise UsageError(f"--lr {args.lr:g} times --gamma {args.gamma:g} at each of the "
+                         f"{decays} decays (every --step-size {args.step_size} of --epochs "
+                         f"{args.epochs}) goes past the largest float32 ({f32_max:.3g}): use "
+                         f"a --gamma below 1 (0.1 is common)")
     if not 0 <= args.warmup_epochs < math.inf:
         raise UsageError(f"--warmup-epochs must be 0 or a positive number of epochs, got "
                          f"{args.warmup_epochs}")
