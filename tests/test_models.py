@@ -40,10 +40,23 @@ def test_a_vit_at_another_size_is_told_the_image_size_it_takes():
     assert models.build_model("vit_b_16", 200, (3, 224, 224)).training
 
 
-def test_a_model_without_one_fixed_size_keeps_the_general_advice():
-    with pytest.raises(UsageError) as refused:  # too small for its pooling
-        models.build_model("squeezenet1_1", 10, (3, 16, 16))
+def test_a_model_too_deep_for_64_px_is_told_an_image_size_it_takes():
+    """Inception v3 (75 px or more) on TinyImageNet's 64 px was told to choose --model resnet50,
+    though --image-size 224 trains it."""
+    with pytest.raises(UsageError) as refused:
+        models.build_model("inception_v3", 200, (3, 64, 64))
+    assert str(refused.value).endswith(
+        "add --image-size 224 (synthetic or TinyImageNet data) or choose --model resnet50")
+
+
+def test_a_model_that_no_image_size_fixes_keeps_the_general_advice():
+    with pytest.raises(UsageError) as refused:  # one channel: 224 px would not help
+        models.build_model("squeezenet1_1", 10, (1, 16, 16))
     assert str(refused.value).endswith(": choose --model resnet50")
+    with pytest.raises(UsageError) as refused:  # too small for its pooling, fine at 224 px
+        models.build_model("squeezenet1_1", 10, (3, 16, 16))
+    assert str(refused.value).endswith(": add --image-size 224 (synthetic or TinyImageNet data) "
+                                       "or choose --model resnet50")
 
 
 def test_a_batch_of_one_that_batchnorm_cannot_normalise_is_refused_before_training():

@@ -102,6 +102,16 @@ def memory_format(model: nn.Module, device: torch.device) -> torch.memory_format
     return torch.channels_last if device.type == "cuda" and conv else torch.contiguous_format
 
 
+def _takes(model: nn.Module, input_shape: tuple) -> bool:
+    """Whether ``model`` (in eval mode) takes one image of ``input_shape``."""
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, *input_shape))
+        return True
+    except (AssertionError, RuntimeError, ValueError):
+        return False
+
+
 def watch_batchnorms(model: nn.Module, single: list) -> list:
     """Hooks (remove them after one forward) that append to ``single`` the name of each
     BatchNorm of ``model`` whose input holds one value per channel of an image: a 1x1 feature
@@ -165,6 +175,8 @@ def build_model(name: str, num_classes: int, input_shape: tuple,
     except (AssertionError, RuntimeError, ValueError) as err:
         shown = "x".join(map(str, input_shape))
         size = getattr(model, "image_size", None)  # a ViT's one image size
+        if not isinstance(size, int) and _takes(model, (input_shape[0], 224, 224)):
+            size = 224  # Inception v3 takes 75 px or more: not TinyImageNet's 64
         fix = (f"add --image-size {size} (synthetic or TinyImageNet data) or choose --model "
                f"resnet50" if isinstance(size, int) else "choose --model resnet50")
         raise UsageError(f"--model {name} cannot take this dataset's {shown} images "
