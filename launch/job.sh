@@ -442,9 +442,12 @@ else
   # analyze_memory.py walks the run directory and reads only files that look like memory logs.
   "${python_cmd[@]}" "$analyze" "$RUN_DIR" 2>&1 | tee "$RUN_DIR/memory_summary.txt"
   arc=${PIPESTATUS[0]}
-  if [ "$arc" -eq 0 ]; then
+  # 1: some logs summarised, another bad (a failing nvidia-smi's error text in its CSV): the
+  # JSON keeps the good ones, and names the bad one among its problems
+  if [ "$arc" -le 1 ]; then
     "${python_cmd[@]}" "$analyze" --json "$RUN_DIR" >"$RUN_DIR/memory_summary.json"
-    arc=$?
+    jrc=$?
+    if [ "$jrc" -gt 1 ]; then arc=$jrc; fi
   fi
   set -e
   if [ "$arc" -ne 0 ]; then

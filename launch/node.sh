@@ -54,7 +54,7 @@ gpus_on_node() {
     IFS=, read -ra devices <<<"$CUDA_VISIBLE_DEVICES"
     echo "$((${#devices[@]} > 0 ? ${#devices[@]} : 1))"
   elif [ -z "${SLURM_JOB_ID:-}" ]; then
-    listed=$(timeout 30 "${NVIDIA_SMI:-nvidia-smi}" -L 2>/dev/null | grep -c '^GPU ' || true)
+    listed=$(timeout -k 5 15 "${NVIDIA_SMI:-nvidia-smi}" -L 2>/dev/null | grep -c '^GPU ' || true)
     if [[ $listed =~ ^[1-9][0-9]*$ ]]; then echo "$listed"; else echo 1; fi
   else
     echo 1
@@ -70,7 +70,7 @@ gpus_seen() {
     [ -n "$CUDA_VISIBLE_DEVICES" ] && [ "$CUDA_VISIBLE_DEVICES" != -1 ]
     return
   fi
-  listed=$(timeout 30 "${NVIDIA_SMI:-nvidia-smi}" -L 2>/dev/null | grep -c '^GPU ' || true)
+  listed=$(timeout -k 5 15 "${NVIDIA_SMI:-nvidia-smi}" -L 2>/dev/null | grep -c '^GPU ' || true)
   [[ $listed =~ ^[1-9][0-9]*$ ]]
 }
 

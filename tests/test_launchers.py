@@ -687,6 +687,40 @@ def test_sigterm_as_the_training_ends_on_its_own_does_not_cut_the_loggers_line(t
         attempts=12, interval_s=0.0005, stagger_s=0.0005)
 
 
+def test_a_hung_nvidia_smi_costs_the_gpu_count_seconds_not_the_job(tmp_path):
+    """An nvidia-smi stuck in the driver, deaf to SIGTERM, held the job for ever at its first
+    GPU count (timeout without -k): now 1 process after 15 s and 5 more for SIGKILL."""
+    smi = tmp_path / "stuck-smi"
+    smi.write_text("#!/bin/bash\ntrap '' TERM\nexec sleep 300\n")  # SIGTERM stays ignored
+    smi.chmod(0o755)
+    env = base_env(tmp_path) | {"NVIDIA_SMI": str(smi)}
+    t0 = time.monotonic()
+    res = subprocess.run(["bash", str(LAUNCH / "node.sh"), "--gpus"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert (res.returncode, res.stdout) == (0, "1\n") and time.monotonic() - t0 < 40
+
+
+def test_a_failing_nvidia_smi_keeps_the_cpu_log_in_the_memory_summary(tmp_path):
+    """nvidia-smi that fails (a driver/library mismatch) wrote its error into the GPU log; the
+    analysis then refused that log, exit 1, and memory_summary.json was never written, the
+    good CPU log lost with it."""
+    smi = tmp_path / "fakebin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/bash\nif [ \"$1\" = -L ]; then echo 'GPU 0: Fake'; exit 0; fi\n"
+                   "echo 'Failed to initialize NVML: Driver/library version mismatch'; exit 18\n")
+    smi.chmod(0o755)
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
+    env["PATH"] = f"{smi.parent}{os.pathsep}{env['PATH']}"
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--", *TINY], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "memory_summary.json").read_text())
+    if has_tool("psrecord", env):
+        assert summary["cpu"], summary
+    assert any("gpu_memory" in p["path"] for p in summary["problems"]), summary
+
+
 def test_a_logger_that_ignores_sigterm_is_killed_and_node_sh_still_stops(tmp_path):
     """The exit trap ignores the stop signals while it stops the loggers, so a logger that does
     not answer SIGTERM (nvidia-smi stuck in the driver after a GPU fault) would keep node.sh,
