@@ -123,6 +123,28 @@ def test_values_that_fail_later_are_refused_at_the_start(tmp_path, argv, says):
 
 
 @pytest.mark.parametrize("argv, said", [
+    (["--tensorboard-every", "1"], ["note: --tensorboard-every 1 does nothing without "
+                                    "--tensorboard: add --tensorboard"]),
+    (["--tensorboard-every", "1", "--tensorboard", "tb"], []),
+    (["--data-on-device", "--num-workers", "2"], ["note: --num-workers 2 does nothing with "
+                                                  "--data-on-device, which reads no batch "
+                                                  "through a loader: drop it"]),
+    (["--data-on-device"], []),
+])
+def test_flags_that_act_on_nothing_this_run_has_are_said(capsys, monkeypatch, tmp_path, argv,
+                                                         said):
+    """--tensorboard-every without --tensorboard, --num-workers with --data-on-device were
+    taken without a word, as the checkpoint flags without --checkpoint-dir were."""
+    monkeypatch.delenv("RUN_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    args = _parse("ddp_train", argv + ["--device", "cpu"])
+    flags.check_flags(args)
+    flags.resolve_args(args, distributed.DistEnv(0, 0, 1, 1, "single"), torch.device("cpu"))
+    assert [line for line in capsys.readouterr().out.splitlines()
+            if "does nothing" in line] == said
+
+
+@pytest.mark.parametrize("argv, said", [
     (["--checkpoint-every", "5"], "note: --checkpoint-every 5 does nothing without "
      "--checkpoint-dir: this run saves no checkpoint; add --checkpoint-dir DIR"),
     (["--checkpoint-every", "5", "--keep-checkpoints", "3"], "note: --checkpoint-every 5 and "

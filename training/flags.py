@@ -28,6 +28,7 @@ DATASETS = ("tinyimagenet", "cifar10", "mnist", "fashion-mnist", "synthetic")
 ALL_GPU_COUNTS = (1, 2, 4, 8)
 MAX_DIST_TIMEOUT = 86400  # seconds; far beyond it, gloo's and NCCL's own timers overflow
 KEEP_CHECKPOINTS = 2  # --keep-checkpoints' default
+TENSORBOARD_EVERY = 5.0  # --tensorboard-every's default, in seconds
 DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_net",
                  "fashion-mnist": "mnist_net", "synthetic": "resnet50"}
 # --clip-grad-norm's default per model; 0 (off) for the others. The CIFAR CNN has no BatchNorm
@@ -207,7 +208,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "Default DIR: $RUN_DIR/tensorboard under the launchers, where it is on "
                         "unless --tensorboard off; else runs/tensorboard/<strategy>-<nodes>n"
                         "<gpus>g-<the --checkpoint-dir's name, or the time>")
-    g.add_argument("--tensorboard-every", type=float, default=5, metavar="SECONDS",
+    g.add_argument("--tensorboard-every", type=float, default=TENSORBOARD_EVERY,
+                   metavar="SECONDS",
                    help="with --tensorboard: a per-step point at most this often (each reads "
                         "the loss from the device once); 0: every step")
     g.add_argument("--estimate-memory", nargs="?", type=int, const=ALL_GPU_COUNTS, default=None,
@@ -399,6 +401,7 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
                          f"{cc[0]}.{cc[1]}: use --amp fp16")
     elif device.type != "cuda" and args.amp != "off" and env.rank == 0:  # autocast on a CPU
         print(devices.cpu_amp_note(args.amp, devices.cpu_flags()), file=sys.stderr, flush=True)
+    given_workers = args.num_workers
     if args.num_workers is None:
         args.num_workers = default_workers(env)
         if device.type == "cuda":  # with 0, reading and pinning a batch delays every step
@@ -417,6 +420,16 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
         print(f"note: {' and '.join(unsaved)} {'does' if len(unsaved) == 1 else 'do'} nothing "
               f"without --checkpoint-dir: this run saves no checkpoint; add --checkpoint-dir "
               f"DIR", flush=True)
+    # flags that act on something this run does not have: said, as the checkpoint ones are
+    idle = []
+    if args.tensorboard in (None, board.OFF) and args.tensorboard_every != TENSORBOARD_EVERY:
+        idle.append(f"--tensorboard-every {args.tensorboard_every:g} does nothing without "
+                    f"--tensorboard: add --tensorboard")
+    if args.data_on_device and given_workers:
+        idle.append(f"--num-workers {given_workers} does nothing with --data-on-device, which "
+                    f"reads no batch through a loader: drop it")
+    for line in idle if env.rank == 0 else []:
+        print(f"note: {line}", flush=True)
     if args.warmup_epochs > args.epochs and env.rank == 0:
         print(f"note: --warmup-epochs {args.warmup_epochs:g} is longer than --epochs "
               f"{args.epochs}: the learning rate never reaches its peak", flush=True)
