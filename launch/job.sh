@@ -215,6 +215,13 @@ if [ -n "${RUN_DIR:-}" ]; then
 else
   RUN_DIR="${RUNS_DIR:-$submit_dir/runs}/$job_name-$job_id"
 fi
+# A CHECKPOINT_DIR that is a file: refused here, not by the training once torchrun ran it,
+# as --checkpoint-dir, with torchrun's report below (and a run directory left behind)
+if [ -n "${CHECKPOINT_DIR:-}" ] && [ -e "$CHECKPOINT_DIR" ] && [ ! -d "$CHECKPOINT_DIR" ]; then
+  echo "error: CHECKPOINT_DIR=$CHECKPOINT_DIR is a file: name a folder for the checkpoints," \
+    "or unset it for \$RUN_DIR/checkpoints (CHECKPOINT_DIR= for none)" >&2
+  exit 2
+fi
 if ! mkdir -p "$RUN_DIR/gpu_memory" "$RUN_DIR/cpu_memory" 2>/dev/null; then
   fix="set RUNS_DIR to a writable folder (default: runs/ where you start or submit the job)"
   if [ -n "$continued" ]; then fix="make RUN_DIR writable, or unset it for a new run directory"; fi

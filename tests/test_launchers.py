@@ -912,7 +912,8 @@ def test_an_unusable_runs_dir_or_python_is_one_sentence(tmp_path, bad):
 
 
 @pytest.mark.parametrize("case", ["no torch", "site.sh", "LOG_INTERVAL", "NPROC_PER_NODE",
-                                  "RUN_DIR /tmp", "RUN_DIR file", "nproc last", "CDPATH"])
+                                  "RUN_DIR /tmp", "RUN_DIR file", "nproc last", "CDPATH",
+                                  "CHECKPOINT_DIR file"])
 def test_a_launch_that_cannot_work_is_one_sentence_before_anything_starts(tmp_path, case):
     """Each ended otherwise: a Python without torch in torchrun's ModuleNotFoundError traceback
     (an empty run directory left); a failing site.sh line in bash's own line and exit 127;
@@ -942,6 +943,9 @@ def test_a_launch_that_cannot_work_is_one_sentence_before_anything_starts(tmp_pa
     elif case == "RUN_DIR file":
         env["RUN_DIR"] = str(tmp_path / "afile")
         said = f"error: RUN_DIR={tmp_path / 'afile'} is a file"
+    elif case == "CHECKPOINT_DIR file":  # refused by the training, under torchrun's report
+        env["CHECKPOINT_DIR"] = str(tmp_path / "afile")
+        said = f"error: CHECKPOINT_DIR={tmp_path / 'afile'} is a file: name a folder"
     elif case == "nproc last":
         args = ["--epochs", "1", "--nproc-per-node", "2"]
         said = "error: --nproc-per-node comes after the training arguments: put it before them"
