@@ -28,7 +28,7 @@ DATASETS = ("tinyimagenet", "cifar10", "mnist", "fashion-mnist", "synthetic")
 ALL_GPU_COUNTS = (1, 2, 4, 8)
 MAX_DIST_TIMEOUT = 86400  # seconds; far beyond it, gloo's and NCCL's own timers overflow
 KEEP_CHECKPOINTS = 2  # --keep-checkpoints' default
-TENSORBOARD_EVERY = 5.0  # --tensorboard-every's default, in seconds
+TENSORBOARD_EVERY = 5  # --tensorboard-every's default, in seconds
 DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_net",
                  "fashion-mnist": "mnist_net", "synthetic": "resnet50"}
 # --clip-grad-norm's default per model; 0 (off) for the others. The CIFAR CNN has no BatchNorm
