@@ -422,6 +422,10 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
               f"DIR", flush=True)
     # flags that act on something this run does not have: said, as the checkpoint ones are
     idle = []
+    if args.compile in ("reduce-overhead", "max-autotune") and device.type != "cuda":
+        # (--cuda-graph, whose graphs are the step, is refused there)
+        idle.append(f"--compile {args.compile}'s CUDA graphs do nothing on the CPU: the step "
+                    f"compiles without them, as --compile default")
     if args.tensorboard in (None, board.OFF) and args.tensorboard_every != TENSORBOARD_EVERY:
         idle.append(f"--tensorboard-every {args.tensorboard_every:g} does nothing without "
                     f"--tensorboard: add --tensorboard")
