@@ -181,7 +181,8 @@ def preflight(args, model: nn.Module, data, device: torch.device, world: int) ->
     grad_bytes = memory.param_bytes(model.parameters())  # fp32 gradients, as the parameters
     if args.check:
         bandwidth.collective_check(device, world, grad_bytes, COLLECTIVES)
-        print0("preflight OK: data, batch size, devices and checkpoint dir")
+        print0("preflight OK: data, batch size, devices"
+               + (" and checkpoint dir" if args.checkpoint_dir else ""))
         return True
     if args.profile and world > 1:
         bandwidth.bus_bandwidth(device, world, [grad_bytes], COLLECTIVES,

@@ -121,7 +121,8 @@ def preflight(args, model: nn.Module, data, gpu_ids: list, world: int) -> bool:
     if args.check:
         print0(f"check: no process group (DataParallel is one process); {world} device(s): "
                f"{gpu_ids or ['cpu']}")
-        print0("preflight OK: data, batch size, devices and checkpoint dir")
+        print0("preflight OK: data, batch size, devices"
+               + (" and checkpoint dir" if args.checkpoint_dir else ""))
         return True
     return False
 

@@ -453,8 +453,9 @@ def test_check_runs_preflight_and_all_reduce_only(check_runs):
     proc = check_runs["ddp_train.py"]
     check_ok(proc)
     assert "check: all-reduce OK across 2 rank(s) (sum 3 == 3)" in proc.stdout
-    assert "busbw" in proc.stdout and "preflight OK" in proc.stdout
-    assert "Epoch [" not in proc.stdout
+    assert "busbw" in proc.stdout and "Epoch [" not in proc.stdout
+    # no --checkpoint-dir: no checkpoint dir claimed as checked
+    assert "preflight OK: data, batch size, devices\n" in proc.stdout
     proc = check_runs["fsdp_train.py"]
     check_ok(proc)
     assert "all-reduce OK across 2 rank(s)" in proc.stdout
@@ -464,7 +465,8 @@ def test_preflight_unwritable_checkpoint_dir_exits_2():
     proc = run_script("ddp_train.py", ["--model", "cnn", "--checkpoint-dir",
                                        "/etc/hostname/ck"])
     assert proc.returncode == 2
-    assert "cannot create --checkpoint-dir" in proc.stderr and "Traceback" not in proc.stderr
+    assert "--checkpoint-dir /etc/hostname/ck: /etc/hostname is a file, not a folder" in \
+        proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_preflight_unannotated_val_image_exits_2(tiny_imagenet, tmp_path):

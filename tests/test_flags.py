@@ -176,3 +176,19 @@ def test_checkpoint_flags_without_a_folder_are_said_and_the_stop_line_says_nothi
                     if args.checkpoint_dir else
                     f"stop: kill -TERM {os.getpid()} (or -USR1); nothing is saved without "
                     f"--checkpoint-dir")
+
+
+@pytest.mark.parametrize("where", ["itself", "above"])
+def test_a_file_where_an_output_folder_goes_is_named(tmp_path, where):
+    """--checkpoint-dir, --tensorboard or --profile naming a file (or a path through one) said
+    "cannot create ... (File exists)" or "(Not a directory)", which named no fix."""
+    from training import faults
+    (tmp_path / "afile").write_text("")
+    path = tmp_path / "afile" / ("" if where == "itself" else "sub")
+    with pytest.raises(UsageError) as refused:
+        faults.make_folder(path, "--checkpoint-dir")
+    assert str(refused.value) == (f"--checkpoint-dir {path}: {tmp_path / 'afile'} is a file, "
+                                  f"not a folder: give a folder's path")
+    faults.make_folder(tmp_path / "new" / "ck", "--checkpoint-dir")
+    assert (tmp_path / "new" / "ck").is_dir()
+

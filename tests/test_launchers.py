@@ -1009,7 +1009,8 @@ def test_local_sh_check_only_and_bad_run_dir(tmp_path):
     assert "gloo's interface: lo (from NCCL_SOCKET_IFNAME=lo)" in res.stdout
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in res.stdout
     assert "check: all-reduce OK across 2 rank(s)" in res.stdout
-    assert "preflight OK" in res.stdout and "Epoch [" not in res.stdout
+    assert "preflight OK: data, batch size, devices and checkpoint dir" in res.stdout
+    assert "Epoch [" not in res.stdout
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert f"--checkpoint-dir {run_dir}/checkpoints --check" in res.stdout
 

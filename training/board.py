@@ -29,7 +29,7 @@ from datetime import datetime
 from pathlib import Path
 
 from training.distributed import rank_and_world
-from training.faults import UsageError
+from training.faults import UsageError, make_folder
 
 #: The value of --tensorboard when a launcher set $RUN_DIR and the user said nothing: on, in
 #: $RUN_DIR/tensorboard, unless the tensorboard package is missing (then a note, and off).
@@ -147,11 +147,7 @@ class Board:
         from torch.utils.tensorboard import SummaryWriter
         self.path = log_dir(settings, run_info["strategy"], run_info["nodes"],
                             run_info["gpus_per_node"])
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--tensorboard {self.path}: cannot create that folder "
-                             f"({e.strerror}): give a writable directory") from None
+        make_folder(self.path, "--tensorboard")
         aside = None if start_global_step else set_aside_curves(self.path)
         if aside:
             print(f"note: a fresh start: moved the earlier run's TensorBoard curves in "

@@ -30,7 +30,7 @@ import torch
 
 from training import hangs
 from training.distributed import every_rank, on_rank0, print0, raise_if_any_rank, rank_and_world
-from training.faults import UsageError, lock_checkpoint_dir
+from training.faults import UsageError, lock_checkpoint_dir, make_folder
 from training.schedule import place_schedule
 
 # --------------------------------------------------------------------------------------------
@@ -238,11 +238,7 @@ def check_checkpoint_dir(directory, model) -> None:
     if directory is None:
         return
     path = Path(directory)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"cannot create --checkpoint-dir {path} ({exc.strerror}): choose a "
-                         f"writable folder") from None
+    make_folder(path, "--checkpoint-dir")
     if not os.access(path, os.W_OK):
         raise UsageError(f"--checkpoint-dir {path} is not writable: choose another folder")
     # weights and momentum (2x the parameters) with a margin; room for 3: the default 2 kept

@@ -51,6 +51,21 @@ class RankError(UsageError):
     MASTER_ADDR:MASTER_PORT): that rank prints it, whichever it is."""
 
 
+def make_folder(path, flag: str) -> None:
+    """mkdir -p of ``flag``'s folder, or one sentence: a file in its place (or above it) is
+    named as such, where mkdir's "File exists" or "Not a directory" named no fix."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        blocked = next((p for p in [Path(path), *Path(path).parents]
+                        if p.exists() and not p.is_dir()), None)
+        if blocked is not None:
+            raise UsageError(f"{flag} {path}: {blocked} is a file, not a folder: give a folder's "
+                             f"path") from None
+        raise UsageError(f"{flag} {path}: cannot create that folder ({e.strerror or e}): give "
+                         f"a writable directory") from None
+
+
 def _rank(rank_env) -> str:
     """How an error line names this process: "rank R", or in a --simulate-world-size run, like
     its other lines, "simulation, rank 0 of N"."""

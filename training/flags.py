@@ -17,7 +17,7 @@ import torch
 
 from training import allocation, board, contract, devices
 from training.distributed import DistEnv
-from training.faults import UsageError
+from training.faults import UsageError, make_folder
 from training.models import check_model, grey_channels, synthetic_shape
 
 
@@ -438,11 +438,7 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
         print(f"note: --warmup-epochs {args.warmup_epochs:g} is longer than --epochs "
               f"{args.epochs}: the learning rate never reaches its peak", flush=True)
     if args.profile is not None:
-        try:
-            Path(args.profile).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--profile {args.profile}: cannot create that folder "
-                             f"({e.strerror}): give a writable directory") from None
+        make_folder(args.profile, "--profile")
         if not os.access(args.profile, os.W_OK):
             raise UsageError(f"--profile {args.profile}: that folder is not writable: give a "
                              f"writable directory")
