@@ -129,6 +129,10 @@ if [ ! -f "$TRAIN_SCRIPT" ]; then
   exit 2
 fi
 
+for arg in "$@"; do  # the training script's help, not a run directory and a torchrun for it
+  case $arg in -h | --help) exec "${python_cmd[@]}" "$TRAIN_SCRIPT" --help ;; esac
+done
+
 # The training arguments, checked by the repository script's own parser and value checks
 # (launch/check_args.py, as run_benchmarks.py does for a study) before any run directory, logger
 # or torchrun: a typo or an impossible value gets one sentence, not a failed run and torchrun's

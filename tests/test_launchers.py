@@ -981,6 +981,15 @@ def test_ctrl_c_to_local_sh_is_the_trainings_sentence_exit_130_and_the_summary(t
     assert_loggers_gone(tmp_path, run_dir)
 
 
+def test_training_help_through_the_launcher_is_the_scripts_help_alone(tmp_path):
+    """local.sh -- --help made a run directory and started torchrun to print the help."""
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--", "--epochs", "1", "--help"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("usage: ddp_train.py"), res.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_run_continued_with_run_dir_has_its_new_flags_checked(tmp_path):
     """RUN_DIR=... continues a run with the arguments given now: they went unchecked, and a typo
     ended in torchrun's traceback, with job.env rewritten to say the finished run failed."""
