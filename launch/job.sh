@@ -73,15 +73,16 @@ if [ -f "$SITE_SH" ]; then  # false for SITE_SH= (none)
   echo "site settings: $SITE_SH"
   set +u  # module and conda scripts read unset variables
   # A failing line (a module that is not there, conda without its conda.sh) ended the job
-  # with bash's own line at most: name the line and the way out.
-  set -E
+  # with bash's own line at most: name the line and the way out. (Without set -E: the trap
+  # stays out of the functions and $(...) of module and conda scripts, where a failure is
+  # often expected and handled.)
   trap 'echo "error: site settings $SITE_SH, line $LINENO: \"$BASH_COMMAND\" failed" \
     "(exit $?): fix that line (conda: source its etc/profile.d/conda.sh first), or run" \
     "with SITE_SH= to skip the file" >&2; exit 2' ERR
   # shellcheck source=/dev/null
   source "$SITE_SH"
   trap - ERR
-  set +E -u
+  set -u
 fi
 
 # ---- defaults, each overridable from the environment -----------------------------------------
