@@ -913,7 +913,7 @@ def test_an_unusable_runs_dir_or_python_is_one_sentence(tmp_path, bad):
 
 @pytest.mark.parametrize("case", ["no torch", "site.sh", "LOG_INTERVAL", "NPROC_PER_NODE",
                                   "RUN_DIR /tmp", "RUN_DIR file", "nproc last", "CDPATH",
-                                  "CHECKPOINT_DIR file"])
+                                  "CHECKPOINT_DIR file", "site.sh handled"])
 def test_a_launch_that_cannot_work_is_one_sentence_before_anything_starts(tmp_path, case):
     """Each ended otherwise: a Python without torch in torchrun's ModuleNotFoundError traceback
     (an empty run directory left); a failing site.sh line in bash's own line and exit 127;
@@ -933,6 +933,14 @@ def test_a_launch_that_cannot_work_is_one_sentence_before_anything_starts(tmp_pa
         env["SITE_SH"] = str(tmp_path / "site.sh")
         said = (f'error: site settings {tmp_path / "site.sh"}, line 2: "conda activate myenv" '
                 f'failed (exit 127): fix that line')
+    elif case == "site.sh handled":  # failures a module or conda script expects: the job goes
+        # on to the training's flag check
+        (tmp_path / "site.sh").write_text(
+            "X=$(false; echo ok)\nquiet() { false || true; }\nquiet\nmodule_like() { return 0; }"
+            "\n[ -f /nonexistent ] && source /nonexistent\nif false; then :; fi\nexport OK=1\n")
+        env["SITE_SH"] = str(tmp_path / "site.sh")
+        args = ["--", "--epochs", "0"]
+        said = "error: the training arguments are refused: ddp_train.py: error: --epochs"
     elif case in ("LOG_INTERVAL", "NPROC_PER_NODE"):  # as a .slurm file gives it to job.sh
         env[case] = "abc"
         launcher = [str(LAUNCH / "job.sh")]
