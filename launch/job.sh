@@ -76,13 +76,16 @@ if [ -f "$SITE_SH" ]; then  # false for SITE_SH= (none)
   # with bash's own line at most: name the line and the way out. (Without set -E: the trap
   # stays out of the functions and $(...) of module and conda scripts, where a failure is
   # often expected and handled.)
-  trap 'echo "error: site settings $SITE_SH, line $LINENO: \"$BASH_COMMAND\" failed" \
-    "(exit $?): fix that line (conda: source its etc/profile.d/conda.sh first), or run" \
-    "with SITE_SH= to skip the file" >&2; exit 2' ERR
+  # (Only while errexit is on: a site file that turned it off with set +e goes on, as before.)
+  site_rc=0 site_line=0
+  trap 'site_rc=$? site_line=$LINENO; if [[ $- == *e* ]]; then
+    echo "error: site settings $SITE_SH, line $site_line: \"$BASH_COMMAND\" failed (exit" \
+      "$site_rc): fix that line (conda: source its etc/profile.d/conda.sh first), or run" \
+      "with SITE_SH= to skip the file" >&2; exit 2; fi' ERR
   # shellcheck source=/dev/null
   source "$SITE_SH"
   trap - ERR
-  set -u
+  set -eu  # a set +e of the site file's ends with it: this script stops at its own errors
 fi
 
 # ---- defaults, each overridable from the environment -----------------------------------------

@@ -937,7 +937,8 @@ def test_a_launch_that_cannot_work_is_one_sentence_before_anything_starts(tmp_pa
         # on to the training's flag check
         (tmp_path / "site.sh").write_text(
             "X=$(false; echo ok)\nquiet() { false || true; }\nquiet\nmodule_like() { return 0; }"
-            "\n[ -f /nonexistent ] && source /nonexistent\nif false; then :; fi\nexport OK=1\n")
+            "\n[ -f /nonexistent ] && source /nonexistent\nif false; then :; fi\nexport OK=1\n"
+            "set +e\nfalse\n")  # a site file that turned errexit off goes on, as before
         env["SITE_SH"] = str(tmp_path / "site.sh")
         args = ["--", "--epochs", "0"]
         said = "error: the training arguments are refused: ddp_train.py: error: --epochs"
