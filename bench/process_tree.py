@@ -21,13 +21,16 @@ REPO = Path(__file__).resolve().parents[1]
 STOP = threading.Event()
 
 
+TIMED_OUT = "no result within"  # how a row's note starts when its timeout ended it
+
+
 class RowTimeout(Exception):
     """A row's processes outlived its timeout: the last line it printed, and where each of
     its training processes was (``stack``: the lines of the row's note)."""
 
     def __init__(self, timeout: float, last_line: str, stack: list):
         said = f" (its last line: {last_line[:150]})" if last_line else ""
-        super().__init__(f"no result within {timeout:.0f} s{said}")
+        super().__init__(f"{TIMED_OUT} {timeout:.0f} s{said}")
         self.stack = stack
 
     def result(self, cmd: list) -> dict:

@@ -341,8 +341,7 @@ def test_gpu_check_continue_reruns_a_row_the_end_of_minutes_cut(gpu_check, monke
     marked cut, and its next estimate is at least the seconds it had."""
     monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: _small_plan()[:1])
 
-    def overruns(row, args, timeout):
-        time.sleep(timeout)
+    def overruns(row, args, timeout):  # its timeout ended it
         return {"error": f"no result within {timeout:.0f} s", "cmd": ["python"]}
 
     monkeypatch.setattr(gpu_rows, "run_training", overruns)
@@ -360,6 +359,13 @@ def test_gpu_check_continue_reruns_a_row_the_end_of_minutes_cut(gpu_check, monke
                            str(earlier)]) == 0
     assert re.search(rf"^ +0 - +10 s  {re.escape(gpu_plan.CEILING)}, 64 px, batch 8$",
                      capsys.readouterr().out, re.M)
+    # a row that ended with its result under the shortened timeout keeps it (a launcher row's
+    # analysis goes on past the timeout by design)
+    monkeypatch.setattr(gpu_rows, "run_training", _fake_training)
+    assert gpu_check.main(["--out", str(tmp_path / "ok.md"), "--minutes", "0.05",
+                           "--estimates", str(earlier)]) == 0
+    (row,) = [json.loads(line) for line in (tmp_path / "ok.jsonl").read_text().splitlines()]
+    assert "skipped" not in row and row["img_s"] == 100.0
 
 
 def test_gpu_check_gives_each_row_its_share_of_the_hosts_cores(gpu_check, monkeypatch, tmp_path):
@@ -837,6 +843,7 @@ def test_gpu_check_ends_a_cache_build_that_outlives_its_timeout(tmp_path, monkey
     whole run, until the allocation ended."""
     (tmp_path / "ddp_train.py").write_text("import time\ntime.sleep(300)\n")
     monkeypatch.setattr(gpu_rows, "REPO", tmp_path)
+    monkeypatch.setattr(gpu_rows, "CACHE_BUILD_S", 3)
     t0 = time.monotonic()
     said = gpu_rows.prepare_data(tmp_path / "tree", {"cache": str(tmp_path / "cache")},
                                  gpu=False, given=True, timeout=3)
