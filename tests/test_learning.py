@@ -121,17 +121,21 @@ def test_with_fp16_a_loss_that_stays_nan_to_the_check_stops_the_run():
     NaN at the check, from the weights about to be saved, now stops the run as in bf16."""
     nan = float("nan")
 
-    def check(losses):
-        watch = lossguard.LossWatch(torch.device("cpu"), _Fp16Scale(), 10, len(losses))
+    def watch_of(losses):
+        watch = lossguard.LossWatch(torch.device("cpu"), _Fp16Scale(), 10, 8)
         for step, loss in enumerate(losses):
             watch.track(torch.tensor(loss), step)
-        watch.check(epoch=0)
+        return watch
 
-    check([2.3, nan, 2.2, 2.1])  # one overflow, skipped: the run goes on
-    for losses in ([2.3, 2.2, nan, nan], [2.3, nan]):
-        first = losses.index(nan) + 1
-        with pytest.raises(lossguard.NonFiniteLoss, match=f"at epoch 1, step {first};"):
-            check(losses)
+    watch_of([2.3, nan, 2.2, 2.1]).check(epoch=0)  # one overflow, skipped: the run goes on
+    watch_of([2.3, nan]).check(epoch=0)  # one, just before a check: as well
+    with pytest.raises(lossguard.NonFiniteLoss, match="at epoch 1, step 3;"):
+        watch_of([2.3, 2.2, nan, nan]).check(epoch=0)
+    watch = watch_of([2.3, nan])  # every step NaN since, across checks (--checkpoint-every 1)
+    watch.check(epoch=0)
+    watch.track(torch.tensor(nan), 2)
+    with pytest.raises(lossguard.NonFiniteLoss, match="at epoch 1, step 3;"):
+        watch.check(epoch=0)
 
 
 @pytest.mark.parametrize("extra, expected", [([], 1.0), (["--model", "resnet18"], 0.0),

@@ -22,7 +22,12 @@ class NonFiniteLoss(Exception):
     """The loss became NaN/inf in a way GradScaler does not absorb."""
 
 
-def check_finite(bad_steps: torch.Tensor, first_bad: torch.Tensor, last_bad: torch.Tensor,
+# fp16: this many non-finite losses one after another, up to a check, stop the run (one alone
+# is an overflow GradScaler skipped; a diverged model overflows every step)
+STUCK_STEPS = 2
+
+
+def check_finite(bad_steps: torch.Tensor, first_bad: torch.Tensor, stuck: torch.Tensor,
                  epoch: int, scaler) -> None:
     """Host sync, called only before a checkpoint and at the end of an epoch, on every rank.
 
@@ -30,20 +35,21 @@ def check_finite(bad_steps: torch.Tensor, first_bad: torch.Tensor, last_bad: tor
     stops every rank here, with the same message, instead of rank 1 raising while the others
     wait in their next collective until --dist-timeout. With fp16, a non-finite loss now and
     then is an overflow whose step GradScaler skipped, the weights left as they were; it is
-    fatal where the last step's loss (``last_bad``, 1 on a rank where it was not finite) is
-    too, since the weights about to be saved give it (a too-high --lr: finite weights that
-    overflow every forward, which no scale brings back), or once the scale has collapsed below
-    1. Otherwise any non-finite loss is fatal."""
+    fatal where the last steps' losses are not finite one after another (``stuck``, 1 on a
+    rank where its last STUCK_STEPS or more were not), since the weights about to be saved
+    give them (a too-high --lr: finite weights that overflow every forward, which no scale
+    brings back), or once the scale has collapsed below 1. Otherwise any non-finite loss is
+    fatal."""
     never = torch.full_like(first_bad, -2**62)
     verdict = torch.stack([bad_steps, torch.where(first_bad >= 0, -first_bad, never),
-                           last_bad.to(bad_steps.dtype)])
+                           stuck.to(bad_steps.dtype)])
     if rank_and_world()[1] > 1:
-        # most bad steps; earliest bad step; a rank whose last step was bad
+        # most bad steps; earliest bad step; a rank whose last steps were bad
         dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-    bad, neg_first, last = verdict.tolist()
+    bad, neg_first, stuck_anywhere = verdict.tolist()
     if bad == 0:
         return
-    if scaler.is_enabled() and scaler.get_scale() >= 1.0 and not last:
+    if scaler.is_enabled() and scaler.get_scale() >= 1.0 and not stuck_anywhere:
         return
     raise NonFiniteLoss(f"the loss became NaN or inf at epoch {epoch + 1}, step "
                         f"{-neg_first + 1}; nothing was saved after the last good "
@@ -91,6 +97,7 @@ class LossWatch:
         self.losses = torch.zeros(max(steps, 1), device=device, dtype=torch.float64)
         self.first, self.upto = None, 0  # the steps noted since the last check
         self.last = math.inf  # the last finite loss checked (inf: none yet)
+        self.trailing = 0  # non-finite losses one after another up to the last one checked
 
     def track(self, loss, step: int) -> None:
         """After ``step`` (0-based, in the epoch, below the ``steps`` it was made for)."""
@@ -110,11 +117,12 @@ class LossWatch:
             if jump[0] < 0 and loss > JUMP * self.last and loss > self.floor:
                 jump = [float(step), self.last, loss]
             if math.isfinite(loss):
-                self.last = loss
+                self.last, self.trailing = loss, 0
             else:
                 bad.append(step)
+                self.trailing += 1
         name_jump(torch.tensor(jump, device=self.device, dtype=torch.float64), epoch)
-        last_bad = bool(bad) and bad[-1] == self.upto - 1
         check_finite(torch.tensor(len(bad), device=self.device),
                      torch.tensor(bad[0] if bad else -1, device=self.device),
-                     torch.tensor(int(last_bad), device=self.device), epoch, self.scaler)
+                     torch.tensor(int(self.trailing >= STUCK_STEPS), device=self.device), epoch,
+                     self.scaler)
