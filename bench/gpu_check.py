@@ -97,7 +97,7 @@ from bench.gpu_report import in_one_line, report  # noqa: E402
 from bench.gpu_rows import Setting, prepare_data, run_row, whole_suite  # noqa: E402
 from bench.lanes import CAUGHT, INTERRUPTED, catch_stops, print_plan, run_lanes  # noqa: E402
 from bench.process_tree import STOP, TIMED_OUT  # noqa: E402
-from training import allocation, flags  # noqa: E402
+from training import allocation, faults, flags  # noqa: E402
 
 TITLE = "# GPU acceptance run"  # the first line of every report it writes
 CUT = "cut short"  # the words a row the end of --minutes cut starts its note with
@@ -152,8 +152,7 @@ def missing_input(args, jsonl: Path | None) -> str | None:
         return (f"--out {out} would be its own rows file (the rows go to the .jsonl beside "
                 f"--out): give the report a .md name, such as {out.with_suffix('.md')}")
     for flag, path in (("--out", out and out.parent), ("--work-dir", args.work_dir)):
-        blocked = next((p for p in [Path(path), *Path(path).parents]
-                        if p.exists() and not p.is_dir()), None) if path else None
+        blocked = faults.file_in_the_way(path) if path else None
         if blocked:
             return f"{flag}: {blocked} is a file, not a folder: give a path in a folder"
     return None

@@ -223,6 +223,9 @@ if [ -n "${RUN_DIR:-}" ]; then
 else
   RUN_DIR="${RUNS_DIR:-$submit_dir/runs}/$job_name-$job_id"
 fi
+for arg in "$@"; do  # the training arguments' own --checkpoint-dir wins over CHECKPOINT_DIR
+  case $arg in --checkpoint-dir | --checkpoint-dir=*) CHECKPOINT_DIR="" ;; esac
+done
 # A CHECKPOINT_DIR that is a file: refused here, not by the training once torchrun ran it,
 # as --checkpoint-dir, with torchrun's report below (and a run directory left behind)
 if [ -n "${CHECKPOINT_DIR:-}" ] && [ -e "$CHECKPOINT_DIR" ] && [ ! -d "$CHECKPOINT_DIR" ]; then
@@ -243,10 +246,7 @@ export RUN_DIR
 # Training arguments added here: checkpoints in the run directory (so a requeued job resumes),
 # and --check for CHECK_ONLY=1.
 extra_args=()
-: "${CHECKPOINT_DIR=$RUN_DIR/checkpoints}"
-for arg in "$@"; do
-  case $arg in --checkpoint-dir | --checkpoint-dir=*) CHECKPOINT_DIR="" ;; esac
-done
+: "${CHECKPOINT_DIR=$RUN_DIR/checkpoints}"  # (set but empty: none, or the arguments' own)
 if [ -n "$CHECKPOINT_DIR" ]; then extra_args+=(--checkpoint-dir "$CHECKPOINT_DIR"); fi
 if [ "${CHECK_ONLY:-0}" = 1 ]; then extra_args+=(--check); fi
 

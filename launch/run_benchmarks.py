@@ -174,10 +174,11 @@ STUDY_SETS = {"--batch-size": "--bat", "--checkpoint-dir": "--checkpoint-d", "--
               "--save-model": "--sa"}
 
 
-def study_flag(arg: str) -> str | None:
-    """The flag of STUDY_SETS that ``arg`` names, in full or abbreviated, or None."""
+def study_flag(arg: str, flags: dict = STUDY_SETS) -> str | None:
+    """The flag of ``flags`` ({name: shortest abbreviation}) that ``arg`` names, in full or
+    abbreviated, or None."""
     flag = arg.split("=")[0]
-    return next((name for name, shortest in STUDY_SETS.items()
+    return next((name for name, shortest in flags.items()
                  if name.startswith(flag) and flag.startswith(shortest)), None)
 
 
@@ -191,11 +192,10 @@ def run_folder_flag(train_args: list) -> tuple | None:
     abbreviated too, and the flag's full name), or None; ``--tensorboard off`` names no
     folder."""
     for i, arg in enumerate(train_args):
-        flag, eq, value = arg.partition("=")
-        name = next((n for n, shortest in FOLDER_FLAGS.items()
-                     if n.startswith(flag) and flag.startswith(shortest)), None)
+        name = study_flag(arg, FOLDER_FLAGS)
         if name is None:
             continue
+        _flag, eq, value = arg.partition("=")
         if not eq and i + 1 < len(train_args) and not train_args[i + 1].startswith("-"):
             value, arg = train_args[i + 1], f"{arg} {train_args[i + 1]}"
         if value and not (name == "--tensorboard" and value == "off"):

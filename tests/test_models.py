@@ -51,7 +51,7 @@ def test_a_model_too_deep_for_64_px_is_told_an_image_size_it_takes():
 
 def test_a_model_that_no_image_size_fixes_keeps_the_general_advice(monkeypatch):
     with monkeypatch.context() as m:  # as if 224 px did not help either
-        m.setattr(models, "_takes", lambda model, shape: False)
+        m.setattr(models, "_refusal", lambda model, shape: RuntimeError("too small"))
         with pytest.raises(UsageError) as refused:
             models.build_model("squeezenet1_1", 10, (3, 16, 16))
     assert str(refused.value).endswith(": choose --model resnet50")

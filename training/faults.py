@@ -51,14 +51,19 @@ class RankError(UsageError):
     MASTER_ADDR:MASTER_PORT): that rank prints it, whichever it is."""
 
 
+def file_in_the_way(path) -> Path | None:
+    """The file at ``path`` or above it that keeps a folder from being made there, or None."""
+    return next((p for p in [Path(path), *Path(path).parents]
+                 if p.exists() and not p.is_dir()), None)
+
+
 def make_folder(path, flag: str) -> None:
     """mkdir -p of ``flag``'s folder, or one sentence: a file in its place (or above it) is
     named as such, where mkdir's "File exists" or "Not a directory" named no fix."""
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        blocked = next((p for p in [Path(path), *Path(path).parents]
-                        if p.exists() and not p.is_dir()), None)
+        blocked = file_in_the_way(path)
         if blocked is not None:
             raise UsageError(f"{flag} {path}: {blocked} is a file, not a folder: give a folder's "
                              f"path") from None

@@ -102,14 +102,14 @@ def memory_format(model: nn.Module, device: torch.device) -> torch.memory_format
     return torch.channels_last if device.type == "cuda" and conv else torch.contiguous_format
 
 
-def _takes(model: nn.Module, input_shape: tuple) -> bool:
-    """Whether ``model`` (in eval mode) takes one image of ``input_shape``."""
+def _refusal(model: nn.Module, input_shape: tuple) -> Exception | None:
+    """Why ``model`` (in eval mode) refuses one image of ``input_shape``, or None."""
     try:
         with torch.no_grad():
             model(torch.zeros(1, *input_shape))
-        return True
-    except (AssertionError, RuntimeError, ValueError):
-        return False
+    except (AssertionError, RuntimeError, ValueError) as err:
+        return err
+    return None
 
 
 def watch_batchnorms(model: nn.Module, single: list) -> list:
@@ -170,21 +170,20 @@ def build_model(name: str, num_classes: int, input_shape: tuple,
     single = []
     hooks = watch_batchnorms(model, single)
     try:
-        with torch.no_grad():
-            model.eval()(torch.zeros(1, *input_shape))
-    except (AssertionError, RuntimeError, ValueError) as err:
+        err = _refusal(model.eval(), input_shape)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if err is not None:
         shown = "x".join(map(str, input_shape))
         size = getattr(model, "image_size", None)  # a ViT's one image size
-        if not isinstance(size, int) and _takes(model, (input_shape[0], 224, 224)):
+        if not isinstance(size, int) and _refusal(model, (input_shape[0], 224, 224)) is None:
             size = 224  # Inception v3 takes 75 px or more: not TinyImageNet's 64
         fix = (f"add --image-size {size} (synthetic or TinyImageNet data) or choose --model "
                f"resnet50" if isinstance(size, int) else "choose --model resnet50")
         raise UsageError(f"--model {name} cannot take this dataset's {shown} images "
                          f"({str(err).splitlines()[0] if str(err) else type(err).__name__}): "
-                         f"{fix}") from None
-    finally:
-        for hook in hooks:
-            hook.remove()
+                         f"{fix}")
     if batch == 1 and single:
         # BatchNorm in training normalises each channel over the batch and the feature map:
         # one value has no variance, and torch refuses it in the first step
