@@ -244,6 +244,9 @@ BAD_INPUTS = [
     (["--gamma", "0"], "--gamma must be a positive number"),
     (["--lr", "nan"], "--lr must be a positive number, got nan"),
     (["--lr", "inf"], "--lr must be a positive number, got inf"),
+    # scaled past float32 at the start: a RuntimeError traceback in the optimizer's first step
+    (["--lr", "1e38", "--lr-scaling", "linear", "--base-batch", "8"], "--lr 1e+38 scaled by "
+     "--lr-scaling linear to the global batch of 64 (8e+38) must be below the largest float32"),
     (["--log-every", "-1"], "--log-every cannot be negative, got -1.0"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints must be at least 1, got 0"),
     (["--warmup-epochs", "nan"], "--warmup-epochs must be 0 or a positive number"),

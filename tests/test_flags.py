@@ -107,7 +107,8 @@ def test_estimate_memory_leaves_the_flags_as_resolved(capsys):
      "--save-model {ck} is the checkpoint --resume reads"),
     # past float32: a RuntimeError traceback in the optimizer's first step, or at the first
     # decay of the learning rate, after an epoch of training
-    (["--lr", "1e39"], "--lr must be below the largest float32 (3.4e+38), got 1e+39"),
+    (["--lr", "1e39"], "--lr 1e+39 must be below the largest float32, 3.4e+38 (0.01 to 1 is "
+                       "common)"),
     (["--weight-decay", "1e39"], "--weight-decay must be below the largest float32"),
     (["--gamma", "1e308", "--step-size", "1", "--epochs", "3"], "--lr 0.01 times --gamma "
      "1e+308 at each of the 3 decays (every --step-size 1 of --epochs 3) goes past the largest "

@@ -13,6 +13,7 @@ from conftest import ON_CUDA, REPO, check_ok, env_for_tests, metrics, run_script
 
 
 from training import contract, measure, profiling, schedule
+from training.faults import UsageError
 
 PATCHED = REPO / "tests" / "patched_run.py"
 PROGRESS_RE = re.compile(
@@ -127,7 +128,7 @@ def test_linear_lr_scaling_with_warm_up_gives_the_documented_rate_at_every_step(
 def test_lr_scaling_rules():
     import argparse
     args = argparse.Namespace(lr=0.1, base_batch=256, lr_scaling="linear", warmup_epochs=0,
-                              step_size=30, gamma=0.1)
+                              step_size=30, gamma=0.1, epochs=90)
     assert schedule.peak_lr(args, 8192) == 0.1 * 32  # Goyal et al.: 8k batch, 3.2
     args.lr_scaling = "sqrt"
     assert abs(schedule.peak_lr(args, 1024) - 0.2) < 1e-12
@@ -138,6 +139,14 @@ def test_lr_scaling_rules():
     args.warmup_epochs = 0.25  # 25 steps
     factor = schedule.lr_factor(args, steps=100)
     assert [factor(s) for s in (0, 11, 24, 25)] == [1 / 25, 12 / 25, 1.0, 1.0]
+    # scaled past what the optimizer's float32 holds: refused, not a traceback in the first step
+    args.lr, args.lr_scaling = 1e38, "linear"
+    with pytest.raises(UsageError, match=r"--lr 1e\+38 scaled by --lr-scaling linear to the "
+                       r"global batch of 2048 \(8e\+38\) must be below the largest float32"):
+        schedule.peak_lr(args, 2048)
+    args.lr, args.gamma, args.step_size = 1e35, 10.0, 1  # grows past it at the 3rd of 90 decays
+    with pytest.raises(UsageError, match=r"times --gamma 10 at each of the 90 decays"):
+        schedule.peak_lr(args, 2048)
 
 
 def test_check_measures_bandwidth_the_way_nccl_tests_do(check_runs):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from training import allocation, board, contract, devices
+from training import allocation, board, contract, devices, schedule
 from training.distributed import DistEnv
 from training.faults import UsageError, make_folder
 from training.models import check_model, grey_channels, synthetic_shape
@@ -239,6 +239,15 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def hide_from_help(parser: argparse.ArgumentParser, *options: str) -> None:
+    """Leave these common flags out of this script's --help and usage line: it refuses them
+    with a sentence that names the script to use (dp_train.py's --share-gpus), so listing them
+    there offered what the script cannot do."""
+    for action in parser._actions:  # argparse's one list of them; no public accessor
+        if set(action.option_strings) & set(options):
+            action.help = argparse.SUPPRESS
+
+
 def default_workers(env: DistEnv) -> int:
     """Loader workers per process when --num-workers is not given: the process's share of the
     task's usable CPUs (allocation.usable_cpus) less one for the training, at most 8."""
@@ -281,20 +290,12 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
     for flag in ("lr", "gamma"):  # the learning rate, and what multiplies it every --step-size
         if not 0 < getattr(args, flag) < math.inf:
             raise UsageError(f"--{flag} must be a positive number, got {getattr(args, flag)}")
-    # the optimizer holds them as float32: --lr 1e39 was a RuntimeError traceback in its first
-    # step, --gamma 1e308 one at the first decay, after an epoch of training
+    # the optimizer holds them as float32
+    schedule.check_float32(args, args.lr, f"--lr {args.lr:g}")
     f32_max = torch.finfo(torch.float32).max
-    for flag, common in (("lr", "0.01 to 1"), ("weight_decay", "5e-4")):
-        if not getattr(args, flag) < f32_max:
-            raise UsageError(f"--{flag.replace('_', '-')} must be below the largest float32 "
-                             f"({f32_max:.3g}), got {getattr(args, flag):g} ({common} is "
-                             f"common)")
-    decays = args.epochs // args.step_size
-    if math.log(args.lr) + decays * math.log(args.gamma) >= math.log(f32_max):
-        raise UsageError(f"--lr {args.lr:g} times --gamma {args.gamma:g} at each of the "
-                         f"{decays} decays (every --step-size {args.step_size} of --epochs "
-                         f"{args.epochs}) goes past the largest float32 ({f32_max:.3g}): use "
-                         f"a --gamma below 1 (0.1 is common)")
+    if not args.weight_decay < f32_max:
+        raise UsageError(f"--weight-decay must be below the largest float32 ({f32_max:.3g}), "
+                         f"got {args.weight_decay:g} (5e-4 is common)")
     if not 0 <= args.warmup_epochs < math.inf:
         raise UsageError(f"--warmup-epochs must be 0 or a positive number of epochs, got "
                          f"{args.warmup_epochs}")

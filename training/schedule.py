@@ -13,11 +13,34 @@ import math
 
 import torch
 
+from training.faults import UsageError
+
 
 def peak_lr(args, global_batch: int) -> float:
     """--lr scaled to the global batch by --lr-scaling, relative to --base-batch."""
     ratio = global_batch / args.base_batch
-    return args.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[args.lr_scaling]
+    lr = args.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[args.lr_scaling]
+    if lr != args.lr:
+        check_float32(args, lr, f"--lr {args.lr:g} scaled by --lr-scaling {args.lr_scaling} to "
+                                f"the global batch of {global_batch} ({lr:g})")
+    return lr
+
+
+def check_float32(args, lr: float, what: str) -> None:
+    """Refuse a learning rate that the optimizer, which holds it as float32, cannot hold at
+    some point of the run: at the peak, or after the --gamma decays (a --gamma above 1).
+    ``what`` names the rate in the message. --lr 1e39 was a RuntimeError traceback in the
+    first step, --gamma 1e308 one at the first decay, after an epoch of training."""
+    f32_max = torch.finfo(torch.float32).max
+    if not lr < f32_max:
+        raise UsageError(f"{what} must be below the largest float32, {f32_max:.3g} (0.01 to 1 "
+                         f"is common)")
+    decays = args.epochs // args.step_size
+    if math.log(lr) + decays * math.log(args.gamma) >= math.log(f32_max):
+        raise UsageError(f"{what} times --gamma {args.gamma:g} at each of the {decays} decays "
+                         f"(every --step-size {args.step_size} of --epochs {args.epochs}) goes "
+                         f"past the largest float32 ({f32_max:.3g}): use a --gamma below 1 "
+                         f"(0.1 is common)")
 
 
 def lr_factor(args, steps: int):
