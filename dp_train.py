@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Data-parallel training with nn.DataParallel (one process, all GPUs).",
         formatter_class=flags.HelpFormatter)
     flags.add_common_args(parser)
+    flags.hide_from_help(parser, "--share-gpus", "--simulate-world-size")  # refused below
     g = parser.add_argument_group("DataParallel")
     g.add_argument("--gpus", type=flags.positive_int, default=None,
                    help="number of GPUs to use (default: all visible)")

@@ -50,7 +50,13 @@ def test_all_scripts_share_the_flags_of_ddp_train():
     ddp_only = {"--bucket-cap-mb", "--gradient-as-bucket-view",
                 "--no-gradient-as-bucket-view", "--static-graph", "--broadcast-buffers",
                 "--no-broadcast-buffers", "--zero1"}
-    assert dp - ddp == {"--gpus"} and ddp - dp == ddp_only
+    # two common flags that DataParallel refuses (one process, no process group) stay out of
+    # its help, and are still refused with the script to use
+    dp_refuses = {"--share-gpus", "--simulate-world-size"}
+    assert dp - ddp == {"--gpus"} and ddp - dp == ddp_only | dp_refuses
+    proc = run_script("dp_train.py", ["--share-gpus", "--device", "cpu"], timeout=120)
+    assert proc.returncode == 2 and "use ddp_train.py or fsdp_train.py --share-gpus" in (
+        proc.stderr), proc.stderr
     assert fsdp - ddp == {"--sharding", "--offload"} and ddp - fsdp == ddp_only
 
 
