@@ -9,9 +9,12 @@ PATCH is one of the functions below; OUT_DIR is where a patch writes what it obs
 
 from __future__ import annotations
 
+import io
 import os
 import runpy
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -197,6 +200,21 @@ def rank1_one_batch_fewer(out: Path) -> None:
         indices = list(real(self))
         return iter(indices[:len(indices) - fewer] if RANK == 1 else indices)
     loading.SkipFirst.__iter__ = samples
+
+
+def ctrl_c_in_the_first_save(out: Path) -> None:
+    """A Ctrl-C (SIGINT to this process) as the first checkpoint's torch.save begins."""
+    real = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        # a file: the checkpoint (the RNG states' gather also calls torch.save, into memory)
+        if isinstance(f, io.BufferedWriter) and not (out / "ctrl_c_sent").exists():
+            (out / "ctrl_c_sent").write_text("")
+            # to this thread (the main one): handled at the next bytecode, here. A signal to
+            # the process may reach another thread, and its handler run only after the save
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        return real(obj, f, *args, **kwargs)
+    torch.save = save
 
 
 def old_torch(out: Path) -> None:

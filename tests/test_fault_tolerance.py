@@ -167,6 +167,67 @@ def test_ctrl_c_is_one_line_and_releases_the_checkpoint_dir(tmp_path):
     assert not (ck / faults.LOCK_FILE).exists()
 
 
+def test_ctrl_c_while_a_checkpoint_is_written_stops_once_it_is_whole(tmp_path):
+    """Ctrl-C raised its KeyboardInterrupt wherever the main thread was: inside torch.save it
+    left no checkpoint, or a RuntimeError traceback from torch's zip writer ("unexpected pos",
+    seen in 1 of 8 Ctrl-C's to a launcher run at an epoch's end). Now the checkpoint being
+    written is completed first, then the run stops with its one sentence."""
+    ck = tmp_path / "ck"
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "patched_run.py"),
+                           "ctrl_c_in_the_first_save", str(tmp_path), "ddp_train.py", *RUN,
+                           "--checkpoint-dir", str(ck)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=env_for_tests())
+    out = proc.stdout + proc.stderr
+    assert (tmp_path / "ctrl_c_sent").exists() and proc.returncode == 130, out[-3000:]
+    assert "Ctrl-C: stopping once the checkpoint being written is complete" in out, out[-3000:]
+    assert "Traceback" not in out and "error: interrupted (Ctrl-C)" in out, out[-3000:]
+    (saved,) = checkpoint.list_checkpoints(ck)  # epoch 1's, whole: it loads
+    assert torch.load(saved, weights_only=False)["epoch"] == 1
+    assert not list(ck.glob(".tmp-*")) and not (ck / faults.LOCK_FILE).exists()
+
+
+def test_a_second_ctrl_c_does_not_wait_for_the_checkpoint():
+    """A checkpoint stuck in a collective (a peer gone) must not hold Ctrl-C for ever."""
+    code = ("import signal, threading\n"
+            "from training import stopping\n"
+            "stopping.catch_stop_signals()\n"
+            "done = []\n"
+            "try:\n"
+            "    with stopping.holding_ctrl_c():\n"
+            "        signal.pthread_kill(threading.get_ident(), signal.SIGINT)\n"
+            "        done.append('held')\n"
+            "        signal.pthread_kill(threading.get_ident(), signal.SIGINT)\n"
+            "        done.append('not held')\n"
+            "except KeyboardInterrupt:\n"
+            "    print(done)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env=env_for_tests())
+    assert proc.stdout == "['held']\n", proc.stdout + proc.stderr
+    assert "Ctrl-C again to stop at once" in proc.stderr
+
+
+def test_a_run_that_does_not_end_after_ctrl_c_is_ended_with_its_sentence():
+    """A ``finally`` or ``with`` exit that waits for ever on the KeyboardInterrupt's way up
+    kept a worker silent until torchrun's SIGKILL 30 s later (seen once, at an epoch's end)."""
+    code = ("import signal, threading, time\n"
+            "from training import stopping\n"
+            "stopping.catch_stop_signals()\n"
+            "stopping.CTRL_C_GRACE_S = 1\n"
+            "try:\n"
+            "    signal.pthread_kill(threading.get_ident(), signal.SIGINT)\n"
+            "finally:\n"
+            "    time.sleep(600)  # a cleanup that never ends\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env=env_for_tests())
+    assert proc.returncode == 130 and time.monotonic() - t0 < 60, proc.stderr
+    assert proc.stderr.startswith("error: interrupted (Ctrl-C), and rank 0 was still running "
+                                  "1 s later: ending it now; its main thread was here:\n"), (
+        proc.stderr)
+    assert proc.stderr.endswith('File "<string>", line 8, in <module>\n'), proc.stderr
+
+
 def test_ctrl_c_without_a_checkpoint_dir_says_nothing_is_saved():
     """It spoke of "the last checkpoint" and a command to stop with one, for a run that saves
     none."""

@@ -32,6 +32,7 @@ from training import hangs
 from training.distributed import every_rank, on_rank0, print0, raise_if_any_rank, rank_and_world
 from training.faults import UsageError, lock_checkpoint_dir, make_folder
 from training.schedule import place_schedule
+from training.stopping import holding_ctrl_c
 
 # --------------------------------------------------------------------------------------------
 # Checkpoint files: names, atomic writes, pruning
@@ -152,17 +153,18 @@ def atomic_save(obj, path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        if disk_full(exc):
-            raise disk_full_error(path) from None
-        raise
-    replace_checkpoint(tmp, path)
+    with holding_ctrl_c():  # a Ctrl-C inside torch.save broke its zip writer: after it
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException as exc:
+            tmp.unlink(missing_ok=True)
+            if disk_full(exc):
+                raise disk_full_error(path) from None
+            raise
+        replace_checkpoint(tmp, path)
 
 
 def disk_full(exc: BaseException) -> bool:
@@ -610,13 +612,15 @@ class Checkpoints:
                     args=self.flags, world_size=len(rngs), earlier=earlier)
         error = None
         try:
-            self._save(path, self.state, meta)
+            with holding_ctrl_c():  # a Ctrl-C now stops the run once the checkpoint is whole
+                self._save(path, self.state, meta)
         except UsageError as exc:  # a full disk, which only the ranks that write see
             error = str(exc)
         # every rank waits here until the checkpoint is complete, and learns whether it is
         raise_if_any_rank(error)
         if rank_and_world()[0] == 0:
-            prune_checkpoints(self.dir, self.keep)
+            with holding_ctrl_c():  # a folder half deleted would read as a damaged checkpoint
+                prune_checkpoints(self.dir, self.keep)
 
     def _set_aside_from(self, path: Path) -> None:
         """Rank 0, before ``path`` is written: the checkpoints already there that sort at or
