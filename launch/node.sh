@@ -155,12 +155,18 @@ cpu_log="$RUN_DIR/cpu_memory/$log_name.txt"
 mkdir -p "$RUN_DIR/gpu_memory" "$RUN_DIR/cpu_memory"
 gpu_pid="" cpu_pid="" train_pid=""
 
-# still_running PID: whether bash still lists its background job PID as running. Only such a
-# process is signalled: one that ended on its own (psrecord ends with the training) was reaped,
-# and its pid may be another process's by now.
+# still_running PID...: whether one of these background jobs of this shell still runs, by
+# bash's own job list (one listing for all of them). Only such a process is signalled: one that
+# ended on its own (psrecord ends with the training) was reaped, and its pid may be another
+# process's by now.
 # shellcheck disable=SC2317  # reached through the EXIT trap
 still_running() {
-  [[ " $(jobs -pr | tr '\n' ' ') " == *" $1 "* ]]
+  local running p
+  running=" $(jobs -pr | tr '\n' ' ') "
+  for p in "$@"; do
+    if [ -n "$p" ] && [[ $running == *" $p "* ]]; then return 0; fi
+  done
+  return 1
 }
 
 # Runs on every exit path (normal end, failure, set -e, scancel/kill-on-bad-exit via TERM).
@@ -182,13 +188,18 @@ stop_all() {
   trap '' USR1
   # A logger that does not answer SIGTERM (nvidia-smi stuck in the driver after a GPU fault)
   # gets SIGKILL 5 s later: with the stop signals ignored here, nothing else would end the wait.
+  # Both loggers get SIGTERM at once and share the 5 s, so that this line comes well within
+  # Slurm's KillWait even on a loaded node.
   for p in $gpu_pid $cpu_pid; do
-    if still_running "$p"; then
-      kill -TERM "$p" 2>/dev/null || true
-      tenths=0
-      while still_running "$p" && [ "$tenths" -lt 50 ]; do sleep 0.1; tenths=$((tenths + 1)); done
-      if still_running "$p"; then kill -KILL "$p" 2>/dev/null || true; killed+=("$p"); fi
-    fi
+    if still_running "$p"; then kill -TERM "$p" 2>/dev/null || true; fi
+  done
+  tenths=0
+  while [ "$tenths" -lt 50 ] && still_running "$gpu_pid" "$cpu_pid"; do
+    sleep 0.1
+    tenths=$((tenths + 1))
+  done
+  for p in $gpu_pid $cpu_pid; do
+    if still_running "$p"; then kill -KILL "$p" 2>/dev/null || true; killed+=("$p"); fi
     wait "$p" 2>/dev/null || true
     stopped+=("$p")
   done
