@@ -171,7 +171,7 @@ still_running() {
 
 # Runs on every exit path (normal end, failure, set -e, scancel/kill-on-bad-exit via TERM).
 # The loggers stop first: when another node fails, Slurm ends this node's task with SIGTERM and,
-# KillWait seconds later (30 s by default, 5 s in the test cluster), SIGKILL. A training that
+# KillWait seconds later (30 s by default, as in the test cluster), SIGKILL. A training that
 # takes longer to stop must not keep this node from saying that its loggers are gone.
 # shellcheck disable=SC2317  # reached through the EXIT trap
 stop_all() {

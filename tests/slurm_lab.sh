@@ -82,7 +82,9 @@ ReturnToService=2
 SlurmdParameters=config_overrides
 EnforcePartLimits=ALL
 MinJobAge=600
-KillWait=5
+# Slurm's default delay of the SIGKILL after a step's SIGTERM. At 5 s a node's "loggers
+# stopped" line went missing once in CI (a loaded 2-core box; probably this SIGKILL).
+KillWait=30
 GresTypes=gpu
 NodeName=n[1-$NNODES] NodeHostname=n[1-$NNODES] NodeAddr=127.0.0.1 Port=[$NODE_PORT-$last_port] CPUs=$CPUS RealMemory=64000 Gres=gpu:$GPUS $feat State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP

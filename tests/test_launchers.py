@@ -754,7 +754,7 @@ def test_a_logger_that_ignores_sigterm_is_killed_and_node_sh_still_stops(tmp_pat
 
 def test_a_slow_to_stop_training_does_not_hold_back_the_loggers_line(tmp_path):
     """When another node fails, Slurm ends this node's task with SIGTERM and KillWait seconds
-    later (5 s in the test cluster) with SIGKILL. node.sh used to wait for the training first
+    later (30 s by default) with SIGKILL. node.sh used to wait for the training first
     and only then stop its loggers and say so: a training slower to stop than KillWait left the
     node without its "loggers stopped" line (seen in CI: the failing two-node job's n2)."""
     fake = tmp_path / "fake_train.py"
