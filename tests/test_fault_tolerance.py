@@ -207,6 +207,21 @@ def test_a_second_ctrl_c_does_not_wait_for_the_checkpoint():
     assert "Ctrl-C again to stop at once" in proc.stderr
 
 
+def test_a_ctrl_c_that_breaks_torch_save_is_a_ctrl_c(tmp_path, monkeypatch):
+    """A second Ctrl-C does not wait for the checkpoint: torch.save's zip writer, cut by it,
+    raised a RuntimeError ("unexpected pos") on its way out, reported as a crash with a
+    traceback. It is the Ctrl-C it is, and no temporary file is left."""
+    def cut_save(obj, f):
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+    monkeypatch.setattr(torch, "save", cut_save)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.atomic_save({"x": 1}, tmp_path / "ckpt-e0001-s0000000")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_run_that_does_not_end_after_ctrl_c_is_ended_with_its_sentence():
     """A ``finally`` or ``with`` exit that waits for ever on the KeyboardInterrupt's way up
     kept a worker silent until torchrun's SIGKILL 30 s later (seen once, at an epoch's end)."""

@@ -163,6 +163,8 @@ def atomic_save(obj, path) -> None:
             tmp.unlink(missing_ok=True)
             if disk_full(exc):
                 raise disk_full_error(path) from None
+            if isinstance(exc.__context__, KeyboardInterrupt):  # a second Ctrl-C, at once:
+                raise KeyboardInterrupt from None  # not the zip writer's error on its way up
             raise
         replace_checkpoint(tmp, path)
 
