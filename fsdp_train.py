@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "and optimizer state sharded across processes.",
         formatter_class=flags.HelpFormatter)
     flags.add_common_args(parser)
+    flags.hide_from_help(parser, "--cuda-graph")  # refused (cudagraph.check)
     g = parser.add_argument_group("FSDP")
     g.add_argument("--sharding", choices=SHARDING, default="full",
                    help="full: reshard parameters after forward (least memory); grad-op: keep "

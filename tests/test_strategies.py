@@ -50,14 +50,17 @@ def test_all_scripts_share_the_flags_of_ddp_train():
     ddp_only = {"--bucket-cap-mb", "--gradient-as-bucket-view",
                 "--no-gradient-as-bucket-view", "--static-graph", "--broadcast-buffers",
                 "--no-broadcast-buffers", "--zero1"}
-    # two common flags that DataParallel refuses (one process, no process group) stay out of
-    # its help, and are still refused with the script to use
+    # common flags that a script always refuses stay out of its help, and are still refused
+    # with the script to use: DataParallel's two (one process, no process group)
     dp_refuses = {"--share-gpus", "--simulate-world-size"}
     assert dp - ddp == {"--gpus"} and ddp - dp == ddp_only | dp_refuses
     proc = run_script("dp_train.py", ["--share-gpus", "--device", "cpu"], timeout=120)
     assert proc.returncode == 2 and "use ddp_train.py or fsdp_train.py --share-gpus" in (
         proc.stderr), proc.stderr
-    assert fsdp - ddp == {"--sharding", "--offload"} and ddp - fsdp == ddp_only
+    # as --cuda-graph from FSDP's (it cannot capture FSDP's step)
+    proc = run_script("fsdp_train.py", ["--cuda-graph", "--device", "cpu"], timeout=120)
+    assert proc.returncode == 2 and "use ddp_train.py --cuda-graph" in proc.stderr, proc.stderr
+    assert fsdp - ddp == {"--sharding", "--offload"} and ddp - fsdp == ddp_only | {"--cuda-graph"}
 
 
 def test_help_gives_each_default_once():
