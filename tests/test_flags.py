@@ -136,6 +136,10 @@ def test_values_that_fail_later_are_refused_at_the_start(tmp_path, argv, says):
                                         "nothing on the CPU: the step compiles without them, "
                                         "as --compile default"]),
     (["--compile"], []),
+    (["--dataset", "fashion-mnist", "--data-dir", ".", "--synthetic-size", "100"],
+     ["note: --synthetic-size 100 does nothing with --dataset fashion-mnist: it sizes the "
+      "built-in synthetic data; drop it"]),
+    (["--synthetic-size", "100"], []),
 ])
 def test_flags_that_act_on_nothing_this_run_has_are_said(capsys, monkeypatch, tmp_path, argv,
                                                          said):

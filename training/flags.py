@@ -29,6 +29,7 @@ ALL_GPU_COUNTS = (1, 2, 4, 8)
 MAX_DIST_TIMEOUT = 86400  # seconds; far beyond it, gloo's and NCCL's own timers overflow
 KEEP_CHECKPOINTS = 2  # --keep-checkpoints' default
 TENSORBOARD_EVERY = 5  # --tensorboard-every's default, in seconds
+SYNTHETIC_SIZE = 2048  # --synthetic-size's default
 DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_net",
                  "fashion-mnist": "mnist_net", "synthetic": "resnet50"}
 # --clip-grad-norm's default per model; 0 (off) for the others. The CIFAR CNN has no BatchNorm
@@ -98,7 +99,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "synthetic data; the cache: the rank's samples of the epoch, 1/world "
                         "of TinyImageNet's 1.2 GB uint8 train split; synthetic: made per "
                         "batch; the [MEMORY] line's data_mib)")
-    g.add_argument("--synthetic-size", type=int, default=2048,
+    g.add_argument("--synthetic-size", type=int, default=SYNTHETIC_SIZE,
                    help="training samples of the synthetic dataset (validation gets a quarter)")
     g.add_argument("--image-size", type=int, default=None, metavar="N",
                    help="TinyImageNet and synthetic data: train on N x N images, resized from "
@@ -430,6 +431,9 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
     if args.tensorboard in (None, board.OFF) and args.tensorboard_every != TENSORBOARD_EVERY:
         idle.append(f"--tensorboard-every {args.tensorboard_every:g} does nothing without "
                     f"--tensorboard: add --tensorboard")
+    if args.dataset != "synthetic" and args.synthetic_size != SYNTHETIC_SIZE:
+        idle.append(f"--synthetic-size {args.synthetic_size} does nothing with --dataset "
+                    f"{args.dataset}: it sizes the built-in synthetic data; drop it")
     if args.data_on_device and given_workers:
         idle.append(f"--num-workers {given_workers} does nothing with --data-on-device, which "
                     f"reads no batch through a loader: drop it")
