@@ -462,6 +462,9 @@ def load_one_file(path, state: dict) -> dict:
     """Load a one-file checkpoint (ddp_train.py's and dp_train.py's: rank 0 wrote every
     object's state_dict into one file) into ``state``; returns what the file holds. A file
     whose bytes fail their checksum raises (load_newest says why, from not_a_checkpoint)."""
+    with open(path, "rb") as f:  # torch.load reads other bytes as an old-style pickle, and
+        if f.read(len(_TORCH_SAVE_MAGIC)) != _TORCH_SAVE_MAGIC:  # warns of its "protocol"
+            raise ValueError("not a file that torch.save wrote")
     if (bad := damaged_member(path)) is not None:
         raise ValueError(f"the bytes of its {bad} fail their checksum")
     # weights_only: a checkpoint holds only tensors and plain values, so loading it cannot
