@@ -362,6 +362,12 @@ def _first_line(exc: BaseException) -> str:
 _TORCH_SAVE_MAGIC = b"PK\x03\x04"
 
 
+def saved_by_torch(path) -> bool:
+    """Whether the file starts as torch.save's zip archive does (OSError when unreadable)."""
+    with open(path, "rb") as f:
+        return f.read(len(_TORCH_SAVE_MAGIC)) == _TORCH_SAVE_MAGIC
+
+
 def not_a_checkpoint(path) -> str | None:
     """What a file that failed to load as a checkpoint is instead, in a few words, or None
     when it looks like a checkpoint (of another script or --model: its own error says why).
@@ -380,11 +386,10 @@ def not_a_checkpoint(path) -> str | None:
             return None
         return "not a checkpoint: a folder without the meta.pt of fsdp_train.py's checkpoints"
     try:
-        with open(path, "rb") as f:
-            head = f.read(len(_TORCH_SAVE_MAGIC))
+        written = saved_by_torch(path)
     except OSError as exc:
         return f"unreadable: {exc.strerror}"
-    if head != _TORCH_SAVE_MAGIC:
+    if not written:
         return "not a checkpoint: not a file that torch.save wrote"
     if not zipfile.is_zipfile(path):
         return "truncated or damaged: its end is missing"
@@ -462,9 +467,8 @@ def load_one_file(path, state: dict) -> dict:
     """Load a one-file checkpoint (ddp_train.py's and dp_train.py's: rank 0 wrote every
     object's state_dict into one file) into ``state``; returns what the file holds. A file
     whose bytes fail their checksum raises (load_newest says why, from not_a_checkpoint)."""
-    with open(path, "rb") as f:  # torch.load reads other bytes as an old-style pickle, and
-        if f.read(len(_TORCH_SAVE_MAGIC)) != _TORCH_SAVE_MAGIC:  # warns of its "protocol"
-            raise ValueError("not a file that torch.save wrote")
+    if not saved_by_torch(path):  # torch.load reads it as an old-style pickle, and warns of
+        raise ValueError("not a file that torch.save wrote")  # its "protocol" on stderr
     if (bad := damaged_member(path)) is not None:
         raise ValueError(f"the bytes of its {bad} fail their checksum")
     # weights_only: a checkpoint holds only tensors and plain values, so loading it cannot
