@@ -284,6 +284,17 @@ def test_estimate_memory_for_ddp_zero1_shards_the_optimizer_state():
                                                      abs=0.5)
 
 
+def test_dp_estimate_memory_says_its_gpus_flag_does_nothing():
+    """--estimate-memory N predicts for N GPUs: dp_train.py's --gpus beside it changes nothing,
+    and is said so rather than taken in silence."""
+    proc = run_script("dp_train.py", ["--estimate-memory", "4", "--gpus", "2", "--model", "cnn"],
+                      timeout=120)
+    check_ok(proc)
+    assert ("note: --gpus 2 does nothing with --estimate-memory, which predicts for 4 GPU(s): "
+            "for 2, use --estimate-memory 2 and drop --gpus") in proc.stdout
+    assert [m["world_size"] for m in _memory_lines(proc.stdout)] == ["4"]
+
+
 @pytest.fixture(scope="module")
 def bad_flag_runs(request):
     return runs_two_at_a_time(request, "test_bad_memory_flags_exit_2",

@@ -315,6 +315,12 @@ def estimate_only(args, memory_per_gpu, variants: tuple) -> int:
     """--estimate-memory: the model built on the CPU, its activations counted once, then one
     estimate per variant and GPU count from the script's ``memory_per_gpu``. No GPU, no process
     group, no dataset."""
+    gpus = getattr(args, "gpus", None)  # dp_train.py's own flag; the counts are this one's
+    if gpus:
+        counts = ("1, 2, 4 and 8" if args.estimate_memory == flags.ALL_GPU_COUNTS
+                  else args.estimate_memory)
+        print0(f"note: --gpus {gpus} does nothing with --estimate-memory, which predicts for "
+               f"{counts} GPU(s): for {gpus}, use --estimate-memory {gpus} and drop --gpus")
     shape, classes = flags.input_shape(args)
     if args.amp is None:  # what a GPU run picks (both 16-bit types save the same bytes)
         # a copy with it: the run's flags stay as parsed and resolved, never changed here
