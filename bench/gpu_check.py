@@ -260,6 +260,21 @@ def row_threads(at_once: int):
         del os.environ["OMP_NUM_THREADS"]
 
 
+@contextlib.contextmanager
+def work_folder(given):
+    """The run's folder (the generated tree, the cache, the profile): --work-dir's, kept, or a
+    new one in the temporary folder, removed however the run ends (an error, a stop)."""
+    if given:
+        Path(given).mkdir(parents=True, exist_ok=True)
+        yield Path(given)
+        return
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def parser() -> argparse.ArgumentParser:
     """gpu_check's command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -364,31 +379,27 @@ def acceptance_run(argv=None) -> int:
         print("notice: no GPU visible: a small CPU smoke run (ResNet-18, a small tree, "
               f"{steps} steps); the CUDA-only rows and the CUDA equivalence tests are skipped",
               flush=True)
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="gpu-check-"))
-    work.mkdir(parents=True, exist_ok=True)
-    root = Path(args.data_dir) if args.data_dir else work / "tiny-imagenet-200"
-    setting = Setting(gpu=gpu, model="resnet50" if gpu else "resnet18", steps=steps, work=work,
-                      paths={"data": str(root), "cache": str(work / "cache"),
-                             "profile": str(work / "profile")},
-                      keep=out.with_name(out.stem + "-launcher") if out else None)
-    jsonl = jsonl or work / "rows.jsonl"
-    cmd = "python bench/gpu_check.py" + "".join(
-        f" {shlex.quote(a)}" for a in (sys.argv[1:] if argv is None else argv))
-    with row_threads(rows_at_once(pending, args.lanes)) as threads:
-        head = [f"{TITLE} ({setting.model})", ""] + [
-            f"- {v}" for v in versions(gpu)] + [f"- command: `{cmd}`",
-                                                f"- OMP_NUM_THREADS of each row: {threads}"] + (
-            [f"- continued: {len(kept)} row(s) from the earlier run in {jsonl.name}"]
-            if args.continue_run else [])
-        run = Run(args, setting, rows, results, head, out, jsonl, need,
-                  deadline=t_start + 60 * args.minutes)
-        print(f"rows: appended to {run.jsonl} as each finishes; {len(pending)} job(s) in "
-              f"{args.lanes} lane(s)", flush=True)
-        run.not_started(run_lanes(pending, args.lanes, run.deadline, need, run.row, run.record))
-    code = run.finish(time.monotonic() - t_start)  # --suite: with the node's own threads
-    if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
-    return code
+    with work_folder(args.work_dir) as work:
+        root = Path(args.data_dir) if args.data_dir else work / "tiny-imagenet-200"
+        setting = Setting(gpu=gpu, model="resnet50" if gpu else "resnet18", steps=steps, work=work,
+                          paths={"data": str(root), "cache": str(work / "cache"),
+                                 "profile": str(work / "profile")},
+                          keep=out.with_name(out.stem + "-launcher") if out else None)
+        jsonl = jsonl or work / "rows.jsonl"
+        cmd = "python bench/gpu_check.py" + "".join(
+            f" {shlex.quote(a)}" for a in (sys.argv[1:] if argv is None else argv))
+        with row_threads(rows_at_once(pending, args.lanes)) as threads:
+            head = [f"{TITLE} ({setting.model})", ""] + [
+                f"- {v}" for v in versions(gpu)] + [f"- command: `{cmd}`",
+                                                    f"- OMP_NUM_THREADS of each row: {threads}"] + (
+                [f"- continued: {len(kept)} row(s) from the earlier run in {jsonl.name}"]
+                if args.continue_run else [])
+            run = Run(args, setting, rows, results, head, out, jsonl, need,
+                      deadline=t_start + 60 * args.minutes)
+            print(f"rows: appended to {run.jsonl} as each finishes; {len(pending)} job(s) in "
+                  f"{args.lanes} lane(s)", flush=True)
+            run.not_started(run_lanes(pending, args.lanes, run.deadline, need, run.row, run.record))
+        return run.finish(time.monotonic() - t_start)  # --suite: with the node's own threads
 
 
 def to_run(rows: list, kept: list, gpu: bool, lanes: int) -> tuple:

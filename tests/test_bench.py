@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -395,6 +396,23 @@ def test_gpu_check_gives_each_row_its_share_of_the_hosts_cores(gpu_check, monkey
     with pytest.raises(ZeroDivisionError):
         gpu_check.main(["--out", str(tmp_path / "third.md")])
     assert "OMP_NUM_THREADS" not in os.environ
+
+
+def test_gpu_check_removes_the_folder_it_made_however_it_ends(gpu_check, monkeypatch, tmp_path):
+    """Without --work-dir, the run's tree, cache and profile go to a new temporary folder that
+    is removed when the run ends, and when it ends on an error too (that one stayed: on a GPU
+    node, with its generated tree)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: _small_plan())
+    monkeypatch.setattr(gpu_rows, "run_training", lambda row, *a, **k: _fake_training(row, *a))
+    assert gpu_check.main(["--out", str(tmp_path / "r.md")]) == 0
+    assert not list(tmp_path.glob("gpu-check-*"))
+    made = []
+    monkeypatch.setattr(gpu_check, "run_lanes",
+                        lambda *a: made.extend(tmp_path.glob("gpu-check-*")) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        gpu_check.main(["--out", str(tmp_path / "again.md")])
+    assert len(made) == 1 and not made[0].exists(), made
 
 
 def test_gpu_check_counts_the_rows_that_can_run_at_once(gpu_check):
