@@ -310,8 +310,8 @@ def parser() -> argparse.ArgumentParser:
                    help="a TinyImageNet folder (original layout) for the input-path and memory "
                         "rows; default: generate one when such a row is reached")
     p.add_argument("--work-dir", default=None,
-                   help="where the generated tree, the cache and the traces go (default: a "
-                        "temporary dir)")
+                   help="where the generated tree, the cache and the traces go, kept after "
+                        "the run (default: a temporary folder, removed when the run ends)")
     p.add_argument("--steps", type=int, default=None,
                    help=f"training steps per epoch of each headline row, at most {WINDOW} for "
                         f"the others (default: 100 on a GPU, 3 on the CPU)")
