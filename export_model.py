@@ -56,6 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_readable(path: Path) -> None:
+    """A checkpoint this user may not read is said so, not taken for a damaged one: ``path``,
+    its listing where it is a folder, and each file in it."""
+    try:
+        for item in [path, *(sorted(path.iterdir()) if path.is_dir() else [])]:
+            if item.is_file():
+                with open(item, "rb"):
+                    pass
+    except PermissionError as e:
+        raise UsageError(f"cannot read {e.filename}: permission denied; make it readable "
+                         f"(chmod -R u+rX {shlex.quote(str(path))}) or export it as the user "
+                         f"who owns it") from None
+
+
 def find_checkpoint(path: Path) -> Path:
     """The checkpoint ``path`` names: itself, or the newest in a --checkpoint-dir."""
     if not path.exists():
@@ -69,10 +83,12 @@ def find_checkpoint(path: Path) -> Path:
                                  f"path") from None
         raise UsageError(f"{path} does not exist: give a checkpoint (ckpt-eNNNN-sNNNNNNN) or "
                          f"the --checkpoint-dir that holds them")
+    check_readable(path)
     if path.is_dir() and not (path / ".metadata").exists():
         found = checkpoint.list_checkpoints(path)
         if found:
             print(f"newest of the {len(found)} checkpoint(s) in {path}: {found[0].name}")
+            check_readable(found[0])
             return found[0]
     if not (path.is_dir() or path.is_file()):  # a pipe (/dev/stdin) would wait, or not seek
         raise UsageError(f"{path} is not a file or folder (a pipe or a device?): give the "

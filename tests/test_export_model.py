@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,3 +312,46 @@ def test_ctrl_c_is_one_line(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err == (f"error: interrupted (Ctrl-C); {tmp_path / 'm.pt'} was "
                                        f"not written, the checkpoint is untouched: run the "
                                        f"command again\n")
+
+
+# As root, the run drops to 'nobody' once its imports are done, as a user would be who may not
+# read another user's checkpoint (root reads every file, whatever its mode).
+_AS_NOBODY = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import export_model
+if os.geteuid() == 0:
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)
+sys.exit(export_model.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("denied", ["the folder", "a shard", "meta.pt"])
+def test_a_checkpoint_this_user_may_not_read_is_said_so(runs, denied):
+    """A folder that cannot be listed was a PermissionError traceback, and an unreadable shard
+    or meta.pt was called damaged ("copy them again"): each is now 'cannot read X: permission
+    denied' with the chmod that fixes it, exit 2."""
+    import stat
+    import tempfile
+    top = Path(tempfile.mkdtemp(prefix="unreadable-"))  # not under pytest's root-only tmp dir
+    try:
+        ck = top / "ck"
+        shutil.copytree(runs / "fsdp" / "ck", ck)
+        for p in [top, *top.rglob("*")]:  # everyone may read and write, then one thing not
+            p.chmod(p.stat().st_mode | stat.S_IROTH | stat.S_IWOTH
+                    | (stat.S_IXOTH if p.is_dir() else 0))
+        (newest,) = checkpoint.list_checkpoints(ck)
+        target = {"the folder": ck, "a shard": newest / "__0_0.distcp",
+                  "meta.pt": newest / "meta.pt"}[denied]
+        target.chmod(0o333 if target.is_dir() else 0)  # write and enter, not read
+        proc = subprocess.run([sys.executable, "-c", _AS_NOBODY, str(REPO), str(ck),
+                               str(top / "model.pt")], capture_output=True, text=True,
+                              timeout=120, env=env_for_tests())
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert f"error: cannot read {target}: permission denied; make it readable (chmod -R " \
+               f"u+rX " in proc.stderr, proc.stderr
+        assert not (top / "model.pt").exists()
+    finally:
+        for p in [top, *top.rglob("*")]:
+            p.chmod(0o755)
+        shutil.rmtree(top)

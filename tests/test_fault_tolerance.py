@@ -545,6 +545,39 @@ def test_preflight_unwritable_checkpoint_dir_exits_2():
         proc.stderr and "Traceback" not in proc.stderr
 
 
+_CLAIM_AS_NOBODY = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from training import checkpoint, faults
+if os.geteuid() == 0:  # root lists every folder, whatever its mode
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)
+try:
+    checkpoint.tidy_checkpoint_dir(sys.argv[2])
+except faults.UsageError as err:
+    sys.exit(f"error: {err}")
+"""
+
+
+def test_a_checkpoint_dir_that_cannot_be_listed_is_one_sentence():
+    """A --checkpoint-dir this user may write and enter but not list (chmod 300): the start's
+    tidying of what a crash left (the first listing) was a PermissionError traceback; it is
+    one sentence with the chmod that fixes it."""
+    import tempfile
+    top = tempfile.mkdtemp(prefix="unlistable-")  # not under pytest's root-only tmp dir
+    try:
+        os.chmod(top, 0o733 if os.geteuid() == 0 else 0o300)  # nobody's: write and enter
+        proc = subprocess.run([sys.executable, "-c", _CLAIM_AS_NOBODY, str(REPO), top],
+                              capture_output=True, text=True, timeout=120, env=env_for_tests())
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip() == (
+            f"error: --checkpoint-dir {top} cannot be read (permission denied), so its "
+            f"checkpoints cannot be found: make it readable (chmod u+rwx {top}) or choose "
+            f"another folder")
+    finally:
+        os.chmod(top, 0o700)
+        os.rmdir(top)
+
+
 def test_preflight_unannotated_val_image_exits_2(tiny_imagenet, tmp_path):
     root, _ = tiny_imagenet
     bad = tmp_path / "tin"

@@ -19,6 +19,7 @@ import errno
 import os
 import random
 import re
+import shlex
 import shutil
 import tempfile
 import time
@@ -48,12 +49,23 @@ def checkpoint_name(epoch: int, step: int) -> str:
     return f"ckpt-e{epoch:04d}-s{step:07d}"
 
 
+def entries(directory) -> list:
+    """What a checkpoint folder holds, sorted; one sentence where this user may not list it
+    (a folder that can be written but not read: chmod 300)."""
+    try:
+        return sorted(Path(directory).iterdir())
+    except PermissionError:
+        raise UsageError(f"--checkpoint-dir {directory} cannot be read (permission denied), so "
+                         f"its checkpoints cannot be found: make it readable (chmod u+rwx "
+                         f"{shlex.quote(str(directory))}) or choose another folder") from None
+
+
 def list_checkpoints(directory) -> list:
     """Complete checkpoints in ``directory``, newest first. Temporary files and folders of an
     interrupted save never match (they are renamed into place only once complete)."""
     if not directory or not Path(directory).is_dir():
         return []
-    found = [p for p in Path(directory).iterdir() if re.match(CHECKPOINT_RE, p.name)]
+    found = [p for p in entries(directory) if re.match(CHECKPOINT_RE, p.name)]
     return sorted(found, key=training_order, reverse=True)
 
 
@@ -107,7 +119,7 @@ def tidy_checkpoint_dir(directory) -> None:
     directory's lock calls this, so no live save is touched."""
     if not directory or not Path(directory).is_dir():
         return
-    for p in sorted(Path(directory).iterdir()):
+    for p in entries(directory):
         if p.name.startswith(".old-"):
             original = p.with_name(p.name[len(".old-"):])
             if original.exists():
