@@ -12,10 +12,12 @@ and name the first of either).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import platform
+import shutil
 import signal
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -409,7 +411,15 @@ def prepare(root, directory, strict: bool = False, workers: int = 1, log=print,
                     f"changed)")
                 build_split(directory, split, samples, checksum, strict, workers, log, root)
     except OSError as exc:
-        raise UsageError(f"cannot write the data cache in {directory} ({exc.strerror}): give "
-                         f"a writable folder (--data-cache DIR, or prepare_tinyimagenet.py's "
-                         f"CACHE_DIR)") from None
+        where = "(--data-cache DIR, or prepare_tinyimagenet.py's CACHE_DIR)"
+        # numpy's own check of the space ("Not enough free space to write N bytes") sets no
+        # errno, and its error no strerror: it read "(None)"
+        if exc.errno == errno.ENOSPC or "free space" in str(exc):
+            need = (len(train) + len(val)) * 3 * SIZE * SIZE / 2**20  # uint8 pixels
+            raise UsageError(f"no space left for the data cache in {directory} "
+                             f"({shutil.disk_usage(directory).free / 2**20:.0f} MiB free, this "
+                             f"tree's cache needs about {need:.0f} MiB): free space there or "
+                             f"give another folder {where}") from None
+        raise UsageError(f"cannot write the data cache in {directory} "
+                         f"({exc.strerror or exc}): give a writable folder {where}") from None
     return directory
