@@ -293,6 +293,14 @@ def test_a_rank_started_by_hand_says_its_own_setup_error():
         "error: rank 1: --batch-size must be at least 1, got 0"], proc.stderr
 
 
+def _add_annotation(tree, name):
+    """A line for ``name`` (``{wnid}`` filled with the second class) at val_annotations.txt's
+    end, as an edit by hand or a merge of two files would leave."""
+    wnid = (tree / "wnids.txt").read_text().split()[1]
+    with open(tree / "val" / "val_annotations.txt", "a") as f:
+        f.write(f"{name.format(wnid=wnid)}\t{wnid}\t0\t0\t63\t63\n")
+
+
 def _broken_tree(src, dst, damage):
     shutil.copytree(src, dst)
     damage(dst)
@@ -319,6 +327,12 @@ def malformed_runs(request, tiny_imagenet, tmp_path_factory):
      "wnids.txt is not a text file (bytes that are not UTF-8 at offset 0)"),
     (lambda d: (d / "val" / "val_annotations.txt").write_bytes(b"val_0.JPEG\t\xff\xfe\n"),
      "val_annotations.txt is not a text file (bytes that are not UTF-8 at offset 11)"),
+    # the same image under a second class: it was counted twice, with two labels
+    (lambda d: _add_annotation(d, "val_0.JPEG"), "names val_0.JPEG again (line 1 named it "
+                                                 "first), and an image has one label"),
+    # a training image made a validation one
+    (lambda d: _add_annotation(d, "../../train/{wnid}/images/{wnid}_0.JPEG"),
+     "a path, where val/images/ holds its images by file name"),
 ])
 def test_malformed_tinyimagenet_exits_2(malformed_runs, request, damage, message):
     proc = malformed_runs[request.node.callspec.id].result()

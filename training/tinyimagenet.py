@@ -168,7 +168,7 @@ def _scan_val(val_dir: Path, classes: list, index: dict) -> list:
 def _scan_annotated_val(annotations: Path, images_dir: Path, index: dict) -> list:
     """The samples of val/images/ with the labels of val_annotations.txt; every line must name
     an existing image of a known class, and every image must have a line."""
-    val = []
+    val, first_line = [], {}
     for lineno, line in enumerate(read_text_file(annotations).splitlines(), 1):
         parts = line.split()
         if not parts:
@@ -177,6 +177,17 @@ def _scan_annotated_val(annotations: Path, images_dir: Path, index: dict) -> lis
             raise UsageError(f"{annotations}:{lineno} is malformed (expected "
                              f"'<file> <wnid> ...'): restore it from the dataset archive")
         name, wnid = parts[0], parts[1]
+        # an image counted twice, or one from outside val/images/ (a training image), would
+        # make a wrong validation split without a word
+        if Path(name).name != name:
+            raise UsageError(f"{annotations}:{lineno} names {name}, a path, where val/images/ "
+                             f"holds its images by file name: restore it from the dataset "
+                             f"archive")
+        if name in first_line:
+            raise UsageError(f"{annotations}:{lineno} names {name} again (line "
+                             f"{first_line[name]} named it first), and an image has one "
+                             f"label: restore it from the dataset archive")
+        first_line[name] = lineno
         if wnid not in index:
             raise UsageError(f"{annotations}:{lineno} names class {wnid}, which is not in "
                              f"wnids.txt: the data dir mixes two datasets; restore both "
