@@ -342,29 +342,33 @@ def test_prepare_tinyimagenet_builds_the_cache_the_training_reuses(tiny_imagenet
         assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr
 
 
-@pytest.mark.parametrize("error", [
-    OSError("Not enough free space to write 3145728 bytes after offset 128"),  # numpy's own
-    OSError(28, "No space left on device")])
+@pytest.mark.parametrize("failing, error", [
+    ("save", OSError("Not enough free space to write 3145728 bytes after offset 128")),  # numpy
+    ("save", OSError(28, "No space left on device")),
+    ("mkdir", OSError(28, "No space left on device"))])  # the cache folder itself not made
 def test_a_full_disk_under_the_data_cache_is_said_so(tiny_imagenet, tmp_path, monkeypatch,
-                                                     error):
+                                                     failing, error):
     """No space for the cache: numpy's own check (an OSError with no errno or strerror) read
-    "cannot write the data cache in DIR (None): give a writable folder"; both it and ENOSPC
-    now say there is no space, how much is free and how much the cache needs. Nothing of the
-    build is left behind."""
+    "cannot write the data cache in DIR (None): give a writable folder"; it and ENOSPC now say
+    there is no space, how much is free and how much the cache needs. Nothing of the build is
+    left behind."""
     root, _ = tiny_imagenet
     cache = tmp_path / "cache"
 
     def full(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(tinyimagenet.np, "save", full)
+    if failing == "save":
+        monkeypatch.setattr(tinyimagenet.np, "save", full)
+    else:
+        monkeypatch.setattr(tinyimagenet.Path, "mkdir", full)
     with pytest.raises(faults.UsageError) as raised:
         tinyimagenet.prepare(root, cache, log=lambda line: None)
     message = str(raised.value)
     assert message.startswith(f"no space left for the data cache in {cache} (") and \
         " MiB free, this tree's cache needs about 2 MiB): free space there or give another " \
         "folder (--data-cache DIR, or prepare_tinyimagenet.py's CACHE_DIR)" in message, message
-    assert list(cache.iterdir()) == []
+    assert not cache.exists() or list(cache.iterdir()) == []
 
 
 def test_an_image_left_out_as_unreadable_is_decoded_once_it_can_be_read(tiny_imagenet,

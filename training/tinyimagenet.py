@@ -427,8 +427,9 @@ def prepare(root, directory, strict: bool = False, workers: int = 1, log=print,
         # errno, and its error no strerror: it read "(None)"
         if exc.errno == errno.ENOSPC or "free space" in str(exc):
             need = (len(train) + len(val)) * 3 * SIZE * SIZE / 2**20  # uint8 pixels
+            made = next(p for p in (directory, *directory.resolve().parents) if p.is_dir())
             raise UsageError(f"no space left for the data cache in {directory} "
-                             f"({shutil.disk_usage(directory).free / 2**20:.0f} MiB free, this "
+                             f"({shutil.disk_usage(made).free / 2**20:.0f} MiB free, this "
                              f"tree's cache needs about {need:.0f} MiB): free space there or "
                              f"give another folder {where}") from None
         raise UsageError(f"cannot write the data cache in {directory} "
