@@ -462,6 +462,10 @@ def test_a_full_disk_names_what_the_superseded_folders_hold(tmp_path):
             "folder(s) there, earlier runs' checkpoints set aside, hold 6 MiB) or choose "
             "another folder, then resume; the last complete one, ckpt-e0001-s0000000, is "
             "intact") in text, text
+    # a file that is no checkpoint (--save-model's, export_model.py's): nothing to resume
+    text = str(checkpoint.disk_full_error(ck / "model.pt"))
+    assert text.startswith(f"no space left on the file system of {ck} to write model.pt (") \
+        and text.endswith(" MiB free): free space there or choose another folder"), text
 
 
 def test_resume_from_a_path_into_a_used_folder_keeps_its_own_checkpoints(tmp_path):

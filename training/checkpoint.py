@@ -202,12 +202,16 @@ def _size(path: Path) -> int:
 
 
 def disk_full_error(path: Path) -> UsageError:
-    """The sentence for a save to ``path`` that found no space: how much is free, how much
-    the save needs (the size of the newest complete checkpoint beside it, when there is one),
-    and what the ``superseded-*`` folders beside it hold (set_aside_checkpoints deletes
-    nothing, so earlier runs' checkpoints can be what filled the disk)."""
+    """The sentence for a save to ``path`` that found no space: how much is free; for a
+    checkpoint also how much the save needs (the size of the newest complete checkpoint
+    beside it, when there is one), and what the ``superseded-*`` folders beside it hold
+    (set_aside_checkpoints deletes nothing, so earlier runs' checkpoints can be what filled
+    the disk), and to resume once there is room."""
     folder = path.parent
     free = shutil.disk_usage(folder).free / 2**20
+    if not re.match(CHECKPOINT_RE, path.name):  # --save-model's, export_model.py's file
+        return UsageError(f"no space left on the file system of {folder} to write {path.name} "
+                          f"({free:.0f} MiB free): free space there or choose another folder")
     newest = list_checkpoints(folder)
     need = f", a checkpoint needs about {_size(newest[0]) / 2**20:.0f} MiB" if newest else ""
     kept = f"; the last complete one, {newest[0].name}, is intact" if newest else ""
