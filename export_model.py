@@ -343,6 +343,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out)
     try:
+        if args.out.endswith(os.sep):  # Path drops the slash: "new/" was written as a file "new"
+            raise UsageError(f"{args.out} names a folder: give a file name, e.g. "
+                             f"{out / 'model.pt'}")
         info = export(Path(args.checkpoint), out, args.model)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -355,3 +355,13 @@ def test_a_checkpoint_this_user_may_not_read_is_said_so(runs, denied):
         for p in [top, *top.rglob("*")]:
             p.chmod(0o755)
         shutil.rmtree(top)
+
+
+def test_an_out_that_ends_in_a_slash_is_a_folder(runs, tmp_path, capsys):
+    """OUT "new/" (a folder that does not exist yet) was written as a file named "new": Path
+    drops the slash. It is refused as an existing folder is, and nothing is written."""
+    out = f"{tmp_path / 'new'}/"
+    assert export_model.main([str(runs / "dp" / "ck"), out]) == 2
+    assert f"error: {out} names a folder: give a file name, e.g. {tmp_path / 'new' / 'model.pt'}" \
+        in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
