@@ -342,6 +342,25 @@ def test_prepare_tinyimagenet_builds_the_cache_the_training_reuses(tiny_imagenet
         assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_a_macs_appledouble_files_are_not_images(tiny_imagenet, tmp_path):
+    """A tree copied on a Mac holds ._<name> beside each file (its metadata, not a JPEG): in
+    val/images/ they stopped the run ("have no line in val_annotations.txt ... restore both
+    from the same dataset archive"), in train/ they would be unreadable images. They are not
+    images: the tree reads as the clean one does."""
+    root, _ = tiny_imagenet
+    mac = tmp_path / "tin"
+    shutil.copytree(root, mac)
+    for image in [*mac.glob("val/images/*.JPEG"), *mac.glob("train/*/images/*.JPEG")][::7]:
+        (image.parent / f"._{image.name}").write_bytes(b"\x00\x05\x16\x07" + b"\0" * 78)
+    assert list(mac.rglob("._*.JPEG"))
+    relative = [[(str(Path(p).relative_to(top)), label) for p, label in split]
+                for top, split in ((root, tinyimagenet.scan_tinyimagenet(root)[1]),
+                                   (mac, tinyimagenet.scan_tinyimagenet(mac)[1]),
+                                   (root, tinyimagenet.scan_tinyimagenet(root)[2]),
+                                   (mac, tinyimagenet.scan_tinyimagenet(mac)[2]))]
+    assert relative[0] == relative[1] and relative[2] == relative[3]
+
+
 @pytest.mark.parametrize("failing, error", [
     ("save", OSError("Not enough free space to write 3145728 bytes after offset 128")),  # numpy
     ("save", OSError(28, "No space left on device")),

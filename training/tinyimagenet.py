@@ -54,10 +54,13 @@ def read_text_file(path: Path) -> str:
 
 def _images_in(folder: Path) -> list:
     """The image files of ``folder``: regular files only (opening a pipe named .JPEG would
-    wait for a writer for ever), told by the directory entry's type, without a stat each."""
+    wait for a writer for ever), told by the directory entry's type, without a stat each.
+    Hidden files are none: a copy made on a Mac leaves ._val_0.JPEG beside val_0.JPEG (its
+    AppleDouble metadata), which read as images without a label, or unreadable ones."""
     with os.scandir(folder) as entries:
         return sorted(Path(e.path) for e in entries
-                      if os.path.splitext(e.name)[1].lower() in IMG_EXTENSIONS and e.is_file())
+                      if os.path.splitext(e.name)[1].lower() in IMG_EXTENSIONS
+                      and not e.name.startswith(".") and e.is_file())
 
 
 _HINT = ("give the tiny-imagenet-200 folder, which holds wnids.txt, train/ and val/ "
