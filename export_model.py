@@ -58,9 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_readable(path: Path) -> None:
     """A checkpoint this user may not read is said so, not taken for a damaged one: ``path``,
-    its listing where it is a folder, and each file in it."""
+    its listing where it is a folder, and the files of a checkpoint folder (those of a
+    --checkpoint-dir are other checkpoints: only the one exported is opened)."""
     try:
-        for item in [path, *(sorted(path.iterdir()) if path.is_dir() else [])]:
+        listed = sorted(path.iterdir()) if path.is_dir() else []
+        files = [path] + (listed if (path / ".metadata").exists() else [])
+        for item in files:
             if item.is_file():
                 with open(item, "rb"):
                     pass

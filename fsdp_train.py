@@ -59,7 +59,7 @@ from torch.utils.data import DistributedSampler
 from training import (bandwidth, checkpoint, common, cudagraph, datasets, distributed, flags,
                       loading, loop, memory, models, schedule, simulate, stopping)
 from training.distributed import print0
-from training.faults import UsageError, end_process
+from training.faults import UsageError, disk_full, end_process
 
 STRATEGY = "fsdp"
 # all-gather (parameters), reduce-scatter (gradients), all-reduce (between the replicas of
@@ -229,7 +229,7 @@ def save_checkpoint(path, state: dict, meta: dict) -> None:
             shutil.rmtree(tmp, ignore_errors=True)  # half a checkpoint
         # A full disk: for DCP's shards every rank sees it (DCP gathers the writers' errors),
         # for rank 0's meta.pt atomic_save raises a UsageError.
-        if isinstance(exc, UsageError) or checkpoint.disk_full(exc):
+        if isinstance(exc, UsageError) or disk_full(exc):
             raise checkpoint.disk_full_error(path) from None
         raise
     # Checkpoints.save then waits, in its vote, until every rank (and rank 0's rename) is done.

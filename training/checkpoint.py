@@ -15,7 +15,6 @@ stopping.py's, the NaN guard before each checkpoint lossguard.py's.
 
 from __future__ import annotations
 
-import errno
 import os
 import random
 import re
@@ -31,7 +30,7 @@ import torch
 
 from training import hangs
 from training.distributed import every_rank, on_rank0, print0, raise_if_any_rank, rank_and_world
-from training.faults import UsageError, lock_checkpoint_dir, make_folder
+from training.faults import UsageError, disk_full, lock_checkpoint_dir, make_folder
 from training.schedule import place_schedule
 from training.stopping import holding_ctrl_c
 
@@ -179,19 +178,6 @@ def atomic_save(obj, path) -> None:
                 raise KeyboardInterrupt from None  # not the zip writer's error on its way up
             raise
         replace_checkpoint(tmp, path)
-
-
-def disk_full(exc: BaseException) -> bool:
-    """Did a write fail for want of space (a full file system, a quota)? torch.save reports
-    it as a RuntimeError ("file write failed"), DCP wraps it in its CheckpointException."""
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if any(words in str(exc) for words in ("No space left on device", "Disk quota exceeded",
-                                               "file write failed")):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def _size(path: Path) -> int:

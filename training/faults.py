@@ -16,6 +16,7 @@ project it imports contract.py only.
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import platform
@@ -55,6 +56,21 @@ def file_in_the_way(path) -> Path | None:
     """The file at ``path`` or above it that keeps a folder from being made there, or None."""
     return next((p for p in [Path(path), *Path(path).parents]
                  if p.exists() and not p.is_dir()), None)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Did a write fail for want of space (a full file system, a quota)? torch.save reports
+    it as a RuntimeError ("file write failed"), DCP wraps it in its CheckpointException, and
+    numpy's own check of the space raises an OSError without an errno ("Not enough free space
+    to write N bytes")."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(words in str(exc) for words in ("No space left on device", "Disk quota exceeded",
+                                               "file write failed", "Not enough free space")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def make_folder(path, flag: str) -> None:

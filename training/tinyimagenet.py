@@ -12,7 +12,6 @@ and name the first of either).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.faults import UsageError, process_exists
+from training.faults import UsageError, disk_full, process_exists
 from training.stopping import die_with_parent
 
 # --------------------------------------------------------------------------------------------
@@ -426,9 +425,7 @@ def prepare(root, directory, strict: bool = False, workers: int = 1, log=print,
                 build_split(directory, split, samples, checksum, strict, workers, log, root)
     except OSError as exc:
         where = "(--data-cache DIR, or prepare_tinyimagenet.py's CACHE_DIR)"
-        # numpy's own check of the space ("Not enough free space to write N bytes") sets no
-        # errno, and its error no strerror: it read "(None)"
-        if exc.errno == errno.ENOSPC or "free space" in str(exc):
+        if disk_full(exc):  # numpy's own check of the space read "(None)" below
             need = (len(train) + len(val)) * 3 * SIZE * SIZE / 2**20  # uint8 pixels
             made = next(p for p in (directory, *directory.resolve().parents) if p.is_dir())
             raise UsageError(f"no space left for the data cache in {directory} "
