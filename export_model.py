@@ -120,15 +120,21 @@ def check_shards(path: Path) -> None:
                          f"scp -r), from where the run wrote it, or export an earlier checkpoint")
 
 
-def read_dcp_model(path: Path) -> dict:
+def read_dcp_model(path: Path, recorded: dict | None) -> dict:
     """The "model" entry of fsdp_train.py's sharded DCP folder as full, plain tensors, read in
     this one process without a process group. This is what torch's own
-    format_utils.dcp_to_torch_save does, with the optimizer's state left unread."""
+    format_utils.dcp_to_torch_save does, with the optimizer's state left unread. ``recorded``:
+    the CRC-32 of each file, from its meta.pt (None: a checkpoint saved before they were)."""
     from torch.distributed.checkpoint import CheckpointException, FileSystemReader
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     check_shards(path)
+    changed = checkpoint.changed_shards(path, recorded or {}, sorted(recorded or {}))
+    if changed:  # bytes changed on the disk or in a copy would be exported as weights
+        raise UsageError(f"{path} is {checkpoint.shards_damage(path, changed)}: copy the "
+                         f"checkpoint folder again, whole (cp -r, scp -r), from where the run "
+                         f"wrote it, or export an earlier checkpoint")
     state = {}
     try:
         _load_state_dict(state, storage_reader=FileSystemReader(path),
@@ -149,7 +155,8 @@ def read_weights(path: Path) -> tuple:
     try:
         if path.is_dir():
             meta = torch.load(path / "meta.pt", map_location="cpu", weights_only=True)
-            return read_dcp_model(path), meta, "a sharded checkpoint of fsdp_train.py"
+            return (read_dcp_model(path, meta.get("checksums")), meta,
+                    "a sharded checkpoint of fsdp_train.py")
         # mmap: of a checkpoint's optimizer state nothing is read, only the model's tensors
         saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         if checkpoint.damaged_member(path) is not None:  # loaded, but with changed bytes

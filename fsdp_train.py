@@ -207,7 +207,7 @@ def average_batchnorm_statistics(model: nn.Module) -> None:
 def save_checkpoint(path, state: dict, meta: dict) -> None:
     """FSDP: every rank writes its own shards with torch.distributed.checkpoint (DCP) into one
     folder, rank 0 adds the small rest (scheduler, scaler, every rank's RNG state, epoch and
-    step), then renames the folder into place (it appears complete or not at all).
+    step, a checksum of each file DCP wrote), then renames the folder into place (it appears complete or not at all).
     Collective: every rank takes part. DCP can load it back at another world size."""
     # the same BatchNorm statistics on every rank: those DCP keeps of the replicated buffers
     # are then every rank's, and a resumed run goes on as the uninterrupted one does
@@ -219,10 +219,15 @@ def save_checkpoint(path, state: dict, meta: dict) -> None:
     dist.barrier()
     model_sd, optim_sd = get_state_dict(state["model"], state["optimizer"])  # this rank's shards
     try:
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
+        index = dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
         if rank == 0:
             small = {name: state[name].state_dict() for name in ("scheduler", "scaler")}
-            checkpoint.atomic_save(small | meta, tmp / "meta.pt")
+            # A CRC-32 of every file DCP wrote, checked before they are loaded: DCP keeps no
+            # checksum, and changed bytes in a shard would load as weights. The names come
+            # from DCP's index, not from a listing that a shared file system may not yet show.
+            files = {item.relative_path for item in index.storage_data.values()}
+            sums = checkpoint.shard_checksums(tmp, sorted(files) + [".metadata"])
+            checkpoint.atomic_save(small | meta | {"checksums": sums}, tmp / "meta.pt")
             checkpoint.replace_checkpoint(tmp, path)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if rank == 0:
@@ -241,6 +246,7 @@ def load_checkpoint(path, state: dict) -> dict:
     # weights_only: the small state holds only tensors and plain values, so loading it cannot
     # run code.
     meta = torch.load(Path(path) / "meta.pt", map_location="cpu", weights_only=True)
+    checkpoint.verify_shards(Path(path), meta.get("checksums"))  # collective; raises Damaged
     model_sd, optim_sd = get_state_dict(state["model"], state["optimizer"])
     shards = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(shards, checkpoint_id=path)

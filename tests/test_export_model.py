@@ -83,7 +83,11 @@ def test_export_loads_into_the_bare_model_with_the_same_outputs(runs, tmp_path, 
     ("no .metadata", "has no .metadata file, the index of fsdp_train.py's shards (copying with "
                      "cp DIR/*"),
     ("truncated shard", "has incomplete shard files (__0_0.distcp: 1,000 of its "),
-    ("zeros in a shard", "(__0_0.distcp, __1_0.distcp) is damaged inside"),
+    # the CRC-32 kept in meta.pt at save; a checkpoint saved before that had none, and DCP
+    # itself finds only bytes that no longer unpickle
+    ("zeros in a shard", "is damaged: the bytes of its __0_0.distcp fail their checksum "
+                         "(changed on the disk or in a copy): copy the checkpoint folder again"),
+    ("zeros in a shard, no checksums", "(__0_0.distcp, __1_0.distcp) is damaged inside"),
     # it said "Weights only load failed. In PyTorch 2.6, we changed the default ..."
     ("garbage meta.pt", "is damaged: its meta.pt, the run's records, does not load"),
 ])
@@ -102,6 +106,9 @@ def test_a_damaged_sharded_checkpoint_names_the_file(runs, tmp_path, capsys, cap
     elif damage == "garbage meta.pt":
         (copy / "meta.pt").write_bytes(b"damaged " * 100)
     else:
+        if damage.endswith("no checksums"):
+            meta = torch.load(copy / "meta.pt", weights_only=True)
+            torch.save({k: v for k, v in meta.items() if k != "checksums"}, copy / "meta.pt")
         with open(copy / "__0_0.distcp", "r+b") as f:
             f.seek(100)
             f.write(bytes(3000))
@@ -112,6 +119,47 @@ def test_a_damaged_sharded_checkpoint_names_the_file(runs, tmp_path, capsys, cap
     # DCP logs those tracebacks as warnings on the root logger
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert not out.exists()
+
+
+def flip_bytes_inside_a_tensor(shard: Path) -> None:
+    """64 bytes of a shard's largest stretch of tensor data changed, its length the same: the
+    damage a bad disk or copy does, which DCP loads as weights."""
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    shard.write_bytes(bytes(data))
+
+
+def test_changed_bytes_in_a_shard_are_caught_by_the_checksums_of_meta_pt(runs, tmp_path, capsys):
+    """The probe's worst finding: 64 bytes flipped inside a .distcp shard exported (and would
+    have resumed) with wrong weights, values of about -11,310 in the classifier, and exit 0."""
+    (ckpt,) = checkpoint.list_checkpoints(runs / "fsdp" / "ck")
+    copy = tmp_path / ckpt.name
+    shutil.copytree(ckpt, copy)
+    recorded = torch.load(copy / "meta.pt", weights_only=True)["checksums"]
+    assert sorted(recorded) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    checkpoint.verify_shards(copy, recorded)  # whole: nothing raised
+    flip_bytes_inside_a_tensor(copy / "__1_0.distcp")
+    assert checkpoint.incomplete_shards(copy) is None  # as long as before
+
+    out = tmp_path / "model.pt"
+    assert export_model.main([str(copy), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {copy} is damaged: the bytes of its __1_0.distcp fail their "
+                   f"checksum (changed on the disk or in a copy): copy the checkpoint folder "
+                   f"again, whole (cp -r, scp -r), from where the run wrote it, or export an "
+                   f"earlier checkpoint\n"), err
+    assert not out.exists()
+    # the resume's check, in one process: the same words, for load_newest to print
+    with pytest.raises(checkpoint.Damaged, match=r"^damaged: the bytes of its __1_0.distcp "):
+        checkpoint.verify_shards(copy, recorded)
+    # a shard cut short says so, with its lengths, rather than that its checksum fails
+    os.truncate(copy / "__0_0.distcp", 1000)
+    with pytest.raises(checkpoint.Damaged, match=r"^truncated or damaged: incomplete shard "
+                                                 r"files \(__0_0.distcp: 1,000 of its "):
+        checkpoint.verify_shards(copy, recorded)
+    # a checkpoint saved before checksums were kept: nothing to check against
+    checkpoint.verify_shards(copy, None)
 
 
 def test_wrapper_names_are_removed(tmp_path, capsys):
@@ -296,7 +344,8 @@ def test_changed_bytes_inside_a_checkpoint_are_caught_by_its_checksum(tmp_path, 
     assert err.startswith(f"error: {ck} is damaged: the bytes of its ") and \
         "fail their checksum (changed on the disk or in a copy)" in err, err
     assert not (tmp_path / "m.pt").exists()
-    with pytest.raises(ValueError, match="fail their checksum"):
+    with pytest.raises(checkpoint.Damaged, match="^damaged: the bytes of its .* fail their "
+                                                 "checksum"):
         checkpoint.load_one_file(ck, {})
     assert checkpoint.not_a_checkpoint(ck).startswith("damaged: the bytes of its ")
 

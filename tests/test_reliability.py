@@ -145,6 +145,22 @@ def test_fsdp_saves_over_its_checkpoints_and_falls_back_past_a_truncated_shard(t
     assert f"Resumed from epoch 3, step 0 ({newest})" in done.stdout
     assert "unusable" not in done.stdout
 
+    # 64 bytes changed inside a shard, its length the same: loaded as weights before (DCP keeps
+    # no checksum). Rank 1 checks __0_0.distcp (each rank reads every world-th file), and both
+    # ranks set the checkpoint aside, together.
+    shard = newest / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 64] = bytes(64)
+    shard.write_bytes(bytes(data))
+    flipped = run_script("fsdp_train.py", args, nproc=2)
+    check_ok(flipped)
+    out = flipped.stdout + flipped.stderr
+    assert (f"warning: checkpoint {newest} is unusable (rank 0, 1: damaged: the bytes of its "
+            f"__0_0.distcp fail their checksum (changed on the disk or in a copy)); trying the "
+            f"previous one") in out, out[-3000:]
+    assert f"Resumed from epoch 2, step 0 ({previous})" in flipped.stdout
+    assert "Traceback" not in out
+
 
 # ---- 3. one run per checkpoint dir; workers end with their launcher ------------------------
 

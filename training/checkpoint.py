@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import time
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -303,7 +304,8 @@ def load_newest(candidates: list, load_one, explicit: bool = False):
             failure = exc
         what = None
         if failure is not None:
-            what = not_a_checkpoint(path)
+            # Damaged: found by the load itself, which read the bytes once already
+            what = str(failure) if isinstance(failure, Damaged) else not_a_checkpoint(path)
             if explicit:
                 what = _resume_path_error(path, what, failure)
             else:
@@ -396,8 +398,7 @@ def not_a_checkpoint(path) -> str | None:
     if not zipfile.is_zipfile(path):
         return "truncated or damaged: its end is missing"
     if (bad := damaged_member(path)) is not None:
-        return (f"damaged: the bytes of its {bad} fail their checksum (changed on the disk or "
-                f"in a copy)")
+        return _changed_words([bad])
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 (the load's own error is the one to report)
@@ -440,6 +441,73 @@ def incomplete_shards(path: Path, prefix: str = "") -> str | None:
     return None
 
 
+class Damaged(ValueError):
+    """A checkpoint whose bytes are not those its run wrote, found before they were loaded;
+    str() says what it is, in a few words, as not_a_checkpoint does (load_newest prints it)."""
+
+
+def _changed_words(names: list) -> str:
+    return (f"damaged: the bytes of its {' and '.join(names)} fail their checksum (changed on "
+            f"the disk or in a copy)")
+
+
+def shard_checksums(folder: Path, names) -> dict:
+    """{name: CRC-32} of the files ``names`` in ``folder`` (fsdp_train.py's shard files and
+    their .metadata index), read in 16 MiB pieces. DCP's files keep no checksum of their own:
+    64 changed bytes inside a shard loaded as weights without a word. The CRC-32 is the one a
+    zip archive keeps of its entries, so a DDP checkpoint is checked the same way."""
+    sums = {}
+    for name in names:
+        crc = 0
+        with open(folder / name, "rb") as f:
+            while piece := f.read(16 << 20):
+                crc = zlib.crc32(piece, crc)
+        sums[name] = crc
+    return sums
+
+
+def changed_shards(folder: Path, recorded: dict, names) -> list:
+    """[(name, why)] for each of ``names`` whose bytes differ from the CRC-32 ``recorded`` at
+    save: ``why`` is None for changed bytes, the OS's reason for a file that cannot be read
+    (never raised: a collective caller must not lose one rank to it)."""
+    changed = []
+    for name in names:
+        try:
+            if shard_checksums(folder, [name])[name] != recorded[name]:
+                changed.append((name, None))
+        except OSError as exc:
+            changed.append((name, exc.strerror or type(exc).__name__))
+    return changed
+
+
+def shards_damage(folder: Path, changed: list) -> str:
+    """In a few words, what the ``changed`` files of changed_shards make of the checkpoint:
+    the files it lacks or that are cut short first (their lengths say more than a checksum),
+    then the files that cannot be read, then those with changed bytes."""
+    wrong = incomplete_shards(folder)
+    if wrong:
+        return f"truncated or damaged: {wrong}"
+    unread = [f"{name} ({why})" for name, why in changed if why]
+    if unread:
+        return f"unreadable: its {', '.join(unread)}"
+    return _changed_words([name for name, _ in changed])
+
+
+def verify_shards(folder: Path, recorded: dict | None) -> None:
+    """Before fsdp_train.py's checkpoint is loaded: raise Damaged, on every rank, when any of
+    its files fails the checksum recorded in its meta.pt (None: saved before checksums were
+    kept, nothing to check). Collective: each rank reads its share of the files (every
+    world-th, whatever world size wrote them), and every rank learns the result, so that all
+    of them load the checkpoint (a collective) or none does."""
+    if not recorded:
+        return
+    rank, world = rank_and_world()
+    mine = changed_shards(folder, recorded, sorted(recorded)[rank::world])
+    changed = sorted(item for part in every_rank(mine) for item in part)
+    if changed:
+        raise Damaged(shards_damage(folder, changed))
+
+
 def _resume_path_error(path, what: str | None, exc: BaseException) -> str:
     """The sentence for --resume PATH that does not load: what the file is, and what to give."""
     fix = ("give --resume a checkpoint that a run with --checkpoint-dir wrote there "
@@ -468,11 +536,11 @@ def damaged_member(path) -> str | None:
 def load_one_file(path, state: dict) -> dict:
     """Load a one-file checkpoint (ddp_train.py's and dp_train.py's: rank 0 wrote every
     object's state_dict into one file) into ``state``; returns what the file holds. A file
-    whose bytes fail their checksum raises (load_newest says why, from not_a_checkpoint)."""
+    whose bytes fail their checksum raises Damaged, which says so."""
     if not saved_by_torch(path):  # torch.load reads it as an old-style pickle, and warns of
         raise ValueError("not a file that torch.save wrote")  # its "protocol" on stderr
     if (bad := damaged_member(path)) is not None:
-        raise ValueError(f"the bytes of its {bad} fail their checksum")
+        raise Damaged(_changed_words([bad]))
     # weights_only: a checkpoint holds only tensors and plain values, so loading it cannot
     # run code.
     saved = torch.load(path, map_location="cpu", weights_only=True)
