@@ -361,6 +361,38 @@ def test_a_macs_appledouble_files_are_not_images(tiny_imagenet, tmp_path):
     assert relative[0] == relative[1] and relative[2] == relative[3]
 
 
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_an_image_that_is_a_link_to_nothing_is_named_not_skipped(tiny_imagenet, tmp_path,
+                                                                  split):
+    """A tree of links into a scratch space that was purged: a link whose file is gone was
+    skipped without a word (train: a smaller dataset, no count; val/: its line was 'a file
+    that does not exist'). It is one sentence naming the link and where it points, for the
+    training scripts and prepare_tinyimagenet.py alike."""
+    from conftest import REPO
+    root, _ = tiny_imagenet
+    data = tmp_path / "tin"
+    shutil.copytree(root, data)
+    images = sorted((data / "train").glob("*/images/*.JPEG") if split == "train"
+                    else (data / "val" / "images").glob("*.JPEG"))
+    gone = tmp_path / "scratch" / images[3].name  # a link into a purged scratch space
+    images[3].unlink()
+    images[3].symlink_to(gone)
+    words = (f"error: 1 image(s) in {images[3].parent} are symbolic links to files that do not "
+             f"exist (first: {images[3].name} -> {gone}): restore the files they point to, or "
+             f"delete those links to train without them")
+    with pytest.raises(faults.UsageError, match="are symbolic links to files that do not exist"):
+        tinyimagenet.scan_tinyimagenet(data)
+    proc = subprocess.run([sys.executable, str(REPO / "prepare_tinyimagenet.py"), str(data),
+                           str(tmp_path / "cache")], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    assert proc.returncode == 2 and proc.stderr.strip() == words, proc.stderr
+    # a link to a file that exists is an image, as before
+    gone.parent.mkdir()
+    shutil.copy(images[4], gone)
+    assert len(tinyimagenet.scan_tinyimagenet(data)[1 if split == "train" else 2]) == \
+        len(tinyimagenet.scan_tinyimagenet(root)[1 if split == "train" else 2])
+
+
 @pytest.mark.parametrize("failing, error", [
     ("save", OSError("Not enough free space to write 3145728 bytes after offset 128")),  # numpy
     ("save", OSError(28, "No space left on device")),

@@ -55,11 +55,19 @@ def _images_in(folder: Path) -> list:
     """The image files of ``folder``: regular files only (opening a pipe named .JPEG would
     wait for a writer for ever), told by the directory entry's type, without a stat each.
     Hidden files are none: a copy made on a Mac leaves ._val_0.JPEG beside val_0.JPEG (its
-    AppleDouble metadata), which read as images without a label, or unreadable ones."""
+    AppleDouble metadata), which read as images without a label, or unreadable ones.
+    A symbolic link to nothing (a tree of links into a scratch space that was purged) is
+    refused, not skipped: a smaller dataset would train without a word."""
     with os.scandir(folder) as entries:
-        return sorted(Path(e.path) for e in entries
-                      if os.path.splitext(e.name)[1].lower() in IMG_EXTENSIONS
-                      and not e.name.startswith(".") and e.is_file())
+        named = [e for e in entries if os.path.splitext(e.name)[1].lower() in IMG_EXTENSIONS
+                 and not e.name.startswith(".")]
+    dangling = sorted(e.name for e in named if e.is_symlink() and not os.path.exists(e.path))
+    if dangling:
+        raise UsageError(f"{len(dangling)} image(s) in {folder} are symbolic links to files that "
+                         f"do not exist (first: {dangling[0]} -> "
+                         f"{os.readlink(folder / dangling[0])}): restore the files they point "
+                         f"to, or delete those links to train without them")
+    return sorted(Path(e.path) for e in named if e.is_file())
 
 
 _HINT = ("give the tiny-imagenet-200 folder, which holds wnids.txt, train/ and val/ "
@@ -170,6 +178,7 @@ def _scan_val(val_dir: Path, classes: list, index: dict) -> list:
 def _scan_annotated_val(annotations: Path, images_dir: Path, index: dict) -> list:
     """The samples of val/images/ with the labels of val_annotations.txt; every line must name
     an existing image of a known class, and every image must have a line."""
+    present = _images_in(images_dir) if images_dir.is_dir() else []
     val, first_line = [], {}
     for lineno, line in enumerate(read_text_file(annotations).splitlines(), 1):
         parts = line.split()
@@ -200,8 +209,7 @@ def _scan_annotated_val(annotations: Path, images_dir: Path, index: dict) -> lis
                              f"restore val/images/ from the dataset archive")
         val.append((str(path), index[wnid]))
     annotated = {Path(p).name for p, _ in val}
-    stray = [p.name for p in _images_in(images_dir) if p.name not in annotated] \
-        if images_dir.is_dir() else []
+    stray = [p.name for p in present if p.name not in annotated]
     if stray:
         raise UsageError(f"{len(stray)} image(s) in {images_dir} have no line in "
                          f"{annotations} (first: {stray[0]}): restore both from the same "
