@@ -93,6 +93,14 @@ def find_checkpoint(path: Path) -> Path:
             print(f"newest of the {len(found)} checkpoint(s) in {path}: {found[0].name}")
             check_readable(found[0])
             return found[0]
+        set_aside = [(aside, found) for aside in sorted(path.glob("superseded-*"), reverse=True)
+                     if (found := checkpoint.list_checkpoints(aside))]
+        if set_aside:  # "not a checkpoint" would hide them
+            aside, older = set_aside[0]
+            raise UsageError(f"{path} holds no checkpoint of its own, but {len(set_aside)} "
+                             f"superseded-* folder(s) hold those that --resume never set aside "
+                             f"(the newest folder: {aside.name}, with {len(older)}): give one of "
+                             f"them, e.g. {older[0]}")
     if not (path.is_dir() or path.is_file()):  # a pipe (/dev/stdin) would wait, or not seek
         raise UsageError(f"{path} is not a file or folder (a pipe or a device?): give the "
                          f"checkpoint's own path, not a stream of it")

@@ -161,6 +161,18 @@ def test_binary_wnids_is_one_line_exit_2_for_every_script(tiny_imagenet, tmp_pat
                       f"not UTF-8 at offset 10): restore it from the dataset archive"]
 
 
+def test_a_wnids_txt_that_is_a_folder_is_called_so_not_missing(tiny_imagenet, tmp_path):
+    root, _ = tiny_imagenet
+    data = tmp_path / "tin"
+    shutil.copytree(root, data)
+    (data / "wnids.txt").unlink()
+    (data / "wnids.txt").mkdir()
+    with pytest.raises(faults.UsageError) as refused:
+        tinyimagenet.scan_tinyimagenet(data)
+    assert str(refused.value) == (f"{data / 'wnids.txt'} is a folder, not TinyImageNet's list "
+                                  f"of class ids: restore the file from the dataset archive")
+
+
 def test_unreadable_dataset_file_is_a_usage_error(tmp_path):
     with pytest.raises(faults.UsageError, match=f"cannot read {tmp_path} "):
         tinyimagenet.read_text_file(tmp_path)  # a folder where a file should be

@@ -350,6 +350,26 @@ def test_changed_bytes_inside_a_checkpoint_are_caught_by_its_checksum(tmp_path, 
     assert checkpoint.not_a_checkpoint(ck).startswith("damaged: the bytes of its ")
 
 
+def test_a_checkpoint_dir_whose_checkpoints_were_set_aside_names_them(tmp_path, capsys):
+    """After --resume never moved a run's checkpoints into superseded-*/, exporting the
+    --checkpoint-dir said 'not a checkpoint: a folder without the meta.pt' and named none."""
+    ck = tmp_path / "ck"
+    for aside, epochs in (("superseded-20261130-090000-ab12", (1,)),
+                          ("superseded-20261201-101500-cd34", (1, 2))):
+        (ck / aside).mkdir(parents=True)
+        for epoch in epochs:
+            torch.save({"model": CifarCNN(10).state_dict(), "epoch": epoch, "step": 0,
+                        "world_size": 1, "args": {"model": "cnn"}},
+                       ck / aside / f"ckpt-e{epoch:04d}-s0000000")
+    assert export_model.main([str(ck), str(tmp_path / "m.pt")]) == 2
+    newest = ck / "superseded-20261201-101500-cd34" / "ckpt-e0002-s0000000"
+    assert capsys.readouterr().err == (
+        f"error: {ck} holds no checkpoint of its own, but 2 superseded-* folder(s) hold those "
+        f"that --resume never set aside (the newest folder: superseded-20261201-101500-cd34, "
+        f"with 2): give one of them, e.g. {newest}\n")
+    assert export_model.main([str(newest), str(tmp_path / "m.pt")]) == 0
+
+
 def test_ctrl_c_is_one_line(tmp_path, monkeypatch, capsys):
     def interrupted(*_):
         raise KeyboardInterrupt

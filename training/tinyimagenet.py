@@ -122,6 +122,9 @@ def _scan_classes(wnids_file: Path) -> list:
             raise UsageError(f"{folder} holds MNIST-format IDX files, not TinyImageNet (no "
                              f"wnids.txt): train on them with {either}, which reads them as "
                              f"they are (no cache to build)")
+        if wnids_file.exists():  # a folder (an archive unpacked onto itself) is no list
+            raise UsageError(f"{wnids_file} is a folder, not TinyImageNet's list of class ids: "
+                             f"restore the file from the dataset archive")
         raise UsageError(f"{wnids_file} is missing: {_HINT}")
     classes = sorted({w.strip() for w in read_text_file(wnids_file).split() if w.strip()})
     if not classes:
