@@ -147,6 +147,13 @@ def _header_kind(line: str) -> str | None:
     return None
 
 
+def _a_cut_header(text: str) -> bool:
+    """Whether ``text``, a file's only line and one without its newline, is the start of
+    either logger's header line."""
+    return any(header.startswith(text) or text.startswith(header)
+               for header in (", ".join(GPU_COLUMNS), "# Elapsed time"))
+
+
 def read_log(path) -> tuple:
     """(kind, lines, skips, bad) of one log file. Raises LogError for a file without text or
     without a header, OSError if it cannot be read.
@@ -167,17 +174,22 @@ def read_log(path) -> tuple:
                        "at once, check the job's stderr")
     nul_end = len(data) - len(data.rstrip(b"\0"))
     bad = Counter({BAD_NUL_END: nul_end, BAD_NUL_INSIDE: data.count(b"\0") - nul_end})
-    skips, lines = Counter(), []
+    skips, lines, cut = Counter(), [], []
     # The text between runs of NUL bytes is kept: it comes from a logger restarted after the
     # crash, or is the rest of a line whose start was lost (then malformed, or its time cut).
     for chunk in _NUL_RUN_RE.split(data):
         text, n = _UNDECODABLE_RE.subn("\ufffd", chunk.decode("utf-8", "surrogateescape"))
         bad[BAD_UTF8] += n
         chunk_lines = text.split("\n")
-        if chunk_lines.pop().strip():       # "" when the chunk ends with a newline
+        if (last := chunk_lines.pop()).strip():       # "" when the chunk ends with a newline
             skips[SKIP_INCOMPLETE] += 1
+            cut.append(last.strip())
         lines.extend(chunk_lines)
     kind = next((k for k in map(_header_kind, lines) if k is not None), None)
+    if kind is None and cut and not any(line.strip() for line in lines) and _a_cut_header(cut[0]):
+        raise LogError("cut off inside its header line, before any sample: the logger was "
+                       "stopped as it started (the job ended or was cancelled at once), check "
+                       "the job's stderr")
     if kind is None:
         raise LogError("not an nvidia-smi --format=csv log or a psrecord log (no header line of "
                        "either); gpu_memory/ and cpu_memory/ should hold only the loggers' files")

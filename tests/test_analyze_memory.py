@@ -133,6 +133,22 @@ def test_kind_is_detected_by_content_not_extension(tmp_path):
         am.read_log(FIX / "bad" / "empty.csv")
 
 
+@pytest.mark.parametrize("start", ["timestamp, index, na", "timestamp, index, name, "
+                                   "memory.used [MiB], memory.total [MiB], utilization.g",
+                                   "# Elapsed ti"])
+def test_a_log_cut_inside_its_header_says_so(tmp_path, start):
+    """A job cancelled as it started leaves a log cut inside its header line: it was called
+    "not an nvidia-smi --format=csv log or a psrecord log", as if the file were another's."""
+    log = tmp_path / "n1.csv"
+    log.write_text(start)
+    with pytest.raises(am.LogError, match=r"^cut off inside its header line, before any "
+                                          r"sample: the logger was stopped as it started"):
+        am.read_log(log)
+    log.write_text("timestamp, index, nickname")  # not a header: another file, as before
+    with pytest.raises(am.LogError, match="not an nvidia-smi"):
+        am.read_log(log)
+
+
 def test_summarize_paths_walks_a_run_directory_in_sorted_order():
     gpu, cpu, problems = am.summarize_paths([RUN])
     assert problems == []
