@@ -202,6 +202,21 @@ def rank1_one_batch_fewer(out: Path) -> None:
     loading.SkipFirst.__iter__ = samples
 
 
+def nan_in_rank1s_second_evaluation(out: Path) -> None:
+    """Rank 1's validation sums of epoch 2 hold a NaN loss (its training stays finite): the
+    reduced validation loss is NaN on every rank."""
+    from training import common
+    real, calls = common.evaluate, []
+
+    def evaluate(*args, **kwargs):
+        sums = real(*args, **kwargs)
+        calls.append(True)
+        if RANK == 1 and len(calls) == 2:
+            sums[0] = float("nan")
+        return sums
+    common.evaluate = evaluate
+
+
 def ctrl_c_in_the_first_save(out: Path) -> None:
     """A Ctrl-C (SIGINT to this process) as the first checkpoint's torch.save begins."""
     real = torch.save

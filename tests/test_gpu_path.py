@@ -5,6 +5,7 @@ memory peaks, bf16 on old GPUs, FSDP2 units, and the data held on the device."""
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import time
@@ -77,6 +78,22 @@ def test_nan_on_one_rank_stops_the_whole_job_quickly(script, tmp_path):
     assert out.count("the loss became NaN or inf at epoch 1, step 3;") == 1, out[-3000:]
     # no rank was left waiting in a collective, and none crashed with a traceback of its own
     assert "failed or timed out" not in out and "NonFiniteLoss" not in out, out[-3000:]
+
+
+def test_a_nan_validation_loss_is_named_and_the_run_goes_on(tmp_path):
+    """The NaN guard watches the training loss; a validation loss that became NaN (on rank 1's
+    share of the images) was a "nan" in the epoch's line alone."""
+    proc = run_patched("nan_in_rank1s_second_evaluation", tmp_path, "ddp_train.py", FAST)
+    check_ok(proc)
+    out = proc.stdout + proc.stderr
+    epochs = metrics(proc.stdout)
+    assert epochs[0]["val_loss"] != "nan" and epochs[1]["val_loss"] == "nan", out[-3000:]
+    warnings = [line for line in out.splitlines() if "the validation loss is" in line]
+    assert len(warnings) == 1, out[-3000:]
+    assert re.fullmatch(r"warning: the validation loss is nan at epoch 2, its training loss "
+                        r"[0-9.]+: the model's outputs on some validation images are not "
+                        r"finite: check those images and the model's BatchNorm running "
+                        r"statistics", warnings[0]), warnings[0]
 
 
 # ---- 3. which GPU a process drives

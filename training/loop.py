@@ -206,6 +206,8 @@ class Run:
         metrics |= self.slowest
         print0(contract.format_epoch_line(metrics))
         print0(contract.format_metric_line(metrics))
+        if (warning := lossguard.nonfinite_validation(metrics, self.info["amp"])) is not None:
+            print0(warning)
         # rank 0 names a rank more than 10% slower than the median; [RANKS] has every rank's
         self.rank_clock.report()
         trained = (self.steps - self.start_step) * self.info["global_batch"]

@@ -83,6 +83,25 @@ def name_jump(jump, epoch: int) -> None:
            f"too large for the model; clip the gradients (--clip-grad-norm 1) or lower --lr")
 
 
+def nonfinite_validation(metrics: dict, amp: str) -> str | None:
+    """The warning for an epoch whose validation loss is NaN or inf, or None. The NaN guard
+    watches the training loss (the weights are finite while it is), so such an epoch goes on,
+    and its line alone would show the nan. The evaluation runs the model with BatchNorm's
+    running statistics in place of each batch's, which can overflow fp16 where training did
+    not."""
+    if math.isfinite(metrics["val_loss"]):
+        return None
+    said = f"warning: the validation loss is {metrics['val_loss']} at epoch {metrics['epoch']}"
+    if not math.isfinite(metrics["train_loss"]):
+        return said
+    why = ("the evaluation overflowed fp16's range (65,504) with BatchNorm's running statistics: "
+           "--amp bf16 on a GPU of compute capability 8.0+, or --amp off, evaluates in a wider "
+           "range" if amp == "fp16" else
+           "the model's outputs on some validation images are not finite: check those images "
+           "and the model's BatchNorm running statistics")
+    return f"{said}, its training loss {metrics['train_loss']:.4g}: {why}"
+
+
 class LossWatch:
     """NaN and inf losses and jumps of the loss. ``track`` notes each step's loss on the device,
     one copy into a buffer of the epoch's steps (no host sync, one kernel on a GPU: few
