@@ -217,11 +217,17 @@ def plain_name(name: str) -> str:
 def plain_weights(state_dict: dict) -> dict:
     """Plain names, CPU tensors in the default memory format (a CUDA run's channels_last
     convolutions are contiguous again), nothing but the model's own entries."""
-    plain = {}
+    plain, source = {}, {}
     for name, value in state_dict.items():
         if isinstance(value, torch.Tensor):
             value = value.detach().cpu().contiguous()
-        plain[plain_name(name)] = value
+        short = plain_name(name)
+        if short in plain:  # one of the two would be exported in silence
+            raise UsageError(f"the weights hold both {source[short]} and {name}, which are "
+                             f"the same parameter, {short}, once the wrappers' parts are "
+                             f"removed: they come from two models saved into one file; save "
+                             f"one model's state_dict alone and export that")
+        plain[short], source[short] = value, name
     return plain
 
 

@@ -370,6 +370,22 @@ def test_a_checkpoint_dir_whose_checkpoints_were_set_aside_names_them(tmp_path, 
     assert export_model.main([str(newest), str(tmp_path / "m.pt")]) == 0
 
 
+def test_two_names_of_one_parameter_are_refused_not_one_dropped(tmp_path, capsys):
+    """A file holding both module.x and x (two models' state_dicts saved together) exported
+    one of them, whichever came last, without a word."""
+    weights = CifarCNN(10).state_dict()
+    both = weights | {f"module.{k}": torch.zeros_like(v) for k, v in weights.items()}
+    torch.save(both, tmp_path / "both.pt")
+    assert export_model.main([str(tmp_path / "both.pt"), str(tmp_path / "m.pt"),
+                              "--model", "cnn"]) == 2
+    first = next(iter(weights))
+    assert capsys.readouterr().err == (
+        f"error: the weights hold both {first} and module.{first}, which are the same "
+        f"parameter, {first}, once the wrappers' parts are removed: they come from two models "
+        f"saved into one file; save one model's state_dict alone and export that\n")
+    assert not (tmp_path / "m.pt").exists()
+
+
 def test_ctrl_c_is_one_line(tmp_path, monkeypatch, capsys):
     def interrupted(*_):
         raise KeyboardInterrupt
