@@ -386,6 +386,18 @@ def test_two_names_of_one_parameter_are_refused_not_one_dropped(tmp_path, capsys
     assert not (tmp_path / "m.pt").exists()
 
 
+def test_an_out_name_of_255_bytes_is_written(tmp_path, capsys):
+    """A name of 244 to 255 bytes fits the file system, but its temporary name (.tmp-NAME-PID)
+    did not: 'cannot write OUT (File name too long): choose a writable folder'."""
+    ck = tmp_path / "ckpt-e0001-s0000000"
+    torch.save({"model": CifarCNN(10).state_dict(), "epoch": 1, "step": 0, "world_size": 1,
+                "args": {"model": "cnn"}}, ck)
+    out = tmp_path / ("m" * 252 + ".pt")
+    assert export_model.main([str(ck), str(out)]) == 0, capsys.readouterr().err
+    CifarCNN(10).load_state_dict(torch.load(out, weights_only=True))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ck.name, out.name])
+
+
 def test_ctrl_c_is_one_line(tmp_path, monkeypatch, capsys):
     def interrupted(*_):
         raise KeyboardInterrupt

@@ -99,17 +99,21 @@ def _fsync_dir(path: Path) -> None:
 
 def replace_checkpoint(tmp: Path, path: Path) -> None:
     """Move a complete checkpoint, file or DCP folder, from ``tmp`` to ``path``, replacing
-    whatever is there. A folder cannot be renamed over a non-empty folder, so the old one is
-    first renamed aside to ``.old-<name>``, the new one renamed in, then the old one deleted:
-    a crash at any point leaves the old or the new checkpoint, and ``tidy_checkpoint_dir``
-    renames a lone ``.old-<name>`` back at the next start."""
-    aside = path.with_name(f".old-{path.name}")
-    if path.exists() or path.is_symlink():
+    whatever is there. A file renamed over a file replaces it at once. A folder cannot be
+    renamed over a non-empty folder (nor a file over a folder, or a folder over a file), so
+    there the old one is first renamed aside to ``.old-<name>``, the new one renamed in, then
+    the old one deleted: a crash at any point leaves the old or the new checkpoint, and
+    ``tidy_checkpoint_dir`` renames a lone ``.old-<name>`` back at the next start."""
+    aside = None
+    if (path.is_dir() and not path.is_symlink()) or (tmp.is_dir() and (path.exists()
+                                                                        or path.is_symlink())):
+        aside = path.with_name(f".old-{path.name}")
         _remove(aside)
         os.replace(path, aside)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
-    _remove(aside)
+    if aside is not None:
+        _remove(aside)
 
 
 def tidy_checkpoint_dir(directory) -> None:
@@ -164,7 +168,9 @@ def atomic_save(obj, path) -> None:
     temporary file removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    # within a file name's 255 bytes: a name that fits must not fail for its temporary's
+    prefix = os.fsencode(f".tmp-{path.name}")[:240].decode(errors="ignore")
+    tmp = path.with_name(f"{prefix}-{os.getpid()}")
     with holding_ctrl_c():  # a Ctrl-C inside torch.save broke its zip writer: after it
         try:
             with open(tmp, "wb") as f:
