@@ -118,14 +118,17 @@ def not_loadable(path: Path, exc: BaseException | None = None) -> UsageError:
                       f"--checkpoint-dir that holds them) or a --save-model file")
 
 
+COPY_AGAIN = ("copy the checkpoint folder again, whole (cp -r, scp -r), from where the run wrote "
+              "it, or export an earlier checkpoint")
+
+
 def check_shards(path: Path) -> None:
     """Before DCP reads fsdp_train.py's folder: its index and the shard files that hold the
     model's entries are whole (DCP's own errors for these name no file, and before them it
     logs tracebacks)."""
     wrong = checkpoint.incomplete_shards(path, "model.")
     if wrong:
-        raise UsageError(f"{path} has {wrong}: copy the checkpoint folder again, whole (cp -r, "
-                         f"scp -r), from where the run wrote it, or export an earlier checkpoint")
+        raise UsageError(f"{path} has {wrong}: {COPY_AGAIN}")
 
 
 def read_dcp_model(path: Path, recorded: dict | None) -> dict:
@@ -138,11 +141,9 @@ def read_dcp_model(path: Path, recorded: dict | None) -> dict:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     check_shards(path)
-    changed = checkpoint.changed_shards(path, recorded or {}, sorted(recorded or {}))
+    changed = checkpoint.changed_files(path, recorded or {}, sorted(recorded or {}))
     if changed:  # bytes changed on the disk or in a copy would be exported as weights
-        raise UsageError(f"{path} is {checkpoint.shards_damage(path, changed)}: copy the "
-                         f"checkpoint folder again, whole (cp -r, scp -r), from where the run "
-                         f"wrote it, or export an earlier checkpoint")
+        raise UsageError(f"{path} is {checkpoint.shards_damage(path, changed)}: {COPY_AGAIN}")
     state = {}
     try:
         _load_state_dict(state, storage_reader=FileSystemReader(path),

@@ -207,7 +207,8 @@ def average_batchnorm_statistics(model: nn.Module) -> None:
 def save_checkpoint(path, state: dict, meta: dict) -> None:
     """FSDP: every rank writes its own shards with torch.distributed.checkpoint (DCP) into one
     folder, rank 0 adds the small rest (scheduler, scaler, every rank's RNG state, epoch and
-    step, a checksum of each file DCP wrote), then renames the folder into place (it appears complete or not at all).
+    step, a checksum of each file DCP wrote), then renames the folder into place (it appears
+    complete or not at all).
     Collective: every rank takes part. DCP can load it back at another world size."""
     # the same BatchNorm statistics on every rank: those DCP keeps of the replicated buffers
     # are then every rank's, and a resumed run goes on as the uninterrupted one does
@@ -220,21 +221,21 @@ def save_checkpoint(path, state: dict, meta: dict) -> None:
     model_sd, optim_sd = get_state_dict(state["model"], state["optimizer"])  # this rank's shards
     try:
         index = dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
+        # A CRC-32 of every file DCP wrote, checked before they are loaded: DCP keeps no
+        # checksum, and changed bytes in a shard would load as weights. The names come from
+        # DCP's index, not from a listing that a shared file system may not yet show.
+        files = sorted({item.relative_path for item in index.storage_data.values()})
+        sums = checkpoint.gather_checksums(tmp, [".metadata"] + files)  # collective
         if rank == 0:
             small = {name: state[name].state_dict() for name in ("scheduler", "scaler")}
-            # A CRC-32 of every file DCP wrote, checked before they are loaded: DCP keeps no
-            # checksum, and changed bytes in a shard would load as weights. The names come
-            # from DCP's index, not from a listing that a shared file system may not yet show.
-            files = {item.relative_path for item in index.storage_data.values()}
-            sums = checkpoint.shard_checksums(tmp, sorted(files) + [".metadata"])
             checkpoint.atomic_save(small | meta | {"checksums": sums}, tmp / "meta.pt")
             checkpoint.replace_checkpoint(tmp, path)
     except BaseException as exc:  # DCP's CheckpointException is a BaseException
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # half a checkpoint
         # A full disk: for DCP's shards every rank sees it (DCP gathers the writers' errors),
-        # for rank 0's meta.pt atomic_save raises a UsageError.
-        if isinstance(exc, UsageError) or disk_full(exc):
+        # for rank 0's meta.pt atomic_save's UsageError says so (its context, the OSError).
+        if disk_full(exc):
             raise checkpoint.disk_full_error(path) from None
         raise
     # Checkpoints.save then waits, in its vote, until every rank (and rank 0's rename) is done.
@@ -243,10 +244,7 @@ def save_checkpoint(path, state: dict, meta: dict) -> None:
 def load_checkpoint(path, state: dict) -> dict:
     """Collective. Each rank reads the pieces of the saved shards it now owns, whatever world
     size wrote them (DCP reshards on load)."""
-    # weights_only: the small state holds only tensors and plain values, so loading it cannot
-    # run code.
-    meta = torch.load(Path(path) / "meta.pt", map_location="cpu", weights_only=True)
-    checkpoint.verify_shards(Path(path), meta.get("checksums"))  # collective; raises Damaged
+    meta = checkpoint.checked_meta(Path(path))  # collective: every rank, or Damaged on all
     model_sd, optim_sd = get_state_dict(state["model"], state["optimizer"])
     shards = {"model": model_sd, "optimizer": optim_sd}
     dcp.load(shards, checkpoint_id=path)

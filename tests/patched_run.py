@@ -217,6 +217,19 @@ def nan_in_rank1s_second_evaluation(out: Path) -> None:
     common.evaluate = evaluate
 
 
+def meta_pt_unreadable_on_rank1(out: Path) -> None:
+    """Rank 1 alone cannot read an FSDP checkpoint's meta.pt (an I/O error on its node): the
+    ranks must still meet in the same collectives."""
+    import errno
+    real = torch.load
+
+    def load(f, *args, **kwargs):
+        if RANK == 1 and str(f).endswith("meta.pt"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(f))
+        return real(f, *args, **kwargs)
+    torch.load = load
+
+
 def ctrl_c_in_the_first_save(out: Path) -> None:
     """A Ctrl-C (SIGINT to this process) as the first checkpoint's torch.save begins."""
     real = torch.save

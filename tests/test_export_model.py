@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -136,9 +137,9 @@ def test_changed_bytes_in_a_shard_are_caught_by_the_checksums_of_meta_pt(runs, t
     (ckpt,) = checkpoint.list_checkpoints(runs / "fsdp" / "ck")
     copy = tmp_path / ckpt.name
     shutil.copytree(ckpt, copy)
-    recorded = torch.load(copy / "meta.pt", weights_only=True)["checksums"]
-    assert sorted(recorded) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    checkpoint.verify_shards(copy, recorded)  # whole: nothing raised
+    meta = torch.load(copy / "meta.pt", weights_only=True)
+    assert sorted(meta["checksums"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert checkpoint.checked_meta(copy)["epoch"] == meta["epoch"]  # whole: its records
     flip_bytes_inside_a_tensor(copy / "__1_0.distcp")
     assert checkpoint.incomplete_shards(copy) is None  # as long as before
 
@@ -152,14 +153,55 @@ def test_changed_bytes_in_a_shard_are_caught_by_the_checksums_of_meta_pt(runs, t
     assert not out.exists()
     # the resume's check, in one process: the same words, for load_newest to print
     with pytest.raises(checkpoint.Damaged, match=r"^damaged: the bytes of its __1_0.distcp "):
-        checkpoint.verify_shards(copy, recorded)
-    # a shard cut short says so, with its lengths, rather than that its checksum fails
-    os.truncate(copy / "__0_0.distcp", 1000)
+        checkpoint.checked_meta(copy)
+
+
+def damaged_copies(ckpt: Path, root: Path) -> dict:
+    """Copies of an FSDP checkpoint, each damaged one way: {name: folder}."""
+    copies = {}
+    for damage in ("cut shard", "changed index", "garbage meta.pt", "no checksums"):
+        copy = copies[damage] = root / damage.replace(" ", "-") / ckpt.name
+        shutil.copytree(ckpt, copy)
+        if damage == "cut shard":
+            os.truncate(copy / "__0_0.distcp", 1000)
+        elif damage == "changed index":
+            flip_bytes_inside_a_tensor(copy / ".metadata")
+        elif damage == "garbage meta.pt":
+            (copy / "meta.pt").write_bytes(b"damaged " * 100)
+        else:  # saved before checksums were kept: loads unchecked
+            meta = torch.load(copy / "meta.pt", weights_only=True)
+            torch.save({k: v for k, v in meta.items() if k != "checksums"}, copy / "meta.pt")
+            flip_bytes_inside_a_tensor(copy / "__0_0.distcp")
+    return copies
+
+
+def test_the_resume_check_says_what_is_wrong_first(runs, tmp_path):
+    """A shard cut short: its lengths, not its checksum; a changed .metadata: itself, not the
+    shard whose length it now records wrongly; a meta.pt that does not load: one sentence."""
+    (ckpt,) = checkpoint.list_checkpoints(runs / "fsdp" / "ck")
+    copies = damaged_copies(ckpt, tmp_path)
     with pytest.raises(checkpoint.Damaged, match=r"^truncated or damaged: incomplete shard "
                                                  r"files \(__0_0.distcp: 1,000 of its "):
-        checkpoint.verify_shards(copy, recorded)
-    # a checkpoint saved before checksums were kept: nothing to check against
-    checkpoint.verify_shards(copy, None)
+        checkpoint.checked_meta(copies["cut shard"])
+    with pytest.raises(checkpoint.Damaged, match=r"^damaged: the bytes of its \.metadata \(the "
+                                                 r"index of its shards\) fail their checksum"):
+        checkpoint.checked_meta(copies["changed index"])
+    with pytest.raises(checkpoint.Damaged, match=r"^damaged: its meta.pt, the run's records, "
+                                                 r"does not load$"):
+        checkpoint.checked_meta(copies["garbage meta.pt"])
+    assert "checksums" not in checkpoint.checked_meta(copies["no checksums"])
+
+
+def test_a_shard_that_cannot_be_read_back_at_save_is_one_sentence(tmp_path):
+    (tmp_path / "__0_0.distcp").write_bytes(b"x")
+    assert checkpoint.gather_checksums(tmp_path, ["__0_0.distcp"]) == {
+        "__0_0.distcp": zlib.crc32(b"x")}
+    with pytest.raises(checkpoint.UsageError) as refused:
+        checkpoint.gather_checksums(tmp_path, ["__0_0.distcp", "__1_0.distcp"])
+    assert str(refused.value) == (
+        f"cannot read back __1_0.distcp (No such file or directory) on rank 0 of the checkpoint "
+        f"being written in {tmp_path.parent}: every node must see the same --checkpoint-dir, a "
+        f"folder on a file system they share")
 
 
 def test_wrapper_names_are_removed(tmp_path, capsys):

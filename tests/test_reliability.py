@@ -161,6 +161,22 @@ def test_fsdp_saves_over_its_checkpoints_and_falls_back_past_a_truncated_shard(t
     assert f"Resumed from epoch 2, step 0 ({previous})" in flipped.stdout
     assert "Traceback" not in out
 
+    # rank 1 alone cannot read meta.pt: its failure went to the vote while rank 0 was in the
+    # shards' check, the two gathers met, and the run ended on a ValueError traceback
+    unread = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(REPO / "tests" / "patched_run.py"), "meta_pt_unreadable_on_rank1", str(tmp_path),
+         "fsdp_train.py", *args], capture_output=True, text=True, timeout=300,
+        env=env_for_tests(), cwd=REPO)
+    out = unread.stdout + unread.stderr
+    assert unread.returncode != 0 and "ValueError" not in out, out[-3000:]
+    # every rank sets it aside (rank 0, 1), the rank that could not read it named
+    assert out.count(f"warning: checkpoint {newest} is unusable (rank 0, 1: unreadable: its "
+                     f"meta.pt (Input/output error, on rank 1)); trying the previous "
+                     f"one") == 1, out[-3000:]
+    assert (f"error: none of the 2 checkpoints in {ck} could be loaded (why is above)"
+            in unread.stderr), out[-3000:]
+
 
 # ---- 3. one run per checkpoint dir; workers end with their launcher ------------------------
 

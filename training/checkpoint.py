@@ -453,33 +453,53 @@ class Damaged(ValueError):
 
 
 def _changed_words(names: list) -> str:
-    return (f"damaged: the bytes of its {' and '.join(names)} fail their checksum (changed on "
-            f"the disk or in a copy)")
+    listed = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+    return (f"damaged: the bytes of its {listed} fail their checksum (changed on the disk or in "
+            f"a copy)")
 
 
-def shard_checksums(folder: Path, names) -> dict:
-    """{name: CRC-32} of the files ``names`` in ``folder`` (fsdp_train.py's shard files and
-    their .metadata index), read in 16 MiB pieces. DCP's files keep no checksum of their own:
-    64 changed bytes inside a shard loaded as weights without a word. The CRC-32 is the one a
-    zip archive keeps of its entries, so a DDP checkpoint is checked the same way."""
-    sums = {}
-    for name in names:
-        crc = 0
-        with open(folder / name, "rb") as f:
-            while piece := f.read(16 << 20):
-                crc = zlib.crc32(piece, crc)
-        sums[name] = crc
-    return sums
+def crc32_of(path: Path) -> int:
+    """The CRC-32 of a file, read in 16 MiB pieces: the checksum a zip archive keeps of each
+    of its entries (torch.save's file, which damaged_member checks), here kept of each file of
+    fsdp_train.py's checkpoint, whose DCP shards keep none (changed bytes loaded as weights)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while piece := f.read(16 << 20):
+            crc = zlib.crc32(piece, crc)
+    return crc
 
 
-def changed_shards(folder: Path, recorded: dict, names) -> list:
-    """[(name, why)] for each of ``names`` whose bytes differ from the CRC-32 ``recorded`` at
-    save: ``why`` is None for changed bytes, the OS's reason for a file that cannot be read
-    (never raised: a collective caller must not lose one rank to it)."""
+def gather_checksums(folder: Path, names: list) -> dict:
+    """{name: CRC-32} of the files ``names`` in ``folder``, the checkpoint that fsdp_train.py
+    is writing. Collective: each rank reads every world-th file (rank 0 the first, the
+    .metadata it wrote itself), so no rank reads the whole checkpoint, and every rank gets
+    every sum. A file some rank cannot read back raises, on every rank, the UsageError that
+    names it: the ranks do not share the --checkpoint-dir, and no checkpoint could load."""
+    rank, world = rank_and_world()
+    mine, unread = {}, None
+    for name in names[rank::world]:
+        try:
+            mine[name] = crc32_of(folder / name)
+        except OSError as exc:  # never raised here: the other ranks wait in the gather
+            unread = unread or f"{name} ({exc.strerror or type(exc).__name__}) on rank {rank}"
+    votes = every_rank((mine, unread))
+    unread = next((u for _, u in votes if u), None)
+    if unread:
+        raise UsageError(f"cannot read back {unread} of the checkpoint being written in "
+                         f"{folder.parent}: every node must see the same --checkpoint-dir, "
+                         f"a folder on a file system they share")
+    return {name: crc for part, _ in votes for name, crc in part.items()}
+
+
+def changed_files(folder: Path, recorded: dict, names) -> list:
+    """[(name, why)] for each of ``names`` (shard files, .metadata) in ``folder`` whose bytes
+    differ from the CRC-32 ``recorded`` at save: ``why`` is None for changed bytes, the OS's
+    reason for a file that cannot be read (never raised: a collective caller must not lose a
+    rank to it)."""
     changed = []
     for name in names:
         try:
-            if shard_checksums(folder, [name])[name] != recorded[name]:
+            if crc32_of(folder / name) != recorded[name]:
                 changed.append((name, None))
         except OSError as exc:
             changed.append((name, exc.strerror or type(exc).__name__))
@@ -487,9 +507,12 @@ def changed_shards(folder: Path, recorded: dict, names) -> list:
 
 
 def shards_damage(folder: Path, changed: list) -> str:
-    """In a few words, what the ``changed`` files of changed_shards make of the checkpoint:
-    the files it lacks or that are cut short first (their lengths say more than a checksum),
-    then the files that cannot be read, then those with changed bytes."""
+    """In a few words, what the ``changed`` files of changed_files make of the checkpoint: a
+    changed .metadata first (the index that incomplete_shards would read), then the files it
+    lacks or that are cut short (their lengths say more than a checksum), the files that
+    cannot be read, and those with changed bytes."""
+    if (".metadata", None) in changed:
+        return _changed_words([".metadata (the index of its shards)"])
     wrong = incomplete_shards(folder)
     if wrong:
         return f"truncated or damaged: {wrong}"
@@ -499,19 +522,33 @@ def shards_damage(folder: Path, changed: list) -> str:
     return _changed_words([name for name, _ in changed])
 
 
-def verify_shards(folder: Path, recorded: dict | None) -> None:
-    """Before fsdp_train.py's checkpoint is loaded: raise Damaged, on every rank, when any of
-    its files fails the checksum recorded in its meta.pt (None: saved before checksums were
-    kept, nothing to check). Collective: each rank reads its share of the files (every
-    world-th, whatever world size wrote them), and every rank learns the result, so that all
-    of them load the checkpoint (a collective) or none does."""
-    if not recorded:
-        return
+def checked_meta(folder: Path) -> dict:
+    """The meta.pt of fsdp_train.py's checkpoint ``folder`` (the run's records), once every
+    file of the checkpoint has matched the CRC-32 that meta.pt records of it (a checkpoint
+    saved before they were kept: unchecked). Collective: each rank reads meta.pt and every
+    world-th file, whatever world size wrote them, and all ranks raise Damaged together, or
+    none does: they must all load the checkpoint (DCP's load is a collective) or none."""
     rank, world = rank_and_world()
-    mine = changed_shards(folder, recorded, sorted(recorded)[rank::world])
-    changed = sorted(item for part in every_rank(mine) for item in part)
-    if changed:
-        raise Damaged(shards_damage(folder, changed))
+    meta, problem, mine = None, None, []
+    try:
+        # weights_only: the records hold only tensors and plain values, so loading them
+        # cannot run code
+        meta = torch.load(folder / "meta.pt", map_location="cpu", weights_only=True)
+        recorded = meta.get("checksums") or {}
+        # which rank could not read a file: an I/O error may be one node's alone
+        mine = [(name, why and f"{why}, on rank {rank}") for name, why in
+                changed_files(folder, recorded, sorted(recorded)[rank::world])]
+    except OSError as exc:  # never raised before the vote: a rank alone would miss it
+        why = exc.strerror or type(exc).__name__
+        problem = f"unreadable: its meta.pt ({why}, on rank {rank})"
+    except Exception:  # noqa: BLE001 (a damaged pickle raises any of several)
+        problem = "damaged: its meta.pt, the run's records, does not load"
+    votes = every_rank((problem, mine))
+    problem = next((p for p, _ in votes if p), None)
+    changed = sorted(item for _, part in votes for item in part)
+    if problem or changed:
+        raise Damaged(problem or shards_damage(folder, changed))
+    return meta
 
 
 def _resume_path_error(path, what: str | None, exc: BaseException) -> str:
