@@ -39,13 +39,20 @@ def is_held_back(row: dict) -> bool:
     return spread is not None and spread > contract.SLOW_RANK_SPREAD
 
 
-def summary(row: dict) -> str:
-    """What the scaling table says of a run held back by one rank. Of two ranks the median is
-    their mean, so the spread (slow / mean) is said as slow / the other: spread / (2 - spread)."""
-    spread, against = num(row, "rank_spread"), "the median rank's"
+def against_the_others(row: dict) -> tuple:
+    """(the slowest rank's own time over the others', "the median rank's" or "the other
+    rank's"), as the training's straggler line says it. Of two ranks the median is their mean,
+    so the spread (slow / mean) is said as slow / the other: spread / (2 - spread)."""
+    spread = num(row, "rank_spread")
     if gpus(row) == 2 and spread < 2:
-        spread, against = spread / (2 - spread), "the other rank's"
-    return (f"straggler: rank {row.get('slowest_rank', '?')} took {spread:.2f}× {against} own "
+        return spread / (2 - spread), "the other rank's"
+    return spread, "the median rank's"
+
+
+def summary(row: dict) -> str:
+    """What the scaling table says of a run held back by one rank."""
+    ratio, against = against_the_others(row)
+    return (f"straggler: rank {row.get('slowest_rank', '?')} took {ratio:.2f}× {against} own "
             f"time, so this efficiency is the straggler's, not the strategy's")
 
 
@@ -97,8 +104,9 @@ def ranks_markdown(rows: list) -> list:
 
 
 def slow_label(metric: dict) -> str | None:
-    """A [METRIC] line's ({key: text}) straggler as the timeline marks it: "rank 1 +45%"."""
+    """A [METRIC] line's ({key: text}) straggler as the timeline marks it: "rank 1 +45%", the
+    figure of the training's line ("45% slower than the other rank")."""
     if not is_held_back(metric):
         return None
-    spread = num(metric, "rank_spread")
-    return f"rank {metric.get('slowest_rank', '?')} +{100 * (spread - 1):.0f}%"
+    ratio, _ = against_the_others(metric)
+    return f"rank {metric.get('slowest_rank', '?')} +{100 * (ratio - 1):.0f}%"

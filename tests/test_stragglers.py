@@ -451,6 +451,11 @@ def test_the_timeline_marks_the_slow_rank(tmp_path):
     plots._mark_phases(ax, phases, phases[0]["train_start"], with_labels=True)
     marks = [t.get_text() for t in ax.texts if t.get_gid() == "straggler"]
     assert marks == [" rank 3 +45%", " rank 3 +45%"]
+    # of two ranks, the figure of the training's line, "67% slower than the other rank" (the
+    # median of two is their mean: the timeline said +25%)
+    pair = _run_dir(tmp_path, "ddp-1n2g", 2, 1.25, 0)
+    assert [p["slow"] for p in timeline.read_phases([pair / "train.log"], [])] == \
+        ["rank 0 +67%", "rank 0 +67%"]
     balanced = _run_dir(tmp_path, "balanced", 2, 1.05, 1)
     assert [p["slow"] for p in timeline.read_phases([balanced / "train.log"], [])] == [None,
                                                                                        None]
