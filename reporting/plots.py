@@ -62,8 +62,22 @@ def throughput_title(ideal: list, measured: bool = True) -> str:
     if ideal:
         return "Throughput against ideal linear scaling"
     if not measured:
-        return "Throughput (no run logged one above 0: no points, no ideal line)"
-    return "Throughput (no ideal line: it needs a 1-GPU run with a throughput and a larger one)"
+        return "Throughput\n(no run logged one above 0: no points, no ideal line)"
+    # on two lines: on one, a figure 7 inches wide cut it at both edges
+    return "Throughput\n(no ideal line: it needs a 1-GPU run with a throughput and a larger one)"
+
+
+def log_limits(values: list) -> tuple:
+    """The 1-2-5 ticks (0.5, 1, 2, 5, 10, 20, ...) just below and just above ``values`` (all
+    above 0): the limits of a log axis whose extreme points then lie between labelled ticks
+    (autoscaled, the lowest label could sit above the lowest point)."""
+    def ticks_near(v):
+        decade = 10 ** math.floor(math.log10(v))
+        return [decade * m for m in (0.5, 1, 2, 5, 10, 20)]
+    low, high = min(values), max(values)
+    below = max(t for t in ticks_near(low) if t <= low * (1 + 1e-9))
+    # one value on a tick: the next tick up, so that the axis has a range
+    return below, min(t for t in ticks_near(high) if t >= high * (1 - 1e-9) and t > below)
 
 
 def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) -> list:
@@ -76,7 +90,8 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
     counts, throughputs) of the ideal linear scaling lines. bars: (label, {BAR_PARTS key: ms})
     of step_breakdown.png, top to bottom."""
     plt = _pyplot()
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+    from matplotlib.ticker import (FixedLocator, FuncFormatter, LogLocator, NullFormatter,
+                                   NullLocator)
 
     groups = sorted({s["group"] for s in series})
     # Equal values (dp, ddp and fsdp compute the same model) would hide each other: a marker
@@ -112,9 +127,15 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
         ax.xaxis.set_minor_locator(NullLocator())
         if logy:  # label in plain numbers, the minor ticks too when the range is narrow
             ax.set_yscale("log")
+            drawn = [y for line in ax.lines for y in line.get_ydata()
+                     if math.isfinite(y) and y > 0]
+            if drawn:
+                ax.set_ylim(*log_limits(drawn))
             low, high = ax.get_ylim()
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
             ax.yaxis.set_major_formatter(plain)
             ax.yaxis.set_minor_formatter(plain if high / low < 20 else NullFormatter())
+            ylabel = ylabel[:-1] + ", log scale)"
         ax.set_xlabel("processes (CPU run: each stands in for one GPU)" if devices == {"cpu"}
                       else "GPUs (nodes x GPUs per node)")
         ax.set_ylabel(ylabel)
@@ -137,7 +158,7 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
         plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    draw(ax, "epoch_time_s", "time per epoch (s, training part, final epoch)", logy=True)
+    draw(ax, "epoch_time_s", "time per epoch (s; training part, final epoch)", logy=True)
     legend(ax)
     save(fig, "time_per_epoch.png", "Time per epoch")
 

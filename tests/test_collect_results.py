@@ -1017,6 +1017,15 @@ def test_a_cpu_study_is_labelled_in_processes_and_a_lone_point_has_no_ideal(tmp_
     assert plots.throughput_title([("ddp", "x", [1, 2], [1, 2])]).endswith("linear scaling")
 
 
+def test_a_log_axis_ends_on_labelled_ticks_around_every_point():
+    """Autoscaled, throughput.png's lowest label (400) sat above its lowest points (320 img/s),
+    and time_per_epoch.png's highest (1) below its highest (1.65 s)."""
+    assert plots.log_limits([320, 333, 1930]) == (200, 2000)
+    assert plots.log_limits([0.5, 1.65]) == (0.5, 2)
+    assert plots.log_limits([155, 640]) == (100, 1000)
+    assert plots.log_limits([50]) == (50, 100)  # one point on a tick: still a range
+
+
 def test_the_model_assumes_a_stated_settable_bandwidth_between_nodes_none_measured(tmp_path):
     """Only a one-node run measured the bus bandwidth: between nodes the model uses
     --inter-node-busbw (default: one 100 Gb/s link) and says so; the run's own count of its
