@@ -222,10 +222,12 @@ MEMORY_COLORS = {"params": "C0", "grads": "C9", "optimizer": "C2", "buffers": "0
                  "transient": "C4", "data": "C5", "inputs": "C6"}
 
 
-def memory_plot(bars: list, parts: dict, out_dir: Path, dpi: int) -> str:
+def memory_plot(bars: list, parts: dict, out_dir: Path, dpi: int, freed: list = ()) -> str:
     """memory_breakdown.png: one stacked bar per configuration, the predicted MiB per GPU of
     each part in ``parts`` ({key: name}); a black diamond at the measured peak where there is
-    one (a GPU run). bars: (label, {key: MiB}, measured MiB or None), top to bottom."""
+    one (a GPU run). bars: (label, {key: MiB}, measured MiB or None), top to bottom; freed: the
+    labels of the bars without gradients, which their runs free before each step (a note
+    says so, and their labels get a *)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 1.7 + 0.4 * len(bars)))
     for y, (_label, widths, measured) in enumerate(bars):
@@ -246,13 +248,17 @@ def memory_plot(bars: list, parts: dict, out_dir: Path, dpi: int) -> str:
     ax.legend([handles[n] for n in names], names, fontsize=8, ncol=min(5, len(names)),
               frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     ax.set_xlim(0, ax.get_xlim()[1] * 1.35)  # room for the labels
-    ax.set_yticks(range(len(bars)), [label for label, *_ in bars], fontsize=8)
+    ax.set_yticks(range(len(bars)), [label + (" *" if label in freed else "")
+                                     for label, *_ in bars], fontsize=8)
     ax.invert_yaxis()  # first configuration on top
     ax.set_xlabel("MiB per GPU: the parts predicted at the run's start (bars), the measured "
                   "peak (GPU runs)")
     ax.grid(True, axis="x", alpha=0.3)
     fig.suptitle("Where the memory goes")
-    fig.tight_layout()
+    if freed:
+        fig.text(0.01, 0.01, "* no Grads: these runs free the gradients before each step and "
+                 "make them during backward, so they are not in the peak", fontsize=8)
+    fig.tight_layout(rect=(0, 0.04 if freed else 0, 1, 1))
     fig.savefig(out_dir / "memory_breakdown.png", dpi=dpi)
     plt.close(fig)
     return "memory_breakdown.png"

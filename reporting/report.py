@@ -270,6 +270,25 @@ def memory_parts(found: list) -> dict:
                                              for _, r in found)}
 
 
+def grads_in_peak(r: dict) -> float:
+    """The MiB of gradients resident at a run's predicted peak: all of them, or none where they
+    are freed before each step and made during backward (DataParallel, FSDP, DDP without
+    gradient_as_bucket_view), as the activations are freed: the peak less every other part
+    (the [MEMORY] line's peak is the sum of the parts resident at once)."""
+    others = sum(num(r, f"predicted_{k}_mib") or 0.0 for k in MEMORY_PARTS if k != "grads")
+    return max(0.0, num(r, "predicted_peak_mib") - others)
+
+
+def grads_freed(r: dict) -> bool:
+    """Whether the run's gradients are left out of its predicted peak (grads_in_peak)."""
+    return grads_in_peak(r) < (num(r, "predicted_grads_mib") or 0.0) - 0.5
+
+
+GRADS_FREED_NOTE = ("*: not in the predicted peak: the gradients are freed before each step and "
+                    "made during backward, as the activations are freed (`--estimate-memory` "
+                    "marks them the same way)")
+
+
 def memory_rows(chosen: dict) -> list:
     """(label, row) of every chosen run that predicted its memory, in table order."""
     found = []
@@ -307,13 +326,17 @@ def memory_markdown(chosen: dict) -> list:
     lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     cpu = False
     for label, r in found:
-        cells = [_fmt(r, f"predicted_{k}_mib", ",.0f") for k in (*parts, "host", "peak")]
+        cells = [_fmt(r, f"predicted_{k}_mib", ",.0f") + ("*" if k == "grads" and grads_freed(r)
+                                                          else "")
+                 for k in (*parts, "host", "peak")]
         if r.get("device") == "cpu":
             cpu = True
             measured, error = _fmt(r, "peak_mem_mib", ",.0f") + " (RSS)", "n/a"
         else:
             measured, error = _fmt(r, "peak_mem_mib", ",.0f"), _fmt(r, "memory_error", "+.0%")
         lines.append("| " + " | ".join([label, *cells, measured, error]) + " |")
+    if any(grads_freed(r) for _, r in found):
+        lines += ["", GRADS_FREED_NOTE + "."]
     if cpu:
         lines += ["", "(RSS): a CPU run's measured peak is its process's resident memory: the "
                       "interpreter, torch's libraries and the data beside the model, no GPU "
@@ -418,8 +441,7 @@ def memory_bars(chosen: dict) -> list:
     bars = []
     for label, r in memory_rows(chosen):
         parts = {k: num(r, f"predicted_{k}_mib") or 0.0 for k in MEMORY_PARTS}
-        others = sum(v for k, v in parts.items() if k != "grads")
-        parts["grads"] = max(0.0, num(r, "predicted_peak_mib") - others)  # 0 if freed by then
+        parts["grads"] = grads_in_peak(r)  # 0 if freed by then
         measured = num(r, "peak_mem_mib") if r.get("device") == "cuda" else None
         bars.append((label, parts, measured))
     return bars
@@ -435,6 +457,7 @@ def write_plots(chosen: dict, out_dir: Path, dpi: int) -> list:
     written = plots.study_plots(series, ideal, bars, out_dir, dpi)
     memory = memory_bars(chosen)
     if memory:
+        freed = [label for label, r in memory_rows(chosen) if grads_freed(r)]
         written.append(plots.memory_plot(memory, memory_parts(memory_rows(chosen)), out_dir,
-                                         dpi))
+                                         dpi, freed))
     return written
