@@ -685,6 +685,10 @@ def main(argv=None) -> int:
             print(f"  {path}/train.log:{number}: {why}", file=sys.stderr)
     print(f"wrote {out / 'results.csv'} and {out / 'results.md'}"
           + (f", plots: {', '.join(str(out / p) for p in pngs)}" if pngs else ""))
+    earlier = [out / name for name in plots.PLOTS if not args.plot and (out / name).is_file()]
+    if earlier:  # results.md no longer links them, and they show the earlier collection
+        print(f"note: {earlier[0]} and the other plots of an earlier --plot are not in "
+              f"results.md now, and show that collection's runs: add --plot to draw them again")
     if timelines:
         print(f"timelines (memory and utilisation over time, one per run): "
               f"{out / 'timeline-<run>.png'}, {len(timelines)} of them")

@@ -1037,6 +1037,21 @@ def test_the_memory_table_adds_up_to_its_predicted_peak(tmp_path):
     assert report.GRADS_FREED_NOTE + "." in text
 
 
+def test_a_collection_without_plot_says_the_earlier_plots_are_no_longer_in_results_md(
+        tmp_path, capsys):
+    """docs/slurm.md's step 4 (--tensorboard after step 3's --plot) rewrote results.md without
+    its Plots section, in silence; the PNGs stayed, unlinked and of the earlier collection."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "out"
+    assert collect_results.main([str(STUDY), "--out", str(out), "--plot"]) == 0
+    assert "## Plots" in (out / "results.md").read_text() and "note:" not in \
+        capsys.readouterr().out
+    assert collect_results.main([str(STUDY), "--out", str(out)]) == 0
+    assert f"note: {out / 'time_per_epoch.png'} and the other plots of an earlier --plot are " \
+           f"not in results.md now" in capsys.readouterr().out
+    assert "## Plots" not in (out / "results.md").read_text()
+
+
 def test_a_log_axis_ends_on_labelled_ticks_around_every_point():
     """Autoscaled, throughput.png's lowest label (400) sat above its lowest points (320 img/s),
     and time_per_epoch.png's highest (1) below its highest (1.65 s)."""
