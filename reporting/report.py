@@ -164,8 +164,8 @@ def explain_markdown(key: tuple, configs: dict, model: tuple) -> list:
              "run, under the profiler, so their step is not the final epoch's: their step and "
              "its parts, which add up to it: compute, exposed communication (not hidden behind "
              "compute), data wait and other; beside them all communication, hidden or not.", "",
-             "| Config | Step | Data wait | Profiled step | Compute | Exposed comm. | Data wait "
-             "| Other | Comm. total | Bus bandwidth (GB/s) |",
+             "| Config | Step | Data wait | Profiled step | Compute | Exposed comm. | "
+             "Profiled data wait | Other | Comm. total | Bus bandwidth (GB/s) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for (nodes, g), r in shown:
         profiled = num(r, "profile_step_ms") is not None
