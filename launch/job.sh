@@ -19,7 +19,7 @@
 #                 "apptainer exec --nv img.sif python"; torchrun = "$PYTHON launch/torchrun_once.py"
 #   DATA_DIR      dataset root, read by the training script (unset: synthetic data)
 #   RUNS_DIR      parent of the run directories ($SLURM_SUBMIT_DIR/runs, locally $PWD/runs)
-#   LOG_INTERVAL  seconds between memory samples (5)
+#   LOG_INTERVAL  seconds between memory samples (5; launch/local.sh: 1)
 #   NPROC_PER_NODE  processes per node (default: GPUs on the node, 1 without GPUs)
 #   SITE_SH       site file to source (launch/site.sh; empty = none)
 #   SRUN_EXTRA_ARGS extra srun options, split on spaces (e.g. --container-image=...)

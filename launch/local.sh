@@ -9,12 +9,13 @@
 #
 # Options before "--" belong to this script (--nproc-per-node N, -h); everything else goes to
 # the training script. Variables: NPROC (or NPROC_PER_NODE), JOB_NAME (local), RUNS_DIR
-# ($PWD/runs), plus those of launch/job.sh (STRATEGY, PYTHON, DATA_DIR, LOG_INTERVAL, SITE_SH).
+# ($PWD/runs), plus those of launch/job.sh (STRATEGY, PYTHON, DATA_DIR, LOG_INTERVAL, SITE_SH);
+# LOG_INTERVAL defaults to 1 here (job.sh's 5 s could miss a short local run's training).
 # Run directory: $RUNS_DIR/<JOB_NAME>-<date>-<time>-<pid>/ laid out as under Slurm, with the
 # machine's short host name as the node name.
 set -euo pipefail
 
-usage() { sed -n '2,15s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
+usage() { sed -n '2,16s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"; }
 
 nproc_opt=${NPROC:-${NPROC_PER_NODE:-}}
 while [ $# -gt 0 ]; do
@@ -47,6 +48,10 @@ if [ -n "$nproc_opt" ]; then
   export NPROC_PER_NODE=$nproc_opt
 fi
 
+# A memory sample every second: a local run is short (a demo, a study on a workstation), and
+# at job.sh's 5 s the CPU log of a 10 s training held two samples, both before it began.
+: "${LOG_INTERVAL:=1}"
+export LOG_INTERVAL
 # Not under Slurm, even when started from inside an allocation: job.sh picks its local path.
 unset SLURM_JOB_ID
 exec bash "$(dirname "${BASH_SOURCE[0]}")/job.sh" "$@"

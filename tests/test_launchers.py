@@ -217,9 +217,12 @@ def test_slurm_files_share_one_skeleton():
 
 # ---------------------------------------------------------------------------- without Slurm
 def test_local_sh_two_processes(tmp_path):
-    """local.sh: the Slurm run directory, loggers and summary around torchrun, no Slurm."""
+    """local.sh: the Slurm run directory, loggers and summary around torchrun, no Slurm; a
+    sample every second unless LOG_INTERVAL says otherwise (at job.sh's 5 s, the CPU log of a
+    short local run held two samples, both before its training)."""
     env = base_env(tmp_path, fake_gpus=True)
     env["RUNS_DIR"] = str(tmp_path / "runs")
+    del env["LOG_INTERVAL"]
     res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--", *TINY],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr
@@ -235,6 +238,7 @@ def test_local_sh_two_processes(tmp_path):
     check_training_log((run_dir / "train.log").read_text(), "ddp", 2, 1, 2)
     check_run_dir(run_dir, [node], gpu_logs=True, cpu_logs=has_tool("psrecord", env))
     assert f"[{node}] loggers stopped" in out
+    assert f"[{node}] GPU memory log: {run_dir / 'gpu_memory' / node}.csv (every 1s)" in out
     assert_loggers_gone(tmp_path, run_dir)  # no Slurm here to clean up: the trap did it
 
 
