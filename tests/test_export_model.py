@@ -199,7 +199,7 @@ def test_a_shard_that_cannot_be_read_back_at_save_is_one_sentence(tmp_path):
     with pytest.raises(checkpoint.UsageError) as refused:
         checkpoint.gather_checksums(tmp_path, ["__0_0.distcp", "__1_0.distcp"])
     assert str(refused.value) == (
-        f"cannot read back __1_0.distcp (No such file or directory) on rank 0 of the checkpoint "
+        f"rank 0 cannot read back __1_0.distcp (No such file or directory) of the checkpoint "
         f"being written in {tmp_path.parent}: every node must see the same --checkpoint-dir, a "
         f"folder on a file system they share")
 

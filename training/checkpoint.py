@@ -481,13 +481,14 @@ def gather_checksums(folder: Path, names: list) -> dict:
         try:
             mine[name] = crc32_of(folder / name)
         except OSError as exc:  # never raised here: the other ranks wait in the gather
-            unread = unread or f"{name} ({exc.strerror or type(exc).__name__}) on rank {rank}"
+            unread = unread or (f"rank {rank} cannot read back {name} "
+                                f"({exc.strerror or type(exc).__name__})")
     votes = every_rank((mine, unread))
     unread = next((u for _, u in votes if u), None)
     if unread:
-        raise UsageError(f"cannot read back {unread} of the checkpoint being written in "
-                         f"{folder.parent}: every node must see the same --checkpoint-dir, "
-                         f"a folder on a file system they share")
+        raise UsageError(f"{unread} of the checkpoint being written in {folder.parent}: "
+                         f"every node must see the same --checkpoint-dir, a folder on a file "
+                         f"system they share")
     return {name: crc for part, _ in votes for name, crc in part.items()}
 
 
