@@ -93,8 +93,8 @@ def find_checkpoint(path: Path) -> Path:
             print(f"newest of the {len(found)} checkpoint(s) in {path}: {found[0].name}")
             check_readable(found[0])
             return found[0]
-        set_aside = [(aside, found) for aside in sorted(path.glob("superseded-*"), reverse=True)
-                     if (found := checkpoint.list_checkpoints(aside))]
+        set_aside = [(aside, held) for aside in sorted(path.glob("superseded-*"), reverse=True)
+                     if (held := checkpoint.list_checkpoints(aside))]
         if set_aside:  # "not a checkpoint" would hide them
             aside, older = set_aside[0]
             raise UsageError(f"{path} holds no checkpoint of its own, but {len(set_aside)} "
