@@ -156,6 +156,16 @@ def test_changed_bytes_in_a_shard_are_caught_by_the_checksums_of_meta_pt(runs, t
         checkpoint.checked_meta(copy)
 
 
+def test_resume_of_an_unreadable_checkpoint_names_the_chmod():
+    said = checkpoint._resume_path_error(Path("/ck/ckpt-e0001-s0000000"),
+                                         "unreadable: its __1_0.distcp (Permission denied, on "
+                                         "rank 1)", PermissionError())
+    assert said == ("--resume /ck/ckpt-e0001-s0000000 is unreadable: its __1_0.distcp "
+                    "(Permission denied, on rank 1); make it readable (chmod -R u+rX "
+                    "/ck/ckpt-e0001-s0000000) or resume as the user who owns it, or leave "
+                    "--resume out to start fresh")
+
+
 def damaged_copies(ckpt: Path, root: Path) -> dict:
     """Copies of an FSDP checkpoint, each damaged one way: {name: folder}."""
     copies = {}
@@ -390,6 +400,15 @@ def test_changed_bytes_inside_a_checkpoint_are_caught_by_its_checksum(tmp_path, 
                                                  "checksum"):
         checkpoint.load_one_file(ck, {})
     assert checkpoint.not_a_checkpoint(ck).startswith("damaged: the bytes of its ")
+    # --resume of it: it is a checkpoint of a run, whose bytes changed; not "give --resume a
+    # checkpoint that a run with --checkpoint-dir wrote"
+    with pytest.raises(checkpoint.UsageError) as refused:
+        checkpoint.load_newest([ck], lambda p: checkpoint.load_one_file(p, {}), explicit=True)
+    assert str(refused.value).startswith(f"--resume {ck} is damaged: the bytes of its ")
+    assert str(refused.value).endswith(
+        "fail their checksum (changed on the disk or in a copy); copy it again, whole, from "
+        "where the run wrote it, or give --resume the checkpoint before it, or leave --resume "
+        "out to start fresh")
 
 
 def test_a_checkpoint_dir_whose_checkpoints_were_set_aside_names_them(tmp_path, capsys):

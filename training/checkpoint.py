@@ -559,6 +559,15 @@ def _resume_path_error(path, what: str | None, exc: BaseException) -> str:
     if what is not None and what.startswith("a model file from --save-model"):
         return (f"--resume {path} is {what}; use it with model.load_state_dict(torch.load(PATH, "
                 f"weights_only=True)) to evaluate or fine-tune it, and to resume a run {fix}")
+    if what is not None and what.startswith("unreadable"):
+        return (f"--resume {path} is {what}; make it readable (chmod -R u+rX "
+                f"{shlex.quote(str(path))}) or resume as the user who owns it, or leave "
+                f"--resume out to start fresh")
+    if what is not None and what.startswith(("damaged", "truncated or damaged")):
+        # a checkpoint whose bytes changed: another copy of it, or an earlier one, will do
+        return (f"--resume {path} is {what}; copy it again, whole, from where the run wrote "
+                f"it, or give --resume the checkpoint before it, or leave --resume out to start "
+                f"fresh")
     if what is not None:
         return f"--resume {path} is {what}; {fix}"
     return (f"--resume {path} could not be loaded ({_first_line(exc)}): a checkpoint of "
