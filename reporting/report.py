@@ -457,7 +457,7 @@ def write_plots(chosen: dict, out_dir: Path, dpi: int) -> list:
     written = plots.study_plots(series, ideal, bars, out_dir, dpi)
     memory = memory_bars(chosen)
     if memory:
-        freed = [label for label, r in memory_rows(chosen) if grads_freed(r)]
-        written.append(plots.memory_plot(memory, memory_parts(memory_rows(chosen)), out_dir,
-                                         dpi, freed))
+        found = memory_rows(chosen)
+        written.append(plots.memory_plot(memory, memory_parts(found), out_dir, dpi,
+                                         [label for label, r in found if grads_freed(r)]))
     return written
