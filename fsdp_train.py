@@ -220,11 +220,12 @@ def save_checkpoint(path, state: dict, meta: dict) -> None:
     dist.barrier()
     model_sd, optim_sd = get_state_dict(state["model"], state["optimizer"])  # this rank's shards
     try:
-        index = dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp)
         # A CRC-32 of every file DCP wrote, checked before they are loaded: DCP keeps no
         # checksum, and changed bytes in a shard would load as weights. The names come from
-        # DCP's index, not from a listing that a shared file system may not yet show.
-        files = sorted({item.relative_path for item in index.storage_data.values()})
+        # the .metadata DCP wrote (what dcp.save returns lacks them on torch 2.9), not from a
+        # listing that a shared file system may not yet show.
+        files = checkpoint.shard_files(tmp)
         sums = checkpoint.gather_checksums(tmp, [".metadata"] + files)  # collective
         if rank == 0:
             small = {name: state[name].state_dict() for name in ("scheduler", "scaler")}

@@ -418,6 +418,15 @@ def not_a_checkpoint(path) -> str | None:
     return None
 
 
+def shard_files(path: Path) -> list:
+    """The names of the shard files that the .metadata of fsdp_train.py's checkpoint folder
+    records, sorted."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    index = FileSystemReader(path).read_metadata()
+    return sorted({where.relative_path for where in index.storage_data.values()})
+
+
 def incomplete_shards(path: Path, prefix: str = "") -> str | None:
     """What fsdp_train.py's checkpoint folder lacks, in a few words, or None: its .metadata
     (the index of the shards), and each shard file as long as .metadata records (only the
