@@ -80,24 +80,31 @@ def log_limits(values: list) -> tuple:
     return below, min(t for t in ticks_near(high) if t >= high * (1 - 1e-9) and t > below)
 
 
+#: Each strategy's colour in the study's line plots.
+STRATEGY_COLORS = {"dp": "C0", "ddp": "C1", "fsdp": "C2"}
+
+
 def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) -> list:
     """Write PLOTS into out_dir; return the names written (step_breakdown.png needs bars).
 
-    series: dicts {"group", "label", "line", "points"}: one line each, "-" through a strategy's
-    1-node runs, "--" through a node sweep; points: dicts {"gpus", "partial", "device", and a
-    number or None per plotted column}; a partial point (a run that did not finish) gets an open
-    marker. groups sort in table order and share a colour and marker. ideal: (group, label, GPU
+    series: dicts {"group", "strategy", "label", "line", "points"}: one line each, "-" through
+    a strategy's 1-node runs, "--" through a node sweep; points: dicts {"gpus", "partial",
+    "device", and a number or None per plotted column}; a partial point (a run that did not
+    finish) gets an open marker. groups sort in table order; a group's lines share a marker, a
+    strategy's its colour (STRATEGY_COLORS). ideal: (group, label, GPU
     counts, throughputs) of the ideal linear scaling lines. bars: (label, {BAR_PARTS key: ms})
     of step_breakdown.png, top to bottom."""
     plt = _pyplot()
     from matplotlib.ticker import (FixedLocator, FuncFormatter, LogLocator, NullFormatter,
                                    NullLocator)
 
-    groups = sorted({s["group"] for s in series})
-    # Equal values (dp, ddp and fsdp compute the same model) would hide each other: a marker
-    # each, the first drawn largest, so every point stays visible.
-    look = {k: dict(color=f"C{i}", marker="osD^v<>"[i % 7], markersize=max(4, 11 - 2.5 * i))
-            for i, k in enumerate(groups)}
+    groups = sorted({s["group"]: s["strategy"] for s in series}.items())
+    # A strategy has its colour in every study, whichever strategies the study ran. Equal
+    # values (dp, ddp and fsdp compute the same model) would hide each other: a marker each,
+    # the first drawn largest, so every point stays visible.
+    look = {k: dict(color=STRATEGY_COLORS.get(strategy, "C3"), marker="osD^v<>"[i % 7],
+                    markersize=max(4, 11 - 2.5 * i))
+            for i, (k, strategy) in enumerate(groups)}
     shown = [p for s in series for p in s["points"]]
     devices = {p["device"] for p in shown}
     plain = FuncFormatter(lambda v, _pos: f"{v:g}")

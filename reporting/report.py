@@ -408,11 +408,12 @@ def plot_data(chosen: dict) -> tuple:
             continue
         name = key[1] + (f" ({key[2]})" if len({k[2] for k in chosen}) > 1 and key[2] else "")
         if any(n == 1 for n, g in configs):
-            series.append(dict(group=key, label=f"{name}, 1 node", line="-",
+            series.append(dict(group=key, strategy=key[1], label=f"{name}, 1 node", line="-",
                                points=points([configs[c] for c in sorted(configs) if c[0] == 1])))
         for g in sorted({g for n, g in configs if n > 1}):
             sweep = sorted(c for c in configs if c[1] == g)
-            series.append(dict(group=key, label=f"{name}, {g} GPU/node, 1-{sweep[-1][0]} nodes",
+            series.append(dict(group=key, strategy=key[1],
+                               label=f"{name}, {g} GPU/node, 1-{sweep[-1][0]} nodes",
                                line="--", points=points([configs[c] for c in sweep])))
         base, own = chosen[key].get((1, 1)), sorted({gpus(r) for r in configs.values()})
         if base and base["baseline"] and len(own) > 1:

@@ -261,6 +261,32 @@ def test_the_plots_get_the_studys_numbers(tmp_path):
     assert len(bars) == 10  # every configuration with a step time, fsdp's failed one not
 
 
+def test_a_strategy_keeps_its_colour_in_a_study_without_the_others(tmp_path, monkeypatch):
+    """dp, ddp and fsdp are drawn in their own colours whichever strategies a study ran: a
+    study of ddp and fsdp alone draws ddp orange and fsdp green, as beside dp, not blue and
+    orange (the colour of a strategy's place among those present)."""
+    study = tmp_path / "study"
+    shutil.copytree(STUDY, study)
+    for run in study.glob("dp-*"):
+        shutil.rmtree(run)
+    rows = collect_results.read_inputs([study])
+    series, ideal, bars = report.plot_data(scaling.scale(rows))
+    assert {s["strategy"] for s in series} == {"ddp", "fsdp"}
+    drawn = {}
+    figure = pytest.importorskip("matplotlib.figure")
+
+    def record(fig, path, **_kw):
+        drawn[Path(path).name] = {line.get_label(): line.get_color()
+                                  for ax in fig.axes for line in ax.get_lines()}
+    monkeypatch.setattr(figure.Figure, "savefig", record)
+    plots.study_plots(series, ideal, bars, tmp_path, dpi=50)
+    lines = drawn["throughput.png"]
+    assert lines["ddp, 1 node"] == lines["ddp, 4 GPU/node, 1-4 nodes"] == "C1"
+    assert lines["ddp, ideal (1-GPU x GPUs)"] == "C1"
+    assert lines["fsdp, 1 node"] == "C2"
+    assert drawn["peak_memory.png"]["ddp, 1 node"] == "C1"
+
+
 def test_plot_without_step_times_leaves_out_the_breakdown(tmp_path):
     """A [METRIC] line without the figures of a step time (an older script's) still gets the
     plots that need none; the step breakdown is left out, not drawn empty or a traceback."""
