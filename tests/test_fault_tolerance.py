@@ -736,3 +736,24 @@ def test_a_mid_epoch_resume_with_augmentation_gives_the_uninterrupted_weights(
     again = torch.load(tmp_path / "resumed.pt", weights_only=True)
     for k in whole:
         assert torch.equal(whole[k], again[k]), k
+
+
+def test_a_checkpoint_the_run_may_not_read_is_passed_over_with_the_chmod_that_fixes_it(
+        tmp_path, capsys):
+    """The newest checkpoint is whole but a file of it may not be read (copied by another
+    user, say): the run falls back to the one before, and the warning says how to resume from
+    the newest instead. An I/O error gets no chmod: it would not help."""
+    newest, previous = tmp_path / "ckpt-e0002-s0000000", tmp_path / "ckpt-e0001-s0000000"
+
+    def load_one(path, why):
+        if path == newest:
+            raise checkpoint.Damaged(f"unreadable: its __0_0.distcp ({why}, on rank 0)")
+        return {"loaded": path}
+    for why, hint in [("Permission denied", True), ("Input/output error", False)]:
+        got = checkpoint.load_newest([newest, previous], lambda p: load_one(p, why))
+        assert got == {"loaded": previous}
+        out = capsys.readouterr().out
+        assert (f"warning: checkpoint {newest} is unusable (rank 0: unreadable: its "
+                f"__0_0.distcp ({why}, on rank 0)); trying the previous one") in out
+        assert (f" (to resume from it instead, stop the run, make it readable: chmod -R u+rX "
+                f"{newest}, and start it again)" in out) == hint, out

@@ -327,8 +327,12 @@ def load_newest(candidates: list, load_one, explicit: bool = False):
         if explicit:
             raise UsageError(failed[0][1])
         ranks = ", ".join(str(rank) for rank, _ in failed)
+        # a checkpoint the run may not read is whole: it resumes from it once it may
+        denied = any("Permission denied" in why for _, why in failed)
         print0(f"warning: checkpoint {path} is unusable (rank {ranks}: {failed[0][1]})"
-               + ("; trying the previous one" if i + 1 < len(candidates) else ""))
+               + ("; trying the previous one" if i + 1 < len(candidates) else "")
+               + (f" (to resume from it instead, stop the run, make it readable: chmod -R "
+                  f"u+rX {shlex.quote(str(path))}, and start it again)" if denied else ""))
     if candidates:
         which = (f"checkpoint {candidates[0]} could not" if len(candidates) == 1 else
                  f"none of the {len(candidates)} checkpoints in {candidates[0].parent} could")
