@@ -158,13 +158,19 @@ gpu_pid="" cpu_pid="" train_pid=""
 # still_running PID...: whether one of these background jobs of this shell still runs, by
 # bash's own job list (one listing for all of them). Only such a process is signalled: one that
 # ended on its own (psrecord ends with the training) was reaped, and its pid may be another
-# process's by now.
+# process's by now. The list alone is not enough: a child that Slurm's SIGTERM to the whole
+# step ended while the TERM trap ran is reaped, yet listed as Running, so the process itself
+# must still exist, and not as a zombie.
 # shellcheck disable=SC2317  # reached through the EXIT trap
 still_running() {
-  local running p
+  local running p stat
   running=" $(jobs -pr | tr '\n' ' ') "
   for p in "$@"; do
-    if [ -n "$p" ] && [[ $running == *" $p "* ]]; then return 0; fi
+    if [ -z "$p" ] || [[ $running != *" $p "* ]] || ! kill -0 "$p" 2>/dev/null; then continue; fi
+    [ -d /proc/self ] || return 0  # no /proc: kill -0 has to do
+    stat=$(cat "/proc/$p/stat" 2>/dev/null) || continue
+    stat=${stat##*) }  # the state follows the command name, which may hold spaces
+    [ "${stat%% *}" = Z ] || return 0
   done
   return 1
 }
