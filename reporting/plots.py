@@ -292,7 +292,7 @@ def timeline_figure(title: str, nodes: dict, phases: list):
     ends += [p["eval_end"] or p["train_start"] for p in phases]
     xlim = (0.0, max(max(ends, default=t0) - t0, 1.0))
 
-    rows = [len(_node_rows(entry)) for entry in nodes.values()]
+    rows = [len(node_rows(entry)) for entry in nodes.values()]
     fig = Figure(figsize=(13, 1.0 + sum(2.0 * r + 0.6 for r in rows)), layout="constrained")
     fig.suptitle(_drawable(title))
     subfigs = fig.subfigures(len(nodes), 1, squeeze=False, height_ratios=rows)[:, 0]
@@ -316,7 +316,7 @@ def _run_start(nodes: dict, phases: list) -> float:
     return min(times, default=0.0)
 
 
-def _node_rows(entry: dict) -> list:
+def node_rows(entry: dict) -> list:
     """The rows of a node's panel: "gpu_mem" and "gpu_util" (when its GPU logs have those
     samples), "cpu" (when it has a psrecord log)."""
     has_mem = any(s["time"] for series in entry["gpu"] for s in series.values())
@@ -351,12 +351,16 @@ def _mark_phases(ax, phases: list, t0: float, with_labels: bool) -> None:
             ax.text(p["train_start"] - t0, 0.98, f" {p['slow']}", fontsize="x-small",
                     color="tab:red", transform=ax.get_xaxis_transform(), va="top",
                     gid="straggler")
+    if with_labels and any(p.get("slow") for p in phases):  # what the red names mean
+        ax.plot([], [], linestyle="none", marker="$\\mathrm{rank}$", markersize=18,
+                color="tab:red", label="rank that held\nthe others back,\n% slower",
+                gid="straggler key")
 
 
 def _draw_node(subfig, node: str, entry: dict, phases: list, t0: float, xlim: tuple) -> None:
     """One node's panel: GPU memory, GPU utilisation (when logged) and CPU memory rows."""
     indices = sorted({i for series in entry["gpu"] for i in series})
-    rows = _node_rows(entry)
+    rows = node_rows(entry)
     missing = []
     if not indices:
         missing.append("no GPU logs (CPU run)")

@@ -191,7 +191,9 @@ def draw(run_dir, gpu_logs: list, cpu_logs: list, out_path=None, notes: list | N
                             f"({STAMP_EXAMPLE}) and it has no psrecord log; write the "
                             f"timestamps in that form to plot it")
     _check_clocks(nodes, phases, run_dir, notes)
-    fig = plots.timeline_figure(f"{run_dir}: memory and utilisation over time", nodes, phases)
+    shown = "memory and utilisation" if any("gpu_util" in plots.node_rows(entry)
+                                            for entry in nodes.values()) else "memory"
+    fig = plots.timeline_figure(f"{run_dir}: {shown} over time", nodes, phases)
     if out_path is not None:
         fig.savefig(out_path, dpi=100)
     return fig

@@ -689,6 +689,7 @@ def test_plot_timeline_panels_and_line_data(tmp_path, utc):
     notes = []
     fig = am.plot_timeline(run, run / "timeline.png", notes)
     assert (run / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert fig._suptitle.get_text() == f"{run}: memory and utilisation over time"
     n1, n2 = fig.subfigs                    # one panel per node, restarts folded in
     assert [t.get_text() for t in n1.texts] == ["node n1"]
     mem, util, cpu = n1.axes
@@ -797,6 +798,8 @@ def test_plot_cpu_only_run_gets_a_note_not_an_empty_gpu_axis(tmp_path):
     fig = am.plot_timeline(run, None, notes)
     (panel,) = fig.subfigs
     assert "no GPU logs (CPU run)" in panel.texts[0].get_text()
+    # no utilisation anywhere: the title does not promise it
+    assert fig._suptitle.get_text() == f"{run}: memory over time"
     (cpu,) = panel.axes
     assert cpu.get_ylabel() == "CPU memory,\nRSS (MB)"
     assert _data(cpu, "CPU, attempt 0") == (pytest.approx([0, 5, 10]), [100, 300, 350])

@@ -465,6 +465,14 @@ def test_the_timeline_marks_the_slow_rank(tmp_path):
     plots._mark_phases(ax, phases, phases[0]["train_start"], with_labels=True)
     marks = [t.get_text() for t in ax.texts if t.get_gid() == "straggler"]
     assert marks == [" rank 3 +45%", " rank 3 +45%"]
+    # the legend says what the red names are, once
+    keys = [ln.get_label() for ln in ax.get_lines() if ln.get_gid() == "straggler key"]
+    assert keys == ["rank that held\nthe others back,\n% slower"]
+    assert "rank that held\nthe others back,\n% slower" in ax.get_legend_handles_labels()[1]
+    unmarked = Figure().subplots()
+    plots._mark_phases(unmarked, [dict(p, slow=None) for p in phases], phases[0]["train_start"],
+                       with_labels=True)
+    assert not [ln for ln in unmarked.get_lines() if ln.get_gid() == "straggler key"]
     # of two ranks, the figure of the training's line, "67% slower than the other rank" (the
     # median of two is their mean: the timeline said +25%)
     pair = _run_dir(tmp_path, "ddp-1n2g", 2, 1.25, 0)
