@@ -116,6 +116,10 @@ LOG_DIRS = ("gpu_memory", "cpu_memory")
 TIMELINE_NAME = "timeline.png"      # what --plot writes in each run directory
 _UNIT_RE = re.compile(r"\[(?P<unit>[^\]]+)\]$")      # a column's unit: "memory.used [MiB]"
 _RESTART_RE = re.compile(r"(?P<node>.+)\.restart(?P<attempt>\d+)")   # a file's stem
+# The name of a log node.sh writes in a log folder: <host>.csv, <host>.txt, and after a restart
+# <host>.restart<N>.csv or .txt. A copy ("n1 (copy).csv") or a backup ("n1.csv~", "n1.csv.bak")
+# in the folder is not one: read, it would count as a node of its own, or as n1 twice.
+_NODE_LOG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*\.(csv|txt)")
 _NUL_RUN_RE = re.compile(rb"\0+")
 _UNDECODABLE_RE = re.compile("[\udc80-\udcff]")     # decode(errors="surrogateescape")'s marks
 
@@ -333,10 +337,11 @@ def _problem(kind: str, path, why: str) -> dict:
     return {"kind": kind, "path": str(path), "message": f"{path}: {why}"}
 
 
-def _log_files(paths, problems: list):
-    """Each file named, and the files in gpu_memory/ and cpu_memory/ folders under each
+def _log_files(paths, problems: list, notes: list = None):
+    """Each file named, and the node logs in gpu_memory/ and cpu_memory/ folders under each
     directory named (recursively, sorted, hidden entries skipped). A directory without logs
-    (NO_LOGS) and a bad path (BAD_INPUT) are appended to problems."""
+    (NO_LOGS) and a bad path (BAD_INPUT) are appended to problems; a file in a log folder not
+    named as a node's log (_NODE_LOG_RE) is left out, with a note where notes is given."""
     def unlistable(e):
         problems.append(_problem(BAD_INPUT, e.filename, f"cannot list this directory "
                                                         f"({e.strerror}); check its permissions"))
@@ -353,7 +358,14 @@ def _log_files(paths, problems: list):
         for folder, dirs, files in os.walk(p, onerror=unlistable):
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
             if _name(folder) in LOG_DIRS:
-                found += [Path(folder) / f for f in sorted(files) if not f.startswith(".")]
+                for name in sorted(f for f in files if not f.startswith(".")):
+                    if _NODE_LOG_RE.fullmatch(name):
+                        found.append(Path(folder) / name)
+                    elif notes is not None:
+                        notes.append(f"{Path(folder) / name}: left out, as it is not named as "
+                                     f"a node's log (<host>.csv in gpu_memory/, <host>.txt in "
+                                     f"cpu_memory/); rename it so if it is one, or move a copy "
+                                     f"or backup out of the folder")
         found = [path for path in found if path.is_file()]
         yield from found    # only after the whole walk, so its errors come before the files'
         if not found and len(problems) == n_problems:
@@ -368,7 +380,7 @@ def collect_logs(paths, notes: list, problems: list) -> dict:
     "attempt", "skipped", "data"} per attempt, in attempt order]}, folder being the file's
     resolved directory. Bad files go to problems, never raise."""
     seen, logs = set(), {}
-    for file in _log_files(paths, problems):
+    for file in _log_files(paths, problems, notes):
         if file.resolve() in seen:
             continue
         seen.add(file.resolve())

@@ -472,6 +472,27 @@ def _requeued_run(run):
              [(0, 100, 200), (5, 200, 600), (10, 300, 400)])
 
 
+def test_a_copy_or_backup_in_a_log_folder_is_no_node(tmp_path):
+    # A user's copy of n1's log, an editor's backup and a compressed one, beside the logs the
+    # loggers wrote: read, the copy counted as a node of its own and the backup as n1 twice.
+    run = tmp_path / "run"
+    _gpu_log(run / "gpu_memory" / "n1.csv", [1000, 3000])
+    _gpu_log(run / "gpu_memory" / "gn02.cluster.local.restart1.csv", [700])  # a full host name
+    for copy in ("n1 (copy).csv", "n1.csv~", "n1.csv.bak"):
+        shutil.copy(run / "gpu_memory" / "n1.csv", run / "gpu_memory" / copy)
+    notes = []
+    gpu, cpu, problems = am.summarize_paths([run], notes)
+    assert problems == [] and cpu == []
+    assert [(r["node"], r["samples"], r["peak_mib"]) for r in gpu] == [
+        ("gn02.cluster.local", 1, 700), ("n1", 2, 3000)]
+    left_out = [n for n in notes if "left out, as it is not named as a node's log" in n]
+    assert [n.split(":")[0] for n in left_out] == [
+        str(run / "gpu_memory" / name) for name in ("n1 (copy).csv", "n1.csv.bak", "n1.csv~")]
+    # Named on the command line, a file is read whatever its name
+    gpu, _, problems = am.summarize_paths([run / "gpu_memory" / "n1 (copy).csv"], [])
+    assert problems == [] and [r["node"] for r in gpu] == ["n1 (copy)"]
+
+
 def test_restarts_fold_into_their_node(tmp_path):
     run = tmp_path / "run"
     _requeued_run(run)
