@@ -79,6 +79,27 @@ def test_two_counted_forwards_give_the_activations_at_any_batch_exactly(amp):
         assert 0.45 * params < saved.fixed < 0.55 * params
 
 
+def test_the_table_stays_aligned_at_any_size():
+    """Every row's columns end where the header's do, from a small batch to one whose
+    activations run to billions of MiB (a column is widened, never overrun)."""
+    saved = memory.Saved(input_shape=(3, 224, 224), amp="bf16", per_image=42 * memory.MIB,
+                         fixed=46 * memory.MIB, outputs_per_image=200)
+    estimates = [memory.Estimate("ddp", "-", 8, 32, saved, 98e6, 98e6, 98e6, 0.2e6, 0),
+                 memory.Estimate("fsdp", "grad-op", 1024, 10**8, saved, 1e6, 1e6, 1e6, 0, 0,
+                                 grads_at_peak=False)]
+    head, rule, *rows = memory.table(estimates)
+    assert len(rule) == len(head) and all(len(row) == len(head) for row in rows)
+    ends, at = [], head.index("GPUs") + 4  # where each column's title ends
+    for _, title in memory.COLUMNS:
+        at = head.index(title, at) + len(title)
+        ends.append(at)
+    for row in rows:  # each figure ends there, with a space before it
+        figures = [m for m in re.finditer(r"\S+", row)][-len(ends):]
+        assert [m.end() for m in figures] == ends
+        assert all(row[m.start() - 1] == " " for m in figures)
+    assert "4,200,000,000" in rows[1] and "1*" in rows[1]
+
+
 def test_counting_leaves_the_model_and_the_random_state_as_they_were():
     torch.manual_seed(0)
     model = models.build_model("resnet18", 200, (3, 64, 64))

@@ -260,17 +260,21 @@ COLUMNS = (("params", "params"), ("grads", "grads"), ("optimizer", "optim"),
 
 
 def table(estimates: list) -> list:
-    """The lines of a table a person reads: one row per estimate, MiB per GPU."""
-    head = f"{'strategy':<16}{'GPUs':>5}" + "".join(f"{title:>12}" for _, title in COLUMNS)
+    """The lines of a table a person reads: one row per estimate, MiB per GPU. A column is 12
+    characters wide, or wider where a figure needs it (a batch of millions)."""
+    names = [e.strategy if e.variant == "-" else f"{e.strategy} {e.variant}" for e in estimates]
+    cells = [[f"{e.values()[key + '_mib']:,.0f}" + ("*" if key == "grads" and not e.grads_at_peak
+                                                     else "") for key, _ in COLUMNS]
+             for e in estimates]
+    widths = [max([12] + [len(row[i]) + 2 for row in cells]) for i in range(len(COLUMNS))]
+    name_width = max([16] + [len(name) + 2 for name in names])
+    gpus_width = max([5] + [len(str(e.world_size)) + 1 for e in estimates])
+    head = f"{'strategy':<{name_width}}{'GPUs':>{gpus_width}}" + "".join(
+        f"{title:>{width}}" for (_, title), width in zip(COLUMNS, widths))
     rows = [head, "-" * len(head)]
-    for e in estimates:
-        v = e.values()
-        name = e.strategy if e.variant == "-" else f"{e.strategy} {e.variant}"
-        cells = []
-        for key, _ in COLUMNS:
-            text = f"{v[key + '_mib']:,.0f}"
-            cells.append(f"{text + ('*' if key == 'grads' and not e.grads_at_peak else ''):>12}")
-        rows.append(f"{name:<16}{e.world_size:>5}" + "".join(cells))
+    for name, e, row in zip(names, estimates, cells):
+        rows.append(f"{name:<{name_width}}{e.world_size:>{gpus_width}}" + "".join(
+            f"{cell:>{width}}" for cell, width in zip(row, widths)))
     return rows
 
 
