@@ -55,6 +55,30 @@ def missing_matplotlib() -> str | None:
 # A study: four plots against the number of GPUs, and where the step time goes
 # --------------------------------------------------------------------------------------------
 
+def steps_note(points: list) -> str | None:
+    """val_loss_acc.png's footnote: the steps of an epoch at each GPU count. With a fixed batch
+    per GPU, more GPUs train an epoch in fewer, larger steps, so a final epoch's loss is not
+    the same amount of training at every count. None where no point knows its steps."""
+    by_gpus = {}
+    for p in points:
+        if p.get("steps"):
+            by_gpus.setdefault(p["gpus"], set()).add(p["steps"])
+    if not by_gpus:
+        return None
+    # named as the x axis names them
+    one, many = ("process", "processes") if {p["device"] for p in points} == {"cpu"} else (
+        "GPU", "GPUs")
+    counts = sorted(by_gpus)
+    head = "steps per epoch (training images / global batch): "
+    if len(counts) > 1 and len({frozenset(steps) for steps in by_gpus.values()}) == 1:
+        return head + "/".join(f"{n:,}" for n in sorted(by_gpus[counts[0]])) + \
+            f" at every {one} count"
+    each = "; ".join(f"{n} {one if n == 1 else many}: "
+                     + "/".join(f"{s:,}" for s in sorted(by_gpus[n])) for n in counts)
+    fewer = len(counts) > 1 and max(by_gpus[counts[-1]]) < min(by_gpus[counts[0]])
+    return head + each + (f"; fewer, larger steps with more {many}" if fewer else "")
+
+
 def throughput_title(ideal: list, measured: bool = True) -> str:
     """throughput.png's title: the ideal line is there only where a strategy has a 1-GPU
     baseline (a throughput above 0) and a larger run. measured: whether any run has a
@@ -154,13 +178,15 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
         if ax is not None:
             ax.legend(fontsize=8)
 
-    def save(fig, name, title, markers=True):
+    def save(fig, name, title, markers=True, note=None):
+        """Title, then the figure's footnotes (open markers, and note) under the panels."""
         fig.suptitle(title)
-        partial = markers and any(p["partial"] for p in shown)
-        if partial:
-            fig.text(0.01, 0.01, "open markers: partial or requeued runs (last completed epoch)",
-                     fontsize=8)
-        fig.tight_layout(rect=(0, 0.03 if partial else 0, 1, 1))
+        notes = [note] if note else []
+        if markers and any(p["partial"] for p in shown):
+            notes.append("open markers: partial or requeued runs (last completed epoch)")
+        for i, text in enumerate(reversed(notes)):
+            fig.text(0.01, 0.01 + 0.035 * i, text, fontsize=8, gid="footnote")
+        fig.tight_layout(rect=(0, 0.035 * len(notes), 1, 1))
         fig.savefig(out_dir / name, dpi=dpi)
         plt.close(fig)
 
@@ -173,7 +199,8 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
     draw(a1, "val_loss", "validation loss (cross-entropy)")
     draw(a2, "val_acc", "validation accuracy (%)")
     legend(a1, a2)
-    save(fig, "val_loss_acc.png", "Validation loss and accuracy (final epoch)")
+    save(fig, "val_loss_acc.png", "Validation loss and accuracy (final epoch)",
+         note=steps_note(shown))
 
     gpu_log = any(p["gpu0_peak_mib"] is not None for p in shown)  # without one, one panel
     fig, axes = plt.subplots(1, 1 + gpu_log, figsize=(7 + 5.5 * gpu_log, 4.5), squeeze=False)

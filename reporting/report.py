@@ -390,12 +390,20 @@ PLOTTED = ("epoch_time_s", "val_loss", "val_acc", "gpu0_peak_mib", "peak_mem_mib
            "throughput_img_s")
 
 
+def steps_per_epoch(row: dict):
+    """The optimizer steps of the row's epoch (its training images over its global batch), or
+    None where the log has neither: what makes a final epoch's validation figures comparable."""
+    images, batch = num(row, "train_images"), num(row, "global_batch")
+    return round(images / batch) if images and batch else None
+
+
 def plot_data(chosen: dict) -> tuple:
     """(series, ideal, bars) for plots.study_plots: per strategy, a line through its 1-node runs
     and a dashed one per GPUs-per-node through its node sweep; the ideal throughput (1-GPU x
     GPUs) where there is a 1-GPU baseline; a bar of the step's parts per configuration."""
     def points(rows: list) -> list:  # a value that is no figure (nan, inf) is left out (None)
         return [dict(gpus=gpus(r), partial=r["status"] != OK, device=r.get("device"),
+                     steps=steps_per_epoch(r),
                      **{column: throughput(r) if column == "throughput_img_s"
                         else contract.number(r.get(column)) for column in PLOTTED})
                 for r in rows]

@@ -261,6 +261,35 @@ def test_the_plots_get_the_studys_numbers(tmp_path):
     assert len(bars) == 10  # every configuration with a step time, fsdp's failed one not
 
 
+def test_the_validation_plot_says_how_many_steps_an_epoch_had(tmp_path, monkeypatch):
+    """A final epoch's loss at 16 GPUs comes after a tenth of the steps of one GPU's (a fixed
+    batch per GPU): val_loss_acc.png says so under its panels, from the runs' own logs."""
+    rows = collect_results.read_inputs([STUDY])
+    series, ideal, bars = report.plot_data(scaling.scale(rows))
+    footnotes = {}
+    figure = pytest.importorskip("matplotlib.figure")
+    monkeypatch.setattr(figure.Figure, "savefig", lambda fig, path, **_kw: footnotes.setdefault(
+        Path(path).name, [t.get_text() for t in sorted(  # top to bottom
+            fig.texts, key=lambda t: -t.get_position()[1]) if t.get_gid() == "footnote"]))
+    plots.study_plots(series, ideal, bars, tmp_path, dpi=50)
+    assert footnotes["val_loss_acc.png"] == [
+        "steps per epoch (training images / global batch): 1 GPU: 1,562; 2 GPUs: 781; "
+        "4 GPUs: 390; 8 GPUs: 195; 16 GPUs: 97; fewer, larger steps with more GPUs",
+        "open markers: partial or requeued runs (last completed epoch)"]
+    assert footnotes["throughput.png"] == [footnotes["val_loss_acc.png"][1]]
+    # strong scaling (one global batch), a CPU study, a log without the figures
+    point = dict(device="cpu", partial=False)
+    assert plots.steps_note([point | dict(gpus=1, steps=100), point | dict(gpus=2, steps=100)]) \
+        == "steps per epoch (training images / global batch): 100 at every process count"
+    assert plots.steps_note([point | dict(gpus=1, steps=100), point | dict(gpus=2, steps=50),
+                             point | dict(gpus=2, steps=25)]) == (
+        "steps per epoch (training images / global batch): 1 process: 100; 2 processes: 25/50; "
+        "fewer, larger steps with more processes")
+    assert plots.steps_note([point | dict(gpus=1, steps=None)]) is None
+    assert report.steps_per_epoch({"train_images": "99968", "global_batch": "64"}) == 1562
+    assert report.steps_per_epoch({"train_images": "99968"}) is None
+
+
 def test_a_strategy_keeps_its_colour_in_a_study_without_the_others(tmp_path, monkeypatch):
     """dp, ddp and fsdp are drawn in their own colours whichever strategies a study ran: a
     study of ddp and fsdp alone draws ddp orange and fsdp green, as beside dp, not blue and
