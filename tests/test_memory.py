@@ -191,7 +191,7 @@ def test_model_states_are_what_two_ranks_hold(tmp_path, variant, zero1):
 # resumed after two steps: the same batches, and while training, the bytes they hold on the
 # device (their ``held`` tensors) equal to the memory model's data_mib.
 HELD = r"""
-import sys, torch, torch.distributed as dist
+import itertools, sys, torch, torch.distributed as dist
 sys.path.insert(0, {repo!r})
 import ddp_train
 from torch.utils.data import DistributedSampler
@@ -221,7 +221,8 @@ for epoch, skipped in ((0, 0), (1, 0), (1, 2)):  # (1, 2): epoch 1 resumed after
     for sampler in (host_sampler, dev_sampler):
         sampler.set_epoch(epoch)
         sampler.skip_samples = skipped * batch
-    for (x, y), (dx, dy) in zip(host, dev, strict=True):
+    for (x, y), (dx, dy) in zip(itertools.islice(host, args.max_steps_per_epoch or None), dev,
+                                strict=True):
         assert torch.equal(x, dx) and torch.equal(y, dy), (epoch, skipped)
         if not skipped:
             held.append(sum(t.untyped_storage().nbytes() for t in (*dev.held, *dev_val.held)))
@@ -236,15 +237,19 @@ end_process(0)
 """
 
 
-@pytest.mark.parametrize("data,world", [("synthetic", 1), ("synthetic", 2), ("cache", 2)])
+@pytest.mark.parametrize("data,world,cap", [("synthetic", 1, None), ("synthetic", 2, None),
+                                            ("cache", 2, None), ("cache", 2, 4)])
 def test_data_on_device_holds_data_mib_and_gives_the_loaders_batches(tiny_imagenet, tmp_path,
-                                                                     data, world):
+                                                                     data, world, cap):
+    """cap: --max-steps-per-epoch; the rank then holds only those batches of its shard (and
+    the model counts them), the first cap of the DataLoader's, a resumed epoch's too."""
     if data == "synthetic":  # 100 over 2 ranks: 50 each, 6 batches of 8 and 2 dropped
         argv = ["--model", "cnn", "--synthetic-size", "100"]
     else:  # 160 over 2 ranks: 80 each, 10 batches
         argv = ["--data-dir", str(tiny_imagenet[0]), "--data-cache", str(tmp_path / "cache"),
                 "--model", "resnet18"]
     program = tmp_path / "held.py"
+    argv += ["--max-steps-per-epoch", str(cap)] if cap else []
     program.write_text(HELD.format(repo=str(REPO), argv=argv + ["--batch-size", "8",
                                                                 "--num-workers", "0"]))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -253,9 +258,9 @@ def test_data_on_device_holds_data_mib_and_gives_the_loaders_batches(tiny_imagen
     check_ok(proc)
     found = re.findall(r"rank \d steps (\d+) held \{(\d+)\} predicted (\d+)", proc.stdout)
     assert len(found) == world
-    per_rank = 100 // world // 8 if data == "synthetic" else 10
+    per_rank = cap or (100 // world // 8 if data == "synthetic" else 10)
     for steps, held, predicted in found:
-        assert int(steps) == 3 * per_rank - 2 and held == predicted
+        assert int(steps) == (3 * cap if cap else 3 * per_rank - 2) and held == predicted
         if data == "synthetic":  # two splits' prototypes (10 classes, uint8), their noise
             # fields (int16), and a noise offset and a label for each sample
             assert int(held) == (2 * 10 * 3 * 32 * 32 + 2 * 2 * (3 * 32 * 32 + 65536)

@@ -85,11 +85,15 @@ class DeviceResident:
       memory-mapped cache at the epoch's start in the sampler's order, so each batch is a
       slice. The sampler reshuffles the whole split every epoch, so these are a new 1/world
       of it each epoch; they are let go when the epoch's batches end.
-    Neither path makes a host copy of the whole split: at most the rank's shard, once."""
+    Neither path makes a host copy of the whole split: at most the rank's shard, once.
+    ``max_batches`` (--max-steps-per-epoch): an epoch holds only the batches it will train on
+    (read whole, a cap of 30 batches of a 100,000-image split read all of it inside the
+    timed epoch); the length stays the sampler's, as the scripts cap their steps themselves."""
 
-    def __init__(self, dataset, sampler, batch_size: int, drop_last: bool, device):
+    def __init__(self, dataset, sampler, batch_size: int, drop_last: bool, device,
+                 max_batches: int = None):
         self.dataset, self.sampler, self.device = dataset, sampler, device
-        self.batch_size, self.drop_last = batch_size, drop_last
+        self.batch_size, self.drop_last, self.max_batches = batch_size, drop_last, max_batches
         self.held = ()  # the tensors this rank holds on the device now
         if isinstance(dataset, SyntheticImages):
             self.prototypes, self.noise = dataset.prototypes.to(device), dataset.noise.to(device)
@@ -101,7 +105,10 @@ class DeviceResident:
 
     def __iter__(self):
         # the epoch's indices for this rank, without those of a last batch that drop_last drops
-        order = torch.tensor(list(self.sampler)[:len(self) * self.batch_size], dtype=torch.int64)
+        # and of the batches past --max-steps-per-epoch
+        batches = min(len(self), self.max_batches or len(self))
+        order = torch.tensor(list(itertools.islice(self.sampler, batches * self.batch_size)),
+                             dtype=torch.int64)
         before = self.held
         if isinstance(self.dataset, SyntheticImages):
             # one host-to-device copy of the order per epoch, located there at once
@@ -111,7 +118,7 @@ class DeviceResident:
             # the shard, not of the memory-mapped split), then moved to the device
             self.held = tuple(t.to(self.device) for t in self.dataset[order.numpy()])
         try:
-            for k in range(len(self)):
+            for k in range(batches):
                 part = slice(k * self.batch_size, (k + 1) * self.batch_size)
                 if isinstance(self.dataset, SyntheticImages):
                     yield (self.dataset.make(offsets[part], labels[part], self.prototypes,
@@ -134,7 +141,8 @@ def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool
     next training step would pay to copy every page it writes (0.3-0.65 s per run for ResNet-18
     on a 2-core CPU). The batches it prefetches now are dropped when evaluation starts."""
     if args.data_on_device:
-        return DeviceResident(dataset, sampler, batch_size, drop_last, device)
+        return DeviceResident(dataset, sampler, batch_size, drop_last, device,
+                              max_batches=None if val else args.max_steps_per_epoch)
     # The loader's own generator, for the seeds it draws for its workers at each epoch's
     # start: from the global random state, those draws would shift it, and a run resumed
     # mid-epoch (which starts its loader at once) would drop out and augment differently.

@@ -223,8 +223,9 @@ def data_and_inputs(args, processes: int, loader_batch: int, model_batch: int) -
     C x H x W + NOISE_SHIFTS values) of the training and of the validation split, and the
     epoch's samples of this rank as a noise offset and a label each (int64), its batches made
     from them as they are used; the TinyImageNet cache: this rank's training samples of the epoch,
-    N // processes rounded down to whole batches, uint8 64 x 64 x 3 and an int64 label each
-    (the validation samples are held during evaluation only, when training holds less).
+    N // processes rounded down to whole batches (at most --max-steps-per-epoch of them), uint8
+    64 x 64 x 3 and an int64 label each (the validation samples are held during evaluation
+    only, when training holds less).
 
     inputs: two loader batches, the one the step trains on and the next, which to_device copies
     (or DeviceResident makes) while the step computes, as the loader hands them over (uint8 for
@@ -237,7 +238,8 @@ def data_and_inputs(args, processes: int, loader_batch: int, model_batch: int) -
     stored = CACHE_IMAGE if cache else image if args.dataset == "synthetic" else 4 * image
     data = 0
     if args.data_on_device:
-        samples = train_samples(args) // processes // loader_batch * loader_batch
+        batches = train_samples(args) // processes // loader_batch
+        samples = min(batches, args.max_steps_per_epoch or batches) * loader_batch
         noise = 2 * (image + datasets.SyntheticImages.NOISE_SHIFTS)  # int16
         data = samples * (stored + 8) if cache else 2 * (classes * image + noise) + samples * 16
     in_flight = 0 if args.data_on_device and cache else 2 * loader_batch * (stored + 8)
