@@ -228,9 +228,11 @@ def run_launcher(row: Row, model: str, steps: int, work: Path, keep: Path | None
         return {"error": _failure(proc, "local.sh exit"), "cmd": cmd}
     run_dir = Path(run_dirs[-1])
     left = max(10.0, timeout - (time.monotonic() - t0))
-    summary = subprocess.run([sys.executable, str(REPO / "analyze_memory.py"), "--plot",
-                              str(run_dir)], capture_output=True, text=True, timeout=left,
-                             cwd=REPO)
+    summarize = [sys.executable, str(REPO / "analyze_memory.py"), "--plot", str(run_dir)]
+    try:  # a timeout gives the row's "timed out" result, which --continue runs again
+        summary = run_command(summarize, left)
+    except RowTimeout as late:
+        return late.result(summarize)
     text = (summary.stdout + summary.stderr).strip()
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
@@ -342,17 +344,21 @@ def prepare_data(root: Path, paths: dict, gpu: bool, given: bool, timeout: float
                  ) -> str | None:
     """The TinyImageNet tree (unless given) and its uint8 cache, once, outside any timed row;
     an error's text, or None. A cache build that outlives ``timeout`` is ended (its lane
-    waited for ever, and the run with it)."""
+    waited for ever, and the run with it). It writes and decodes with this row's share of the
+    cores (OMP_NUM_THREADS, from gpu_check.row_threads): with all of them, its 16 writers ran
+    beside the first timed rows of the other lanes, whose eager figures are the host's."""
     t0 = time.monotonic()
+    share = int(os.environ.get("OMP_NUM_THREADS") or 0)  # 0: every core (none set)
     if not given and not (root / "wnids.txt").is_file():
         if gpu:
-            make_tree_parallel(root, 200, 500, 50)
+            make_tree_parallel(root, 200, 500, 50, workers=share)
         else:
             make_tree(root, classes=4, train_per_class=40, val_per_class=10)
         print(f"data: generated {root} in {time.monotonic() - t0:.0f} s", flush=True)
     try:  # at least CACHE_BUILD_S: a tree generated slowly left the build none
         built = run_command([sys.executable, str(REPO / "ddp_train.py"), "--data-dir", str(root),
-                             "--data-cache", paths["cache"], "--check"],
+                             "--data-cache", paths["cache"], "--check"]
+                            + (["--num-workers", str(share)] if share else []),
                             max(CACHE_BUILD_S, timeout - (time.monotonic() - t0)))
     except RowTimeout as late:
         return f"building the cache: {late}"

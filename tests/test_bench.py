@@ -869,6 +869,39 @@ def test_gpu_check_ends_a_cache_build_that_outlives_its_timeout(tmp_path, monkey
     assert time.monotonic() - t0 < 30
 
 
+def test_gpu_check_makes_its_data_with_the_rows_share_of_the_cores(tmp_path, monkeypatch):
+    """The tree's writers and the cache's decoders: OMP_NUM_THREADS of them (row_threads gives
+    each row its share), not every core beside the timed rows of the other lanes."""
+    made, commands = [], []
+    monkeypatch.setattr(gpu_rows, "make_tree_parallel",
+                        lambda root, *sizes, workers: made.append((sizes, workers)))
+    monkeypatch.setattr(gpu_rows, "run_command", lambda cmd, timeout: commands.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 0, "", ""))
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert gpu_rows.prepare_data(tmp_path / "tree", {"cache": str(tmp_path / "cache")},
+                                 gpu=True, given=False, timeout=60) is None
+    assert made == [((200, 500, 50), 4)] and commands[0][-2:] == ["--num-workers", "4"]
+    monkeypatch.delenv("OMP_NUM_THREADS")  # none set: every core, and the script's default
+    gpu_rows.prepare_data(tmp_path / "tree", {"cache": str(tmp_path / "cache")}, gpu=True,
+                          given=False, timeout=60)
+    assert made[1][1] == 0 and "--num-workers" not in commands[1]
+
+
+def test_gpu_check_launcher_row_whose_summary_outlives_it_times_out(tmp_path, monkeypatch):
+    """analyze_memory.py --plot at the row's timeout: the row's "timed out" result, which
+    --continue runs again, not a TimeoutExpired the lane reported as a crash of gpu_check."""
+    def run(cmd, timeout, env=None):
+        if "local.sh" in cmd[1]:  # the training ran and wrote its run directory
+            (tmp_path / "launcher-runs" / "gpu-check-1").mkdir(parents=True)
+            return subprocess.CompletedProcess(cmd, 0, "", "")
+        raise process_tree.RowTimeout(timeout, "reading the logs", [])
+    monkeypatch.setattr(gpu_rows, "run_command", run)
+    row = gpu_plan.Row("launchers", 16, kind="launcher")
+    result = gpu_rows.run_launcher(row, "cnn", 2, tmp_path, None, timeout=20)
+    assert result["error"].startswith(process_tree.TIMED_OUT), result
+    assert "analyze_memory.py" in result["cmd"][1]
+
+
 HANGING_TEST = """
 import pathlib, subprocess, sys, time
 
