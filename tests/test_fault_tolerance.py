@@ -116,6 +116,31 @@ def test_sigusr1_checkpoints_exits_75_and_resumes(tmp_path):
     _same_weights(ref, tmp_path / "r.pt")
 
 
+@pytest.mark.parametrize("script", ["ddp_train.py", "fsdp_train.py", "dp_train.py",
+                                    "export_model.py"])
+def test_ctrl_c_while_torch_loads_ends_the_script_without_a_traceback(script):
+    """Importing torch takes seconds (tens of them on a cluster's shared file system), and a
+    Ctrl-C then was a 30-line traceback of torch's internals. The script now ends at once,
+    as killed by SIGINT; a SIGINT ignored, as a background job's, stays ignored."""
+    def start(handler):
+        # -X importtime: a line per module as its import ends, so the signal is sent while
+        # torch's submodules load, whatever this machine's speed
+        return subprocess.Popen([sys.executable, "-X", "importtime", str(REPO / script),
+                                 "--help"], env=env_for_tests(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, handler))
+
+    for handler, ended in ((signal.SIG_DFL, -signal.SIGINT), (signal.SIG_IGN, 0)):
+        proc = start(handler)
+        while not re.search(r"\|\s+torch\.", line := proc.stderr.readline()):
+            assert line, "the script ended before it imported torch"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        said = [line for line in err.splitlines() if not line.startswith("import time:")]
+        assert proc.returncode == ended and said == [], (handler, said)
+        assert ("usage:" in out) == (handler == signal.SIG_IGN)  # ignored: it went on
+
+
 def _signal_after_first_checkpoint(script, sig, ck, nproc=None) -> tuple:
     """Run ``script`` as one process (or ``nproc`` ranks under torchrun) for 30 epochs, send
     ``sig`` once its first checkpoint is in ``ck``; (the process, its whole output)."""
