@@ -117,7 +117,7 @@ def test_sigusr1_checkpoints_exits_75_and_resumes(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["ddp_train.py", "fsdp_train.py", "dp_train.py",
-                                    "export_model.py"])
+                                    "export_model.py", "prepare_tinyimagenet.py"])
 def test_ctrl_c_while_torch_loads_ends_the_script_without_a_traceback(script):
     """Importing torch takes seconds (tens of them on a cluster's shared file system), and a
     Ctrl-C then was a 30-line traceback of torch's internals. The script now ends at once,
