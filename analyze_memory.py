@@ -117,9 +117,10 @@ TIMELINE_NAME = "timeline.png"      # what --plot writes in each run directory
 _UNIT_RE = re.compile(r"\[(?P<unit>[^\]]+)\]$")      # a column's unit: "memory.used [MiB]"
 _RESTART_RE = re.compile(r"(?P<node>.+)\.restart(?P<attempt>\d+)")   # a file's stem
 # The name of a log node.sh writes in a log folder: <host>.csv, <host>.txt, and after a restart
-# <host>.restart<N>.csv or .txt. A copy ("n1 (copy).csv") or a backup ("n1.csv~", "n1.csv.bak")
-# in the folder is not one: read, it would count as a node of its own, or as n1 twice.
-_NODE_LOG_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*\.(csv|txt)")
+# <host>.restart<N>.csv or .txt; a host name has no space. A copy ("n1 (copy).csv", "n1 copy.csv")
+# or a backup ("n1.csv~", "n1.csv.bak") in the folder is not one: read, it would count as a node
+# of its own, or as n1 twice.
+_NODE_LOG_RE = re.compile(r"\S+\.(csv|txt)")
 _NUL_RUN_RE = re.compile(rb"\0+")
 _UNDECODABLE_RE = re.compile("[\udc80-\udcff]")     # decode(errors="surrogateescape")'s marks
 
@@ -362,10 +363,10 @@ def _log_files(paths, problems: list, notes: list = None):
                     if _NODE_LOG_RE.fullmatch(name):
                         found.append(Path(folder) / name)
                     elif notes is not None:
-                        notes.append(f"{Path(folder) / name}: left out, as it is not named as "
-                                     f"a node's log (<host>.csv in gpu_memory/, <host>.txt in "
-                                     f"cpu_memory/); rename it so if it is one, or move a copy "
-                                     f"or backup out of the folder")
+                        notes.append(f"{Path(folder) / name}: left out, as a node's log is "
+                                     f"named <host>.csv or <host>.txt, and a copy (a name with "
+                                     f"a space) or a backup (.csv~, .bak) is not one; move it "
+                                     f"out of the folder, or rename it if it is a node's log")
         found = [path for path in found if path.is_file()]
         yield from found    # only after the whole walk, so its errors come before the files'
         if not found and len(problems) == n_problems:

@@ -478,14 +478,15 @@ def test_a_copy_or_backup_in_a_log_folder_is_no_node(tmp_path):
     run = tmp_path / "run"
     _gpu_log(run / "gpu_memory" / "n1.csv", [1000, 3000])
     _gpu_log(run / "gpu_memory" / "gn02.cluster.local.restart1.csv", [700])  # a full host name
+    _gpu_log(run / "gpu_memory" / "_gpu-Ä+[3].csv", [900])  # Slurm's node names are free-form
     for copy in ("n1 (copy).csv", "n1.csv~", "n1.csv.bak"):
         shutil.copy(run / "gpu_memory" / "n1.csv", run / "gpu_memory" / copy)
     notes = []
     gpu, cpu, problems = am.summarize_paths([run], notes)
     assert problems == [] and cpu == []
     assert [(r["node"], r["samples"], r["peak_mib"]) for r in gpu] == [
-        ("gn02.cluster.local", 1, 700), ("n1", 2, 3000)]
-    left_out = [n for n in notes if "left out, as it is not named as a node's log" in n]
+        ("_gpu-Ä+[3]", 1, 900), ("gn02.cluster.local", 1, 700), ("n1", 2, 3000)]
+    left_out = [n for n in notes if "left out, as a node's log is named <host>.csv" in n]
     assert [n.split(":")[0] for n in left_out] == [
         str(run / "gpu_memory" / name) for name in ("n1 (copy).csv", "n1.csv.bak", "n1.csv~")]
     # Named on the command line, a file is read whatever its name
