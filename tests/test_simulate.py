@@ -104,6 +104,22 @@ def test_the_cifar_cnn_with_its_in_place_relu_is_simulated(extra, variant, in_fl
     assert held["units_in_flight"] == in_flight
 
 
+def test_a_simulation_trains_its_two_steps_and_says_when_it_could_not():
+    """--max-steps-per-epoch 1 with --data-on-device held one batch, and the simulation then
+    trained one step and said two: its peak was that of a step before the optimizer's state.
+    It holds every batch of its share now; a share of one batch is said, not hidden."""
+    cnn = ["--model", "cnn", "--batch-size", "16", "--num-workers", "0", "--amp", "off",
+           "--simulate-world-size", "2", "--data-on-device"]
+    proc = run_script("ddp_train.py", cnn + ["--synthetic-size", "64",
+                                             "--max-steps-per-epoch", "1"], timeout=300)
+    check_ok(proc)
+    assert "2 step(s) trained as rank 0 of 2" in proc.stdout and "note: rank 0" not in proc.stdout
+    proc = run_script("ddp_train.py", cnn + ["--synthetic-size", "32"], timeout=300)
+    check_ok(proc)
+    assert "1 step(s) trained as rank 0 of 2" in proc.stdout
+    assert "note: rank 0's share of the data made 1 batch(es), not 2" in proc.stdout
+
+
 def test_vit_is_sharded_by_its_encoder_blocks_and_holds_an_eighth_of_itself_at_8():
     """torchvision's ViT once became a single FSDP unit (its whole encoder): no saving. Its 12
     encoder blocks are the units now, and rank 0 of 8 holds 1/8 of the parameters, with two

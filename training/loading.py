@@ -86,9 +86,10 @@ class DeviceResident:
       slice. The sampler reshuffles the whole split every epoch, so these are a new 1/world
       of it each epoch; they are let go when the epoch's batches end.
     Neither path makes a host copy of the whole split: at most the rank's shard, once.
-    ``max_batches`` (--max-steps-per-epoch): an epoch holds only the batches it will train on
-    (read whole, a cap of 30 batches of a 100,000-image split read all of it inside the
-    timed epoch); the length stays the sampler's, as the scripts cap their steps themselves."""
+    ``max_batches`` (held_batches: --max-steps-per-epoch): an epoch holds only the batches it
+    will train on, a resumed one those left (read whole, a cap of 30 batches of a
+    100,000-image split read all of it inside the timed epoch); the length stays the
+    sampler's, as the scripts cap their steps themselves."""
 
     def __init__(self, dataset, sampler, batch_size: int, drop_last: bool, device,
                  max_batches: int = None):
@@ -106,7 +107,10 @@ class DeviceResident:
     def __iter__(self):
         # the epoch's indices for this rank, without those of a last batch that drop_last drops
         # and of the batches past --max-steps-per-epoch
-        batches = min(len(self), self.max_batches or len(self))
+        batches = len(self)
+        if self.max_batches:  # less the steps a resumed epoch ran (SkipFirst skips them)
+            ran = getattr(self.sampler, "skip_samples", 0) // self.batch_size
+            batches = min(batches, max(0, self.max_batches - ran))
         order = torch.tensor(list(itertools.islice(self.sampler, batches * self.batch_size)),
                              dtype=torch.int64)
         before = self.held
@@ -129,6 +133,13 @@ class DeviceResident:
             self.held = before  # the epoch's shard (or order) is let go
 
 
+def held_batches(args) -> int | None:
+    """The training batches an epoch holds with --data-on-device: --max-steps-per-epoch's,
+    except on --simulate-world-size, which trains simulate.STEPS whatever the flag says; None:
+    every batch of the rank's shard. The memory model counts the same."""
+    return None if args.simulate_world_size else args.max_steps_per_epoch or None
+
+
 def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool = False,
                 start_now: bool = False, val: bool = False):
     """The DataLoader, tuned the same way for every strategy: pinned memory on CUDA,
@@ -142,7 +153,7 @@ def make_loader(dataset, sampler, batch_size: int, args, device, drop_last: bool
     on a 2-core CPU). The batches it prefetches now are dropped when evaluation starts."""
     if args.data_on_device:
         return DeviceResident(dataset, sampler, batch_size, drop_last, device,
-                              max_batches=None if val else args.max_steps_per_epoch)
+                              max_batches=None if val else held_batches(args))
     # The loader's own generator, for the seeds it draws for its workers at each epoch's
     # start: from the global random state, those draws would shift it, and a run resumed
     # mid-epoch (which starts its loader at once) would drop out and augment differently.

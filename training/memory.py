@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from training import contract, datasets, flags, models, tinyimagenet
+from training import contract, datasets, flags, loading, models, tinyimagenet
 from training.distributed import print0
 from training.faults import UsageError
 
@@ -223,9 +223,10 @@ def data_and_inputs(args, processes: int, loader_batch: int, model_batch: int) -
     C x H x W + NOISE_SHIFTS values) of the training and of the validation split, and the
     epoch's samples of this rank as a noise offset and a label each (int64), its batches made
     from them as they are used; the TinyImageNet cache: this rank's training samples of the epoch,
-    N // processes rounded down to whole batches (at most --max-steps-per-epoch of them), uint8
-    64 x 64 x 3 and an int64 label each (the validation samples are held during evaluation
-    only, when training holds less).
+    N // processes rounded down to whole batches (at most loading.held_batches of them), uint8
+    64 x 64 x 3 and an int64 label each. The validation samples are held during evaluation
+    only, when no activations are kept for backward; not counted, they may outweigh a
+    training shard that a small --max-steps-per-epoch keeps small.
 
     inputs: two loader batches, the one the step trains on and the next, which to_device copies
     (or DeviceResident makes) while the step computes, as the loader hands them over (uint8 for
@@ -239,7 +240,7 @@ def data_and_inputs(args, processes: int, loader_batch: int, model_batch: int) -
     data = 0
     if args.data_on_device:
         batches = train_samples(args) // processes // loader_batch
-        samples = min(batches, args.max_steps_per_epoch or batches) * loader_batch
+        samples = min(batches, loading.held_batches(args) or batches) * loader_batch
         noise = 2 * (image + datasets.SyntheticImages.NOISE_SHIFTS)  # int16
         data = samples * (stored + 8) if cache else 2 * (classes * image + noise) + samples * 16
     in_flight = 0 if args.data_on_device and cache else 2 * loader_batch * (stored + 8)

@@ -105,10 +105,12 @@ def report(train_step, wrapper: nn.Module, model: nn.Module, optimizer, loader, 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     wrapper.train()
-    for step, (images, labels) in enumerate(loading.to_device(loader, device)):
-        if step == STEPS:
+    trained = 0
+    for images, labels in loading.to_device(loader, device):
+        if trained == STEPS:
             break
         train_step(prepare(images, train=True), labels)
+        trained += 1
     synchronize(device)
     mib = {k: v / memory.MIB for k, v in held(model, optimizer).items()}
     host = 0.0
@@ -122,6 +124,10 @@ def report(train_step, wrapper: nn.Module, model: nn.Module, optimizer, loader, 
                    if device.type == "cuda" else "-")
     print0(contract.MEMORY_HELD_PREFIX + " " + " ".join(
         f"{k}={figures[k]}" for k in contract.MEMORY_HELD_KEYS))
-    print0(f"{STEPS} steps trained as rank 0 of {world} on the fake process group: memory "
-           f"figures only (no peer sent its part: no accuracy, nothing saved)")
+    print0(f"{trained} step(s) trained as rank 0 of {world} on the fake process group: "
+           f"memory figures only (no peer sent its part: no accuracy, nothing saved)")
+    if trained < STEPS:  # the optimizer's state is made by the first step, resident from then
+        print0(f"note: rank 0's share of the data made {trained} batch(es), not {STEPS}: the "
+               f"peak may be short of a run's; give more samples (--synthetic-size) or a "
+               f"smaller --batch-size")
     return 0
