@@ -10,6 +10,7 @@ login or compute node). Both parsers ask ``missing_matplotlib()`` before they st
 from __future__ import annotations
 
 import math
+import textwrap
 from datetime import datetime
 from pathlib import Path
 
@@ -179,14 +180,17 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
             ax.legend(fontsize=8)
 
     def save(fig, name, title, markers=True, note=None):
-        """Title, then the figure's footnotes (open markers, and note) under the panels."""
+        """Title, then the figure's footnotes (note, and the open markers) under the panels,
+        each wrapped to the figure's width (a line cut at the edge is lost: no bbox_inches)."""
         fig.suptitle(title)
         notes = [note] if note else []
         if markers and any(p["partial"] for p in shown):
             notes.append("open markers: partial or requeued runs (last completed epoch)")
-        for i, text in enumerate(reversed(notes)):
+        width = int(fig.get_figwidth() * 15)  # characters of 8 pt text a line holds, about
+        lines = [line for text in notes for line in textwrap.wrap(text, width)]
+        for i, text in enumerate(reversed(lines)):
             fig.text(0.01, 0.01 + 0.035 * i, text, fontsize=8, gid="footnote")
-        fig.tight_layout(rect=(0, 0.035 * len(notes), 1, 1))
+        fig.tight_layout(rect=(0, 0.035 * len(lines), 1, 1))
         fig.savefig(out_dir / name, dpi=dpi)
         plt.close(fig)
 

@@ -268,15 +268,27 @@ def test_the_validation_plot_says_how_many_steps_an_epoch_had(tmp_path, monkeypa
     series, ideal, bars = report.plot_data(scaling.scale(rows))
     footnotes = {}
     figure = pytest.importorskip("matplotlib.figure")
-    monkeypatch.setattr(figure.Figure, "savefig", lambda fig, path, **_kw: footnotes.setdefault(
-        Path(path).name, [t.get_text() for t in sorted(  # top to bottom
-            fig.texts, key=lambda t: -t.get_position()[1]) if t.get_gid() == "footnote"]))
+
+    def record(fig, path, **_kw):
+        fig.canvas.draw()  # each footnote line ends inside the figure, as it is written
+        lines = sorted((t for t in fig.texts if t.get_gid() == "footnote"),
+                       key=lambda t: -t.get_position()[1])  # top to bottom
+        assert all(t.get_window_extent().x1 <= fig.bbox.x1 for t in lines), Path(path).name
+        footnotes[Path(path).name] = [t.get_text() for t in lines]
+    monkeypatch.setattr(figure.Figure, "savefig", record)
     plots.study_plots(series, ideal, bars, tmp_path, dpi=50)
-    assert footnotes["val_loss_acc.png"] == [
+    *steps, markers = footnotes["val_loss_acc.png"]
+    assert " ".join(steps) == (
         "steps per epoch (training images / global batch): 1 GPU: 1,562; 2 GPUs: 781; "
-        "4 GPUs: 390; 8 GPUs: 195; 16 GPUs: 97; fewer, larger steps with more GPUs",
-        "open markers: partial or requeued runs (last completed epoch)"]
-    assert footnotes["throughput.png"] == [footnotes["val_loss_acc.png"][1]]
+        "4 GPUs: 390; 8 GPUs: 195; 16 GPUs: 97; fewer, larger steps with more GPUs")
+    assert markers == "open markers: partial or requeued runs (last completed epoch)"
+    assert footnotes["throughput.png"] == [markers]
+    # a study of 1 to 64 GPUs and two batch sizes: more lines, none past the figure's edge
+    wide = [dict(s, points=[dict(p, gpus=2 ** k, steps=3125 // 2 ** k + b) for k in range(7)
+                            for b in (0, 1) for p in s["points"][:1]]) for s in series]
+    plots.study_plots(wide, ideal, bars, tmp_path, dpi=50)
+    assert len(footnotes["val_loss_acc.png"]) >= 2
+    assert "; 64 GPUs: 48/49; fewer" in " ".join(footnotes["val_loss_acc.png"])
     # strong scaling (one global batch), a CPU study, a log without the figures
     point = dict(device="cpu", partial=False)
     assert plots.steps_note([point | dict(gpus=1, steps=100), point | dict(gpus=2, steps=100)]) \
