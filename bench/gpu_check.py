@@ -384,7 +384,9 @@ def acceptance_run(argv=None) -> int:
         setting = Setting(gpu=gpu, model="resnet50" if gpu else "resnet18", steps=steps, work=work,
                           paths={"data": str(root), "cache": str(work / "cache"),
                                  "profile": str(work / "profile")},
-                          keep=out.with_name(out.stem + "-launcher") if out else None)
+                          keep=out.with_name(out.stem + "-launcher") if out else None,
+                          data_cores=max(1, allocation.usable_cpus()
+                                         // rows_at_once(pending, args.lanes)))
         jsonl = jsonl or work / "rows.jsonl"
         cmd = "python bench/gpu_check.py" + "".join(
             f" {shlex.quote(a)}" for a in (sys.argv[1:] if argv is None else argv))
@@ -455,7 +457,8 @@ class Run:
         timeout = max(10.0, min(own, self.deadline - time.monotonic()))
         if row.kind == "data":
             error = prepare_data(Path(self.setting.paths["data"]), self.setting.paths,
-                                 self.setting.gpu, bool(self.args.data_dir), timeout)
+                                 self.setting.gpu, bool(self.args.data_dir), timeout,
+                                 self.setting.data_cores)
             return {"error": error} if error else {}
         if row.needs_data and self.data_error:
             return {"error": self.data_error[0]}

@@ -40,6 +40,7 @@ class Setting:
     work: Path  # the generated tree, the cache, the traces, the rows' checkpoints
     paths: dict  # data, cache, profile: the folders a training row's command line names
     keep: Path | None  # where the launcher row's logs and timeline are kept (beside --out)
+    data_cores: int = 0  # the data job's writers and decoders: its share of the cores (0: all)
 
 
 def run_row(row: Row, setting: Setting, timeout: float) -> dict:
@@ -340,25 +341,24 @@ def whole_weights(model: str, path: Path) -> str | None:
 CACHE_BUILD_S = 60.0  # the least time the data row's cache build gets (44 s on the H200)
 
 
-def prepare_data(root: Path, paths: dict, gpu: bool, given: bool, timeout: float
-                 ) -> str | None:
+def prepare_data(root: Path, paths: dict, gpu: bool, given: bool, timeout: float,
+                 cores: int = 0) -> str | None:
     """The TinyImageNet tree (unless given) and its uint8 cache, once, outside any timed row;
     an error's text, or None. A cache build that outlives ``timeout`` is ended (its lane
-    waited for ever, and the run with it). It writes and decodes with this row's share of the
-    cores (OMP_NUM_THREADS, from gpu_check.row_threads): with all of them, its 16 writers ran
-    beside the first timed rows of the other lanes, whose eager figures are the host's."""
+    waited for ever, and the run with it). It writes and decodes with ``cores`` processes,
+    its row's share of the host (0: every core): with all of them, its 16 writers ran beside
+    the first timed rows of the other lanes, whose eager figures are the host's."""
     t0 = time.monotonic()
-    share = int(os.environ.get("OMP_NUM_THREADS") or 0)  # 0: every core (none set)
     if not given and not (root / "wnids.txt").is_file():
         if gpu:
-            make_tree_parallel(root, 200, 500, 50, workers=share)
+            make_tree_parallel(root, 200, 500, 50, workers=cores)
         else:
             make_tree(root, classes=4, train_per_class=40, val_per_class=10)
         print(f"data: generated {root} in {time.monotonic() - t0:.0f} s", flush=True)
     try:  # at least CACHE_BUILD_S: a tree generated slowly left the build none
         built = run_command([sys.executable, str(REPO / "ddp_train.py"), "--data-dir", str(root),
                              "--data-cache", paths["cache"], "--check"]
-                            + (["--num-workers", str(share)] if share else []),
+                            + (["--num-workers", str(cores)] if cores else []),
                             max(CACHE_BUILD_S, timeout - (time.monotonic() - t0)))
     except RowTimeout as late:
         return f"building the cache: {late}"

@@ -869,22 +869,34 @@ def test_gpu_check_ends_a_cache_build_that_outlives_its_timeout(tmp_path, monkey
     assert time.monotonic() - t0 < 30
 
 
-def test_gpu_check_makes_its_data_with_the_rows_share_of_the_cores(tmp_path, monkeypatch):
-    """The tree's writers and the cache's decoders: OMP_NUM_THREADS of them (row_threads gives
-    each row its share), not every core beside the timed rows of the other lanes."""
+def test_gpu_check_makes_its_data_with_the_rows_share_of_the_cores(gpu_check, tmp_path,
+                                                                  monkeypatch):
+    """The tree's writers and the cache's decoders: the data job's share of the host's cores
+    (the cores over the rows at once), not every core beside the timed rows of the other
+    lanes; whatever OMP_NUM_THREADS a user set (1 on many clusters, or a list such as 8,1)."""
     made, commands = [], []
     monkeypatch.setattr(gpu_rows, "make_tree_parallel",
                         lambda root, *sizes, workers: made.append((sizes, workers)))
     monkeypatch.setattr(gpu_rows, "run_command", lambda cmd, timeout: commands.append(cmd) or
                         subprocess.CompletedProcess(cmd, 0, "", ""))
-    monkeypatch.setenv("OMP_NUM_THREADS", "4")
     assert gpu_rows.prepare_data(tmp_path / "tree", {"cache": str(tmp_path / "cache")},
-                                 gpu=True, given=False, timeout=60) is None
+                                 gpu=True, given=False, timeout=60, cores=4) is None
     assert made == [((200, 500, 50), 4)] and commands[0][-2:] == ["--num-workers", "4"]
-    monkeypatch.delenv("OMP_NUM_THREADS")  # none set: every core, and the script's default
     gpu_rows.prepare_data(tmp_path / "tree", {"cache": str(tmp_path / "cache")}, gpu=True,
-                          given=False, timeout=60)
+                          given=False, timeout=60)  # 0: every core, and the script's default
     assert made[1][1] == 0 and "--num-workers" not in commands[1]
+    # the share gpu_check gives it: the timed rows one after another, and beside them two
+    # untimed rows and the data job: 4 rows at once on 16 cores, 4 each
+    seen = []
+    plan = _small_plan() + [gpu_plan.Row("ddp, cache", 8, args=["--data-on-device"],
+                                         needs_data=True, timed=False)]
+    monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: plan)
+    monkeypatch.setattr(gpu_rows, "run_training", lambda row, *a, **k: _fake_training(row, *a))
+    monkeypatch.setattr(gpu_check.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(gpu_check, "prepare_data", lambda *a: seen.append(a[-1]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "8,1")  # the user's, for the rows: not the data's
+    gpu_check.main(["--out", str(tmp_path / "r.md"), "--lanes", "4"])
+    assert seen == [4]
 
 
 def test_gpu_check_launcher_row_whose_summary_outlives_it_times_out(tmp_path, monkeypatch):
