@@ -57,7 +57,10 @@ def test_without_the_clip_the_collapse_is_named_in_its_epoch():
         assert "error: the loss became NaN or inf at epoch 1" in proc.stderr
     else:
         check_ok(proc)
-        assert float(metrics(proc.stdout)[-1]["val_acc"]) < 20, out[-3000:]
+        # collapsed: chance (10%), or the one or two classes its dead ReLUs still name (20%
+        # on one CPU, 2026-12-03: the threshold of < 20 failed there), far below the >= 90%
+        # of the clipped runs above
+        assert float(metrics(proc.stdout)[-1]["val_acc"]) < 50, out[-3000:]
     jumped = [line for line in proc.stdout.splitlines() if "the loss jumped" in line]
     assert len(jumped) == 1, out[-3000:]
     assert re.fullmatch(r"warning: the loss jumped from [\d.e-]+ to [\d.e+]+ at epoch 1, step "
