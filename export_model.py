@@ -27,20 +27,17 @@ import errno
 import os
 import re
 import shlex
-import signal
 import sys
 from pathlib import Path
 
-# A Ctrl-C while torch loads (seconds, more on a shared file system) ends the script at once,
-# not with a traceback of the import; from main() on it is the one-line message again.
-if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (one ignored, as a background job's, stays so)
+from training import ctrl_c  # first: a Ctrl-C while torch loads ends the script quietly
+
+ctrl_c.quiet_while_loading(__name__)
 
 import torch
 
 from training import checkpoint, models
 from training.faults import UsageError
-from training.stopping import ctrl_c_raises
 
 #: Path components that wrappers add to parameter names: torch.compile's module, FSDP1's and
 #: activation checkpointing's wrappers. None is ever a name a model gives its own layers.
@@ -372,7 +369,7 @@ def report(info: dict, out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ctrl_c_raises()  # KeyboardInterrupt, caught below
+    ctrl_c.raises()  # KeyboardInterrupt, caught below
     args = build_parser().parse_args(argv)
     out = Path(args.out)
     try:

@@ -38,15 +38,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import signal
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 
-# A Ctrl-C while torch loads (seconds, more on a shared file system) ends the script at once,
-# not with a traceback of the import; from common.run on it is the one-line message again.
-if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (one ignored, as a background job's, stays so)
+from training import ctrl_c  # first: a Ctrl-C while torch loads ends the script quietly
+
+ctrl_c.quiet_while_loading(__name__)
 
 import torch
 import torch.distributed as dist

@@ -15,21 +15,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 
-# A Ctrl-C while torch loads (seconds, more on a shared file system) ends the script at once,
-# not with a traceback of the import; from main() on it is the one-line message again.
-if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # (one ignored, as a background job's, stays so)
+from training import ctrl_c  # first: a Ctrl-C while torch loads ends the script quietly
+
+ctrl_c.quiet_while_loading(__name__)
 
 from training.faults import UsageError
-from training.stopping import ctrl_c_raises
 from training.tinyimagenet import prepare
 
 
 def main(argv=None) -> int:
-    ctrl_c_raises()  # KeyboardInterrupt, caught below
+    ctrl_c.raises()  # KeyboardInterrupt, caught below
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("data_dir", help="the tiny-imagenet-200 folder (wnids.txt, train/, val/)")
     parser.add_argument("cache_dir", nargs="?", default="auto",

@@ -27,13 +27,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from training import allocation, contract, devices, distributed, hangs, network, watchdog
+from training import (allocation, contract, ctrl_c, devices, distributed, hangs, network,
+                      watchdog)
 from training.distributed import DistEnv, dist_env, print0
 from training.faults import (UsageError, collective_failed, crashed, exit_line, fail_cleanly,
                              is_collective_failure)
 from training.flags import AMP_TEXT, check_flags, default_workers
 from training.lossguard import NonFiniteLoss
-from training.stopping import Requeue, catch_stop_signals, ctrl_c_raises
+from training.stopping import Requeue, catch_stop_signals
 
 
 def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
@@ -45,7 +46,7 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
     nothing saved, 1: a collective failed or any other error, after its traceback, 130:
     Ctrl-C); and, once every rank has finished, the last barrier and the process group's
     teardown. Returns the exit code for end_process."""
-    ctrl_c_raises()  # from here a Ctrl-C is the one-line message below, not the end
+    ctrl_c.raises()  # from here a Ctrl-C is the one-line message below, not the end
     try:
         args = parser.parse_args(argv)
     except SystemExit as done:  # argparse's error (2), or --help (0)

@@ -301,12 +301,3 @@ class Requeue(Exception):
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
-
-
-def ctrl_c_raises() -> None:
-    """From here a Ctrl-C raises KeyboardInterrupt, which the caller turns into its one-line
-    message. Until here a script run as a program ends at once at a Ctrl-C (signal.SIG_DFL,
-    set before it imports torch, which takes seconds: a KeyboardInterrupt raised inside that
-    import was a traceback of torch's internals). A handler of anyone else's is left alone."""
-    if signal.getsignal(signal.SIGINT) is signal.SIG_DFL:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
