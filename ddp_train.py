@@ -28,7 +28,6 @@ ctrl_c.quiet_while_loading(__name__)
 
 import torch
 import torch.nn as nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
@@ -90,6 +89,9 @@ def build_optimizer(model: nn.Module, lr: float, args, device: torch.device):
     sgd = dict(lr=lr, momentum=args.momentum, weight_decay=args.weight_decay,
                fused=schedule.fused_sgd(device))
     if args.zero1:
+        # imported here, where --zero1 needs it: its package loads FSDP's and DTensor's, about
+        # 1 s of every start (training.distributed.instance_of)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
         zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, **sgd)
         schedule.start_momentum(zero.optim)  # the momentum of this rank's partition
         return zero
@@ -100,7 +102,7 @@ def save_checkpoint(path, state: dict, meta: dict) -> None:
     """DDP: every replica has the same weights, so rank 0 alone writes one file (with
     --no-broadcast-buffers, its BatchNorm statistics are rank 0's). --zero1: every rank first
     sends rank 0 its part of the optimizer state (a collective)."""
-    if isinstance(state["optimizer"], ZeroRedundancyOptimizer):
+    if distributed.instance_of(state["optimizer"], distributed.ZERO1):
         state["optimizer"].consolidate_state_dict(to=0)
     if distributed.rank_and_world()[0] == 0:
         checkpoint.atomic_save({name: obj.state_dict() for name, obj in state.items()} | meta, path)

@@ -7,13 +7,15 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from training import distributed, flags
 from training.faults import UsageError
-from conftest import run_script
+from conftest import REPO, env_for_tests, run_script
 
 
 def _parse(script: str, argv: list):
@@ -197,3 +199,16 @@ def test_a_file_where_an_output_folder_goes_is_named(tmp_path, where):
     faults.make_folder(tmp_path / "new" / "ck", "--checkpoint-dir")
     assert (tmp_path / "new" / "ck").is_dir()
 
+
+
+@pytest.mark.parametrize("script", ["ddp_train.py", "dp_train.py"])
+def test_a_refusal_loads_no_package_the_run_would_not_use(script):
+    """A refused flag is said in the time it takes to import torch: ZeRO's package, FSDP's and
+    DTensor's (which load each other, about 1 s) are imported only where a run uses them."""
+    done = subprocess.run([sys.executable, "-X", "importtime", str(REPO / script), "--epochs",
+                           "0"], capture_output=True, text=True, timeout=120,
+                          env=env_for_tests(), cwd=REPO)
+    said = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert done.returncode == 2 and said == ["error: --epochs must be at least 1, got 0"], said
+    loaded = re.findall(r"\| +(torch\.distributed\.(?:optim|fsdp|tensor))$", done.stderr, re.M)
+    assert loaded == [], f"{script} imported {sorted(set(loaded))} to refuse a flag"

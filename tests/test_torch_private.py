@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from conftest import REPO
-from training import torch_private
+from training import distributed, torch_private
 
 
 @pytest.fixture
@@ -66,6 +66,22 @@ def test_zero_broadcast_is_where_torch_keeps_it(group_of_one):
     model(torch.randn(4, 8)).sum().backward()
     optimizer.step()
     assert calls == ["_sync_params"]
+
+
+def test_zero_fsdp_units_and_dtensors_are_told_apart_by_the_names_kept(group_of_one):
+    """distributed.instance_of: ZeroRedundancyOptimizer, FSDPModule and DTensor are asked about
+    by module and name (stragglers.py, simulate.py, ddp_train.py), so that a run that uses none
+    of them never imports them; each name is still where this torch keeps it."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    plain = nn.Linear(8, 2)
+    unit = fully_shard(nn.Linear(8, 2))
+    zero = ZeroRedundancyOptimizer(plain.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+    sgd = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for yes, no, where in ((zero, sgd, distributed.ZERO1), (unit, plain, distributed.FSDP_UNIT),
+                           (unit.weight, plain.weight, distributed.DTENSOR)):
+        assert distributed.instance_of(yes, where) and not distributed.instance_of(no, where)
+    assert not distributed.instance_of(zero, ("no_such_module", "ZeroRedundancyOptimizer"))
 
 
 def test_ddps_builtin_allreduce_hook_divides_once_a_bucket(group_of_one):

@@ -47,16 +47,11 @@ import time
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-try:
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # torch before 2.6: common.run() stops the run with one sentence
-    FSDPModule = None
-
 from training import contract, hangs, torch_private
-from training.distributed import every_rank, print0, rank_and_world
+from training.distributed import (FSDP_UNIT, ZERO1, every_rank, instance_of, print0,
+                                  rank_and_world)
 
 #: A rank whose own time is this much above the median rank's is named.
 SLOW_FACTOR = contract.SLOW_RANK_SPREAD
@@ -239,7 +234,7 @@ def watch(step_model: nn.Module, optimizer, device: torch.device, cuda_graph: bo
     if isinstance(model, DistributedDataParallel):
         return watch_ddp(model, optimizer, device, cuda_graph, broadcast_buffers,
                          compiled=model is not step_model)
-    units = [m for m in model.modules() if FSDPModule and isinstance(m, FSDPModule)]
+    units = [m for m in model.modules() if instance_of(m, FSDP_UNIT)]
     return watch_fsdp(units, device) if units else RankClock(device)  # FSDP: the root too
 
 
@@ -272,7 +267,7 @@ def watch_ddp(replica, optimizer, device: torch.device, cuda_graph: bool,
 
     replica.register_comm_hook(None, arrive)
     optimizer.register_step_pre_hook(lambda *_: clock.waits.close())
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if instance_of(optimizer, ZERO1):
         # --zero1: after its step each rank broadcasts its partition of the parameters, and
         # every rank receives the others': a wait for the rank that steps slowest
         try:
