@@ -70,8 +70,8 @@ def test_zero_broadcast_is_where_torch_keeps_it(group_of_one):
 
 def test_zero_fsdp_units_and_dtensors_are_told_apart_by_the_names_kept(group_of_one):
     """distributed.instance_of: ZeroRedundancyOptimizer, FSDPModule and DTensor are asked about
-    by module and name (stragglers.py, simulate.py, ddp_train.py), so that a run that uses none
-    of them never imports them; each name is still where this torch keeps it."""
+    by module and name (stragglers.py, simulate.py, ddp_train.py), so that a refusal of a flag
+    or a --help does not import them; each name is still where this torch keeps it."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     plain = nn.Linear(8, 2)
