@@ -89,8 +89,8 @@ def build_optimizer(model: nn.Module, lr: float, args, device: torch.device):
     sgd = dict(lr=lr, momentum=args.momentum, weight_decay=args.weight_decay,
                fused=schedule.fused_sgd(device))
     if args.zero1:
-        # imported here, where --zero1 needs it: its package loads FSDP's and DTensor's, about
-        # 1 s of every start (training.distributed.instance_of)
+        # imported here, where it is used, as in save_checkpoint: its package loads FSDP's and
+        # DTensor's, about 1 s, which a refusal of a flag or a --help need not wait for
         from torch.distributed.optim import ZeroRedundancyOptimizer
         zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, **sgd)
         schedule.start_momentum(zero.optim)  # the momentum of this rank's partition
@@ -102,7 +102,8 @@ def save_checkpoint(path, state: dict, meta: dict) -> None:
     """DDP: every replica has the same weights, so rank 0 alone writes one file (with
     --no-broadcast-buffers, its BatchNorm statistics are rank 0's). --zero1: every rank first
     sends rank 0 its part of the optimizer state (a collective)."""
-    if distributed.instance_of(state["optimizer"], distributed.ZERO1):
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # see build_optimizer
+    if isinstance(state["optimizer"], ZeroRedundancyOptimizer):
         state["optimizer"].consolidate_state_dict(to=0)
     if distributed.rank_and_world()[0] == 0:
         checkpoint.atomic_save({name: obj.state_dict() for name, obj in state.items()} | meta, path)

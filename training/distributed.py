@@ -6,8 +6,7 @@ torchrun in SLURM_PROCID / SLURM_NTASKS and the node list. ``dist_env`` reads ei
 ``on_rank0`` and ``raise_if_any_rank`` make every rank act on what one rank found. Once the
 group is up, ``rank_and_world()`` is the one answer to "which rank am I, how many are we";
 ``print0`` prints on rank 0 and ``all_reduce`` sums over every rank, so that a module that only
-prints or reduces imports nothing above this one. ``instance_of`` asks whether an object is a
-ZeRO optimizer, an FSDP unit or a DTensor without importing their packages.
+prints or reduces imports nothing above this one.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -27,23 +25,6 @@ import torch
 import torch.distributed as dist
 
 from training.faults import RankError, UsageError
-
-
-# Classes asked about by name, with instance_of: (module, class)
-ZERO1 = ("torch.distributed.optim", "ZeroRedundancyOptimizer")
-FSDP_UNIT = ("torch.distributed.fsdp", "FSDPModule")
-DTENSOR = ("torch.distributed.tensor", "DTensor")
-
-
-def instance_of(obj, where: tuple) -> bool:
-    """``isinstance(obj, module.name)`` for ``where`` = (module, name), asked without importing
-    the module: an object of that class exists only once something has imported it. ZeRO's
-    package (torch.distributed.optim), FSDP's and DTensor's load each other, about 1 s of a
-    process's start, which a refusal of a flag or a --help never needs (a training run loads
-    them anyway: torch's optimizers and DDP import torch._dynamo, which imports them)."""
-    module, name = where
-    cls = getattr(sys.modules.get(module), name, None)
-    return cls is not None and isinstance(obj, cls)
 
 
 @dataclass

@@ -17,14 +17,17 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from training import contract, loading, memory
-from training.distributed import DTENSOR, instance_of, print0
+from training.distributed import print0
 from training.measure import synchronize
 
 STEPS = 2
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if instance_of(tensor, DTENSOR) else tensor  # FSDP's shards
+    # imported here, where it is used: DTensor's package takes about 1 s to load, which a
+    # refusal of a flag or a --help need not wait for
+    from torch.distributed.tensor import DTensor
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor  # FSDP's shards
 
 
 def held(model: nn.Module, optimizer) -> dict:
@@ -46,7 +49,8 @@ def _gathered(unit: nn.Module) -> bool:
         return group is not None and (group.is_unsharded or
                                       group._all_gather_result is not None)
     except AttributeError:  # elsewhere: the unit's parameters are plain tensors while gathered
-        return not instance_of(next(unit.parameters()), DTENSOR)
+        from torch.distributed.tensor import DTensor  # see _local
+        return not isinstance(next(unit.parameters()), DTensor)
 
 
 def _tensors(output) -> list:

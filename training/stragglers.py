@@ -50,8 +50,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from training import contract, hangs, torch_private
-from training.distributed import (FSDP_UNIT, ZERO1, every_rank, instance_of, print0,
-                                  rank_and_world)
+from training.distributed import every_rank, print0, rank_and_world
 
 #: A rank whose own time is this much above the median rank's is named.
 SLOW_FACTOR = contract.SLOW_RANK_SPREAD
@@ -234,7 +233,10 @@ def watch(step_model: nn.Module, optimizer, device: torch.device, cuda_graph: bo
     if isinstance(model, DistributedDataParallel):
         return watch_ddp(model, optimizer, device, cuda_graph, broadcast_buffers,
                          compiled=model is not step_model)
-    units = [m for m in model.modules() if instance_of(m, FSDP_UNIT)]
+    # FSDP's and ZeRO's packages are imported where they are used (here, in watch_ddp): they
+    # load DTensor's, about 1 s, which a refusal of a flag or a --help need not wait for
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     return watch_fsdp(units, device) if units else RankClock(device)  # FSDP: the root too
 
 
@@ -267,7 +269,8 @@ def watch_ddp(replica, optimizer, device: torch.device, cuda_graph: bool,
 
     replica.register_comm_hook(None, arrive)
     optimizer.register_step_pre_hook(lambda *_: clock.waits.close())
-    if instance_of(optimizer, ZERO1):
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # see watch
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
         # --zero1: after its step each rank broadcasts its partition of the parameters, and
         # every rank receives the others': a wait for the rank that steps slowest
         try:
