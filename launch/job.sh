@@ -324,7 +324,11 @@ resend_pid=""
 # shellcheck disable=SC2317  # reached through the traps below
 send_stop() {
   if [ -n "${SLURM_JOB_ID:-}" ]; then
-    scancel --signal="$1" "$SLURM_JOB_ID" 2>/dev/null || true  # every job step, not this shell
+    # Every job step, not this shell; in the background, without train.log's pipe. For a job
+    # Slurm is ending itself (scontrol requeue, scancel, preemption), scancel retries until
+    # Slurm's SIGKILL: waited for, it held this shell and the pipe until then (KillWait, 30 s),
+    # and the attempt never printed its exit code and memory summary.
+    scancel --signal="$1" "$SLURM_JOB_ID" >/dev/null 2>&1 {log_fd}>&- &
   else
     kill -s "$1" "$launch_pid" 2>/dev/null || true  # node.sh forwards it to the training
   fi
@@ -479,9 +483,15 @@ if [ "$requeue_ckpt" = 1 ] && [ -z "${SLURM_JOB_ID:-}" ]; then
   echo "stopped after a checkpoint: continue with RUN_DIR=$RUN_DIR bash launch/local.sh ..."
 elif [ "$requeue_ckpt" = 1 ]; then
   # Only a RUNNING job is requeued: not one being cancelled, nor one whose state is unknown.
-  state=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null \
-    | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' || true)
-  if [ "${REQUEUE:-1}" != 1 ] || [ "$state" != RUNNING ]; then
+  # One whose restart count has grown past this attempt's was requeued by Slurm already
+  # (scontrol requeue, preemption): its SIGTERM stopped the training.
+  info=$(scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null || true)
+  state=$(sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' <<<"$info")
+  slurm_restarts=$(sed -n 's/.* Restarts=\([0-9]*\).*/\1/p' <<<"$info")
+  if [ "${slurm_restarts:-0}" -gt "$restarts" ]; then
+    echo "job $SLURM_JOB_ID was requeued by Slurm (scontrol requeue or preemption): it resumes" \
+      "from ${CHECKPOINT_DIR:-its checkpoint} when it starts again"
+  elif [ "${REQUEUE:-1}" != 1 ] || [ "$state" != RUNNING ]; then
     echo "stopped after a checkpoint; not requeued (REQUEUE=${REQUEUE:-1}, job state" \
       "${state:-unknown}): continue with RUN_DIR=$RUN_DIR sbatch ..."
   elif scontrol requeue "$SLURM_JOB_ID"; then

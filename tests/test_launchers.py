@@ -1520,7 +1520,12 @@ def test_slurm_requeue_by_hand_keeps_the_stop_record(slurm_lab, tmp_path):
     """`scontrol requeue` of a running job: Slurm sends SIGTERM to every process of the job,
     the tee that writes train.log too. The training checkpointed, but train.log of the first
     attempt ended in "--- Logging error ---": its "SIGTERM: checkpoint saved" sentence and its
-    [STOP] line were lost with the tee."""
+    [STOP] line were lost with the tee.
+
+    And the attempt ends with its training. Before, job.sh's TERM trap waited for its
+    `scancel --signal=TERM`, which retries for a job Slurm is requeueing, so job.sh and the
+    train.log pipe it held lived on to Slurm's SIGKILL (KillWait, 29 s after the training here),
+    and the attempt's exit code line and memory summary never came."""
     job = Job(slurm_lab, tmp_path / "requeue_by_hand", "multi_gpu.slurm",
               ["--gpus-per-node=2", "--job-name=requeue_by_hand", "--time=10"], REQUEUE_RUN)
     env = job.env
@@ -1537,12 +1542,19 @@ def test_slurm_requeue_by_hand_keeps_the_stop_record(slurm_lab, tmp_path):
         res = subprocess.run(["scontrol", "requeue", str(job.id)], env=env,
                              capture_output=True, text=True, timeout=60)
         assert res.returncode == 0, res.stderr
-        # the first attempt has ended once neither its training nor the tee is left
-        assert wait_for(lambda: not job_processes(job.id) + job_processes(job.id, "tee -a"),
-                        120), describe(job_processes(job.id))
+        assert wait_for(lambda: not job_processes(job.id), 120), describe(job_processes(job.id))
+        # the first attempt has ended once neither job.sh nor its tee is left, soon after
+        # the training
+        assert wait_for(lambda: not job_processes(job.id, "job.sh") + job_processes(
+            job.id, "tee -a"), 10), describe(job_processes(job.id, "job.sh"))
         log = logs[0].read_text()
     finally:
         subprocess.run(["scancel", str(job.id)], env=env, capture_output=True, timeout=60)
+    (out,) = job.tmp.glob(f"*-{job.id}.out")
+    out = out.read_text()
+    assert "training exit code: 75 (after SIGTERM)" in out and "== memory summary" in out, out
+    assert (f"job {job.id} was requeued by Slurm (scontrol requeue or preemption): it resumes "
+            f"from {logs[0].parent}/checkpoints when it starts again") in out, out
     assert re.search(r"^SIGTERM: checkpoint saved at epoch \d+, step \d+", log, re.M), log[-3000:]
     assert re.search(r"^\[STOP\] signal=SIGTERM epoch=\d+ step=\d+ saved=1 exit_code=75$", log,
                      re.M), log[-3000:]
