@@ -74,6 +74,9 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+# The main scheduling loop every 2 s, not 60: a job made eligible by time alone (a requeued
+# job's StartTime) otherwise waited up to a minute for it (29 s in the time-limit test).
+SchedulerParameters=sched_interval=2
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
