@@ -9,7 +9,8 @@ be the only process that got it. torchrun's own handler raises on every stop sig
 second one cuts its shutdown short: its "Received 15 death signal" line ends in "--- Logging
 error ---" in train.log, or it stops waiting for its workers and signals them again. Here a
 repeat is ignored: torchrun signals its workers once, waits for them (their checkpoint sentence
-and [STOP] line) and ends. After a Ctrl-C it ends with 130 and without its traceback.
+and [STOP] line) and ends, with 128 + the signal's number (130 after a Ctrl-C, 143 after a
+SIGTERM) and without the traceback of torch's SignalException.
 """
 
 import signal
@@ -32,11 +33,14 @@ def main(argv=None) -> None:
     try:
         run.main(argv)
     except Exception as e:
-        # Ctrl-C: torchrun's handler raises its SignalException once the workers have ended,
-        # each with its own one-line sentence; its traceback below them said nothing more
-        if getattr(e, "sigval", None) != signal.SIGINT:
+        # A stop signal (Ctrl-C; Slurm's SIGTERM at scancel, scontrol requeue, preemption):
+        # torchrun's handler raises its SignalException once the workers have ended, each with
+        # its own sentence ("SIGTERM: checkpoint saved ..."); its traceback below them, 20
+        # lines in every requeued job's output, said nothing more
+        sigval = getattr(e, "sigval", None)
+        if sigval not in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             raise
-        sys.exit(128 + signal.SIGINT)
+        sys.exit(128 + sigval)
 
 
 if __name__ == "__main__":

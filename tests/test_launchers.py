@@ -470,6 +470,9 @@ def test_torchrun_once_acts_on_the_first_stop_signal_only(tmp_path):
     assert out.count("closing signal SIGTERM") == 1, out
     assert "[STOP] saved" in out and "another exception occurred" not in out, out
     assert "Logging error" not in out, out
+    # the worker's sentence is the last word: torchrun's SignalException traceback, in every
+    # requeued or cancelled job's output before, no longer follows it
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in out, out
 
 
 @pytest.mark.parametrize("when", ["during the flag check", "before job.sh"])
@@ -1553,6 +1556,7 @@ def test_slurm_requeue_by_hand_keeps_the_stop_record(slurm_lab, tmp_path):
     (out,) = job.tmp.glob(f"*-{job.id}.out")
     out = out.read_text()
     assert "training exit code: 75 (after SIGTERM)" in out and "== memory summary" in out, out
+    assert "Traceback" not in out, out  # torchrun's SignalException: launch/torchrun_once.py
     assert (f"job {job.id} was requeued by Slurm (scontrol requeue or preemption): it resumes "
             f"from {logs[0].parent}/checkpoints when it starts again") in out, out
     assert re.search(r"^SIGTERM: checkpoint saved at epoch \d+, step \d+", log, re.M), log[-3000:]
