@@ -13,7 +13,6 @@ and [STOP] line) and ends, with 128 + the signal's number (130 after a Ctrl-C, 1
 SIGTERM) and without the traceback of torch's SignalException.
 """
 
-import signal
 import sys
 from pathlib import Path
 
@@ -36,9 +35,10 @@ def main(argv=None) -> None:
         # A stop signal (Ctrl-C; Slurm's SIGTERM at scancel, scontrol requeue, preemption):
         # torchrun's handler raises its SignalException once the workers have ended, each with
         # its own sentence ("SIGTERM: checkpoint saved ..."); its traceback below them, 20
-        # lines in every requeued job's output, said nothing more
+        # lines in every requeued job's output, said nothing more. Only that handler raises
+        # an exception with a sigval, for each signal it handles.
         sigval = getattr(e, "sigval", None)
-        if sigval not in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        if sigval is None:
             raise
         sys.exit(128 + sigval)
 

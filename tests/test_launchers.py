@@ -1553,12 +1553,11 @@ def test_slurm_requeue_by_hand_keeps_the_stop_record(slurm_lab, tmp_path):
         log = logs[0].read_text()
     finally:
         subprocess.run(["scancel", str(job.id)], env=env, capture_output=True, timeout=60)
-    (out,) = job.tmp.glob(f"*-{job.id}.out")
-    out = out.read_text()
+    _, _, out, run_dir = job.result()  # cancelled while held for its restart
     assert "training exit code: 75 (after SIGTERM)" in out and "== memory summary" in out, out
     assert "Traceback" not in out, out  # torchrun's SignalException: launch/torchrun_once.py
     assert (f"job {job.id} was requeued by Slurm (scontrol requeue or preemption): it resumes "
-            f"from {logs[0].parent}/checkpoints when it starts again") in out, out
+            f"from {run_dir}/checkpoints when it starts again") in out, out
     assert re.search(r"^SIGTERM: checkpoint saved at epoch \d+, step \d+", log, re.M), log[-3000:]
     assert re.search(r"^\[STOP\] signal=SIGTERM epoch=\d+ step=\d+ saved=1 exit_code=75$", log,
                      re.M), log[-3000:]
