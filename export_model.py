@@ -105,10 +105,25 @@ def find_checkpoint(path: Path) -> Path:
                              f"superseded-* folder(s) hold those that --resume never set aside "
                              f"(the newest folder: {aside.name}, with {len(older)}): give one of "
                              f"them, e.g. {older[0]}")
+        if not (path / "meta.pt").exists():  # before OUT is checked against it (OUT inside
+            raise UsageError(no_checkpoint_in(path))  # a run directory is no overwrite)
     if not (path.is_dir() or path.is_file()):  # a pipe (/dev/stdin) would wait, or not seek
         raise UsageError(f"{path} is not a file or folder (a pipe or a device?): give the "
                          f"checkpoint's own path, not a stream of it")
     return path
+
+
+def no_checkpoint_in(folder: Path) -> str:
+    """The sentence for a folder that is no checkpoint and holds none; for a launcher's run
+    directory, whose checkpoints are in its checkpoints/ folder, that folder is named."""
+    held = folder / "checkpoints"
+    if checkpoint.list_checkpoints(held):
+        return (f"{folder} holds no checkpoint itself, but {held} does (a run directory keeps "
+                f"its checkpoints there): give that folder, python export_model.py "
+                f"{shlex.quote(str(held))} OUT")
+    return (f"{folder} is a folder with no checkpoint in it (no ckpt-eNNNN-sNNNNNNN, and not a "
+            f"checkpoint of fsdp_train.py, which holds a meta.pt): give a checkpoint, the "
+            f"--checkpoint-dir that holds them, or a --save-model file")
 
 
 def not_loadable(path: Path, exc: BaseException | None = None) -> UsageError:

@@ -285,7 +285,8 @@ def test_a_checkpoint_without_its_records_still_gives_its_weights(tmp_path, caps
 
 @pytest.mark.parametrize("thing,words", [
     ("missing", "does not exist"),
-    ("empty folder", "not a checkpoint: a folder without the meta.pt"),
+    ("empty folder", "is a folder with no checkpoint in it (no ckpt-eNNNN-sNNNNNNN, and not a "
+                     "checkpoint of fsdp_train.py, which holds a meta.pt)"),
     ("text", "not a checkpoint: not a file that torch.save"),
     ("list", "not one of this toolkit's"),
     ("model entry", "has a \"model\" entry without a model's tensors"),
@@ -429,6 +430,26 @@ def test_a_checkpoint_dir_whose_checkpoints_were_set_aside_names_them(tmp_path, 
         f"that --resume never set aside (the newest folder: superseded-20261201-101500-cd34, "
         f"with 2): give one of them, e.g. {newest}\n")
     assert export_model.main([str(newest), str(tmp_path / "m.pt")]) == 0
+
+
+@pytest.mark.parametrize("out_inside", [True, False])
+def test_a_run_directory_names_its_checkpoints_folder(tmp_path, capsys, out_inside):
+    """A launcher's run directory given as the checkpoint, OUT written into it: the sentence
+    was 'OUT is the checkpoint itself (or inside it)', and with OUT elsewhere 'not a
+    checkpoint', and neither named RUN_DIR/checkpoints, which exports."""
+    run_dir = tmp_path / "runs" / "local-20261207-164353-5745"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "train.log").write_text("Epoch [1/1] ...\n")
+    torch.save({"model": CifarCNN(10).state_dict(), "epoch": 1, "step": 0, "world_size": 1,
+                "args": {"model": "cnn"}}, run_dir / "checkpoints" / "ckpt-e0001-s0000000")
+    out = (run_dir if out_inside else tmp_path) / "model.pt"
+    assert export_model.main([str(run_dir), str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {run_dir} holds no checkpoint itself, but {run_dir / 'checkpoints'} does (a run "
+        f"directory keeps its checkpoints there): give that folder, python export_model.py "
+        f"{run_dir / 'checkpoints'} OUT\n")
+    assert not out.exists()
+    assert export_model.main([str(run_dir / "checkpoints"), str(out)]) == 0
 
 
 def test_two_names_of_one_parameter_are_refused_not_one_dropped(tmp_path, capsys):
