@@ -25,8 +25,9 @@
 #   SRUN_EXTRA_ARGS extra srun options, split on spaces (e.g. --container-image=...)
 #   CHECKPOINT_DIR  passed as --checkpoint-dir ($RUN_DIR/checkpoints; empty = no checkpoints;
 #                 ignored when the training arguments name --checkpoint-dir themselves)
-#   CHECK_ONLY    1 = run only the training script's --check (preflight + all-reduce test)
-#   REQUEUE       1 (default) = requeue the job after the training checkpointed on a stop signal
+#   CHECK_ONLY    1 (or yes) = run only the training script's --check (preflight + all-reduce test)
+#   REQUEUE       1 (default; 0 or no: not) = requeue the job after the training checkpointed on a
+#                 stop signal
 #   RUN_DIR       continue in this existing run directory (default: a new one, see below)
 #   NCCL_DEBUG (WARN), NCCL_SOCKET_IFNAME (unset: NCCL chooses; unless GLOO_SOCKET_IFNAME is
 #   set, node.sh gives gloo the interface of its node that NCCL's setting names: the stop vote
@@ -107,6 +108,8 @@ if ! [[ $LOG_INTERVAL =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)$ ]] || \
     "number above 0 (default 5)" >&2
   exit 2
 fi
+check_only=$(on_off CHECK_ONLY 0) || exit 2
+requeue=$(on_off REQUEUE 1) || exit 2
 if [ -n "${NPROC_PER_NODE:-}" ] && ! [[ $NPROC_PER_NODE =~ ^[1-9][0-9]*$ ]]; then
   echo "error: NPROC_PER_NODE=$NPROC_PER_NODE: give the processes per node, a whole number" \
     "of 1 or more, or unset it for one per GPU" >&2
@@ -248,7 +251,7 @@ export RUN_DIR
 extra_args=()
 : "${CHECKPOINT_DIR=$RUN_DIR/checkpoints}"  # (set but empty: none, or the arguments' own)
 if [ -n "$CHECKPOINT_DIR" ]; then extra_args+=(--checkpoint-dir "$CHECKPOINT_DIR"); fi
-if [ "${CHECK_ONLY:-0}" = 1 ]; then extra_args+=(--check); fi
+if [ "$check_only" = 1 ]; then extra_args+=(--check); fi
 
 launch=()
 if [ -n "${SLURM_JOB_ID:-}" ]; then
@@ -491,7 +494,7 @@ elif [ "$requeue_ckpt" = 1 ]; then
   if [ "${slurm_restarts:-0}" -gt "$restarts" ]; then
     echo "job $SLURM_JOB_ID was requeued by Slurm (scontrol requeue or preemption): it resumes" \
       "from ${CHECKPOINT_DIR:-its checkpoint} when it starts again"
-  elif [ "${REQUEUE:-1}" != 1 ] || [ "$state" != RUNNING ]; then
+  elif [ "$requeue" != 1 ] || [ "$state" != RUNNING ]; then
     echo "stopped after a checkpoint; not requeued (REQUEUE=${REQUEUE:-1}, job state" \
       "${state:-unknown}): continue with RUN_DIR=$RUN_DIR sbatch ..."
   elif scontrol requeue "$SLURM_JOB_ID"; then

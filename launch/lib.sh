@@ -13,6 +13,22 @@ wait_for() {
   done
 }
 
+# on_off NAME DEFAULT: print 1 or 0 for the switch in the variable NAME: 1, true, yes or on, and
+# 0, false, no or off, in any case; unset or empty, DEFAULT. Anything else is one sentence and
+# status 2: a CHECK_ONLY=true read as "not 1" ran the whole training instead of its preflight.
+on_off() {
+  local value=${!1:-$2}
+  case ${value,,} in
+    1 | true | yes | on) echo 1 ;;
+    0 | false | no | off) echo 0 ;;
+    *)
+      echo "error: $1=$value is not a switch: give $1=1 (or yes) to turn it on, $1=0 (or no)" \
+        "to turn it off, or unset it for its default, $2" >&2
+      return 2
+      ;;
+  esac
+}
+
 # gloo_ifname NCCL_SOCKET_IFNAME: print the interface of this node that gloo should use for
 # NCCL's interface setting, or nothing when gloo should choose its own (the address of the host
 # name). NCCL takes a list of name prefixes ("ib": the first interface whose name starts so),

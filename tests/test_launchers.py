@@ -1052,7 +1052,8 @@ def test_a_run_continued_with_run_dir_has_its_new_flags_checked(tmp_path):
 
 def test_local_sh_check_only_and_bad_run_dir(tmp_path):
     env = base_env(tmp_path)
-    env.update(RUNS_DIR=str(tmp_path / "runs"), CHECK_ONLY="1", NCCL_SOCKET_IFNAME="lo")
+    # "Yes": any spelling of a switch turns it on (CHECK_ONLY=true ran the whole training)
+    env.update(RUNS_DIR=str(tmp_path / "runs"), CHECK_ONLY="Yes", NCCL_SOCKET_IFNAME="lo")
     env.pop("GLOO_SOCKET_IFNAME", None)
     env.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
     res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "2", "--",
@@ -1075,6 +1076,33 @@ def test_local_sh_check_only_and_bad_run_dir(tmp_path):
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.count("\n") == 1 and "RUN_DIR=" in res.stderr
     assert "does not exist" in res.stderr
+
+
+@pytest.mark.parametrize("value, read", [
+    ("1", "1"), ("true", "1"), ("YES", "1"), ("on", "1"),
+    ("0", "0"), ("false", "0"), ("No", "0"), ("off", "0"), ("", "1"),  # empty: the default
+])
+def test_a_switch_is_read_in_any_spelling(value, read):
+    """on_off in lib.sh: CHECK_ONLY=true was not 1, so the job trained instead of checking."""
+    res = subprocess.run(["bash", "-c", 'source "$1/lib.sh"; on_off SWITCH 1', "-", LAUNCH],
+                         env=os.environ | {"SWITCH": value}, capture_output=True, text=True,
+                         timeout=60)
+    assert (res.returncode, res.stdout, res.stderr) == (0, read + "\n", "")
+
+
+@pytest.mark.parametrize("name", ["CHECK_ONLY", "REQUEUE"])
+def test_a_switch_that_is_neither_on_nor_off_is_refused_before_the_run(tmp_path, name):
+    """CHECK_ONLY=maybe ran the whole training, REQUEUE=yes never requeued: now one sentence,
+    exit 2, before a run directory is made."""
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs"), name: "maybe"}
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--", *TINY], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=60)
+    default = "0" if name == "CHECK_ONLY" else "1"
+    assert (res.returncode, res.stdout) == (2, ""), res.stdout + res.stderr
+    assert res.stderr == (f"error: {name}=maybe is not a switch: give {name}=1 (or yes) to turn "
+                          f"it on, {name}=0 (or no) to turn it off, or unset it for its default, "
+                          f"{default}\n")
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("nccl, gloo", [
