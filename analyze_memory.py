@@ -15,6 +15,9 @@ launch/node.sh starts two loggers on every node (a requeued job's later attempts
     [n1 - GPU 0] Peak = 26532 MiB, Avg = 20206.67 MiB, Mode = 26532 MiB, Util avg = 87.3%
     [n1 - CPU] Peak RSS = 2411.00 MB, Avg RSS = 1344.64 MB, Peak CPU = 398.2%, Avg CPU = 183.6%
 
+A log of another nvidia-smi query (--format=csv) is read by its header's column names, in any
+order: it needs timestamp, index and memory.used; name and memory.total are read where present.
+
 Per GPU, over its memory.used samples (MiB): Peak = the largest, Avg = the mean, Mode = the
 most frequent, on a tie, the larger value; Util avg = the mean utilization.gpu when the log
 has it. Per node, psrecord's RSS
@@ -109,7 +112,11 @@ BAD_UTF8 = "undecodable bytes (not UTF-8 text)"
 # The five columns nvidia-smi writes first for node.sh's query (--format=csv,nounits); newer
 # logs add the columns below after them (header -> key of the per-GPU lists); others are ignored.
 # Without nounits the header is the same but each value ends with its column's unit ("100 MiB").
+# A log of another query is read by its header's names, in any order: it needs GPU_NEEDED.
 GPU_COLUMNS = ("timestamp", "index", "name", "memory.used [MiB]", "memory.total [MiB]")
+GPU_NEEDED = ("timestamp", "index", "memory.used [MiB]")
+GPU_QUERY = ("nvidia-smi --query-gpu=timestamp,index,name,memory.used,memory.total "
+             "--format=csv,nounits -l 5")
 GPU_EXTRA_COLUMNS = {"utilization.gpu [%]": "util", "power.draw [W]": "power_w",
                      "clocks.current.sm [MHz]": "sm_mhz", "temperature.gpu": "temp_c"}
 LOG_DIRS = ("gpu_memory", "cpu_memory")
@@ -132,9 +139,23 @@ class LogError(Exception):
 # ---- Reading one log file
 
 def _gpu_columns(line: str) -> tuple | None:
-    """The column names of an nvidia-smi header line; None when the line is not one."""
+    """The column names of an nvidia-smi header line with the columns GPU_NEEDED, in any order;
+    None when the line is not one."""
     columns = tuple(f.strip() for f in line.split(","))
-    return columns if columns[:len(GPU_COLUMNS)] == GPU_COLUMNS else None
+    return columns if all(c in columns for c in GPU_NEEDED) else None
+
+
+def _gpu_header_without(lines) -> str | None:
+    """For a log of an nvidia-smi query without GPU_NEEDED's columns: the sentence naming what
+    is missing (None when no line is such a header)."""
+    for line in lines:
+        columns = [f.strip() for f in line.split(",")]
+        if "timestamp" in columns or any(c.startswith("memory.used") for c in columns):
+            missing = [c.split(" [")[0] for c in GPU_NEEDED if c not in columns]
+            return (f"an nvidia-smi --format=csv log without the column(s) {', '.join(missing)} "
+                    f"(its header: {line.strip()[:120]}): log as launch/node.sh does, "
+                    f"{GPU_QUERY} (the columns in any order, and more may follow)")
+    return None
 
 
 def _unit_suffixes(columns: tuple) -> tuple:
@@ -196,7 +217,8 @@ def read_log(path) -> tuple:
                        "stopped as it started (the job ended or was cancelled at once), check "
                        "the job's stderr")
     if kind is None:
-        raise LogError("not an nvidia-smi --format=csv log or a psrecord log (no header line of "
+        raise LogError(_gpu_header_without(lines) or
+                       "not an nvidia-smi --format=csv log or a psrecord log (no header line of "
                        "either); gpu_memory/ and cpu_memory/ should hold only the loggers' files")
     return kind, lines, skips, bad
 
@@ -228,7 +250,7 @@ def parse_gpu_lines(lines, skips: Counter, unread: dict | None = None) -> dict:
             skips[SKIP_MALFORMED] += 1
             continue
         row = {c: field.removesuffix(unit) for c, field, unit in zip(columns, fields, units)}
-        time, index, name, used, total = (row[c] for c in GPU_COLUMNS)
+        time, index, name, used, total = (row.get(c, "") for c in GPU_COLUMNS)
         if index.startswith("[") or used.startswith("["):   # [N/A], [Unknown Error], ...
             skips[SKIP_UNAVAILABLE] += 1
             if unread is not None and index.isdecimal():

@@ -98,6 +98,39 @@ def test_gpu_log_with_unavailable_values_and_glued_header():
     assert skips == {am.SKIP_UNAVAILABLE: 3, am.SKIP_MALFORMED: 1}
 
 
+@pytest.mark.parametrize("header, row", [
+    # a query without the name, and one with name and index swapped: refused as "not an
+    # nvidia-smi log" though they are one
+    ("timestamp, index, memory.used [MiB], memory.total [MiB]", "{t}, {i}, {used}, 81559"),
+    ("timestamp, name, index, memory.used [MiB], memory.total [MiB], utilization.gpu [%]",
+     "{t}, NVIDIA H100, {i}, {used}, 81559, 50"),
+    ("memory.used [MiB], index, timestamp", "{used}, {i}, {t}"),
+])
+def test_an_nvidia_smi_log_of_another_query_is_read_by_its_column_names(tmp_path, header, row):
+    log = tmp_path / "n1.csv"
+    samples = [(0, 1000), (1, 3000), (0, 2000), (1, 3000)]
+    log.write_text(header + "\n" + "".join(
+        row.format(t=f"2026/12/07 10:00:{5 * k:02d}.000", i=i, used=used) + "\n"
+        for k, (i, used) in enumerate(samples)))
+    (g0, g1), skips = records_and_skips(log)
+    assert (g0["gpu"], g0["samples"], g0["peak_mib"], g0["avg_mib"]) == (0, 2, 2000, 1500.0)
+    assert (g1["gpu"], g1["samples"], g1["peak_mib"], g1["avg_mib"]) == (1, 2, 3000, 3000.0)
+    assert g0["total_mib"] == (81559 if "total" in header else None) and not skips
+    assert g0["name"] == ("NVIDIA H100" if "name" in header else "")
+
+
+def test_an_nvidia_smi_log_without_memory_used_names_the_columns_and_the_query(tmp_path):
+    log = tmp_path / "n1.csv"
+    log.write_text("timestamp, name, memory.total [MiB]\n2026/12/07 10:00:00.000, H100, 81559\n")
+    p = run_cli(log)
+    assert (p.returncode, p.stdout) == (2, "")
+    assert p.stderr == (
+        f"error: {log}: an nvidia-smi --format=csv log without the column(s) index, memory.used "
+        f"(its header: timestamp, name, memory.total [MiB]): log as launch/node.sh does, "
+        f"nvidia-smi --query-gpu=timestamp,index,name,memory.used,memory.total "
+        f"--format=csv,nounits -l 5 (the columns in any order, and more may follow)\n")
+
+
 def test_mode_tie_goes_to_the_larger_value():
     from collections import Counter
     assert am._mode(Counter({500: 2, 700: 2, 900: 1})) == 700
