@@ -397,6 +397,12 @@ trap 'forward_stop TERM' TERM
 # and this shell, which died of it, printed neither the exit code nor the memory summary
 interrupted=""
 trap 'interrupted=1' INT
+# A hang-up (the terminal or ssh connection of a local run closed) reaches every process of the
+# terminal's job too: the training ends with torchrun's 129, and this shell died of it without
+# the exit code, the memory summary or job.env's EXIT_CODE. From the hang-up on, its own lines
+# go to train.log: the terminal is gone, and a write to it fails (and ends this shell, set -e).
+hung_up=""
+trap 'hung_up=1; exec >>"$RUN_DIR/train.log" 2>&1' HUP
 case $early_signal in  # one that came before: a USR1 once node.sh has its own trap
   USR1) forward_stop USR1 later ;;
   TERM) forward_stop TERM ;;
@@ -447,6 +453,8 @@ elif [ "$rc" != 0 ] && abort_line=$(grep -E -m1 "$NCCL_ABORT_RE" \
 fi
 if [ -n "$interrupted" ] && [ "$rc" != 0 ] && [ "$rc" != 75 ]; then
   rc=130 stop_signal=INT
+elif [ -n "$hung_up" ] && [ "$rc" != 0 ] && [ "$rc" != 75 ]; then
+  rc=129 stop_signal=HUP
 fi
 echo "training exit code: $rc${stop_signal:+ (after SIG$stop_signal)}"
 
@@ -482,7 +490,16 @@ printf '%s=%q\n' END_TIME "$end" EXIT_CODE "$rc" >>"$RUN_DIR/job.env"
 echo "end           : $end (exit code $rc)"
 
 # ---- requeue after a stop checkpoint -----------------------------------------------------------
-if [ "$requeue_ckpt" = 1 ] && [ -z "${SLURM_JOB_ID:-}" ]; then
+if [ "$stop_signal" = HUP ]; then
+  again="bash launch/local.sh"
+  if [ -n "${SLURM_JOB_ID:-}" ]; then again=sbatch; fi
+  how="it saved no checkpoint: start it again"
+  if [ -n "$CHECKPOINT_DIR" ] && compgen -G "$CHECKPOINT_DIR/ckpt-*" >/dev/null; then
+    how="continue from its last checkpoint with RUN_DIR=$RUN_DIR $again ..."
+  fi
+  echo "the terminal hung up (its window or ssh connection closed): the training was ended;" \
+    "$how, and start a long run under tmux, screen or nohup so that it outlives the terminal"
+elif [ "$requeue_ckpt" = 1 ] && [ -z "${SLURM_JOB_ID:-}" ]; then
   echo "stopped after a checkpoint: continue with RUN_DIR=$RUN_DIR bash launch/local.sh ..."
 elif [ "$requeue_ckpt" = 1 ]; then
   # Only a RUNNING job is requeued: not one being cancelled, nor one whose state is unknown.

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -1023,6 +1025,41 @@ def test_ctrl_c_to_local_sh_is_the_trainings_sentence_exit_130_and_the_summary(t
     assert "training exit code: 130 (after SIGINT)" in out and "== memory summary" in out
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert read_env_file(run_dir / "job.env")["EXIT_CODE"] == "130"
+    assert_loggers_gone(tmp_path, run_dir)
+
+
+def test_a_hang_up_of_local_sh_leaves_the_exit_code_summary_and_way_on_in_the_run(tmp_path):
+    """The terminal of a local run closed (SIGHUP to the whole job, then a terminal that
+    takes no more output): job.sh died of it at once, without the exit code, the memory
+    summary or job.env's EXIT_CODE. Now it ends the run in train.log, with the way to go on."""
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
+    terminal, tty = pty.openpty()
+    proc = subprocess.Popen(["bash", str(LAUNCH / "local.sh"), "--", *LOCAL_STOP_RUN],
+                            cwd=tmp_path, env=env, stdin=tty, stdout=tty, stderr=tty,
+                            start_new_session=True)
+    os.close(tty)
+    seen, deadline = b"", time.monotonic() + 120
+
+    def saved():
+        return list((tmp_path / "runs").glob("*/checkpoints/ckpt-*"))
+    while not (b"Epoch [1/" in seen and saved()) and time.monotonic() < deadline:
+        if select.select([terminal], [], [], 0.2)[0]:
+            try:
+                seen += os.read(terminal, 65536)
+            except OSError:  # the run ended before its first checkpoint: asserted below
+                break
+    assert saved(), seen.decode(errors="replace")[-3000:]
+    os.killpg(proc.pid, signal.SIGHUP)
+    os.close(terminal)  # the terminal is gone: a write to it fails with EIO
+    assert proc.wait(timeout=120) == 129
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    log = (run_dir / "train.log").read_text()
+    assert "training exit code: 129 (after SIGHUP)" in log and "== memory summary" in log, log
+    assert ("the terminal hung up (its window or ssh connection closed): the training was "
+            f"ended; continue from its last checkpoint with RUN_DIR={run_dir} bash "
+            "launch/local.sh ..., and start a long run under tmux, screen or nohup") in log
+    assert read_env_file(run_dir / "job.env")["EXIT_CODE"] == "129"
+    assert (run_dir / "memory_summary.json").exists()
     assert_loggers_gone(tmp_path, run_dir)
 
 
