@@ -425,6 +425,15 @@ def test_resume_past_the_end_never_and_missing_path(tmp_path):
     assert other.returncode == 2 and f"checkpoint {only} could not be loaded" in other.stderr
     assert "or of another --model loads only with those" in other.stderr
     assert "trying the previous one" not in other.stdout  # there is none
+    # FSDP given DDP's checkpoint, a file: "unreadable: its meta.pt (Not a directory); make it
+    # readable (chmod ...)", and no word of the other script
+    for flags in (["--checkpoint-dir", str(ck)], ["--resume", str(only)]):
+        fsdp = run_script("fsdp_train.py", RUN + flags)
+        assert fsdp.returncode == 2 and "Traceback" not in fsdp.stderr, fsdp.stderr
+        assert ("a checkpoint of another script (fsdp_train.py writes folders, ddp_train.py and "
+                "dp_train.py files)") in fsdp.stderr and "chmod" not in fsdp.stderr
+        assert "NotADirectoryError: a file, and fsdp_train.py's checkpoints are folders" in \
+            fsdp.stdout + fsdp.stderr
 
 
 @pytest.mark.parametrize("script", ["ddp_train.py", "fsdp_train.py"])

@@ -552,6 +552,8 @@ def checked_meta(folder: Path) -> dict:
         # which rank could not read a file: an I/O error may be one node's alone
         mine = [(name, why and f"{why}, on rank {rank}") for name, why in
                 changed_files(folder, recorded, sorted(recorded)[rank::world])]
+    except NotADirectoryError:  # a file: ddp_train.py's or dp_train.py's checkpoint, not
+        problem = A_FILE        # damaged, and not to be made readable
     except OSError as exc:  # never raised before the vote: a rank alone would miss it
         why = exc.strerror or type(exc).__name__
         problem = f"unreadable: its meta.pt ({why}, on rank {rank})"
@@ -560,9 +562,15 @@ def checked_meta(folder: Path) -> dict:
     votes = every_rank((problem, mine))
     problem = next((p for p, _ in votes if p), None)
     changed = sorted(item for _, part in votes for item in part)
+    if problem == A_FILE:  # load_newest names the script that writes files
+        raise NotADirectoryError(A_FILE)
     if problem or changed:
         raise Damaged(problem or shards_damage(folder, changed))
     return meta
+
+
+#: checked_meta's word for a checkpoint that is a file, where fsdp_train.py's are folders
+A_FILE = "a file, and fsdp_train.py's checkpoints are folders"
 
 
 def _resume_path_error(path, what: str | None, exc: BaseException) -> str:
