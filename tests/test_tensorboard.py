@@ -218,3 +218,47 @@ def test_the_memory_logs_join_the_run_as_analyze_memory_reads_them(tmp_path):
     assert len(list((run / "tensorboard").glob("*.system"))) == 1
     assert scalars(run / "tensorboard") == found
     assert os.path.getsize(next((run / "tensorboard").glob("*.system"))) > 0
+
+
+_MAKE_AS_NOBODY = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from training import faults
+if os.geteuid() == 0:  # root writes every folder, whatever its mode
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)
+for flag, folder in zip(sys.argv[2::2], sys.argv[3::2]):
+    try:
+        faults.make_folder(folder, flag)
+        print(f"{flag}: ok")
+    except faults.UsageError as err:
+        print(f"error: {err}")
+"""
+
+
+def test_an_existing_folder_the_run_may_not_write_is_one_sentence():
+    """--tensorboard on an existing folder this user may not write (read-only, or another
+    user's): SummaryWriter's OSError traceback in a thread, exit 1; --profile and
+    --checkpoint-dir each checked it in a copy of their own. Now make_folder says so for
+    all three, before anything is written."""
+    import tempfile
+    top = Path(tempfile.mkdtemp(prefix="unwritable-"))  # not under pytest's root-only tmp dir
+    (top / "theirs").mkdir()
+    (top / "open").mkdir()
+    try:
+        os.chmod(top / "theirs", 0o555)
+        os.chmod(top / "open", 0o777)
+        os.chmod(top, 0o755)
+        proc = subprocess.run([sys.executable, "-c", _MAKE_AS_NOBODY, str(REPO),
+                               "--tensorboard", str(top / "theirs"),
+                               "--checkpoint-dir", str(top / "theirs" / "ck"),
+                               "--profile", str(top / "open")],
+                              capture_output=True, text=True, timeout=120, env=env_for_tests())
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert proc.stdout.splitlines() == [
+            f"error: --tensorboard {top / 'theirs'}: that folder is not writable: give a "
+            f"writable directory",
+            f"error: --checkpoint-dir {top / 'theirs' / 'ck'}: cannot create that folder "
+            f"(Permission denied): give a writable directory",
+            "--profile: ok"]
+    finally:
+        shutil.rmtree(top)

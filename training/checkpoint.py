@@ -252,8 +252,6 @@ def check_checkpoint_dir(directory, model) -> None:
         return
     path = Path(directory)
     make_folder(path, "--checkpoint-dir")
-    if not os.access(path, os.W_OK):
-        raise UsageError(f"--checkpoint-dir {path} is not writable: choose another folder")
     # weights and momentum (2x the parameters) with a margin; room for 3: the default 2 kept
     # (--keep-checkpoints) and the one being written
     per_ckpt = 3 * sum(p.numel() * p.element_size() for p in model.parameters())

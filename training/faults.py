@@ -74,8 +74,10 @@ def disk_full(exc: BaseException) -> bool:
 
 
 def make_folder(path, flag: str) -> None:
-    """mkdir -p of ``flag``'s folder, or one sentence: a file in its place (or above it) is
-    named as such, where mkdir's "File exists" or "Not a directory" named no fix."""
+    """mkdir -p of ``flag``'s folder, which must be writable, or one sentence: a file in its
+    place (or above it) is named as such, where mkdir's "File exists" or "Not a directory"
+    named no fix; an existing folder this process may not write (read-only, or another
+    user's) is said so before anything is written there, not by a traceback of the writer."""
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -85,6 +87,9 @@ def make_folder(path, flag: str) -> None:
                              f"path") from None
         raise UsageError(f"{flag} {path}: cannot create that folder ({e.strerror or e}): give "
                          f"a writable directory") from None
+    if not os.access(path, os.W_OK | os.X_OK):  # a read-only file system: for root too
+        raise UsageError(f"{flag} {path}: that folder is not writable: give a writable "
+                         f"directory")
 
 
 def _rank(rank_env) -> str:
