@@ -202,6 +202,34 @@ def test_mnist_without_network_is_one_clean_line(tmp_path, monkeypatch):
         f"pass --data-dir {tmp_path}")
 
 
+@pytest.mark.parametrize("damaged", ["cifar-10-python.tar.gz", "cifar-10-batches-py"])
+def test_a_damaged_cifar10_archive_is_named_not_asked_for(tmp_path, monkeypatch, damaged):
+    """A cut or damaged cifar-10-python.tar.gz (or extracted folder) in --data-dir: torchvision
+    fails its checksum and tries to download it again, and without network the sentence
+    said to put the archive where it already was."""
+    import urllib.error
+
+    import torchvision.datasets.cifar
+
+    def offline(*_, **__):  # what the download gives without network, on any machine
+        raise urllib.error.URLError("[Errno -2] Name or service not known")
+    monkeypatch.setattr(torchvision.datasets.cifar, "download_and_extract_archive", offline)
+    if damaged.endswith(".gz"):
+        (tmp_path / damaged).write_bytes(b"junk\n")
+    else:
+        (tmp_path / damaged).mkdir()
+        (tmp_path / damaged / "data_batch_1").write_bytes(b"junk\n")
+    args = argparse.Namespace(dataset="cifar10", data_dir=str(tmp_path))
+    with pytest.raises(faults.UsageError) as refused:
+        datasets._torchvision_data(args)
+    said = str(refused.value)
+    assert said.startswith(f"could not load cifar10 from {tmp_path}: {tmp_path / damaged} is "
+                           f"there but incomplete or damaged (its checksum is not the "
+                           f"published one, and downloading it again failed: "), said
+    assert said.endswith("); replace it with a fresh copy of cifar-10-python.tar.gz from the "
+                         "official site, or delete it to download it again"), said
+
+
 @pytest.mark.parametrize("meta", [b"\xff\xfe\x00", b"[]", b'{"version": 1}',
                                   b'{"version": 1, "checksum": "c", "sources": 1}'])
 def test_damaged_cache_meta_means_rebuild_not_a_crash(tmp_path, meta):

@@ -227,10 +227,12 @@ def _torchvision_data(args) -> DataBundle:
     mean, std = NORMALIZE[args.dataset]
     if args.dataset == "cifar10":
         cls, shape, archive = datasets.CIFAR10, (3, 32, 32), "cifar-10-python.tar.gz"
+        kept = [root / archive, root / "cifar-10-batches-py"]  # the archive, and what it holds
         train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(),
                               T.ToTensor(), T.Normalize(mean, std)])
     else:
         cls, shape, archive = datasets.MNIST, (1, 28, 28), "MNIST/raw/*-ubyte.gz"
+        kept = [root / "MNIST" / "raw"]
         train_tf = T.Compose([T.ToTensor(), T.Normalize(mean, std)])
     val_tf = T.Compose([T.ToTensor(), T.Normalize(mean, std)])
 
@@ -243,10 +245,17 @@ def _torchvision_data(args) -> DataBundle:
             # (what failed) and the last (why), so the sentence stays one line
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
             why = lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}"
-            raise UsageError(f"could not load {args.dataset} from {root} ({exc.__class__.__name__}"
-                             f": {why[:300]}); without network, put {archive} (from the "
-                             f"official site) in {root.resolve()} and pass --data-dir "
-                             f"{root}") from None
+            why = f"{exc.__class__.__name__}: {why[:300]}"
+            there = [str(path) for path in kept if path.exists()]
+            if there:  # torchvision checks the files' MD5 and downloads what fails it again
+                raise UsageError(f"could not load {args.dataset} from {root}: {' and '.join(there)}"
+                                 f" is there but incomplete or damaged (its checksum is not "
+                                 f"the published one, and downloading it again failed: {why}); "
+                                 f"replace it with a fresh copy of {archive} from the official "
+                                 f"site, or delete it to download it again") from None
+            raise UsageError(f"could not load {args.dataset} from {root} ({why}); without "
+                             f"network, put {archive} (from the official site) in "
+                             f"{root.resolve()} and pass --data-dir {root}") from None
 
     # rank 0 downloads (once per shared file system), the others read what it wrote
     train, val = rank0_first(lambda: load(download=rank_and_world()[0] == 0))
