@@ -165,8 +165,7 @@ def collective_failed(err: Exception, rank_env) -> int:
     print(f"error: {_rank(rank_env)}: a collective with the other ranks failed or timed out "
           f"({err.__class__.__name__}: {first}); another rank probably died first: look for its "
           f"own error line, above or below this one, or raise --dist-timeout if the job is "
-          f"merely slow", file=sys.stderr,
-          flush=True)
+          f"merely slow", file=sys.stderr, flush=True)
     return 1
 
 
