@@ -534,6 +534,10 @@ def shards_damage(folder: Path, changed: list) -> str:
     return _changed_words([name for name, _ in changed])
 
 
+#: checked_meta's word for a checkpoint that is a file, where fsdp_train.py's are folders
+A_FILE = "a file, and fsdp_train.py's checkpoints are folders"
+
+
 def checked_meta(folder: Path) -> dict:
     """The meta.pt of fsdp_train.py's checkpoint ``folder`` (the run's records), once every
     file of the checkpoint has matched the CRC-32 that meta.pt records of it (a checkpoint
@@ -565,10 +569,6 @@ def checked_meta(folder: Path) -> dict:
     if problem or changed:
         raise Damaged(problem or shards_damage(folder, changed))
     return meta
-
-
-#: checked_meta's word for a checkpoint that is a file, where fsdp_train.py's are folders
-A_FILE = "a file, and fsdp_train.py's checkpoints are folders"
 
 
 def _resume_path_error(path, what: str | None, exc: BaseException) -> str:
