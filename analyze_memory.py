@@ -13,7 +13,7 @@ launch/node.sh starts two loggers on every node (a requeued job's later attempts
     python analyze_memory.py --plot runs/myjob-123/     # also draws runs/myjob-123/timeline.png
 
     [n1 - GPU 0] Peak = 26532 MiB, Avg = 20206.67 MiB, Mode = 26532 MiB, Util avg = 87.3%
-    [n1 - CPU] Peak RSS = 2411.00 MB, Avg RSS = 1344.64 MB, Peak CPU = 398.2%, Avg CPU = 183.6%
+    [n1 - CPU] Peak RSS = 2411.00 MiB, Avg RSS = 1344.64 MiB, Peak CPU = 398.2%, Avg CPU = 183.6%
 
 A log of another nvidia-smi query (--format=csv) is read by its header's column names, in any
 order: it needs timestamp, index and memory.used; name and memory.total are read where present.
@@ -21,7 +21,8 @@ order: it needs timestamp, index and memory.used; name and memory.total are read
 Per GPU, over its memory.used samples (MiB): Peak = the largest, Avg = the mean, Mode = the
 most frequent, on a tie, the larger value; Util avg = the mean utilization.gpu when the log
 has it. Per node, psrecord's RSS
-("Real (MB)") and CPU (100% = one core) of the training process and its children. A study
+("Real (MB)", which psrecord counts in MiB, so it is printed as MiB beside the GPU's) and CPU
+(100% = one core) of the training process and its children. A study
 gets each run's lines under "== <run directory> ==". docs/slurm.md, "Reading the memory
 summary", says more, --plot's timeline included.
 
@@ -78,7 +79,7 @@ except ImportError:
 GPU_KEYS = ("node", "gpu", "name", "samples", "attempts", "peak_mib", "avg_mib", "mode_mib",
             "total_mib", "avg_util_pct", "busy_sm_mhz", "max_temp_c", "skipped_lines", "file")
 #: One CPU record (per node), in output order.
-CPU_KEYS = ("node", "samples", "attempts", "duration_s", "peak_rss_mb", "avg_rss_mb",
+CPU_KEYS = ("node", "samples", "attempts", "duration_s", "peak_rss_mib", "avg_rss_mib",
             "peak_cpu_pct", "avg_cpu_pct", "skipped_lines", "file")
 #: Columns of --csv: "kind" ("gpu" or "cpu"), then the union of both key lists.
 CSV_KEYS = ("kind",) + GPU_KEYS + tuple(k for k in CPU_KEYS if k not in GPU_KEYS)
@@ -89,7 +90,7 @@ GPU_LINE = ("[{node} - GPU {gpu}] Peak = {peak_mib} MiB, Avg = {avg_mib:.2f} MiB
 GPU_LINE_PARTS = {"avg_util_pct": ", Util avg = {avg_util_pct:.1f}%",
                   "busy_sm_mhz": ", SM clock (busy) = {busy_sm_mhz:.0f} MHz",
                   "max_temp_c": ", Temp max = {max_temp_c:.0f} C"}
-CPU_LINE = ("[{node} - CPU] Peak RSS = {peak_rss_mb:.2f} MB, Avg RSS = {avg_rss_mb:.2f} MB, "
+CPU_LINE = ("[{node} - CPU] Peak RSS = {peak_rss_mib:.2f} MiB, Avg RSS = {avg_rss_mib:.2f} MiB, "
             "Peak CPU = {peak_cpu_pct:.1f}%, Avg CPU = {avg_cpu_pct:.1f}%")
 
 KIND_GPU, KIND_CPU = "gpu", "cpu"
@@ -280,7 +281,8 @@ def parse_gpu_lines(lines, skips: Counter, unread: dict | None = None) -> dict:
 
 
 def parse_cpu_lines(lines, skips: Counter) -> list:
-    """[(elapsed s, CPU %, RSS MB)] of a psrecord --log file (elapsed, CPU %, real MB, virtual MB)."""
+    """[(elapsed s, CPU %, RSS MiB)] of a psrecord --log file (elapsed, CPU %, real, virtual; its
+    header says MB, but psrecord divides bytes by 1024**2)."""
     samples = []
     for line in map(str.strip, lines):
         if not line or _header_kind(line) == KIND_CPU:
@@ -469,7 +471,7 @@ def cpu_record(node: str, logs: list) -> dict:
     return {
         "node": node, "samples": len(rss), "attempts": len(logs),
         "duration_s": _round(sum(max(s[0] for s in log["data"]) for log in logs), 1),
-        "peak_rss_mb": _round(max(rss), 2), "avg_rss_mb": _round(math.fsum(rss) / len(rss), 2),
+        "peak_rss_mib": _round(max(rss), 2), "avg_rss_mib": _round(math.fsum(rss) / len(rss), 2),
         "peak_cpu_pct": _round(max(cpu), 1), "avg_cpu_pct": _round(math.fsum(cpu) / len(cpu), 1),
         "skipped_lines": sum(log["skipped"] for log in logs),
         "file": ";".join(str(log["path"]) for log in logs),

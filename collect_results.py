@@ -84,7 +84,7 @@ NO_GPU_LOG = "n/a (no GPU log)"
 # results.csv: HEAD, then every [METRIC] key in the order the training logged it, then TAIL.
 HEAD = ("run", "status", "detail", "used_in_tables", "scaling")
 TAIL = ("gpu0", "gpu0_peak_mib", "gpu0_avg_mib", "gpu0_mode_mib",
-        "cpu_node", "cpu_peak_rss_mb", "cpu_avg_rss_mb", "cpu_peak_pct", "cpu_avg_pct",
+        "cpu_node", "cpu_peak_rss_mib", "cpu_avg_rss_mib", "cpu_peak_pct", "cpu_avg_pct",
         "throughput_scaling", "memory_avg_scaling", "parallel_efficiency", "baseline",
         "step_ms", "data_wait_ms", "profile_steps", "profile_step_ms", "profile_compute_ms",
         "profile_exposed_comm_ms", "profile_data_wait_ms", "profile_other_ms", "profile_comm_ms",
@@ -99,7 +99,7 @@ TAIL = ("gpu0", "gpu0_peak_mib", "gpu0_avg_mib", "gpu0_mode_mib",
 NOT_COLUMNS = ("final", "notes", "bad")  # in a row, but not in results.csv
 # The figures read_memory takes from analyze_memory.py's summary of a GPU and of a node's CPU.
 SUMMARY_GPU_FIGURES = ("peak_mib", "avg_mib", "mode_mib")
-SUMMARY_CPU_FIGURES = ("peak_rss_mb", "avg_rss_mb", "peak_cpu_pct", "avg_cpu_pct")
+SUMMARY_CPU_FIGURES = ("peak_rss_mib", "avg_rss_mib", "peak_cpu_pct", "avg_cpu_pct")
 
 
 class UsageError(Exception):
@@ -211,8 +211,8 @@ def read_memory(run_dir: Path, node: str) -> tuple:
     return {"gpu0": f"{node} GPU 0" if g else no_gpu0,
             "gpu0_peak_mib": g.get("peak_mib", ""), "gpu0_avg_mib": g.get("avg_mib", ""),
             "gpu0_mode_mib": g.get("mode_mib", ""),
-            "cpu_node": c.get("node", ""), "cpu_peak_rss_mb": c.get("peak_rss_mb", ""),
-            "cpu_avg_rss_mb": c.get("avg_rss_mb", ""), "cpu_peak_pct": c.get("peak_cpu_pct", ""),
+            "cpu_node": c.get("node", ""), "cpu_peak_rss_mib": c.get("peak_rss_mib", ""),
+            "cpu_avg_rss_mib": c.get("avg_rss_mib", ""), "cpu_peak_pct": c.get("peak_cpu_pct", ""),
             "cpu_avg_pct": c.get("avg_cpu_pct", "")}, notes
 
 

@@ -412,7 +412,7 @@ def _draw_node(subfig, node: str, entry: dict, phases: list, t0: float, xlim: tu
                 ax.plot([t - t0 for t in attempt["time"]], attempt["rss"], color="black",
                         linewidth=1.2, label="RSS" if n == 0 else "_RSS",
                         gid=f"CPU, attempt {n}")
-            ax.set_ylabel("CPU memory,\nRSS (MB)")
+            ax.set_ylabel("CPU memory,\nRSS (MiB)")
             ax.set_ylim(bottom=0)
         else:
             key = "used" if row == "gpu_mem" else "util"

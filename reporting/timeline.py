@@ -239,6 +239,6 @@ def write_board(run_dir, gpu_logs: list, cpu_logs: list, notes: list) -> Path:
                         scalar(f"gpu_util_pct/{node}/gpu{index}", util, t)
         for attempt in entry["cpu"]:
             for t, rss in zip(attempt["time"], attempt["rss"]):
-                scalar(f"cpu_rss_mb/{node}", rss, t)
+                scalar(f"cpu_rss_mib/{node}", rss, t)
     writer.close()
     return out

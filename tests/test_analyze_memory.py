@@ -51,8 +51,8 @@ EXPECTED_RUN_GPU_LINES = [
 # cpu_memory/n2.txt: RSS 7.871, 62.582, 2048.5, 2560.75 -> 4679.703 / 4 = 1169.92575; CPU 0,
 # 19.9, 212.4, 396.1 -> 628.4 / 4 = 157.1.
 EXPECTED_RUN_CPU_LINES = [
-    "[n1 - CPU] Peak RSS = 2411.00 MB, Avg RSS = 1344.64 MB, Peak CPU = 398.2%, Avg CPU = 183.6%",
-    "[n2 - CPU] Peak RSS = 2560.75 MB, Avg RSS = 1169.93 MB, Peak CPU = 396.1%, Avg CPU = 157.1%",
+    "[n1 - CPU] Peak RSS = 2411.00 MiB, Avg RSS = 1344.64 MiB, Peak CPU = 398.2%, Avg CPU = 183.6%",
+    "[n2 - CPU] Peak RSS = 2560.75 MiB, Avg RSS = 1169.93 MiB, Peak CPU = 396.1%, Avg CPU = 157.1%",
 ]
 
 
@@ -141,13 +141,13 @@ def test_psrecord_exact_numbers():
     (r1,), skips1 = records_and_skips(N1_CPU)
     assert tuple(r1) == am.CPU_KEYS
     assert (r1["node"], r1["samples"], r1["duration_s"]) == ("n1", 5, 2.0)
-    assert (r1["peak_rss_mb"], r1["avg_rss_mb"]) == (2411.0, 1344.64)
+    assert (r1["peak_rss_mib"], r1["avg_rss_mib"]) == (2411.0, 1344.64)
     assert (r1["peak_cpu_pct"], r1["avg_cpu_pct"]) == (398.2, 183.6)
     assert skips1 == {am.SKIP_INCOMPLETE: 1}
 
     (r2,), skips2 = records_and_skips(N2_CPU)
     assert (r2["node"], r2["samples"], r2["duration_s"]) == ("n2", 4, 1.5)
-    assert (r2["peak_rss_mb"], r2["avg_rss_mb"]) == (2560.75, 1169.93)
+    assert (r2["peak_rss_mib"], r2["avg_rss_mib"]) == (2560.75, 1169.93)
     assert (r2["peak_cpu_pct"], r2["avg_cpu_pct"]) == (396.1, 157.1)
     assert not skips2
 
@@ -241,10 +241,10 @@ def test_cli_study_prints_each_runs_lines_under_its_directory(tmp_path):
     assert p.stdout.splitlines() == [
         f"== {tmp_path / 'ddp-1n1g-1'} ==",
         "[n1 - GPU 0] Peak = 1000 MiB, Avg = 1000.00 MiB, Mode = 1000 MiB",
-        "[n1 - CPU] Peak RSS = 100.00 MB, Avg RSS = 100.00 MB, Peak CPU = 50.0%, Avg CPU = 50.0%",
+        "[n1 - CPU] Peak RSS = 100.00 MiB, Avg RSS = 100.00 MiB, Peak CPU = 50.0%, Avg CPU = 50.0%",
         f"== {tmp_path / 'fsdp-1n1g-2'} ==",
         "[n1 - GPU 0] Peak = 2000 MiB, Avg = 2000.00 MiB, Mode = 2000 MiB",
-        "[n1 - CPU] Peak RSS = 100.00 MB, Avg RSS = 100.00 MB, Peak CPU = 50.0%, Avg CPU = 50.0%"]
+        "[n1 - CPU] Peak RSS = 100.00 MiB, Avg RSS = 100.00 MiB, Peak CPU = 50.0%, Avg CPU = 50.0%"]
     assert not run_cli(tmp_path / "ddp-1n1g-1").stdout.startswith("==")
 
 
@@ -258,7 +258,7 @@ def test_cli_json():
     n2g1 = out["gpu"][3]
     assert (n2g1["node"], n2g1["gpu"], n2g1["samples"], n2g1["peak_mib"], n2g1["avg_mib"],
             n2g1["mode_mib"], n2g1["total_mib"]) == ("n2", 1, 6, 22016, 17920.17, 21504, 81559)
-    assert out["cpu"][1]["avg_rss_mb"] == 1169.93
+    assert out["cpu"][1]["avg_rss_mib"] == 1169.93
 
 
 def test_cli_csv():
@@ -270,8 +270,8 @@ def test_cli_csv():
     n1g0 = rows[0]
     assert (n1g0["node"], n1g0["gpu"], n1g0["peak_mib"], n1g0["avg_mib"], n1g0["mode_mib"]) == (
         "n1", "0", "18944", "14421.33", "17920")
-    assert n1g0["peak_rss_mb"] == ""
-    assert (rows[4]["node"], rows[4]["avg_rss_mb"], rows[4]["total_mib"]) == ("n1", "1344.64", "")
+    assert n1g0["peak_rss_mib"] == ""
+    assert (rows[4]["node"], rows[4]["avg_rss_mib"], rows[4]["total_mib"]) == ("n1", "1344.64", "")
 
 
 def test_cli_missing_path_exit_2_one_line():
@@ -483,7 +483,7 @@ def _gpu_log(path, used):
 
 
 def _cpu_log(path, samples):
-    """A psrecord --log file with these (elapsed s, CPU %, RSS MB) samples."""
+    """A psrecord --log file with these (elapsed s, CPU %, RSS MiB) samples."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("# Elapsed time   CPU (%)     Real (MB)   Virtual (MB)\n" + "".join(
         f"{t:12.3f} {c:12.3f} {r:12.3f} {2 * r:12.3f}\n" for t, c, r in samples))
@@ -542,7 +542,7 @@ def test_restarts_fold_into_their_node(tmp_path):
         11, 2, f"{gpu_dir / 'n1.csv'};{gpu_dir / 'n1.restart1.csv'}")
     assert (gpu[1]["samples"], gpu[1]["attempts"]) == (1, 1)
     assert [am.format_cpu_line(r) for r in cpu] == [
-        "[n1 - CPU] Peak RSS = 600.00 MB, Avg RSS = 320.00 MB, Peak CPU = 300.0%, "
+        "[n1 - CPU] Peak RSS = 600.00 MiB, Avg RSS = 320.00 MiB, Peak CPU = 300.0%, "
         "Avg CPU = 160.0%"]
     assert (cpu[0]["samples"], cpu[0]["attempts"], cpu[0]["duration_s"]) == (5, 2, 15.0)
     # One note per folded node, in walk order (cpu_memory/ before gpu_memory/).
@@ -749,7 +749,7 @@ def test_plot_timeline_panels_and_line_data(tmp_path, utc):
     assert [t.get_text() for t in n1.texts] == ["node n1"]
     mem, util, cpu = n1.axes
     assert [ax.get_ylabel() for ax in n1.axes] == ["GPU memory\nused (MiB)",
-                                                   "GPU\nutilisation (%)", "CPU memory,\nRSS (MB)"]
+                                                   "GPU\nutilisation (%)", "CPU memory,\nRSS (MiB)"]
     assert cpu.get_xlabel() == ("seconds since the run's first sample "
                                 "(2026-11-24 06:30:00 local time)")
     # Each attempt is its own line: nothing joins the two across the requeue's gap.
@@ -778,7 +778,7 @@ def test_plot_timeline_panels_and_line_data(tmp_path, utc):
     assert [a for span in spans for a in span] == _secs(12.0, 14.0, 19.5, 20.5, 68.0, 69.5)
     # Node n2's log has no utilisation column: no empty axis, a note in its title instead.
     assert [ax.get_ylabel() for ax in n2.axes] == ["GPU memory\nused (MiB)",
-                                                   "CPU memory,\nRSS (MB)"]
+                                                   "CPU memory,\nRSS (MiB)"]
     assert "no utilisation in the GPU logs" in n2.texts[0].get_text()
     x, y = _data(n2.axes[0], "GPU 0, attempt 0")
     assert x == _secs(1.301, 6.302, 11.303, 16.304) and y == [0, 18000, 18000, 19000]
@@ -856,7 +856,7 @@ def test_plot_cpu_only_run_gets_a_note_not_an_empty_gpu_axis(tmp_path):
     # no utilisation anywhere: the title does not promise it
     assert fig._suptitle.get_text() == f"{run}: memory over time"
     (cpu,) = panel.axes
-    assert cpu.get_ylabel() == "CPU memory,\nRSS (MB)"
+    assert cpu.get_ylabel() == "CPU memory,\nRSS (MiB)"
     assert _data(cpu, "CPU, attempt 0") == (pytest.approx([0, 5, 10]), [100, 300, 350])
     assert [ln.get_xdata()[0] for ln in cpu.get_lines() if ln.get_gid() == "epoch start"] == \
         pytest.approx([3, 14, 62])
@@ -1057,7 +1057,7 @@ def test_nan_infinite_and_negative_values_are_impossible(tmp_path):
     log.write_text(header + "0.0 10.0 100.0 200.0\n5.0 30.0 300.0 200.0\n-10.0 -20.0 -2 -5\n")
     (cpu,), skips = records_and_skips(log)
     assert skips == {am.SKIP_IMPOSSIBLE: 1}
-    assert (cpu["samples"], cpu["peak_rss_mb"], cpu["avg_rss_mb"], cpu["avg_cpu_pct"]) == (
+    assert (cpu["samples"], cpu["peak_rss_mib"], cpu["avg_rss_mib"], cpu["avg_cpu_pct"]) == (
         2, 300.0, 200.0, 20.0)
     p = run_cli("--json", damaged, log)
     assert p.returncode == 1 and "Traceback" not in p.stderr
@@ -1092,7 +1092,7 @@ def test_memory_no_machine_has_is_impossible_not_an_overflow(tmp_path):
                    "3.0 30.0 300.0 200.0\n4.0 1e308 100 1\n5.0 1e308 100 1\n")
     (cpu,), skips = records_and_skips(log)
     assert skips == {am.SKIP_IMPOSSIBLE: 4}  # the CPU % column overflowed the same way
-    assert (cpu["peak_rss_mb"], cpu["avg_rss_mb"]) == (300.0, 200.0)
+    assert (cpu["peak_rss_mib"], cpu["avg_rss_mib"]) == (300.0, 200.0)
     huge = "9" * 400
     gpu_log = tmp_path / "n1.csv"
     gpu_log.write_text(
@@ -1158,7 +1158,7 @@ def test_plot_leaves_out_gpu_logs_without_readable_timestamps(tmp_path, utc):
     n1, n2 = fig.subfigs
     assert [t.get_text() for t in n2.texts] == [
         "node n2; no GPU sample with a readable timestamp"]
-    assert [ax.get_ylabel() for ax in n2.axes] == ["CPU memory,\nRSS (MB)"]
+    assert [ax.get_ylabel() for ax in n2.axes] == ["CPU memory,\nRSS (MiB)"]
     assert _data(n1.axes[0], "GPU 1, attempt 1")[1] == [0, 26532]
     for log, which in ((run / "gpu_memory" / "n2.csv", "all 4"), (n3, "all 4"),
                        (restart, "1 of 6")):

@@ -602,7 +602,7 @@ def test_final_epoch_values_and_memory(study):
     assert (r["gpu0"], r["gpu0_peak_mib"], r["gpu0_avg_mib"], r["gpu0_mode_mib"]) == (
         "gn02 GPU 0", "12000", "10500.0", "10500")
     # psrecord RSS samples 812 5120 5630 5631 -> Peak 5631, Avg 17193 / 4 = 4298.25.
-    assert (r["cpu_node"], r["cpu_peak_rss_mb"], r["cpu_avg_rss_mb"]) == ("gn02", "5631.0",
+    assert (r["cpu_node"], r["cpu_peak_rss_mib"], r["cpu_avg_rss_mib"]) == ("gn02", "5631.0",
                                                                           "4298.25")
 
 
@@ -616,7 +616,7 @@ def test_gpu0_is_the_first_nodes_and_spans_restarts(study):
         "gn04 GPU 0", "14000", "12000.0", "12000")
     # CPU of gn04 over both attempts: Peak max(5120, 5310); Avg weighted by samples:
     # (2966.0 x 2 + 3800.0 x 3) / 5 = 3466.4
-    assert (r["cpu_node"], r["cpu_peak_rss_mb"], r["cpu_avg_rss_mb"], r["restarts"]) == (
+    assert (r["cpu_node"], r["cpu_peak_rss_mib"], r["cpu_avg_rss_mib"], r["restarts"]) == (
         "gn04", "5310.0", "3466.4", "1")
     # ... and so does its row in the multi-node table.
     assert ("| 2 Nodes x 4 GPUs | 3.698 | 19.86% | 6800.0 | 14000 | 12000.00 | 12000 | 6.80× | "
@@ -782,7 +782,7 @@ def test_cpu_runs_show_no_gpu_log(tmp_path):
         f.unlink()
     code, rows, md = collect([run], tmp_path / "out")
     r = rows["ddp-1n1g-7003"]
-    assert (r["gpu0"], r["gpu0_peak_mib"], r["cpu_peak_rss_mb"]) == ("n/a (no GPU log)", "",
+    assert (r["gpu0"], r["gpu0_peak_mib"], r["cpu_peak_rss_mib"]) == ("n/a (no GPU log)", "",
                                                                      "5631.0")
     assert "| n/a (no GPU log) | n/a | n/a | 1.00× | n/a (no GPU log) | 100% | ok |" in md
 
@@ -796,7 +796,7 @@ def test_memory_summary_json_when_logs_are_gone(tmp_path):
     shutil.rmtree(run / "gpu_memory")
     shutil.rmtree(run / "cpu_memory")
     _, rows, _ = collect([run], tmp_path / "out")
-    assert (rows["ddp-1n1g-7004"]["gpu0_avg_mib"], rows["ddp-1n1g-7004"]["cpu_peak_rss_mb"]) == (
+    assert (rows["ddp-1n1g-7004"]["gpu0_avg_mib"], rows["ddp-1n1g-7004"]["cpu_peak_rss_mib"]) == (
         "10000.0", "5631.0")
 
 
@@ -804,7 +804,7 @@ def test_memory_summary_json_when_logs_are_gone(tmp_path):
     '{"gpu": [{"node": "gn01"}], "cpu": []}',                # no GPU index: KeyError before
     '{"gpu": "abc", "cpu": []}',                             # TypeError before
     '{"gpu": [{"node": "gn01", "gpu": "x"}], "cpu": []}',    # ValueError (int()) before
-    '{"gpu": [], "cpu": [{"node": "gn01", "peak_rss_mb": {}}]}',  # in the csv as "{}" before
+    '{"gpu": [], "cpu": [{"node": "gn01", "peak_rss_mib": {}}]}',  # in the csv as "{}" before
     '[]'])
 def test_a_damaged_memory_summary_json_is_a_note_and_the_run_is_collected(tmp_path, summary):
     run = tmp_path / "r1" / "run-1"
@@ -815,7 +815,7 @@ def test_a_damaged_memory_summary_json_is_a_note_and_the_run_is_collected(tmp_pa
     code, rows, md = collect([run], tmp_path / "out")
     r = rows["run-1"]
     assert (code, r["status"], r["throughput_img_s"]) == (0, "ok", "1000")
-    assert (r["gpu0"], r["gpu0_avg_mib"], r["cpu_peak_rss_mb"]) == ("n/a (no GPU log)", "", "")
+    assert (r["gpu0"], r["gpu0_avg_mib"], r["cpu_peak_rss_mib"]) == ("n/a (no GPU log)", "", "")
     assert "- run-1: memory_summary.json unreadable (" in md and "no memory figures" in md
 
 

@@ -519,7 +519,7 @@ def test_local_study_collected(local_study, tmp_path):
         assert (r["device"], r["per_gpu_batch"], r["global_batch"]) == (
             "cpu", "16", str(16 * world))
         assert (r["epoch"], r["epochs"], r["bad_metric_lines"]) == ("2", "2", "0")
-        assert r["gpu0"] == "n/a (no GPU log)" and float(r["cpu_peak_rss_mb"]) > 0
+        assert r["gpu0"] == "n/a (no GPU log)" and float(r["cpu_peak_rss_mib"]) > 0
         base = by[(strategy, 1)]
         scaling = float(r["throughput_img_s"]) / float(base["throughput_img_s"])
         assert float(r["throughput_scaling"]) == pytest.approx(scaling, abs=5e-5)

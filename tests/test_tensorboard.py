@@ -210,8 +210,8 @@ def test_the_memory_logs_join_the_run_as_analyze_memory_reads_them(tmp_path):
         assert (max(values), round(sum(values) / len(values), 2)) == (gpu["peak_mib"],
                                                                       gpu["avg_mib"])
     for cpu in summary["cpu"]:
-        values = [v for _, v in found[f"cpu_rss_mb/{cpu['node']}"]]
-        assert max(values) == pytest.approx(cpu["peak_rss_mb"], abs=0.01)
+        values = [v for _, v in found[f"cpu_rss_mib/{cpu['node']}"]]
+        assert max(values) == pytest.approx(cpu["peak_rss_mib"], abs=0.01)
     # again: the scalars are replaced, not doubled
     check_ok(subprocess.run([sys.executable, str(REPO / "analyze_memory.py"), "--tensorboard",
                              str(run)], capture_output=True, text=True, timeout=120))
