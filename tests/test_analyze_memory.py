@@ -739,6 +739,25 @@ def test_every_metric_reader_keeps_and_drops_the_same_lines(tmp_path):
     assert [m is not None for m in parsed] == [True, False, False, True]  # no file: no cut
 
 
+def test_a_line_without_a_key_the_line_before_had_is_cut():
+    """A line cut in a value and followed by a newline (a killed job's output, then the
+    launcher's own line) was read as complete; it lacks the keys the line before it had, and
+    is not read. A newer line after an older one (a run resumed with newer code) adds keys and
+    is read; the lines are read generically, so an older log's line alone is complete."""
+    values = dict.fromkeys(contract.METRIC_KEYS, 1.0)
+    values.update(strategy="ddp", model="cnn", dataset="synthetic", device="cpu", amp="off",
+                  lr_scaling="linear", peak_mem_per_gpu_mib="-")
+    full = contract.format_metric_line(values)
+    old = " ".join(field for field in full.split() if not field.startswith("data_wait_frac="))
+    cut = full[:full.index("data_wait_frac=") + 16]
+    read = [(n, problem) for n, _, _, problem in contract.metric_lines(
+        line + "\n" for line in [old, full, cut, full, old])]
+    assert read == [(1, None), (2, None), (3, "no train_start_unix=, which the line before "
+                                                "had, nor what follows it (a line cut short?)"),
+                    (4, None), (5, "no data_wait_frac=, which the line before had, nor what "
+                                   "follows it (a line cut short?)")]
+
+
 def test_plot_timeline_panels_and_line_data(tmp_path, utc):
     run = _timeline_copy(tmp_path)
     notes = []

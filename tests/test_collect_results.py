@@ -726,6 +726,25 @@ def test_a_value_that_is_not_a_number_makes_the_line_unparseable(tmp_path):
     assert "'throughput_img_s=abc' is not a number" in md
 
 
+def test_a_final_line_cut_short_before_its_newline_is_not_read(tmp_path):
+    """A [METRIC] line cut in the middle of a value and followed by a newline (a killed job's
+    output, then the launcher's own line) was read as complete: throughput_img_s=1 for 1000,
+    status ok, and a 2-GPU run scaled 1000x against it. Now the line without its later keys
+    is named and the row uses the last epoch line."""
+    run = tmp_path / "ddp-1n1g-7003"
+    shutil.copytree(STUDY / "ddp-1n1g-5001", run)
+    log = run / "train.log"
+    text = log.read_text()
+    final = next(ln for ln in text.splitlines() if "final=1" in ln)
+    log.write_text(text.replace(final, final[:final.index("throughput_img_s=") + 18]))
+    code, rows, md = collect([run], tmp_path / "out")
+    r = rows["ddp-1n1g-7003"]
+    assert (code, r["status"], r["bad_metric_lines"], r["throughput_img_s"]) == \
+        (0, "ok", "1", "1000")
+    assert "final [METRIC] line unreadable" in r["detail"]
+    assert "no peak_mem_mib=, which the line before had, nor what follows it" in md
+
+
 @pytest.mark.parametrize("rates, bad", [(("1000", "1500", "nan"), "ddp-1n4g-5010"),
                                          (("-1000", "1500", "3000"), "ddp-1n1g-5001"),
                                          (("inf", "1500", "3000"), "ddp-1n1g-5001"),

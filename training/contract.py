@@ -206,7 +206,12 @@ def read_metric_line(line: str) -> tuple | None:
 def metric_lines(lines):
     """The ``[METRIC]`` lines of a log given as its lines with their newlines (an open file):
     ``(line number, line, values, problem)`` for each, as read_metric_line says, where a last
-    line without its newline is a problem too (the job was killed while writing it)."""
+    line without its newline is a problem too (the job was killed while writing it), and so is
+    a line without a METRIC_KEYS key the readable line before it had: cut short, its last
+    value perhaps too ("throughput_img_s=7" for 771.1), then a newline from the next writer.
+    The keys are read generically (a log of an older script has fewer); a run resumed by a
+    newer script only adds keys."""
+    before = set()  # the METRIC_KEYS of the last readable line
     for lineno, line in enumerate(lines, 1):
         read = read_metric_line(line)
         if read is None:
@@ -214,6 +219,12 @@ def metric_lines(lines):
         values, problem = read
         if not line.endswith("\n"):
             problem = "last line without its newline (the job was killed mid-write)"
+        elif problem is None and (missing := [k for k in METRIC_KEYS
+                                               if k in before and k not in values]):
+            problem = (f"no {missing[0]}=, which the line before had, nor what follows it "
+                       "(a line cut short?)")
+        if problem is None:
+            before = set(values)
         yield lineno, line, values, problem
 
 
