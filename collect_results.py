@@ -38,7 +38,8 @@ bandwidth of its collectives; from those a weak-scaling model predicts 2 to 64 n
 (scaling.predict_step_ms; the formula is in docs/slurm.md, "A scaling model"). Where no multi-node
 run measured the bandwidth between nodes, the model assumes --inter-node-busbw.
 
-Exit status: 0 results written (failed runs are results too); 2 a bad path or flag, a folder
+Exit status: 0 results written (failed runs are results too); 1 results written, but
+--tensorboard could not write some runs' scalars (each named); 2 a bad path or flag, a folder
 of studies such as runs/ (one study at a time), nothing to collect (no run that can be read),
 the output cannot be written, or a module of the repository missing beside this file (one
 sentence naming the fix). results.csv, results.md and the plots are replaced together: a write
@@ -519,17 +520,19 @@ def runs_with_logs(rows: list):
             yield row, run_dir
 
 
-def write_boards(rows: list) -> list:
+def write_boards(rows: list) -> tuple:
     """--tensorboard: each run directory's memory logs as TensorBoard scalars in its
-    tensorboard/ folder (analyze_memory.py --tensorboard RUN_DIR); a run it cannot write gets a
-    note. Returns the folders written."""
-    written = []
+    tensorboard/ folder (analyze_memory.py --tensorboard RUN_DIR). Returns the folders written
+    and a sentence for each run it cannot write (a note of that run's row too)."""
+    written, failed = [], []
     for row, run_dir in runs_with_logs(rows):
         notes, problems = [], []
         logs = analyze_memory.collect_logs([run_dir], notes, problems)
         written += analyze_memory.write_boards(logs, notes, problems)
-        row["notes"] += [p["message"] for p in problems if "cannot write" in p["message"]]
-    return written
+        unwritten = [p["message"] for p in problems if "cannot write" in p["message"]]
+        row["notes"] += unwritten
+        failed += unwritten
+    return written, failed
 
 
 # --------------------------------------------------------------------------------------------
@@ -652,7 +655,7 @@ def main(argv=None) -> int:
                              f"and the plots")
         try:
             out.mkdir(parents=True, exist_ok=True)
-            boards = write_boards(rows) if args.tensorboard else []
+            boards, unwritten = write_boards(rows) if args.tensorboard else ([], [])
             # Everything is written into a folder inside out first, and moved into place only
             # when all of it is written: a failed write leaves the last collection's files.
             staging = Path(tempfile.mkdtemp(prefix=".collect_results-", dir=out))
@@ -697,7 +700,12 @@ def main(argv=None) -> int:
         print(f"TensorBoard: memory and utilisation scalars added to {len(boards)} run(s)' "
               f"tensorboard/ folders; view them with the training's curves: tensorboard "
               f"--logdir {top}")
-    return 0
+    if unwritten:
+        print(f"warning: --tensorboard could not write {len(unwritten)} run(s)' scalars:",
+              file=sys.stderr)
+        for why in unwritten:
+            print(f"  {why}", file=sys.stderr)
+    return 1 if unwritten else 0
 
 
 if __name__ == "__main__":

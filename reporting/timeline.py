@@ -8,7 +8,9 @@ read_phases finds the epochs and evaluations, and plots.timeline_figure draws th
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 from datetime import datetime
 from pathlib import Path
 
@@ -221,6 +223,8 @@ def write_board(run_dir, gpu_logs: list, cpu_logs: list, notes: list) -> Path:
                                         if c["time"]]
     out = Path(run_dir) / "tensorboard"
     out.mkdir(parents=True, exist_ok=True)
+    if not os.access(out, os.W_OK | os.X_OK):  # else the writer's thread fails, in a traceback
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(out))
     for old in out.glob(f"events.out.tfevents.*{SYSTEM_SUFFIX}"):
         old.unlink()
     t0 = min(starts, default=0.0)

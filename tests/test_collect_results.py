@@ -1081,6 +1081,40 @@ def test_an_unreadable_run_is_listed_and_the_others_collected():
         shutil.rmtree(top, ignore_errors=True)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes the run folders another user's")
+def test_tensorboard_into_run_folders_it_may_not_write_is_named_not_a_thread_traceback():
+    """--tensorboard on a study another user owns: each run's TensorBoard writer failed in its
+    own thread (five 'Exception in thread' tracebacks), and the exit was 0 with the failure only
+    in results.md. Now each run is named in one line, the results are written, and it exits 1."""
+    import stat
+    import tempfile
+    top = Path(tempfile.mkdtemp(prefix="unwritable-"))  # not under pytest's root-only tmp dir
+    try:
+        for name in ("plain", "study"):
+            shutil.copytree(STUDY, top / name)
+        (top / "study" / "ddp-1n1g-5001" / "tensorboard").mkdir()  # the training's, say
+        for p in [top, *top.rglob("*")]:  # readable by all, writable by root only
+            p.chmod(p.stat().st_mode | stat.S_IROTH | (stat.S_IXOTH if p.is_dir() else 0))
+        (top / "out").mkdir(mode=0o777)
+        (top / "out").chmod(0o777)
+        proc = subprocess.run([sys.executable, "-c", _AS_NOBODY, str(REPO), str(top / "plain"),
+                               str(top / "plain-out"), str(top / "study"), str(top / "out"),
+                               "--tensorboard"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1, proc.stderr
+        assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr
+        runs = [r for r in sorted(STUDY.iterdir()) if (r / "gpu_memory").is_dir()
+                or (r / "cpu_memory").is_dir()]
+        said = proc.stderr.splitlines()
+        assert said[said.index(f"warning: --tensorboard could not write {len(runs)} run(s)' "
+                               f"scalars:") + 1:] == [
+            f"  {top / 'study' / r.name / 'tensorboard'}: cannot write (Permission denied); "
+            f"make the run directory writable" for r in runs]
+        assert (top / "out" / "results.csv").is_file()
+        assert proc.stdout.count("TensorBoard:") == 1  # the root's run on "plain" only
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
 def test_a_cpu_study_is_labelled_in_processes_and_a_lone_point_has_no_ideal(tmp_path):
     """A CPU run's bar said '1 node x 2 GPUs'; throughput.png promised 'ideal linear scaling'
     for a study with one point and no ideal line."""
