@@ -671,7 +671,8 @@ def study(args, train_args: list, argv: list) -> int:
 
     entries = record_plan(study_dir, manifest, settings, planned, args.resume, argv)
     print("\n".join([header] + [ln for ln in lines if ln.startswith("#")]), flush=True)
-    resume_cmd = (f"python launch/run_benchmarks.py --resume --study-dir {study_dir}"
+    shown = shlex.quote(str(study_dir))  # commands to paste: a space or $ in the path too
+    resume_cmd = (f"python launch/run_benchmarks.py --resume --study-dir {shown}"
                   + (" --local" if args.local else ""))
     failed = []
     try:
@@ -697,7 +698,7 @@ def study(args, train_args: list, argv: list) -> int:
               + (f"; failed: {', '.join(failed)}" if failed else ""))
     else:
         print(f"{len(todo)} jobs submitted; watch them with: squeue --me")
-    print(f"study: {study_dir}\nwhen done: python collect_results.py {study_dir} --plot"
+    print(f"study: {study_dir}\nwhen done: python collect_results.py {shown} --plot"
           + (f"\nrerun what failed: {resume_cmd}" if failed else ""))
     return 1 if failed else 0
 

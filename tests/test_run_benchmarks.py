@@ -401,12 +401,16 @@ def test_submission_and_manifest(tmp_path, fakebin):
 
 
 def test_failed_submission_then_resume(tmp_path, fakebin):
-    study = tmp_path / "study"
+    """The commands printed to paste quote the study's path: with a space in it, they named
+    another folder."""
+    study = tmp_path / "my study"
     args = ["--study-dir", study, "--strategies", "ddp", "--gpus", "1", "2", "4"]
     proc = rb(*args, fakebin=fakebin, env={"SBATCH_FAIL_AT": "2"})
     assert proc.returncode == 1
     assert "Invalid partition name" in proc.stderr
-    assert f"--resume --study-dir {study}" in proc.stderr
+    pasted = shlex.split(proc.stderr.rsplit("submit the rest with: ", 1)[1])
+    assert pasted == ["python", "launch/run_benchmarks.py", "--resume", "--study-dir",
+                      str(study)]
     assert [c["argv"][1] for c in sbatch_calls(fakebin)] == ["--job-name=ddp-1n1g"]
     runs = {r["name"]: r for r in json.loads((study / "study.json").read_text())["runs"]}
     assert runs["ddp-1n1g"]["attempts"][0]["job_id"] == "7001"
@@ -420,6 +424,8 @@ def test_failed_submission_then_resume(tmp_path, fakebin):
     assert [c["argv"][1] for c in sbatch_calls(fakebin)] == [
         "--job-name=ddp-1n1g", "--job-name=ddp-1n2g", "--job-name=ddp-1n4g"]
     assert "# ddp-1n1g: job 7001 is still in squeue; not run again" in proc.stdout
+    done = next(ln for ln in proc.stdout.splitlines() if ln.startswith("when done: "))
+    assert shlex.split(done)[2:] == ["python", "collect_results.py", str(study), "--plot"]
 
 
 def test_resume_runs_only_what_is_missing_or_failed(tmp_path, fakebin):
