@@ -22,12 +22,14 @@ prints the exact commands.
 Environment: what launch/job.sh reads passes through (DATA_DIR, PYTHON, LOG_INTERVAL, ...) and is
 recorded in study.json; RUN_DIR, NPROC and NPROC_PER_NODE are dropped: the study sets them per run.
 Exit status: 0 all submitted (or, --local, all runs ok); 1 a submission or local run failed;
-2 a bad flag or study directory (one sentence naming the fix); 130 interrupted.
+2 a bad flag or study directory, or a study another run_benchmarks.py is still running (one
+sentence naming the fix); 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import getpass
 import json
 import os
@@ -479,6 +481,33 @@ def open_study(args, given: dict, mode: str) -> tuple:
     return study_dir, manifest, settings
 
 
+LOCK = ".run_benchmarks.lock"  # held by the run_benchmarks.py working on the study
+
+
+def hold_study(study_dir: Path):
+    """The study's lock, held until this process ends (the open file returned), or None where
+    the folder is not there yet or may not be written (a dry run of another user's study). A
+    study another run_benchmarks.py holds (a local study still running its runs) is refused:
+    --resume would read its running run as killed and start it a second time."""
+    try:
+        lock = open(study_dir / LOCK, "a+", encoding="utf-8")
+    except OSError:
+        return None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        raise StudyError(f"{study_dir} is in use by launch/run_benchmarks.py ({holder}), which "
+                         f"is still running it; wait for it to end, or stop it (Ctrl-C in its "
+                         f"terminal), then --resume") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {os.uname().nodename}, since {_now()}\n")
+    lock.flush()
+    return lock
+
+
 def write_manifest(study: Path, manifest: dict) -> None:
     """Atomically, so an interrupted submission never leaves half a manifest."""
     tmp = study / (MANIFEST + ".tmp")
@@ -647,6 +676,7 @@ def run_local(p: Planned, study: Path) -> dict:
 def study(args, train_args: list, argv: list) -> int:
     mode = "local" if args.local else "slurm"
     study_dir, manifest, settings = open_study(args, settings_from(args, train_args), mode)
+    lock = hold_study(study_dir)  # held while this process runs
     check_train_args_parse(settings["train_args"], settings["strategies"])
     if mode == "slurm" and not args.dry_run and shutil.which("sbatch") is None:
         raise StudyError("sbatch not found: run this on the cluster's login node, or use "
@@ -670,6 +700,7 @@ def study(args, train_args: list, argv: list) -> int:
         return 0
 
     entries = record_plan(study_dir, manifest, settings, planned, args.resume, argv)
+    lock = lock or hold_study(study_dir)  # a new study's folder is made by record_plan
     print("\n".join([header] + [ln for ln in lines if ln.startswith("#")]), flush=True)
     shown = shlex.quote(str(study_dir))  # commands to paste: a space or $ in the path too
     resume_cmd = (f"python launch/run_benchmarks.py --resume --study-dir {shown}"

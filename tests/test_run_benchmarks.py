@@ -19,6 +19,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -563,9 +564,27 @@ def test_local_resume_reruns_only_the_failed_run(local_study, tmp_path):
     assert "# ddp-1n2g: failed: exit code 1" in dry.stdout
     assert "# ddp-1n1g: done" in dry.stdout and "# fsdp-1n2g: done" in dry.stdout
 
-    proc = rb("--resume", "--local", "--study-dir", study, env=extra)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "1 of 1 runs ok" in proc.stdout
+    # While the resumed study runs, a second --resume would read its run as killed and start
+    # it again beside it: the study is refused as in use.
+    running = subprocess.Popen([sys.executable, str(SCRIPT), "--resume", "--local",
+                                "--study-dir", str(study)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env_for_tests(extra),
+                               cwd=REPO)
+    try:
+        lock, deadline = study / ".run_benchmarks.lock", time.monotonic() + 120
+        while f"pid {running.pid} " not in lock.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)  # until it holds the study
+        again = rb("--resume", "--local", "--dry-run", "--study-dir", study, env=extra)
+        out, err = running.communicate(timeout=600)
+    finally:
+        running.kill()
+    assert again.returncode == 2 and again.stdout == "", again.stdout
+    assert again.stderr.startswith(f"error: {study} is in use by launch/run_benchmarks.py "
+                                   f"(pid {running.pid} on ")
+    assert again.stderr.endswith("which is still running it; wait for it to end, or stop it "
+                                 "(Ctrl-C in its terminal), then --resume\n")
+    assert running.returncode == 0, out[-2000:] + err[-2000:]
+    assert "1 of 1 runs ok" in out
     entry = json.loads((study / "study.json").read_text())["runs"][1]
     assert len(entry["attempts"]) == 2 and entry["attempts"][1]["exit_code"] == 0
     rows = {r["run"]: r for r in collect_results.read_study(study)}
