@@ -608,10 +608,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def publish(staging: Path, out: Path) -> None:
+def publish(staging: Path, out: Path, stale: str | None = None) -> None:
     """Move the files written in staging (a folder inside out) into out, replacing an earlier
-    collection's. A folder in the way of one of them stops it before any file moves, so that
-    out never holds a results.csv of this collection beside a results.md of the last."""
+    collection's, and remove the earlier files matching ``stale`` that this one did not write
+    again (the timeline of a run no longer in the study). A folder in the way of one of them
+    stops it before any file moves, so that out never holds a results.csv of this collection
+    beside a results.md of the last."""
     names = sorted(p.name for p in staging.iterdir())
     taken = next((out / n for n in names if (out / n).is_dir()), None)
     if taken is not None:
@@ -619,6 +621,9 @@ def publish(staging: Path, out: Path) -> None:
                          f"away, or pass another --out DIR")
     for name in names:  # renames within one file system: each replaces its file at once
         os.replace(staging / name, out / name)
+    for old in sorted(out.glob(stale)) if stale else []:
+        if old.name not in names and old.is_file():
+            old.unlink()
 
 
 def main(argv=None) -> int:
@@ -665,7 +670,7 @@ def main(argv=None) -> int:
                 write_csv(rows, staging / "results.csv")
                 report.write_markdown(rows, chosen, models, args.paths, staging / "results.md",
                                       pngs)
-                publish(staging, out)
+                publish(staging, out, "timeline-*.png" if args.plot else None)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
         except OSError as e:

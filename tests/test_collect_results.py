@@ -400,6 +400,11 @@ def test_two_runs_of_the_same_name_get_a_timeline_each(tmp_path):
     assert (f"- ddp-1g: timeline-ddp-1g-3.png is the timeline of {runs[1]}: an earlier run is "
             f"named ddp-1g too") in md, md
     assert md.count("an earlier run is named") == 1
+    # Collected again without monday's run: its timeline went, the others are drawn again
+    # (before, timeline-ddp-1g-3.png of the earlier collection stayed, for a run not there).
+    assert collect_results.main([*map(str, runs[1:]), "--out", str(out), "--plot"]) == 0
+    assert sorted(p.name for p in out.glob("timeline-*.png")) == [
+        "timeline-ddp-1g-2.png", "timeline-ddp-1g.png"]
 
 
 @pytest.mark.parametrize("tz, noted", [("UTC", False), ("JST-9", True)])
