@@ -327,6 +327,15 @@ def planned_row(study: Path, entry: dict) -> dict:
         row["status"], row["detail"] = SKIPPED, entry["skipped"]
         return row
     attempts = entry.get("attempts") or []
+    # a local run's attempt names the run directory it made (a Slurm one, where it will be)
+    gone = next((a["run_dir"] for a in reversed(attempts)
+                 if a.get("run_dir") and "exit_code" in a), None)
+    if gone is not None:  # it made one, which is not in the study now
+        row["status"] = MISSING
+        row["detail"] = (f"its run directory {Path(gone).name} is not in the study any more "
+                         f"(moved or deleted); put it back, or launch/run_benchmarks.py --resume "
+                         f"runs it again")
+        return row
     for attempt in reversed(attempts):  # the newest Slurm output that is there
         out = study / Path(attempt.get("output")
                            or f"{entry['name']}-{attempt.get('job_id')}.out").name
@@ -596,7 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(analyze_memory.py --tensorboard), so that tensorboard --logdir "
                              "STUDY shows them per run")
     parser.add_argument("--dpi", type=int, default=100,
-                        help="resolution of the PNG plots, 50 to 600")
+                        help="resolution of the PNG plots, 50 to 600 (default: %(default)s)")
     parser.add_argument("--inter-node-busbw", type=float, default=scaling.INTER_NODE_BUSBW_GBS,
                         metavar="GBS",
                         help="the scaling model's bus bandwidth between nodes, GB/s, where no "
@@ -604,7 +613,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "link per node")
     parser.add_argument("--ring-latency-us", type=float,
                         default=scaling.RING_STEP_LATENCY_US, metavar="US",
-                        help="the scaling model's latency of one ring step, microseconds")
+                        help="the scaling model's latency of one ring step, microseconds "
+                             "(default: %(default)g)")
     return parser
 
 
@@ -652,6 +662,10 @@ def main(argv=None) -> int:
             raise UsageError(rows[0]["detail"] if len(rows) == 1 else
                              f"none of the {len(rows)} runs can be read; the first: "
                              f"{rows[0]['detail']}")
+        if rows and all(r["status"] in (MISSING, SKIPPED) for r in rows):  # a plan, no run
+            first = next((r for r in rows if r["status"] == MISSING), rows[0])
+            raise UsageError(f"nothing to collect yet: none of the study's {len(rows)} runs "
+                             f"has a run directory; {first['run']}: {first['detail']}")
         chosen = scaling.scale(rows)
         scaling.step_times(rows)
         models = scaling.predict(rows, chosen, args.inter_node_busbw, args.ring_latency_us)

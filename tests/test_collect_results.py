@@ -731,6 +731,36 @@ def test_a_value_that_is_not_a_number_makes_the_line_unparseable(tmp_path):
     assert "'throughput_img_s=abc' is not a number" in md
 
 
+def test_a_study_with_no_run_yet_is_nothing_to_collect_and_a_deleted_local_run_is_named(
+        tmp_path, capsys):
+    """A study just submitted (study.json, no run directory) wrote a table without a number
+    and exited 0, though --help promised exit 2 for nothing to collect. A local run whose
+    directory was deleted said 'failed (ended before making its run directory: ... exit code
+    0)', quoting its console output."""
+    study = tmp_path / "study"
+    study.mkdir()
+    manifest = json.loads((STUDY / "study.json").read_text())
+    (study / "study.json").write_text(json.dumps(manifest))
+    assert collect_results.main([str(study), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    planned = len(manifest["runs"])
+    assert err.startswith(f"error: nothing to collect yet: none of the study's {planned} runs "
+                          f"has a run directory; dp-1n1g: submitted (job 5201) but no run "
+                          f"directory yet"), err
+    assert not (tmp_path / "out").exists()
+    # a local study's run, made and then deleted (its console output is still there)
+    entry = next(e for e in manifest["runs"] if e["name"] == "ddp-1n1g")
+    entry["attempts"] = [{"job_id": "20261207-1", "exit_code": 0,
+                          "output": str(study / "ddp-1n1g-20261207.out"),
+                          "run_dir": str(study / "ddp-1n1g-20261207-1")}]
+    (study / "study.json").write_text(json.dumps(manifest | {"mode": "local"}))
+    (study / "ddp-1n1g-20261207.out").write_text("end : 2026-12-07 (exit code 0)\n")
+    row = next(r for r in collect_results.read_study(study) if r["run"] == "ddp-1n1g")
+    assert (row["status"], row["detail"]) == ("missing", (
+        "its run directory ddp-1n1g-20261207-1 is not in the study any more (moved or "
+        "deleted); put it back, or launch/run_benchmarks.py --resume runs it again"))
+
+
 def test_a_final_line_cut_short_before_its_newline_is_not_read(tmp_path):
     """A [METRIC] line cut in the middle of a value and followed by a newline (a killed job's
     output, then the launcher's own line) was read as complete: throughput_img_s=1 for 1000,
