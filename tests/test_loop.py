@@ -90,6 +90,23 @@ def test_the_loops_batches_run_from_the_resumed_step_to_the_epochs_end():
     assert steps == [(1, 0), (2, 1), (3, 2)]
 
 
+def test_the_loader_is_not_asked_for_a_batch_past_the_last_step():
+    """--max-steps-per-epoch 2 read three batches (with --num-workers 0, a whole batch's read
+    and decode on the epoch's clock, in its data wait and throughput): the loop asked for the
+    next batch before seeing that the epoch was over. The real StepMeter counts the wait."""
+    from training import measure
+    run = _bare_run(steps=2, start_step=0)
+    run.meter = measure.StepMeter(every=0, epochs=1, steps=2, images_per_step=1)
+    read = []
+
+    def loader():
+        for i in range(5):
+            read.append(i)
+            yield torch.zeros(1), torch.tensor([i])
+    assert [step for step, _ in run.batches(loader())] == [0, 1]
+    assert read == [0, 1]
+
+
 def test_a_compiled_runs_peak_keeps_the_recorded_epochs_not_the_set_ups(monkeypatch):
     """--compile with CUDA graphs: from the second epoch a process runs on, the peak keeps the
     epoch before as its floor; the first epoch's reset keeps nothing (what the set-up held

@@ -26,6 +26,7 @@ the ``with`` block closes the TensorBoard files however the run ends.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -123,7 +124,9 @@ class Run:
             self.epoch = epoch
             self.start_step = self.resume_step if epoch == self.start_epoch else 0
             self.earlier = self.ckpt.earlier if epoch == self.start_epoch else None
-            self.lr = self.optimizer.param_groups[0]["lr"]  # at this run's first step of it
+            # at the epoch's first step: a resumed epoch's checkpoint carries it (the optimizer
+            # is at the checkpoint's step now, further up a warm-up)
+            self.lr = (self.earlier or {}).get("lr", self.optimizer.param_groups[0]["lr"])
             yield epoch
 
     def batches(self, loader):
@@ -140,15 +143,14 @@ class Run:
         measure.synchronize(*self.devices)
         self.t0 = time.perf_counter()
         self.rank_clock.start_epoch()
-        # to_device: on CUDA the next batch's copy overlaps this step's compute; the meter
-        # adds up the time spent waiting for the loader
-        batches = self.meter.epoch(loading.to_device(loader, self.device), self.epoch,
+        # islice: the loader is not asked for a batch past the last step (--max-steps-per-epoch
+        # read one more, on the epoch's clock); to_device: on CUDA the next batch's copy
+        # overlaps this step's compute; the meter adds up the time spent waiting for the loader
+        batches = itertools.islice(loader, max(0, self.steps - self.start_step))
+        batches = self.meter.epoch(loading.to_device(batches, self.device), self.epoch,
                                    self.start_step)
         batches = self.profiler.epoch(batches, self.start_step)
-        for step, batch in enumerate(batches, start=self.start_step):
-            if step >= self.steps:
-                return
-            yield step, batch
+        yield from enumerate(batches, start=self.start_step)
 
     def step_done(self, step: int, loss, outputs, labels) -> None:
         """After the optimizer step, before the scheduler's: TensorBoard's loss and learning
@@ -175,7 +177,7 @@ class Run:
         vote: no NaN reaches a checkpoint), then the epoch's figures so far (a collective)."""
         self.losses.check(self.epoch)
         return measure.epoch_so_far(self.sums, self.t0, self.meter.data_wait_s, self.devices,
-                                    self.earlier)
+                                    self.earlier) | {"lr": self.lr}
 
     def end_training(self) -> None:
         """After the epoch's last step, before evaluation: the training time, every rank's
