@@ -186,6 +186,20 @@ def test_a_simulated_run_names_itself_in_its_error_lines(capsys):
     assert "error: rank 1: the run stopped" in capsys.readouterr().err
 
 
+def test_a_simulated_runs_layout_line_says_what_it_is():
+    """It said 'world_size=4 nodes=1 processes_per_node=1 backend=gloo': four ranks on one node
+    cannot be one process per node, and the process group is torch's fake one, not gloo's."""
+    import argparse
+    import torch
+    from training import common
+    env = distributed.DistEnv(0, 0, 4, 1, "simulated", num_nodes=1)
+    lines = common.provenance(argparse.Namespace(amp="off", checkpoint_dir=None), env,
+                              torch.device("cpu"), "gloo")
+    assert [ln for ln in lines if ln.startswith("layout:")] == [
+        "layout: this one process as rank 0 of world_size=4 (simulated: torch's fake process "
+        "group, no collective runs) device=cpu"]
+
+
 def test_simulate_refuses_several_processes():
     proc = run_script("ddp_train.py", ["--model", "cnn", "--num-workers", "0",
                                        "--simulate-world-size", "4"], nproc=2, timeout=300)

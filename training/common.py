@@ -196,9 +196,11 @@ def provenance(args, env: DistEnv, device: torch.device, backend: str) -> list:
         f"torch {torch.__version__} | torchvision {devices.torchvision_version()} | {cuda} | "
         f"python {platform.python_version()} | host {platform.node()}",
         f"devices: {names}",
-        f"layout: world_size={env.world_size} nodes={env.nodes} "
-        f"processes_per_node={env.local_world_size} backend={backend} device={device.type} "
-        f"(ranks from {env.source})",
+        (f"layout: world_size={env.world_size} nodes={env.nodes} "
+         f"processes_per_node={env.local_world_size} backend={backend} device={device.type} "
+         f"(ranks from {env.source})" if env.source != "simulated" else
+         f"layout: this one process as rank 0 of world_size={env.world_size} (simulated: "
+         f"torch's fake process group, no collective runs) device={device.type}"),
         f"mixed precision: {AMP_TEXT[args.amp]} (--amp {args.amp}; default: bf16 on GPUs of "
         f"compute capability 8.0+, fp16 on older GPUs, off on CPU)",
         f"args: {args_text}",
