@@ -157,6 +157,22 @@ def test_flags_that_act_on_nothing_this_run_has_are_said(capsys, monkeypatch, tm
 
 
 @pytest.mark.parametrize("argv, said", [
+    (["--offload"], ["note: --offload moves nothing on the CPU, where the shards, gradients "
+                     "and optimizer state are in host memory already (FSDP's offload code "
+                     "still runs)"]),
+    ([], [])])
+def test_fsdp_offload_on_the_cpu_is_said_to_move_nothing(capsys, monkeypatch, tmp_path, argv,
+                                                          said):
+    """fsdp_train.py --offload on the CPU trained without a word, as if it saved memory."""
+    monkeypatch.chdir(tmp_path)
+    args = _parse("fsdp_train", argv + ["--device", "cpu"])
+    flags.check_flags(args)
+    flags.resolve_args(args, distributed.DistEnv(0, 0, 1, 1, "single"), torch.device("cpu"))
+    assert [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("note: --")] == said
+
+
+@pytest.mark.parametrize("argv, said", [
     (["--checkpoint-every", "5"], "note: --checkpoint-every 5 does nothing without "
      "--checkpoint-dir: this run saves no checkpoint; add --checkpoint-dir DIR"),
     (["--checkpoint-every", "5", "--keep-checkpoints", "3"], "note: --checkpoint-every 5 and "

@@ -428,6 +428,9 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
         # (--cuda-graph, whose graphs are the step, is refused there)
         idle.append(f"--compile {args.compile}'s CUDA graphs do nothing on the CPU: the step "
                     f"compiles without them, as --compile default")
+    if getattr(args, "offload", False) and device.type != "cuda":  # fsdp_train.py's flag
+        idle.append("--offload moves nothing on the CPU, where the shards, gradients and "
+                    "optimizer state are in host memory already (FSDP's offload code still runs)")
     if args.tensorboard in (None, board.OFF) and args.tensorboard_every != TENSORBOARD_EVERY:
         idle.append(f"--tensorboard-every {args.tensorboard_every:g} does nothing without "
                     f"--tensorboard: add --tensorboard")
