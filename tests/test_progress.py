@@ -276,6 +276,18 @@ def test_profile_of_a_short_epoch_says_it_traced_fewer_steps(tmp_path):
     assert f"{contract.PROFILE_PREFIX} steps=2 " in proc.stdout
 
 
+@pytest.mark.parametrize("steps, window, note", [
+    (8, (3, 8), False),  # 3 + 5 fit: it said "traces 5 after 2 warm-up step(s), not 5 after 3"
+    (7, (2, 7), True), (3, (1, 3), True), (100, (3, 8), False)])
+def test_the_profile_window_keeps_its_warm_up_where_the_epoch_has_room(capsys, steps, window,
+                                                                       note):
+    import torch
+    profiler = profiling.StepProfiler(None, False, steps, torch.device("cpu"))
+    profiler.out_dir = "unused"  # a window, without a process group
+    assert profiler._window(0) == window
+    assert ("note: --profile" in capsys.readouterr().out) == note
+
+
 def test_profile_needs_a_writable_folder(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

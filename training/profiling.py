@@ -183,7 +183,9 @@ class StepProfiler:
                 self.out_dir = None
                 return -1, -1
         else:
-            start = start_step + min(self.after, n // 3)
+            # a short epoch keeps a third of its steps for the warm-up at most, fewer only
+            # where the whole window would not fit after it
+            start = start_step + min(self.after, max(n // 3, n - self.STEPS))
         end = min(start + self.STEPS, self.steps)
         if (start - start_step, end - start) != (self.after, self.STEPS):
             print0(f"note: --profile: this epoch runs {n} step(s), so it traces {end - start} "
