@@ -34,6 +34,13 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}" + (("es" if what.endswith("s") else "s") if n != 1 else "")
 
 
+def epoch_tag(row: dict) -> str:
+    """" (epoch E of N)" for a run whose figures are not its final epoch's (a partial run's
+    last complete epoch), else ""."""
+    epoch, epochs = row.get("epoch"), row.get("epochs")
+    return f" (epoch {epoch} of {epochs})" if epoch and epochs and epoch != epochs else ""
+
+
 def table_row(label: str, row: dict | None, epochs: str) -> list:
     """One table row: the workshop's columns, then parallel efficiency and status."""
     if row is None:
@@ -41,7 +48,7 @@ def table_row(label: str, row: dict | None, epochs: str) -> list:
     status = row["status"] + (f": {row['detail']}" if row["detail"] else "")
     if row["status"] not in HAS_METRICS or num(row, "throughput_img_s") is None:
         return [label] + [FAILED if row["status"] == FAILED else "—"] * 9 + [status]
-    tag = f" (epoch {row['epoch']})" if epochs and row.get("epoch") != epochs else ""
+    tag = epoch_tag(row)  # on every figure of the run: its throughput is that epoch's too
     gpu = [row["gpu0"], "n/a", "n/a"]
     if row["gpu0_peak_mib"] != "":
         gpu = [str(row["gpu0_peak_mib"]), _fmt(row, "gpu0_avg_mib", ".2f"),
@@ -57,7 +64,7 @@ def table_row(label: str, row: dict | None, epochs: str) -> list:
     if rate is None:
         factors[0] = factors[2] = "—"
     return [label, _fmt(row, "train_loss", ".3f") + tag, _fmt(row, "train_acc", ".2f", "%") + tag,
-            "—" if rate is None else f"{rate:.1f}", *gpu, *factors, status]
+            "—" if rate is None else f"{rate:.1f}{tag}", *gpu, *factors, status]
 
 
 def _table(vs: str, epochs: str, labelled_rows: list) -> list:
@@ -177,7 +184,8 @@ def explain_markdown(key: tuple, configs: dict, model: tuple) -> list:
         if bw and r.get("transport"):  # which network carried it (a log from before: unsaid)
             bw += f" over {r['transport']}"
         unit = "process" if r.get("device") == "cpu" else "GPU"  # a CPU run has no GPUs
-        lines.append(f"| {_count(nodes, 'node')} x {_count(g, unit)} | {_ms(r, 'step_ms')} | "
+        lines.append(f"| {_count(nodes, 'node')} x {_count(g, unit)} | "
+                     f"{_ms(r, 'step_ms')}{epoch_tag(r)} | "
                      f"{_ms(r, 'data_wait_ms')} | " + " | ".join(parts) + f" | {bw or '—'} |")
     inputs, why = model
     if key[1] not in OVERLAP:  # DataParallel: one process, nothing to model
@@ -217,18 +225,20 @@ def model_markdown(inputs: dict, configs: dict) -> list:
         step = predict_step_ms(dict(inputs, hidden=usual, carried=0.0),
                                int(num(anchor, "nodes")), int(num(anchor, "gpus_per_node")))
         hidden = (f"{h:.2f}, fitted: the study's largest run, {anchor['run']}, took "
-                  f"{num(anchor, 'step_ms'):.1f} ms a step, less than the {step:.1f} ms that "
+                  f"{num(anchor, 'step_ms'):.1f} ms a step{epoch_tag(anchor)}, less than the "
+                  f"{step:.1f} ms that "
                   f"h = {usual:.2f} gives, so compute hid more of its communication")
         carried = f"{inputs['carried']:.1f} ms" + (
             "" if inputs["carried"] == 0 else " (that run was faster than t1 itself)")
     else:
         explained = num(anchor, "step_ms") - inputs["carried"]
         carried = (f"{inputs['carried']:.1f} ms: the study's largest run, {anchor['run']}, "
-                   f"took {num(anchor, 'step_ms'):.1f} ms a step and the model explains "
+                   f"took {num(anchor, 'step_ms'):.1f} ms a step{epoch_tag(anchor)} and the "
+                   f"model explains "
                    f"{explained:.1f} ms of it")
     lines = [f"step(N) = t1 + max(0, comm(N) - h x t1) + carried, comm(N) = {comm}; efficiency "
              f"= t1 / step(N). See docs/slurm.md, \"A scaling model\".", "",
-             f"- t1 = {t1:.1f} ms (the 1-GPU run); G = {inputs['grad_bytes'] / 1e6:.1f} MB "
+             f"- t1 = {t1:.1f} ms (the 1-GPU run{epoch_tag(configs[(1, 1)])}); G = {inputs['grad_bytes'] / 1e6:.1f} MB "
              f"(fp32 gradients); h = {hidden}",
              f"- bus bandwidth within a node: {node}",
              "- between nodes: " + _bandwidth(inputs["busbw_inter"], inputs["inter_source"],

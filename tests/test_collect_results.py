@@ -214,8 +214,9 @@ def test_the_study_says_where_the_step_time_goes_and_predicts_beyond_itself(tmp_
            f"{error:+.0%} |" in md
     assert f"| 4 nodes x 4 GPUs | 16 | {step4:.1f} | {t1 / step4:.0%} | {step4:.1f} | +0% " \
            f"(the model is fitted here) |" in md
+    # (partial: its step time is its last complete epoch's, and said so)
     assert (f"h = {h:.2f}, fitted: the study's largest run, ddp-4n4g-5005, took {step4:.1f} ms "
-            f"a step, less than the {usual:.1f} ms that h = 0.67 gives") in md
+            f"a step (epoch 2 of 3), less than the {usual:.1f} ms that h = 0.67 gives") in md
     assert "- carried overhead: 0.0 ms\n" in md
     assert ("- between nodes: all_reduce 2.5 GB/s (measured by ddp-2n4g-5004, 2 nodes x 4)"
             in md)
@@ -667,8 +668,9 @@ def test_tables_are_the_workshops_filled_in(study):
                                 "Parallel Efficiency | Status |") == 2  # dp has none
     assert ("| 2 GPUs, 1 Node | 3.698 | 19.86% | 1900.0 | 12000 | 10500.00 | 10500 | 1.90× | "
             "1.05× | 95% | ok |") in md
-    # partial: epoch 2's values, labelled as such
-    assert ("| 4 Nodes x 4 GPUs | 4.235 (epoch 2) | 12.44% (epoch 2) | 12800.0 | 13000 | "
+    # partial: epoch 2's values, labelled as such, its throughput too (it was not)
+    assert ("| 4 Nodes x 4 GPUs | 4.235 (epoch 2 of 3) | 12.44% (epoch 2 of 3) | "
+            "12800.0 (epoch 2 of 3) | 13000 | "
             "12500.00 | 13000 | 12.80× | 1.25× | 80% | partial: 2/3 epochs done") in md
     assert "| 8 Nodes x 4 GPUs | — |" in md and "missing: submitted (job 5006)" in md
     # fsdp: the failed baseline and what that means for the others
