@@ -40,7 +40,7 @@ run measured the bandwidth between nodes, the model assumes --inter-node-busbw.
 
 Exit status: 0 results written (failed runs are results too); 1 results written, but
 --tensorboard could not write some runs' scalars (each named); 2 a bad path or flag, a folder
-of studies such as runs/ (one study at a time), nothing to collect (no run that can be read),
+of studies such as runs/ or two studies (one study at a time), nothing to collect (no run that can be read),
 the output cannot be written, or a module of the repository missing beside this file (one
 sentence naming the fix). results.csv, results.md and the plots are replaced together: a write
 that fails leaves those of the last collection as they were.
@@ -484,7 +484,14 @@ def read_study(top: Path) -> list:
 
 
 def read_inputs(paths: list) -> list:
-    """The rows of the command line's study and run directories, each run once."""
+    """The rows of the command line's study and run directories, each run once; two studies
+    are refused, as a folder of studies is (runs scaled against another study's baseline)."""
+    studies = [p for p in paths if Path(p, MANIFEST).is_file() and not is_run_dir(Path(p))]
+    if len(studies) > 1:
+        raise UsageError(f"{studies[0]} and {studies[1]} are two studies: collect one study at "
+                         f"a time (a study's tables compare its own strategies and GPU counts): "
+                         f"python collect_results.py {shlex.quote(str(studies[0]))}, then each "
+                         f"other one, with its own --out if you give one")
     rows, seen = [], set()
     for p in paths:
         path = Path(p)

@@ -1045,6 +1045,25 @@ def test_a_folder_of_studies_is_refused_naming_them(tmp_path, capsys, loose):
     assert code == 0 and len(rows) == 19
 
 
+def test_two_studies_named_together_are_refused(tmp_path, capsys):
+    """Two study folders on one command line were merged without a word on the terminal:
+    one study's 32-per-GPU runs scaled against the other's 16-per-GPU baseline."""
+    one, two = tmp_path / "monday", tmp_path / "tuesday"
+    for study in (one, two):
+        shutil.copytree(STUDY, study)
+    assert collect_results.main([str(one), str(two), "--out", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"error: {one} and {two} are two studies: collect one study at a "
+                            f"time (a study's tables compare its own strategies and GPU "
+                            f"counts): python collect_results.py {one}, then each other one, "
+                            f"with its own --out if you give one\n")
+    assert not captured.out and not (tmp_path / "out").exists()
+    # a study and a run directory of another folder are still one collection
+    shutil.copytree(STUDY / "ddp-1n1g-5001", tmp_path / "other" / "ddp-1n1g-6001")
+    code, rows, _md = collect([one, tmp_path / "other" / "ddp-1n1g-6001"], tmp_path / "out")
+    assert code == 0 and len(rows) == 20 and rows["ddp-1n1g-6001"]["status"] == "ok"
+
+
 def test_strong_scaling_heading_and_a_workload_mismatch(tmp_path):
     """A study recorded as strong scaling whose runs did not keep the global batch fixed (the
     fixture's runs are weak scaling: 64 per GPU) is labelled, and the mismatch is flagged."""
