@@ -486,7 +486,8 @@ def read_study(top: Path) -> list:
 def read_inputs(paths: list) -> list:
     """The rows of the command line's study and run directories, each run once; two studies
     are refused, as a folder of studies is (runs scaled against another study's baseline)."""
-    studies = [p for p in paths if Path(p, MANIFEST).is_file() and not is_run_dir(Path(p))]
+    studies = [p for p in paths  # (os.path.isfile: False for a folder it may not enter)
+               if os.path.isfile(os.path.join(p, MANIFEST)) and not is_run_dir(Path(p))]
     if len(studies) > 1:
         raise UsageError(f"{studies[0]} and {studies[1]} are two studies: collect one study at "
                          f"a time (a study's tables compare its own strategies and GPU counts): "
