@@ -174,10 +174,17 @@ def study_plots(series: list, ideal: list, bars: list, out_dir: Path, dpi: int) 
         ax.grid(True, which="both", alpha=0.3)
 
     def legend(*axes):
-        """The legend, on the first of axes that has a line: an empty panel gets none."""
+        """One legend, on the first of axes that has a line, of every line in axes (a series
+        keeps its colour in each panel, and may be drawn in one panel only: a run without a
+        GPU log); an empty panel gets none."""
         ax = next((ax for ax in axes if ax.lines), None)
-        if ax is not None:
-            ax.legend(fontsize=8)
+        if ax is None:
+            return
+        named = {}
+        for each in axes:
+            for handle, label in zip(*each.get_legend_handles_labels()):
+                named.setdefault(label, handle)
+        ax.legend(list(named.values()), list(named), fontsize=8)
 
     def save(fig, name, title, markers=True, note=None):
         """Title, then the figure's footnotes (note, and the open markers) under the panels,

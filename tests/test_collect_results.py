@@ -347,6 +347,32 @@ def test_plot_without_step_times_leaves_out_the_breakdown(tmp_path):
     assert "step_breakdown.png" not in (tmp_path / "out" / "results.md").read_text()
 
 
+def test_the_memory_plots_legend_names_the_lines_of_both_panels(tmp_path, monkeypatch):
+    """Only ddp's runs have an nvidia-smi log: the legend, on the GPU 0 panel, named ddp
+    alone, and the other panel's dp and fsdp lines went unexplained."""
+    study = tmp_path / "study"
+    shutil.copytree(STUDY, study)
+    for folder in study.glob("*/gpu_memory"):
+        if not folder.parent.name.startswith("ddp-"):
+            shutil.rmtree(folder)
+    figures = {}
+    pyplot = plots._pyplot()
+    close = pyplot.close
+    monkeypatch.setattr(pyplot, "close", lambda fig: figures.setdefault(fig._suptitle.get_text(),
+                                                                       fig))
+    monkeypatch.setattr(collect_results, "write_timelines", lambda *args: [])
+    assert collect_results.main([str(study), "--out", str(tmp_path / "out"), "--plot"]) == 0
+    for fig in figures.values():
+        close(fig)
+    gpu, allocated = figures["Peak memory per GPU"].axes
+    def named(ax):
+        return {line.get_label() for line in ax.lines if not line.get_label().startswith("_")}
+    drawn = named(gpu) | named(allocated)
+    assert named(gpu) < drawn and named(gpu) == {n for n in drawn if n.startswith("ddp")}
+    assert {t.get_text() for t in gpu.get_legend().get_texts()} == drawn
+    assert allocated.get_legend() is None
+
+
 def test_a_panel_without_a_finite_value_says_so_not_an_empty_legend(tmp_path, monkeypatch):
     """val_loss=nan and throughput_img_s=0 in every run: the panel said nothing, the val_loss
     one had a legend of four invisible nan lines, and the throughput title blamed a missing
