@@ -391,13 +391,25 @@ def test_an_epoch_resumed_mid_way_reports_the_whole_epoch(tmp_path, script):
     assert "skipped" not in resumed.stdout  # no images counted as unreadable
 
 
+def test_a_checkpoint_inside_an_epoch_past_epochs_says_where_it_is(capsys):
+    """A checkpoint at epoch 2, step 6, given --epochs 1: 'already past --epochs', then a final
+    line of epoch 1, though the weights hold 6 steps of epoch 2 too."""
+    from training import measure
+    done = dict(strategy="ddp", world_size=1, epoch=1, epochs=2)
+    measure.print_final({}, 0.0, trained=False, run=dict(done, epochs=1), at=(1, 6))
+    assert capsys.readouterr().out == (
+        "nothing to train: the checkpoint (at epoch 2, step 6, whose steps its weights hold "
+        "but the final line below does not cover) is already past --epochs 1\n")
+
+
 def test_resume_past_the_end_never_and_missing_path(tmp_path):
     ck = tmp_path / "ck"
     first = run_script("ddp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck)])
     check_ok(first)
     again = run_script("ddp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck)])
     check_ok(again)
-    assert "nothing to train: the checkpoint is already past --epochs" in again.stdout
+    assert "nothing to train: the checkpoint (after epoch 1) is already past --epochs 1\n" \
+        in again.stdout
     # the final line repeats the checkpoint's last epoch, so a study sees the run end; this
     # process timed nothing, so its total time is nan rather than a few microseconds
     done, (final,) = metrics(first.stdout)[-1], metrics(again.stdout)
@@ -407,8 +419,9 @@ def test_resume_past_the_end_never_and_missing_path(tmp_path):
     # DataParallel given DDP's finished checkpoint: its final line said strategy=ddp unexplained
     other = run_script("dp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck)])
     check_ok(other)
-    assert ("nothing to train: the checkpoint is already past --epochs; the final line below is "
-            "its last epoch, which ddp trained on 1 process(es), not this dp run on 1") \
+    assert ("nothing to train: the checkpoint (after epoch 1) is already past --epochs 1; the "
+            "final line below is its last epoch, which ddp trained on 1 process(es), not this "
+            "dp run on 1") \
         in other.stdout, other.stdout
     assert metrics(other.stdout)[0]["strategy"] == "ddp"
     fresh = run_script("ddp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck),

@@ -230,4 +230,5 @@ class Run:
         the final [METRIC] line and the total time."""
         self.tb.finish(self.ckpt.metrics)
         measure.print_final(self.ckpt.metrics, self.total_time,
-                            trained=self.start_epoch < self.last_epoch, run=self.info)
+                            trained=self.start_epoch < self.last_epoch, run=self.info,
+                            at=(self.start_epoch, self.resume_step))

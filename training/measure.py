@@ -154,20 +154,27 @@ def epoch_metrics(totals: list, epoch_time: float, data_wait: float, peaks: list
         eval_end_unix=clock)
 
 
-def print_final(metrics: dict, total_time: float, trained: bool, run: dict) -> None:
+def print_final(metrics: dict, total_time: float, trained: bool, run: dict,
+                at: tuple = (0, 0)) -> None:
     """After the last epoch (rank 0 prints): the final [METRIC] line, the last epoch's metrics
     with final=1 and total_time_s (seconds since this process's first epoch began: training,
     evaluation, checkpoints), then the total time. A run resumed from a checkpoint already past
-    --epochs trains nothing: it says so, and its final line repeats the checkpoint's last epoch
-    with total_time_s=nan (nothing was timed), so that the study still sees the run end; where
-    another strategy or world size (``run``: this run's run_info) trained it, it says which."""
+    --epochs trains nothing: it says so, and where the checkpoint is (``at``: the epoch it
+    resumes, from 0, and the steps of it already run), and its final line repeats the
+    checkpoint's last epoch with total_time_s=nan (nothing was timed), so that the study still
+    sees the run end; where another strategy or world size (``run``: this run's run_info)
+    trained it, it says which."""
     if not trained:
+        epoch, step = at
+        where = (f"at epoch {epoch + 1}, step {step}, whose steps its weights hold but the "
+                 f"final line below does not cover" if step else f"after epoch {epoch}")
         trainer = {k: metrics.get(k) for k in ("strategy", "world_size")}
         other = ("" if not metrics or trainer == {k: run[k] for k in trainer} else
                  f"; the final line below is its last epoch, which {trainer['strategy']} "
                  f"trained on {trainer['world_size']} process(es), not this {run['strategy']} "
                  f"run on {run['world_size']}")
-        print0(f"nothing to train: the checkpoint is already past --epochs{other}")
+        print0(f"nothing to train: the checkpoint ({where}) is already past --epochs "
+               f"{run['epochs']}{other}")
     if metrics:
         total = total_time if trained else math.nan
         # a checkpoint written before a key was added to the line resumes without it: nan
