@@ -40,9 +40,9 @@ run measured the bandwidth between nodes, the model assumes --inter-node-busbw.
 
 Exit status: 0 results written (failed runs are results too); 1 results written, but
 --tensorboard could not write some runs' scalars (each named); 2 a bad path or flag, a folder
-of studies such as runs/ or two studies (one study at a time), nothing to collect (no run that can be read),
-the output cannot be written, or a module of the repository missing beside this file (one
-sentence naming the fix). results.csv, results.md and the plots are replaced together: a write
+of studies such as runs/ or two studies (one study at a time), nothing to collect (no run
+that can be read, or none run yet), the output cannot be written, or a module of the
+repository missing beside this file (one sentence naming the fix). results.csv, results.md and the plots are replaced together: a write
 that fails leaves those of the last collection as they were.
 """
 

@@ -121,8 +121,7 @@ def wrap_ddp(model: nn.Module, args, world: int, device: torch.device, capture) 
     """The model in DDP: a full replica per process; backward all-reduces each gradient bucket
     across ranks, averaging it once (average_per_bucket). BatchNorm statistics are broadcast
     from rank 0 before every forward, unless --no-broadcast-buffers or there is no other rank.
-    --cuda-graph: DDP is
-    built on the stream its step will be captured on (``capture``'s)."""
+    --cuda-graph: DDP is built on the stream its step will be captured on (``capture``'s)."""
     with capture.stream():
         replica = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                       bucket_cap_mb=args.bucket_cap_mb, static_graph=args.static_graph,
