@@ -13,10 +13,11 @@ kill-and-resume, the profiled launch counts, the launchers, building the tree) r
 lanes beside them, since a peak is per process and a count is a count (--lanes, default 4,
 1 with --rows targets; --lanes 1 runs every row alone). A row is started only when the time
 left of --minutes is at least its time estimate: the seconds it took in an earlier run (the
-JSON lines beside --out, or --estimates), else the plan's guess. Each finished row is appended
-at once to a JSON-lines file beside --out with its seconds (and the markdown report
-rewritten), so a run cut short keeps every row it finished, and --continue runs only the rows
-not yet there.
+JSON lines beside --out, --estimates, or the runs recorded in bench/results/gpu-*.jsonl, the
+newest measurement winning), else the plan's guess. Each finished row is appended at once to
+a JSON-lines file beside --out with its seconds (and the markdown report rewritten), so a run
+cut short keeps every row it finished, and --continue runs only the rows not yet there; run
+again without --continue, the earlier rows and report are kept as <name>.before-<time>.
 
 The rows (--rows speed, the default; ResNet-50, bf16 unless said):
 - timed: ddp_train.py on synthetic data held on the device (no loader, no copy: the compute
@@ -77,6 +78,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import shutil
 import signal
@@ -158,11 +160,25 @@ def missing_input(args, jsonl: Path | None) -> str | None:
     return None
 
 
+RECORDED = Path(__file__).resolve().parent / "results"  # the runs committed, gpu-*.jsonl
+
+
+def recorded_runs() -> list:
+    """The JSON lines of the acceptance runs recorded in bench/results, oldest first (by the
+    date in their names): each row's newest measurement is its estimate on a new --out."""
+    def date(path: Path) -> str:
+        found = re.search(r"\d{4}-\d{2}-\d{2}", path.name)
+        return found.group(0) if found else ""
+    return sorted(RECORDED.glob("gpu-*.jsonl"), key=lambda p: (date(p), p.name))
+
+
 def earlier_rows(args, jsonl: Path | None) -> tuple:
-    """(the rows of the earlier runs, those of them --continue keeps): --estimates' and the
-    JSON lines beside --out; a line a cut run left half written is left out, with a notice."""
+    """(the rows of the earlier runs, those of them --continue keeps): the recorded runs', then
+    --estimates' and the JSON lines beside --out, a later file's measurement of a row winning;
+    a line a cut run left half written is left out, with a notice."""
     earlier, kept = [], []
-    for path in filter(None, (Path(args.estimates) if args.estimates else None, jsonl)):
+    for path in [*recorded_runs(), *filter(None, (Path(args.estimates) if args.estimates
+                                                  else None, jsonl))]:
         if path.is_file():
             found, broken = read_rows(path)
             earlier += found
@@ -302,7 +318,8 @@ def parser() -> argparse.ArgumentParser:
                         "there yet (a row that was not started runs); the report has both")
     p.add_argument("--estimates", default=None,
                    help="the JSON lines of an earlier run whose measured seconds are this "
-                        "run's time estimates (default: those beside --out, if any)")
+                        "run's time estimates, over those recorded in bench/results/gpu-*.jsonl "
+                        "(those beside --out win over both)")
     p.add_argument("--dry-run", action="store_true",
                    help="print which row runs in which lane and when, by the time estimates, "
                         "and run nothing")
@@ -367,7 +384,8 @@ def acceptance_run(argv=None) -> int:
     if args.dry_run:
         measured = sum((row.key, row_steps(row, steps)) in seconds for row in pending)
         print(f"plan: --rows {args.rows}, --minutes {args.minutes:g}; time estimates: "
-              f"{measured} measured before, the rest the plan's guesses"
+              f"{measured} measured before (recorded in bench/{RECORDED.name}/ or beside --out), "
+              f"the rest the plan's guesses"
               + (f"; {len(kept)} row(s) kept from the earlier run" if kept else "")
               + (f"; {len(results) - len(kept)} row(s) CUDA only, skipped"
                  if len(results) > len(kept) else ""))
@@ -425,6 +443,22 @@ def to_run(rows: list, kept: list, gpu: bool, lanes: int) -> tuple:
     return results, pending
 
 
+def set_aside(jsonl: Path, out: Path | None) -> None:
+    """An earlier run's rows and report at this --out, run again without --continue: kept
+    under names of their own (<name>.before-<time>), not overwritten by the new run's."""
+    if not (jsonl.is_file() and jsonl.stat().st_size):
+        return
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(jsonl.stat().st_mtime))
+    moved = []
+    for path in filter(None, (jsonl, out)):
+        if path.is_file():
+            aside = path.with_name(f"{path.stem}.before-{stamp}{path.suffix}")
+            os.replace(path, aside)
+            moved.append(str(aside))
+    print(f"notice: the earlier run at this --out is kept as {' and '.join(moved)} "
+          f"(--continue runs only the rows it did not finish)", flush=True)
+
+
 class Run:
     """One acceptance run as its rows end: each row's result appended to the JSON lines at once
     (a run cut short keeps it) and the markdown report rewritten; at the end the rows left
@@ -442,6 +476,8 @@ class Run:
         self.data_notes, self.data_error = [], []
         if out:
             out.parent.mkdir(parents=True, exist_ok=True)
+        if not args.continue_run:
+            set_aside(jsonl, out)
         # the kept rows rewritten whole: a half line a cut run left is gone before any is
         # appended (through a new file: a stop while writing cannot cut the earlier rows short)
         fresh = jsonl.with_name(jsonl.name + ".new")

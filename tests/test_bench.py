@@ -451,6 +451,39 @@ def test_gpu_check_takes_its_time_estimates_from_an_earlier_run(gpu_check, monke
                      re.M), out
 
 
+def test_gpu_check_takes_the_recorded_runs_estimates_and_keeps_an_earlier_run_it_redoes(
+        gpu_check, monkeypatch, tmp_path, capsys):
+    """A new --out had only the plan's guesses, lower than the recorded runs measured (the
+    timed lane planned to end at 480 s of 480 by them); now the runs recorded in
+    bench/results are the estimates, the newest measurement of a row winning. Run again at
+    the same --out without --continue, the earlier run's rows and report were overwritten;
+    now they are kept beside it."""
+    monkeypatch.setattr(gpu_check, "plan", lambda which, gpu: _small_plan())
+    monkeypatch.setattr(gpu_check, "RECORDED", tmp_path / "results")
+    (tmp_path / "results").mkdir()
+    for day, seconds in (("2026-11-28", 70.0), ("2026-11-27", 40.0)):  # listed newest first
+        (tmp_path / "results" / f"gpu-h200-{day}.jsonl").write_text(json.dumps(
+            {"label": gpu_plan.FSDP, "batch": 8, "image": 64, "seconds": seconds,
+             "device": "cpu", "steps_per_epoch": 3}) + "\n")
+    assert gpu_check.main(["--dry-run", "--minutes", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "1 measured before" in out, out
+    assert re.search(rf"^ +0 - +70 s  {re.escape(gpu_plan.FSDP)}, 64 px, batch 8$", out,
+                     re.M), out
+    monkeypatch.setattr(gpu_rows, "run_training", _fake_training)
+    report = tmp_path / "r.md"
+    assert gpu_check.main(["--out", str(report), "--minutes", "1"]) == 0
+    first = report.with_suffix(".jsonl").read_text()
+    assert len(first.splitlines()) == 3
+    capsys.readouterr()
+    assert gpu_check.main(["--out", str(report), "--minutes", "1"]) == 0
+    (rows,) = tmp_path.glob("r.before-*.jsonl")
+    assert rows.read_text() == first and len(list(tmp_path.glob("r.before-*.md"))) == 1
+    assert (f"notice: the earlier run at this --out is kept as {rows} and "
+            f"{rows.with_suffix('.md')}") in capsys.readouterr().out
+    assert len(report.with_suffix(".jsonl").read_text().splitlines()) == 3
+
+
 def test_gpu_check_leaves_an_estimate_that_is_no_time_to_the_plans_guess(tmp_path):
     """An earlier run's file edited by hand: seconds of NaN (json.dumps writes it), a string,
     a negative number, true. The dry run kept simulating a row of NaN seconds for ever; now

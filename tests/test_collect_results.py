@@ -347,6 +347,20 @@ def test_plot_without_step_times_leaves_out_the_breakdown(tmp_path):
     assert "step_breakdown.png" not in (tmp_path / "out" / "results.md").read_text()
 
 
+def study_figures(study: Path, out: Path, monkeypatch) -> dict:
+    """collect_results --plot of a study: its figures by title, as drawn (no timelines)."""
+    figures = {}
+    pyplot = plots._pyplot()
+    close = pyplot.close
+    monkeypatch.setattr(pyplot, "close", lambda fig: figures.setdefault(fig._suptitle.get_text(),
+                                                                       fig))
+    monkeypatch.setattr(collect_results, "write_timelines", lambda *args: [])
+    assert collect_results.main([str(study), "--out", str(out), "--plot"]) == 0
+    for fig in figures.values():
+        close(fig)
+    return figures
+
+
 def test_the_memory_plots_legend_names_the_lines_of_both_panels(tmp_path, monkeypatch):
     """Only ddp's runs have an nvidia-smi log: the legend, on the GPU 0 panel, named ddp
     alone, and the other panel's dp and fsdp lines went unexplained."""
@@ -355,16 +369,9 @@ def test_the_memory_plots_legend_names_the_lines_of_both_panels(tmp_path, monkey
     for folder in study.glob("*/gpu_memory"):
         if not folder.parent.name.startswith("ddp-"):
             shutil.rmtree(folder)
-    figures = {}
-    pyplot = plots._pyplot()
-    close = pyplot.close
-    monkeypatch.setattr(pyplot, "close", lambda fig: figures.setdefault(fig._suptitle.get_text(),
-                                                                       fig))
-    monkeypatch.setattr(collect_results, "write_timelines", lambda *args: [])
-    assert collect_results.main([str(study), "--out", str(tmp_path / "out"), "--plot"]) == 0
-    for fig in figures.values():
-        close(fig)
+    figures = study_figures(study, tmp_path / "out", monkeypatch)
     gpu, allocated = figures["Peak memory per GPU"].axes
+
     def named(ax):
         return {line.get_label() for line in ax.lines if not line.get_label().startswith("_")}
     drawn = named(gpu) | named(allocated)
@@ -382,15 +389,7 @@ def test_a_panel_without_a_finite_value_says_so_not_an_empty_legend(tmp_path, mo
     for log in study.glob("*/train.log"):
         log.write_text(re.sub(r"throughput_img_s=[\d.]+", "throughput_img_s=0",
                               re.sub(r"val_loss=[\d.]+", "val_loss=nan", log.read_text())))
-    figures = {}
-    pyplot = plots._pyplot()
-    close = pyplot.close
-    monkeypatch.setattr(pyplot, "close", lambda fig: figures.setdefault(fig._suptitle.get_text(),
-                                                                       fig))
-    monkeypatch.setattr(collect_results, "write_timelines", lambda *args: [])
-    assert collect_results.main([str(study), "--out", str(tmp_path / "out"), "--plot"]) == 0
-    for fig in figures.values():
-        close(fig)
+    figures = study_figures(study, tmp_path / "out", monkeypatch)
     loss, acc = figures["Validation loss and accuracy (final epoch)"].axes
     assert not loss.lines and loss.get_legend() is None
     assert [t.get_text() for t in loss.texts] == ["nothing to draw: no run logged a finite "
