@@ -739,7 +739,15 @@ def test_killed_mid_write_and_no_newline(tmp_path):
     assert "last line without its newline" in md
 
 
-def test_a_value_that_is_not_a_number_makes_the_line_unparseable(tmp_path):
+@pytest.mark.parametrize("damage, said", [
+    (lambda final: re.sub(r"throughput_img_s=\S+", "throughput_img_s=abc", final),
+     "'throughput_img_s=abc' is not a number"),
+    # cut in a value and followed by a newline (a killed job's output, then the launcher's own
+    # line): read as complete, throughput_img_s=1 for 1000, a 2-GPU run scaled 1000x against it
+    (lambda final: final[:final.index("throughput_img_s=") + 18],
+     "no peak_mem_mib=, which the line before had, nor what follows it")],
+    ids=["not a number", "cut short"])
+def test_an_unreadable_final_line_is_left_out_and_named(tmp_path, damage, said):
     """Before, throughput_img_s=abc in the final line gave a row of dashes with status ok (and
     the 2-GPU row no baseline), without a word; now the line is left out and named, and the
     row uses the last epoch line, as for any unreadable final line."""
@@ -748,14 +756,13 @@ def test_a_value_that_is_not_a_number_makes_the_line_unparseable(tmp_path):
     log = run / "train.log"
     text = log.read_text()
     final = next(ln for ln in text.splitlines() if "final=1" in ln)
-    log.write_text(text.replace(final, re.sub(r"throughput_img_s=\S+", "throughput_img_s=abc",
-                                              final)))
+    log.write_text(text.replace(final, damage(final)))
     code, rows, md = collect([run], tmp_path / "out")
     r = rows["ddp-1n1g-7002"]
     assert (code, r["status"], r["bad_metric_lines"], r["throughput_img_s"]) == \
         (0, "ok", "1", "1000")
     assert "final [METRIC] line unreadable" in r["detail"]
-    assert "'throughput_img_s=abc' is not a number" in md
+    assert said in md
 
 
 def test_a_study_with_no_run_yet_is_nothing_to_collect_and_a_deleted_local_run_is_named(
@@ -786,25 +793,6 @@ def test_a_study_with_no_run_yet_is_nothing_to_collect_and_a_deleted_local_run_i
     assert (row["status"], row["detail"]) == ("missing", (
         "its run directory ddp-1n1g-20261207-1 is not in the study any more (moved or "
         "deleted); put it back, or launch/run_benchmarks.py --resume runs it again"))
-
-
-def test_a_final_line_cut_short_before_its_newline_is_not_read(tmp_path):
-    """A [METRIC] line cut in the middle of a value and followed by a newline (a killed job's
-    output, then the launcher's own line) was read as complete: throughput_img_s=1 for 1000,
-    status ok, and a 2-GPU run scaled 1000x against it. Now the line without its later keys
-    is named and the row uses the last epoch line."""
-    run = tmp_path / "ddp-1n1g-7003"
-    shutil.copytree(STUDY / "ddp-1n1g-5001", run)
-    log = run / "train.log"
-    text = log.read_text()
-    final = next(ln for ln in text.splitlines() if "final=1" in ln)
-    log.write_text(text.replace(final, final[:final.index("throughput_img_s=") + 18]))
-    code, rows, md = collect([run], tmp_path / "out")
-    r = rows["ddp-1n1g-7003"]
-    assert (code, r["status"], r["bad_metric_lines"], r["throughput_img_s"]) == \
-        (0, "ok", "1", "1000")
-    assert "final [METRIC] line unreadable" in r["detail"]
-    assert "no peak_mem_mib=, which the line before had, nor what follows it" in md
 
 
 @pytest.mark.parametrize("rates, bad", [(("1000", "1500", "nan"), "ddp-1n4g-5010"),

@@ -142,30 +142,21 @@ def test_values_that_fail_later_are_refused_at_the_start(tmp_path, argv, says):
      ["note: --synthetic-size 100 does nothing with --dataset fashion-mnist: it sizes the "
       "built-in synthetic data; drop it"]),
     (["--synthetic-size", "100"], []),
+    # fsdp_train.py's: on the CPU it trained without a word, as if it saved memory
+    (["fsdp_train", "--offload"], ["note: --offload moves nothing on the CPU, where the "
+                                   "shards, gradients and optimizer state are in host memory "
+                                   "already (FSDP's offload code still runs)"]),
+    (["fsdp_train"], []),
 ])
 def test_flags_that_act_on_nothing_this_run_has_are_said(capsys, monkeypatch, tmp_path, argv,
                                                          said):
     """--tensorboard-every without --tensorboard, --num-workers with --data-on-device were
-    taken without a word, as the checkpoint flags without --checkpoint-dir were."""
+    taken without a word, as the checkpoint flags without --checkpoint-dir were. (A first
+    item "fsdp_train": that script's flags, not ddp_train's.)"""
     monkeypatch.delenv("RUN_DIR", raising=False)
     monkeypatch.chdir(tmp_path)
-    args = _parse("ddp_train", argv + ["--device", "cpu"])
-    flags.check_flags(args)
-    flags.resolve_args(args, distributed.DistEnv(0, 0, 1, 1, "single"), torch.device("cpu"))
-    assert [line for line in capsys.readouterr().out.splitlines()
-            if line.startswith("note: --")] == said
-
-
-@pytest.mark.parametrize("argv, said", [
-    (["--offload"], ["note: --offload moves nothing on the CPU, where the shards, gradients "
-                     "and optimizer state are in host memory already (FSDP's offload code "
-                     "still runs)"]),
-    ([], [])])
-def test_fsdp_offload_on_the_cpu_is_said_to_move_nothing(capsys, monkeypatch, tmp_path, argv,
-                                                          said):
-    """fsdp_train.py --offload on the CPU trained without a word, as if it saved memory."""
-    monkeypatch.chdir(tmp_path)
-    args = _parse("fsdp_train", argv + ["--device", "cpu"])
+    script, argv = (argv[0], argv[1:]) if argv[:1] == ["fsdp_train"] else ("ddp_train", argv)
+    args = _parse(script, argv + ["--device", "cpu"])
     flags.check_flags(args)
     flags.resolve_args(args, distributed.DistEnv(0, 0, 1, 1, "single"), torch.device("cpu"))
     assert [line for line in capsys.readouterr().out.splitlines()
