@@ -231,8 +231,10 @@ def data_and_inputs(args, processes: int, loader_batch: int, model_batch: int) -
     inputs: two loader batches, the one the step trains on and the next, which to_device copies
     (or DeviceResident makes) while the step computes, as the loader hands them over (uint8 for
     the cache and synthetic data, float32 otherwise; int64 labels), none for the cache held on
-    the device, whose batches are views of its shard; and under --amp the float32 batch the
-    model gets (with --amp off the first layer saves that batch for backward: an activation)."""
+    the device, whose batches are views of its shard; under --amp the float32 batch the model
+    gets (with --amp off the first layer saves that batch for backward: an activation); and
+    with --cuda-graph the graph's own copy of that batch and its labels, which every replay
+    reads (cudagraph.StepCapture: 147 MiB at 224 px, batch 256)."""
     shape, classes = flags.input_shape(args)
     image = math.prod(shape)
     cache = args.dataset == "tinyimagenet" and bool(args.data_cache)
@@ -245,7 +247,8 @@ def data_and_inputs(args, processes: int, loader_batch: int, model_batch: int) -
         data = samples * (stored + 8) if cache else 2 * (classes * image + noise) + samples * 16
     in_flight = 0 if args.data_on_device and cache else 2 * loader_batch * (stored + 8)
     finished = model_batch * image * 4 if args.amp != "off" else 0
-    return data, in_flight + finished
+    static = model_batch * (image * 4 + 8) if getattr(args, "cuda_graph", False) else 0
+    return data, in_flight + finished + static
 
 
 def model_states(model: nn.Module, momentum: float) -> tuple:
