@@ -202,6 +202,33 @@ def test_mnist_without_network_is_one_clean_line(tmp_path, monkeypatch):
         f"pass --data-dir {tmp_path}")
 
 
+@pytest.mark.parametrize("junk", [False, True], ids=["nothing there", "a damaged file"])
+def test_mnist_offline_on_a_fresh_clone_asks_for_the_files(tmp_path, monkeypatch, junk):
+    """torchvision makes MNIST/raw before it downloads: offline, on a fresh clone, that empty
+    folder was 'there but incomplete or damaged ... delete it to download it again', which
+    loops without network. Empty, it is nothing there; a file in it is a damaged copy."""
+    import urllib.error
+
+    import torchvision.datasets.mnist
+
+    def offline(*_, **__):  # what each mirror gives without network, on any machine
+        raise urllib.error.URLError("[Errno -2] Name or service not known")
+    monkeypatch.setattr(torchvision.datasets.mnist, "download_and_extract_archive", offline)
+    if junk:
+        (tmp_path / "MNIST" / "raw").mkdir(parents=True)
+        (tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte.gz").write_bytes(b"junk\n")
+    args = argparse.Namespace(dataset="mnist", data_dir=str(tmp_path))
+    with pytest.raises(faults.UsageError) as refused:
+        datasets._torchvision_data(args)
+    said = str(refused.value)
+    assert (tmp_path / "MNIST" / "raw").is_dir()  # torchvision made it
+    if junk:
+        assert f"{tmp_path / 'MNIST' / 'raw'} is there but incomplete or damaged" in said, said
+    else:
+        assert said.endswith(f"without network, put MNIST/raw/*-ubyte.gz (from the official "
+                             f"site) in {tmp_path} and pass --data-dir {tmp_path}"), said
+
+
 @pytest.mark.parametrize("damaged", ["cifar-10-python.tar.gz", "cifar-10-batches-py"])
 def test_a_damaged_cifar10_archive_is_named_not_asked_for(tmp_path, monkeypatch, damaged):
     """A cut or damaged cifar-10-python.tar.gz (or extracted folder) in --data-dir: torchvision

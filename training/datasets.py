@@ -246,7 +246,9 @@ def _torchvision_data(args) -> DataBundle:
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
             why = lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}"
             why = f"{exc.__class__.__name__}: {why[:300]}"
-            there = [str(path) for path in kept if path.exists()]
+            # an empty folder is no copy: torchvision makes MNIST/raw before it downloads
+            there = [str(path) for path in kept
+                     if path.is_file() or path.is_dir() and any(path.iterdir())]
             if there:  # torchvision checks the files' MD5 and downloads what fails it again
                 raise UsageError(f"could not load {args.dataset} from {root}: {' and '.join(there)}"
                                  f" is there but incomplete or damaged (its checksum is not "
