@@ -399,7 +399,7 @@ def test_a_checkpoint_inside_an_epoch_past_epochs_says_where_it_is(capsys):
     measure.print_final({}, 0.0, trained=False, run=dict(done, epochs=1), at=(1, 6))
     assert capsys.readouterr().out == (
         "nothing to train: the checkpoint (at epoch 2, step 6, whose steps its weights hold "
-        "but the final line below does not cover) is already past --epochs 1\n")
+        "but the final line below does not cover) is past --epochs 1 already\n")
 
 
 def test_resume_past_the_end_never_and_missing_path(tmp_path):
@@ -408,7 +408,7 @@ def test_resume_past_the_end_never_and_missing_path(tmp_path):
     check_ok(first)
     again = run_script("ddp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck)])
     check_ok(again)
-    assert "nothing to train: the checkpoint (after epoch 1) is already past --epochs 1\n" \
+    assert "nothing to train: the checkpoint (after epoch 1) has done --epochs 1 already\n" \
         in again.stdout
     # the final line repeats the checkpoint's last epoch, so a study sees the run end; this
     # process timed nothing, so its total time is nan rather than a few microseconds
@@ -419,7 +419,7 @@ def test_resume_past_the_end_never_and_missing_path(tmp_path):
     # DataParallel given DDP's finished checkpoint: its final line said strategy=ddp unexplained
     other = run_script("dp_train.py", RUN + ["--epochs", "1", "--checkpoint-dir", str(ck)])
     check_ok(other)
-    assert ("nothing to train: the checkpoint (after epoch 1) is already past --epochs 1; the "
+    assert ("nothing to train: the checkpoint (after epoch 1) has done --epochs 1 already; the "
             "final line below is its last epoch, which ddp trained on 1 process(es), not this "
             "dp run on 1") \
         in other.stdout, other.stdout

@@ -166,15 +166,16 @@ def print_final(metrics: dict, total_time: float, trained: bool, run: dict,
     trained it, it says which."""
     if not trained:
         epoch, step = at
-        where = (f"at epoch {epoch + 1}, step {step}, whose steps its weights hold but the "
-                 f"final line below does not cover" if step else f"after epoch {epoch}")
+        where = (f"(at epoch {epoch + 1}, step {step}, whose steps its weights hold but the "
+                 f"final line below does not cover) is past" if step else
+                 f"(after epoch {epoch}) has done")
         trainer = {k: metrics.get(k) for k in ("strategy", "world_size")}
         other = ("" if not metrics or trainer == {k: run[k] for k in trainer} else
                  f"; the final line below is its last epoch, which {trainer['strategy']} "
                  f"trained on {trainer['world_size']} process(es), not this {run['strategy']} "
                  f"run on {run['world_size']}")
-        print0(f"nothing to train: the checkpoint ({where}) is already past --epochs "
-               f"{run['epochs']}{other}")
+        print0(f"nothing to train: the checkpoint {where} --epochs {run['epochs']} "
+               f"already{other}")
     if metrics:
         total = total_time if trained else math.nan
         # a checkpoint written before a key was added to the line resumes without it: nan
