@@ -78,6 +78,10 @@ if [ -f "$SITE_SH" ]; then  # false for SITE_SH= (none)
   # stays out of the functions and $(...) of module and conda scripts, where a failure is
   # often expected and handled.)
   # (Only while errexit is on: a site file that turned it off with set +e goes on, as before.)
+  # sbatch reads SBATCH_* when the job is submitted: one the site file sets in the job is
+  # too late (it is sourced again here; a value already in the submit shell's is no change)
+  declare -A sbatch_before=()
+  for v in $(compgen -v SBATCH_ || true); do sbatch_before[$v]=${!v}; done
   site_rc=0 site_line=0
   trap 'site_rc=$? site_line=$LINENO; if [[ $- == *e* ]]; then
     echo "error: site settings $SITE_SH, line $site_line: \"$BASH_COMMAND\" failed (exit" \
@@ -87,6 +91,17 @@ if [ -f "$SITE_SH" ]; then  # false for SITE_SH= (none)
   source "$SITE_SH"
   trap - ERR
   set -eu  # a set +e of the site file's ends with it: this script stops at its own errors
+  late=()
+  for v in $(compgen -v SBATCH_ || true); do
+    if [ "${sbatch_before[$v]+set}" != set ] || [ "${sbatch_before[$v]}" != "${!v}" ]; then
+      late+=("$v=${!v}")
+    fi
+  done
+  if [ -n "${SLURM_JOB_ID:-}" ] && [ "${#late[@]}" -gt 0 ]; then
+    echo "warning: $SITE_SH sets ${late[*]} inside the job, too late to change it (partition" \
+      "${SLURM_JOB_PARTITION:-?}): sbatch reads SBATCH_* when you submit, so source it in the" \
+      "shell you submit from: source $SITE_SH && sbatch ..." >&2
+  fi
 fi
 
 # ---- defaults, each overridable from the environment -----------------------------------------

@@ -117,15 +117,23 @@ if [ -n "${GLOO_SOCKET_IFNAME:-}" ]; then
 elif [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then
   gloo_if=$(gloo_ifname "$NCCL_SOCKET_IFNAME")
   if [ -n "$gloo_if" ]; then export GLOO_SOCKET_IFNAME=$gloo_if; fi
-  echo "[$node] gloo's interface: ${gloo_if:-gloo chooses (the address of the host name)}" \
-    "(from NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME)"
+  if [ -n "$gloo_if" ]; then
+    echo "[$node] gloo's interface: $gloo_if (from NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME)"
+  else
+    echo "[$node] gloo's interface: gloo chooses, the address of the host name" \
+      "(NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME names no interface of this node)"
+  fi
 elif [ "${NNODES:-${SLURM_NNODES:-1}}" -gt 1 ] && [ -n "${MASTER_ADDR:-}" ]; then
   # neither set: the interface of this node's route to the others (not the host name's address)
   peer=$(gloo_peer "$node" "$MASTER_ADDR" "${PEER_ADDR:-}")
   gloo_if=$(route_ifname "$peer")
   if [ -n "$gloo_if" ]; then export GLOO_SOCKET_IFNAME=$gloo_if; fi
-  echo "[$node] gloo's interface: ${gloo_if:-gloo chooses (the address of the host name)}" \
-    "(the route to ${peer:-no other node})"
+  if [ -n "$gloo_if" ]; then
+    echo "[$node] gloo's interface: $gloo_if (the route to $peer)"
+  else
+    echo "[$node] gloo's interface: gloo chooses, the address of the host name (no" \
+      "interface found on a route to ${peer:-another node})"
+  fi
 fi
 echo "[$node] NCCL's interface: ${NCCL_SOCKET_IFNAME:-NCCL chooses (NCCL_SOCKET_IFNAME unset)}"
 

@@ -1166,8 +1166,8 @@ def test_an_nccl_exclusion_does_not_reach_gloo(tmp_path):
                          capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
-    assert "gloo's interface: gloo chooses (the address of the host name) (from " \
-           "NCCL_SOCKET_IFNAME=^docker0)" in out
+    assert "gloo's interface: gloo chooses, the address of the host name " \
+           "(NCCL_SOCKET_IFNAME=^docker0 names no interface of this node)" in out
     assert "Unable to find address" not in out and "Epoch [1/1]" in out
 
 
@@ -1249,7 +1249,8 @@ def jobs(slurm_lab, tmp_path_factory):
     other's training."""
     root = tmp_path_factory.mktemp("jobs")
     site = root / "site.sh"
-    site.write_text('echo "site.sh was sourced on $SLURMD_NODENAME"\nexport SITE_MARK=yes\n')
+    site.write_text('echo "site.sh was sourced on $SLURMD_NODENAME"\nexport SITE_MARK=yes\n'
+                    'export SBATCH_QOS=high\n')  # too late in the job: said so
     probe_dir = root / "probe"
     probe_dir.mkdir()
     (probe_dir / "probe.sh").write_text(PROBE)
@@ -1321,6 +1322,9 @@ def check_slurm_job(job: Job, nodes: int, gpus: int, fake_gpus: bool, strategy: 
 def test_slurm_baseline_one_gpu(jobs):
     out, _ = check_slurm_job(jobs["baseline"], nodes=1, gpus=1, fake_gpus=False)
     assert "site.sh was sourced on n" in out  # SITE_SH: the one optional site file
+    # an SBATCH_ variable the site file sets in the job did nothing: it ran without a word
+    assert (f"warning: {jobs['baseline'].env['SITE_SH']} sets SBATCH_QOS=high inside "
+            f"the job, too late to change it (partition ") in out
 
 
 def test_slurm_multi_gpu_two_gpus(jobs):
