@@ -219,3 +219,21 @@ def test_a_refusal_does_not_import_zero_fsdp_or_dtensor(script):
     assert done.returncode == 2 and said == ["error: --epochs must be at least 1, got 0"], said
     loaded = re.findall(r"\| +(torch\.distributed\.(?:optim|fsdp|tensor))$", done.stderr, re.M)
     assert loaded == [], f"{script} imported {sorted(set(loaded))} to refuse a flag"
+
+
+@pytest.mark.parametrize("script, argv, said", [
+    ("ddp_train.py", ["--epochs", "1", "--nproc-per-node", "2"],
+     "error: --nproc-per-node is torchrun's, not ddp_train.py's: put it before the script, as "
+     "in torchrun --nproc-per-node ... ddp_train.py ..."),
+    ("fsdp_train.py", ["--nnodes=2"], "error: --nnodes is torchrun's, not fsdp_train.py's: put "
+     "it before the script, as in torchrun --nnodes ... fsdp_train.py ..."),
+    ("dp_train.py", ["--nproc_per_node", "4"], "error: --nproc_per_node is torchrun's, and "
+     "dp_train.py runs as one process that drives every GPU: drop it (python dp_train.py ..., "
+     "--gpus N picks how many)")])
+def test_a_torchrun_flag_after_the_script_is_one_sentence(script, argv, said):
+    """`torchrun ddp_train.py --nproc-per-node 2` (or python): argparse's 25-line usage, then
+    "unrecognized arguments", and under torchrun its ChildFailedError traceback."""
+    from conftest import REPO
+    proc = subprocess.run([sys.executable, str(REPO / script), *argv], capture_output=True,
+                          text=True, timeout=120)
+    assert (proc.returncode, proc.stderr, proc.stdout) == (2, said + "\n", "")

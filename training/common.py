@@ -32,7 +32,7 @@ from training import (allocation, contract, ctrl_c, devices, distributed, hangs,
 from training.distributed import DistEnv, dist_env, print0
 from training.faults import (UsageError, collective_failed, crashed, exit_line, fail_cleanly,
                              is_collective_failure)
-from training.flags import AMP_TEXT, check_flags, default_workers
+from training.flags import AMP_TEXT, check_flags, default_workers, misplaced_torchrun_flag
 from training.lossguard import NonFiniteLoss
 from training.stopping import Requeue, catch_stop_signals
 
@@ -47,6 +47,10 @@ def run(train, parser: argparse.ArgumentParser, argv=None) -> int:
     Ctrl-C); and, once every rank has finished, the last barrier and the process group's
     teardown. Returns the exit code for end_process."""
     ctrl_c.raises()  # from here a Ctrl-C is the one-line message below, not the end
+    misplaced = misplaced_torchrun_flag(sys.argv[1:] if argv is None else argv, parser.prog)
+    if misplaced:  # argparse would print its whole usage and "unrecognized arguments"
+        print(f"error: {misplaced}", file=sys.stderr, flush=True)
+        return exit_line(2)
     try:
         args = parser.parse_args(argv)
     except SystemExit as done:  # argparse's error (2), or --help (0)

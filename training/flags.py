@@ -259,6 +259,28 @@ def default_workers(env: DistEnv) -> int:
     return max(0, min(8, share - 1))
 
 
+#: torchrun's own flags, which a user may write after the script instead of before it
+TORCHRUN_FLAGS = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--node-rank",
+                  "--node_rank", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint",
+                  "--rdzv_endpoint", "--rdzv-id", "--rdzv_id", "--master-addr", "--master_addr",
+                  "--master-port", "--master_port", "--standalone", "--max-restarts",
+                  "--max_restarts")
+
+
+def misplaced_torchrun_flag(argv: list, script: str) -> str | None:
+    """One sentence for a torchrun flag among a script's own (written after the script, where
+    argparse printed its whole usage and "unrecognized arguments"), else None."""
+    flag = next((a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in TORCHRUN_FLAGS),
+                None)
+    if flag is None:
+        return None
+    if script == "dp_train.py":
+        return (f"{flag} is torchrun's, and dp_train.py runs as one process that drives every "
+                f"GPU: drop it (python dp_train.py ..., --gpus N picks how many)")
+    return (f"{flag} is torchrun's, not {script}'s: put it before the script, as in torchrun "
+            f"{flag} ... {script} ...")
+
+
 def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
     """Reject impossible flag values, without the machine: run() first thing, check_args.py
     before a job or a study. data_known=False: no --dataset or data dir yet (the job's site.sh
