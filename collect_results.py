@@ -101,6 +101,8 @@ NOT_COLUMNS = ("final", "notes", "bad")  # in a row, but not in results.csv
 # The figures read_memory takes from analyze_memory.py's summary of a GPU and of a node's CPU.
 SUMMARY_GPU_FIGURES = ("peak_mib", "avg_mib", "mode_mib")
 SUMMARY_CPU_FIGURES = ("peak_rss_mib", "avg_rss_mib", "peak_cpu_pct", "avg_cpu_pct")
+# memory_summary.json's CPU keys before 2026-12-07 (their numbers were MiB all along)
+OLD_SUMMARY_KEYS = {"peak_rss_mb": "peak_rss_mib", "avg_rss_mb": "avg_rss_mib"}
 
 
 class UsageError(Exception):
@@ -228,11 +230,13 @@ def summary_rows(summary) -> tuple:
         for i, r in enumerate(summary[kind], 1):
             if not (isinstance(r, dict) and isinstance(r.get("node"), str)
                     and (kind == "cpu" or type(r.get("gpu")) is int)  # not true/false
-                    and all(_is_figure(r[k]) for k in figures if k in r)):
+                    and all(_is_figure(r[k]) for k in figures + tuple(OLD_SUMMARY_KEYS)
+                            if k in r)):
                 raise ValueError(f"{kind} entry {i} is not an object with a node name"
                                  + (", a GPU index" if kind == "gpu" else "")
                                  + f" and numbers for {', '.join(figures)}")
-    return summary["gpu"], summary["cpu"]
+    cpu = [{OLD_SUMMARY_KEYS.get(k, k): v for k, v in r.items()} for r in summary["cpu"]]
+    return summary["gpu"], cpu
 
 
 def _is_figure(value) -> bool:
@@ -328,9 +332,9 @@ def planned_row(study: Path, entry: dict) -> dict:
         return row
     attempts = entry.get("attempts") or []
     # a local run's attempt names the run directory it made (a Slurm one, where it will be)
-    gone = next((a["run_dir"] for a in reversed(attempts)
-                 if a.get("run_dir") and "exit_code" in a), None)
-    if gone is not None:  # it made one, which is not in the study now
+    newest = attempts[-1] if attempts else {}
+    gone = newest.get("run_dir") if "exit_code" in newest else None
+    if gone:  # the newest attempt made one, which is not in the study now
         row["status"] = MISSING
         row["detail"] = (f"its run directory {Path(gone).name} is not in the study any more "
                          f"(moved or deleted); put it back, or launch/run_benchmarks.py --resume "
@@ -486,8 +490,9 @@ def read_study(top: Path) -> list:
 def read_inputs(paths: list) -> list:
     """The rows of the command line's study and run directories, each run once; two studies
     are refused, as a folder of studies is (runs scaled against another study's baseline)."""
-    studies = [p for p in paths  # (os.path.isfile: False for a folder it may not enter)
-               if os.path.isfile(os.path.join(p, MANIFEST)) and not is_run_dir(Path(p))]
+    studies = list(dict.fromkeys(  # one study named twice (s1 s1/, a link to it) is one
+        Path(p).resolve() for p in paths  # (os.path.isfile: False for a folder it may not enter)
+        if os.path.isfile(os.path.join(p, MANIFEST)) and not is_run_dir(Path(p))))
     if len(studies) > 1:
         raise UsageError(f"{studies[0]} and {studies[1]} are two studies: collect one study at "
                          f"a time (a study's tables compare its own strategies and GPU counts): "

@@ -793,6 +793,15 @@ def test_a_study_with_no_run_yet_is_nothing_to_collect_and_a_deleted_local_run_i
     assert (row["status"], row["detail"]) == ("missing", (
         "its run directory ddp-1n1g-20261207-1 is not in the study any more (moved or "
         "deleted); put it back, or launch/run_benchmarks.py --resume runs it again"))
+    # resumed after that, and failed before making a directory: the newest attempt's failure
+    entry["attempts"].append({"job_id": "", "exit_code": 2,
+                              "output": str(study / "ddp-1n1g-20261208.out")})
+    (study / "study.json").write_text(json.dumps(manifest | {"mode": "local"}))
+    (study / "ddp-1n1g-20261208.out").write_text("error: site settings site.sh, line 2\n")
+    row = next(r for r in collect_results.read_study(study) if r["run"] == "ddp-1n1g")
+    assert (row["status"], row["detail"]) == ("failed", (
+        "ended before making its run directory: error: site settings site.sh, line 2 (see "
+        "ddp-1n1g-20261208.out)"))
 
 
 @pytest.mark.parametrize("rates, bad", [(("1000", "1500", "nan"), "ddp-1n4g-5010"),
@@ -856,17 +865,24 @@ def test_cpu_runs_show_no_gpu_log(tmp_path):
     assert "| n/a (no GPU log) | n/a | n/a | 1.00× | n/a (no GPU log) | 100% | ok |" in md
 
 
-def test_memory_summary_json_when_logs_are_gone(tmp_path):
+@pytest.mark.parametrize("keys", ["today's", "before 2026-12-07"])
+def test_memory_summary_json_when_logs_are_gone(tmp_path, keys):
+    """A summary job.sh wrote before the CPU keys said MiB (peak_rss_mb: MiB all along) reads
+    the same: the rename left its CPU memory blank, without a note."""
     run = tmp_path / "ddp-1n1g-7004"
     shutil.copytree(STUDY / "ddp-1n1g-5001", run)
     summary = subprocess.run([sys.executable, str(REPO / "analyze_memory.py"), "--json",
                               str(run)], capture_output=True, text=True, check=True).stdout
+    if keys != "today's":
+        summary = summary.replace('"peak_rss_mib"', '"peak_rss_mb"').replace(
+            '"avg_rss_mib"', '"avg_rss_mb"')
     (run / "memory_summary.json").write_text(summary)
     shutil.rmtree(run / "gpu_memory")
     shutil.rmtree(run / "cpu_memory")
     _, rows, _ = collect([run], tmp_path / "out")
-    assert (rows["ddp-1n1g-7004"]["gpu0_avg_mib"], rows["ddp-1n1g-7004"]["cpu_peak_rss_mib"]) == (
-        "10000.0", "5631.0")
+    r = rows["ddp-1n1g-7004"]
+    assert (r["gpu0_avg_mib"], r["cpu_peak_rss_mib"]) == ("10000.0", "5631.0")
+    assert float(r["cpu_avg_rss_mib"]) > 0
 
 
 @pytest.mark.parametrize("summary", [
@@ -1071,6 +1087,10 @@ def test_two_studies_named_together_are_refused(tmp_path, capsys):
                             f"counts): python collect_results.py {one}, then each other one, "
                             f"with its own --out if you give one\n")
     assert not captured.out and not (tmp_path / "out").exists()
+    # one study named twice (a trailing slash, a link to it) is one study
+    (tmp_path / "link").symlink_to(one)
+    code, rows, _md = collect([one, f"{one}/", tmp_path / "link"], tmp_path / "out")
+    assert code == 0 and len(rows) == 19
     # a study and a run directory of another folder are still one collection
     shutil.copytree(STUDY / "ddp-1n1g-5001", tmp_path / "other" / "ddp-1n1g-6001")
     code, rows, _md = collect([one, tmp_path / "other" / "ddp-1n1g-6001"], tmp_path / "out")
