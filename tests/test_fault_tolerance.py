@@ -369,9 +369,9 @@ def test_corrupt_newest_checkpoint_falls_back_with_warning(tmp_path):
 def test_an_epoch_resumed_mid_way_reports_the_whole_epoch(tmp_path, script):
     """Before: the epoch resumed from a checkpoint inside it reported only the steps after the
     checkpoint (train_images=1024 of 4096, a fourth of the time), an outlier on every epoch
-    chart. The checkpoint now carries the epoch's figures so far, and the learning rate it
-    started at: in a warm-up, the resumed epoch said LR 0.008750 for the whole run's 0.001250
-    (the rate at the checkpoint's step)."""
+    chart. The checkpoint now carries the epoch's figures so far. And in a warm-up the resumed
+    epoch said LR 0.008750 for the whole run's 0.001250 (the rate at the checkpoint's step):
+    it is the rate this run's schedule began the epoch at, with another --lr too."""
     ck = tmp_path / "ck"
     args = RUN + ["--epochs", "1", "--warmup-epochs", "1"]  # 320 samples, 16 a step: 20 steps
     whole = run_script(script, args + ["--checkpoint-dir", str(ck), "--checkpoint-every", "15",
@@ -386,7 +386,10 @@ def test_an_epoch_resumed_mid_way_reports_the_whole_epoch(tmp_path, script):
     assert a["train_images"] == b["train_images"] == "320"
     assert float(b["train_loss"]) == pytest.approx(float(a["train_loss"]), rel=1e-6)
     assert (b["train_acc"], b["val_acc"]) == (a["train_acc"], a["val_acc"])
-    assert b["lr"] == a["lr"] and float(a["lr"]) == pytest.approx(earlier["lr"])
+    assert b["lr"] == a["lr"]
+    doubled = run_script(script, args + ["--lr", "0.04", "--resume", str(mid)])  # RUN's: 0.02
+    check_ok(doubled)
+    assert float(metrics(doubled.stdout)[0]["lr"]) == pytest.approx(2 * float(a["lr"]))
     assert float(b["epoch_time_s"]) > earlier["train_time_s"]  # the earlier steps' time too
     assert "skipped" not in resumed.stdout  # no images counted as unreadable
 

@@ -683,6 +683,8 @@ class Checkpoints:
         # a checkpoint inside an epoch: the figures of that epoch's steps before it
         # (measure.epoch_so_far), for the resumed epoch's line; None at an epoch's start
         self.earlier = None
+        # and the learning rate that epoch started at by this run's schedule, for its line
+        self.epoch_lr = None
 
     def resume(self, steps: int) -> tuple:
         """(epoch, step) to start from, on every rank: (0, 0) for a fresh start. ``steps``:
@@ -713,6 +715,8 @@ class Checkpoints:
         for group, values in zip(optimizer.param_groups, fresh):
             group.update(values)
         place_schedule(optimizer, scheduler, peak, meta["epoch"] * steps + step)
+        if step:  # what an uninterrupted run of this layout and --lr began the epoch at
+            self.epoch_lr = peak[0] * scheduler.lr_lambdas[0](meta["epoch"] * steps)
         print0(f"Resumed from epoch {meta['epoch'] + 1}, step {meta['step']} ({meta['path']})"
                + (f"; at this run's {steps} steps per epoch (the checkpoint's: {saved_steps}), "
                   f"step {step}" if saved_steps != steps else ""))

@@ -124,9 +124,11 @@ class Run:
             self.epoch = epoch
             self.start_step = self.resume_step if epoch == self.start_epoch else 0
             self.earlier = self.ckpt.earlier if epoch == self.start_epoch else None
-            # at the epoch's first step: a resumed epoch's checkpoint carries it (the optimizer
-            # is at the checkpoint's step now, further up a warm-up)
-            self.lr = (self.earlier or {}).get("lr", self.optimizer.param_groups[0]["lr"])
+            # at the epoch's first step: a resumed epoch's optimizer is at the checkpoint's
+            # step, further up a warm-up, so the schedule says where the epoch began
+            resumed = epoch == self.start_epoch and self.start_step
+            self.lr = (self.ckpt.epoch_lr if resumed and self.ckpt.epoch_lr is not None
+                       else self.optimizer.param_groups[0]["lr"])
             yield epoch
 
     def batches(self, loader):
@@ -177,7 +179,7 @@ class Run:
         vote: no NaN reaches a checkpoint), then the epoch's figures so far (a collective)."""
         self.losses.check(self.epoch)
         return measure.epoch_so_far(self.sums, self.t0, self.meter.data_wait_s, self.devices,
-                                    self.earlier) | {"lr": self.lr}
+                                    self.earlier)
 
     def end_training(self) -> None:
         """After the epoch's last step, before evaluation: the training time, every rank's
