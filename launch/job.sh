@@ -98,9 +98,10 @@ if [ -f "$SITE_SH" ]; then  # false for SITE_SH= (none)
     fi
   done
   if [ -n "${SLURM_JOB_ID:-}" ] && [ "${#late[@]}" -gt 0 ]; then
-    echo "warning: $SITE_SH sets ${late[*]} inside the job, too late to change it (partition" \
-      "${SLURM_JOB_PARTITION:-?}): sbatch reads SBATCH_* when you submit, so source it in the" \
-      "shell you submit from: source $SITE_SH && sbatch ..." >&2
+    echo "warning: $SITE_SH sets ${late[*]} inside the job, where it changes nothing: sbatch" \
+      "reads SBATCH_* when you submit (this job got partition ${SLURM_JOB_PARTITION:-?});" \
+      "export it there and source the file in the shell you submit from: source $SITE_SH &&" \
+      "sbatch ..." >&2
   fi
 fi
 

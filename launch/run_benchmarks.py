@@ -484,24 +484,39 @@ def open_study(args, given: dict, mode: str) -> tuple:
 LOCK = ".run_benchmarks.lock"  # held by the run_benchmarks.py working on the study
 
 
-def hold_study(study_dir: Path):
-    """The study's lock, held until this process ends (the open file returned), or None where
-    the folder is not there yet or may not be written (a dry run of another user's study). A
+def hold_study(study_dir: Path, dry_run: bool = False):
+    """The study's lock, held until this process ends (the open file returned), or None. A
     study another run_benchmarks.py holds (a local study still running its runs) is refused:
-    --resume would read its running run as killed and start it a second time."""
+    --resume would read its running run as killed and start it a second time; a dry run,
+    which only prints, takes no lock and says so. Where the folder is not there yet, may not
+    be written, or its file system has no locks (Lustre without flock), there is none."""
+    lock_path = study_dir / LOCK
     try:
-        lock = open(study_dir / LOCK, "a+", encoding="utf-8")
+        lock = open(lock_path, "r" if dry_run else "a+", encoding="utf-8")
     except OSError:
         return None
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+        fcntl.flock(lock, (fcntl.LOCK_SH if dry_run else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:  # held by another process
         lock.seek(0)
         holder = lock.read().strip() or "another process"
         lock.close()
+        if dry_run:
+            print(f"note: {study_dir} is in use by launch/run_benchmarks.py ({holder}): its "
+                  f"run that is running now shows as partial below", flush=True)
+            return None
         raise StudyError(f"{study_dir} is in use by launch/run_benchmarks.py ({holder}), which "
                          f"is still running it; wait for it to end, or stop it (Ctrl-C in its "
                          f"terminal), then --resume") from None
+    except OSError as e:  # no locks on this file system: go on without one
+        lock.close()
+        if not dry_run:
+            print(f"note: no lock on {lock_path} ({e.strerror or e}): nothing stops a second "
+                  f"run_benchmarks.py on this study while this one runs", flush=True)
+        return None
+    if dry_run:
+        lock.close()
+        return None
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on {os.uname().nodename}, since {_now()}\n")
     lock.flush()
@@ -676,7 +691,8 @@ def run_local(p: Planned, study: Path) -> dict:
 def study(args, train_args: list, argv: list) -> int:
     mode = "local" if args.local else "slurm"
     study_dir, manifest, settings = open_study(args, settings_from(args, train_args), mode)
-    lock = hold_study(study_dir)  # held while this process runs
+    existed = study_dir.is_dir()
+    locks = [hold_study(study_dir, args.dry_run)]  # held while this process runs
     check_train_args_parse(settings["train_args"], settings["strategies"])
     if mode == "slurm" and not args.dry_run and shutil.which("sbatch") is None:
         raise StudyError("sbatch not found: run this on the cluster's login node, or use "
@@ -700,7 +716,8 @@ def study(args, train_args: list, argv: list) -> int:
         return 0
 
     entries = record_plan(study_dir, manifest, settings, planned, args.resume, argv)
-    lock = lock or hold_study(study_dir)  # a new study's folder is made by record_plan
+    if not existed:  # a new study's folder is made by record_plan
+        locks.append(hold_study(study_dir))
     print("\n".join([header] + [ln for ln in lines if ln.startswith("#")]), flush=True)
     shown = shlex.quote(str(study_dir))  # commands to paste: a space or $ in the path too
     resume_cmd = (f"python launch/run_benchmarks.py --resume --study-dir {shown}"

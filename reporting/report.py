@@ -41,7 +41,7 @@ def epoch_tag(row: dict) -> str:
     return f" (epoch {epoch} of {epochs})" if epoch and epochs and epoch != epochs else ""
 
 
-def table_row(label: str, row: dict | None, epochs: str) -> list:
+def table_row(label: str, row: dict | None) -> list:
     """One table row: the workshop's columns, then parallel efficiency and status."""
     if row is None:
         return [label] + ["—"] * 9 + ["not in this study"]
@@ -73,7 +73,7 @@ def _table(vs: str, epochs: str, labelled_rows: list) -> list:
               "GPU 0 Peak (MiB)", "GPU 0 Avg (MiB)", "GPU 0 Mode (MiB)",
               f"Throughput Scaling vs {vs}", f"Memory Avg Scaling vs {vs}",
               "Parallel Efficiency", "Status"]
-    rows = [table_row(label, row, epochs) for label, row in labelled_rows]
+    rows = [table_row(label, row) for label, row in labelled_rows]
     return (["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
             + ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows])
 

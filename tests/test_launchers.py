@@ -1324,7 +1324,8 @@ def test_slurm_baseline_one_gpu(jobs):
     assert "site.sh was sourced on n" in out  # SITE_SH: the one optional site file
     # an SBATCH_ variable the site file sets in the job did nothing: it ran without a word
     assert (f"warning: {jobs['baseline'].env['SITE_SH']} sets SBATCH_QOS=high inside "
-            f"the job, too late to change it (partition ") in out
+            f"the job, where it changes nothing: sbatch reads SBATCH_* when you submit (this "
+            f"job got partition ") in out
 
 
 def test_slurm_multi_gpu_two_gpus(jobs):

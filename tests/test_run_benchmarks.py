@@ -548,6 +548,27 @@ def test_local_study_collected(local_study, tmp_path):
     assert sorted(p.name for p in out.glob("*.png")) == sorted([*plots.PLOTS, *timelines])
 
 
+def test_a_study_on_a_file_system_without_locks_goes_on_without_one(tmp_path, monkeypatch,
+                                                                    capsys):
+    """Lustre mounted without flock (ENOSYS), NFS without its lock daemon (ENOLCK): every
+    flock error read as 'in use by another run_benchmarks.py', refusing every study there."""
+    import errno
+    import fcntl
+    spec = importlib.util.spec_from_file_location("run_benchmarks_lock", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # (its dataclasses look it up)
+    spec.loader.exec_module(module)
+
+    def no_locks(*_):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    assert module.hold_study(tmp_path) is None
+    assert capsys.readouterr().out == (f"note: no lock on {tmp_path / module.LOCK} (Function not "
+                                       f"implemented): nothing stops a second run_benchmarks.py "
+                                       f"on this study while this one runs\n")
+    assert module.hold_study(tmp_path, dry_run=True) is None and capsys.readouterr().out == ""
+
+
 def test_local_resume_reruns_only_the_failed_run(local_study, tmp_path):
     study = tmp_path / "study"
     shutil.copytree(local_study[0], study, symlinks=True)
@@ -574,7 +595,8 @@ def test_local_resume_reruns_only_the_failed_run(local_study, tmp_path):
         lock, deadline = study / ".run_benchmarks.lock", time.monotonic() + 120
         while f"pid {running.pid} " not in lock.read_text() and time.monotonic() < deadline:
             time.sleep(0.1)  # until it holds the study
-        again = rb("--resume", "--local", "--dry-run", "--study-dir", study, env=extra)
+        again = rb("--resume", "--local", "--study-dir", study, env=extra)
+        look = rb("--resume", "--local", "--dry-run", "--study-dir", study, env=extra)
         out, err = running.communicate(timeout=600)
     finally:
         running.kill()
@@ -583,6 +605,9 @@ def test_local_resume_reruns_only_the_failed_run(local_study, tmp_path):
                                    f"(pid {running.pid} on ")
     assert again.stderr.endswith("which is still running it; wait for it to end, or stop it "
                                  "(Ctrl-C in its terminal), then --resume\n")
+    # a dry run only prints: it says so, and takes no lock
+    assert look.returncode == 0 and look.stdout.startswith(
+        f"note: {study} is in use by launch/run_benchmarks.py (pid {running.pid} on "), look
     assert running.returncode == 0, out[-2000:] + err[-2000:]
     assert "1 of 1 runs ok" in out
     entry = json.loads((study / "study.json").read_text())["runs"][1]
