@@ -748,7 +748,8 @@ def test_resume_at_another_world_size_keeps_the_learning_rate_schedule(tmp_path)
 def test_a_mid_epoch_resume_at_another_world_size_lands_at_the_same_fraction(tmp_path):
     """Saved at step 5 of 10 (2 ranks), resumed by 1 process at step 10 of its 20, during a
     one-epoch warm-up: the learning rate there is 0.02 x 11/20, as in an uninterrupted
-    1-process run, and the other half of the epoch's samples is what remains."""
+    1-process run (the resume line says it; the epoch line, the rate at the epoch's first
+    step, 0.02 x 1/20), and the other half of the epoch's samples is what remains."""
     ck = tmp_path / "ck"
     warm = RUN + ["--warmup-epochs", "1"]
     check_ok(run_script("ddp_train.py", warm + ["--epochs", "1", "--checkpoint-dir", str(ck),
@@ -757,8 +758,9 @@ def test_a_mid_epoch_resume_at_another_world_size_lands_at_the_same_fraction(tmp
     assert mid.exists()
     resumed = run_script("ddp_train.py", warm + ["--epochs", "1", "--resume", str(mid)])
     check_ok(resumed)
-    assert "at this run's 20 steps per epoch (the checkpoint's: 10), step 10" in resumed.stdout
-    assert _epoch_lrs(resumed.stdout) == {1: pytest.approx(0.02 * 11 / 20, abs=1e-6)}
+    assert (f"at this run's 20 steps per epoch (the checkpoint's: 10), step 10, learning rate "
+            f"{0.02 * 11 / 20:.6f}") in resumed.stdout
+    assert _epoch_lrs(resumed.stdout) == {1: pytest.approx(0.02 * 1 / 20, abs=1e-6)}
     # the whole epoch: 5 steps x 32 before the checkpoint (2 ranks), the 10 left x 16 after it
     assert int(metrics(resumed.stdout)[-1]["train_images"]) == 320
 

@@ -719,7 +719,8 @@ class Checkpoints:
             self.epoch_lr = peak[0] * scheduler.lr_lambdas[0](meta["epoch"] * steps)
         print0(f"Resumed from epoch {meta['epoch'] + 1}, step {meta['step']} ({meta['path']})"
                + (f"; at this run's {steps} steps per epoch (the checkpoint's: {saved_steps}), "
-                  f"step {step}" if saved_steps != steps else ""))
+                  f"step {step}, learning rate {optimizer.param_groups[0]['lr']:.6f}"
+                  if saved_steps != steps else ""))
         amp = self.flags.get("amp")
         saved_amp = meta["args"].get("amp", amp)
         if saved_amp != amp:  # e.g. requeued from an A100 (default bf16) onto a V100 (fp16)
