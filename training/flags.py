@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from training import allocation, board, contract, devices, schedule
-from training.distributed import DistEnv
+from training.distributed import DistEnv, print0
 from training.faults import UsageError, make_folder
 from training.models import check_model, grey_channels, synthetic_shape
 
@@ -463,7 +463,7 @@ def resolve_args(args: argparse.Namespace, env: DistEnv, device: torch.device) -
         idle.append(f"--num-workers {given_workers} does nothing with --data-on-device, which "
                     f"reads no batch through a loader: drop it")
     for line in idle if env.rank == 0 else []:
-        print(f"note: {line}", flush=True)
+        print0(f"note: {line}")  # a simulation's with its prefix, as its other lines
     if args.warmup_epochs > args.epochs and env.rank == 0:
         print(f"note: --warmup-epochs {args.warmup_epochs:g} is longer than --epochs "
               f"{args.epochs}: the learning rate never reaches its peak", flush=True)
