@@ -192,6 +192,12 @@ def test_ctrl_c_is_one_line_and_releases_the_checkpoint_dir(tmp_path):
     assert not (ck / faults.LOCK_FILE).exists()
 
 
+def _ctrl_c_default():
+    """A child's SIGINT as a terminal gives it: a test run started in the background (or by a
+    CI runner) has it ignored, which the child would inherit and keep (nohup's rule)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_while_a_checkpoint_is_written_stops_once_it_is_whole(tmp_path):
     """Ctrl-C raised its KeyboardInterrupt wherever the main thread was: inside torch.save it
     left no checkpoint, or a RuntimeError traceback from torch's zip writer ("unexpected pos",
@@ -202,7 +208,7 @@ def test_ctrl_c_while_a_checkpoint_is_written_stops_once_it_is_whole(tmp_path):
                            "ctrl_c_in_the_first_save", str(tmp_path), "ddp_train.py", *RUN,
                            "--checkpoint-dir", str(ck)],
                           capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env=env_for_tests())
+                          env=env_for_tests(), preexec_fn=_ctrl_c_default)
     out = proc.stdout + proc.stderr
     assert (tmp_path / "ctrl_c_sent").exists() and proc.returncode == 130, out[-3000:]
     assert "Ctrl-C: stopping once the checkpoint being written is complete" in out, out[-3000:]
@@ -227,7 +233,8 @@ def test_a_second_ctrl_c_does_not_wait_for_the_checkpoint():
             "except KeyboardInterrupt:\n"
             "    print(done)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env=env_for_tests())
+                          timeout=120, cwd=REPO, env=env_for_tests(),
+                          preexec_fn=_ctrl_c_default)
     assert proc.stdout == "['held']\n", proc.stdout + proc.stderr
     assert "Ctrl-C again to stop at once" in proc.stderr
 
@@ -260,7 +267,8 @@ def test_a_run_that_does_not_end_after_ctrl_c_is_ended_with_its_sentence():
             "    time.sleep(600)  # a cleanup that never ends\n")
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env=env_for_tests())
+                          timeout=120, cwd=REPO, env=env_for_tests(),
+                          preexec_fn=_ctrl_c_default)
     assert proc.returncode == 130 and time.monotonic() - t0 < 60, proc.stderr
     assert proc.stderr.startswith("error: interrupted (Ctrl-C), and rank 0 was still running "
                                   "1 s later: ending it now; its main thread was here:\n"), (
