@@ -124,11 +124,10 @@ class Run:
             self.epoch = epoch
             self.start_step = self.resume_step if epoch == self.start_epoch else 0
             self.earlier = self.ckpt.earlier if epoch == self.start_epoch else None
-            # at the epoch's first step: a resumed epoch's optimizer is at the checkpoint's
-            # step, further up a warm-up, so the schedule says where the epoch began
-            resumed = epoch == self.start_epoch and self.start_step
-            self.lr = (self.ckpt.epoch_lr if resumed and self.ckpt.epoch_lr is not None
-                       else self.optimizer.param_groups[0]["lr"])
+            # at the epoch's first step: an epoch resumed mid-way has its optimizer at the
+            # checkpoint's step, further up a warm-up; Checkpoints.resume says where it began
+            mid_way = epoch == self.start_epoch and self.ckpt.epoch_lr is not None
+            self.lr = self.ckpt.epoch_lr if mid_way else self.optimizer.param_groups[0]["lr"]
             yield epoch
 
     def batches(self, loader):
