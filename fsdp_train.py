@@ -486,18 +486,22 @@ def memory_per_gpu(model: nn.Module, args, world: int, saved: memory.Saved,
     """One GPU's memory under FSDP over ``world`` shards: 1/world of the parameters, gradients
     and momentum (rank 0's shards, padded like every rank's), whole buffers, and the unsharded
     blocks in flight: full (and hybrid, offload) the root, which stays gathered, and two
-    blocks, the one running and the one prefetched; grad-op every block, gathered from forward
-    to backward. In backward one block's unsharded fp32 gradient waits for its reduce-scatter.
-    offload: the shards, gradients and momentum live in host memory instead."""
+    neighbouring blocks, the one running and the one prefetched (the largest such pair);
+    grad-op every block, gathered from forward to backward. In backward one block's unsharded
+    fp32 gradient waits for its reduce-scatter. offload: the shards, gradients and momentum
+    live in host memory instead. Gathered in the --amp dtype (a model without BatchNorm),
+    the weights reach autocast in 16 bits: it makes no copies of them."""
     units = [list(unit.parameters()) for unit in shard_units(model)]
     in_units = {id(p) for unit in units for p in unit}
     root = [p for p in model.parameters() if id(p) not in in_units]
     numel = [sum(p.numel() for p in unit) for unit in units] or [0]
-    gathered = (gather_dtype(model, args) or torch.float32).itemsize  # bytes per element
+    pairs = [a + b for a, b in zip(numel, numel[1:])] or numel  # a block and the next one
+    dtype = gather_dtype(model, args)
+    gathered = (dtype or torch.float32).itemsize  # bytes per element
     if variant == "grad-op":
         in_flight = sum(p.numel() for p in model.parameters()) * gathered
     else:
-        in_flight = (sum(p.numel() for p in root) + 2 * max(numel)) * gathered
+        in_flight = (sum(p.numel() for p in root) + max(pairs)) * gathered
     comm = in_flight + max(numel) * 4  # and the fp32 gradient of one block
     shards = memory.fsdp_shard_bytes(model.parameters(), world)
     params, grads, optimizer = shards, shards, shards if args.momentum else 0
@@ -512,7 +516,8 @@ def memory_per_gpu(model: nn.Module, args, world: int, saved: memory.Saved,
     data, inputs = memory.data_and_inputs(args, world, args.batch_size, args.batch_size)
     return memory.Estimate(STRATEGY, variant, world, args.batch_size, saved, params, grads,
                            optimizer, buffers, comm, host=host, grads_at_peak=False,
-                           notes=notes, data=data, inputs=inputs)
+                           notes=notes, data=data, inputs=inputs,
+                           weights_cast=dtype is None)
 
 
 if __name__ == "__main__":

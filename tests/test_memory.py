@@ -187,6 +187,86 @@ def test_model_states_are_what_two_ranks_hold(tmp_path, variant, zero1):
         assert held[0][1:] != held[1][1:]
 
 
+# A model without BatchNorm under FSDP and --amp bf16: FSDP gathers its weights in bf16, so
+# autocast casts none. What the forward leaves saved for backward, each storage once (a
+# resharded weight's storage is freed after forward, as FSDP2 frees it), against the
+# activations and amp copies the estimate counts, on one gloo rank.
+FSDP_SAVED = r"""
+import argparse, sys, torch, torch.distributed as dist
+sys.path.insert(0, {repo!r})
+import fsdp_train
+from torch.distributed.device_mesh import init_device_mesh
+from training import memory, models
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+torch.manual_seed(0)
+shape, batch = (1, 28, 28), 4
+model = models.build_model("mnist_net", 10, shape)
+args = argparse.Namespace(amp="bf16", sharding="{variant}", offload=False, momentum=0.9,
+                          batch_size=batch, dataset="synthetic", data_on_device=False,
+                          model="mnist_net", image_size=None)
+saved = memory.saved_for_backward(model, shape, "bf16")
+predicted = fsdp_train.memory_per_gpu(model, args, 1, saved, "{variant}")
+model = fsdp_train.apply_fsdp(model, init_device_mesh("cpu", (1,)), args, torch.device("cpu"))
+own = {{t.to_local().untyped_storage().data_ptr() for t in model.parameters()}}  # the shards
+storages = {{}}
+
+def pack(tensor):
+    storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage()
+    return tensor
+
+with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+        torch.autocast("cpu", dtype=torch.bfloat16):
+    out = model(torch.randn(batch, *shape))
+held = sum(s.nbytes() for ptr, s in storages.items() if ptr not in own)
+print(f"held {{held}} activations {{predicted.activations}} amp_copies {{predicted.amp_copies}}"
+      f" comm {{predicted.comm}}", flush=True)
+extra = held - predicted.activations - predicted.amp_copies
+if "{variant}" == "full":  # the weights are resharded after forward: nothing else is held
+    assert abs(extra) < 16 * 1024, (held, predicted)
+else:  # grad-op: the weights stay gathered, in bf16, as comm counts them (not amp_copies)
+    bf16_weights = 2 * sum(p.numel() for p in model.parameters())
+    assert 0 < extra <= bf16_weights <= predicted.comm, (held, predicted)
+out.float().sum().backward()
+dist.destroy_process_group()
+from training.faults import end_process
+end_process(0)
+"""
+
+
+@pytest.mark.parametrize("variant", ["full", "grad-op"])
+def test_fsdp_gathering_in_bf16_leaves_autocast_no_weights_to_copy(tmp_path, variant):
+    program = tmp_path / "fsdp_saved.py"
+    program.write_text(FSDP_SAVED.format(repo=str(REPO), variant=variant))
+    proc = subprocess.run([sys.executable, str(program)], capture_output=True, text=True,
+                          timeout=300, env=env_for_tests(), cwd=tmp_path)
+    check_ok(proc)
+    assert "amp_copies 0" in proc.stdout
+
+
+def test_fsdp_full_gathers_two_neighbouring_blocks_and_never_more_than_grad_op():
+    """The block running and the one prefetched are neighbours: the CNN's one large block (a
+    Linear layer) is gathered once, not counted as both; and keeping blocks sharded after
+    forward (full) never needs more than keeping them gathered (grad-op)."""
+    import fsdp_train
+    import argparse
+    for name, shape in (("cnn", (3, 32, 32)), ("mnist_net", (1, 28, 28)),
+                        ("resnet18", (3, 64, 64))):
+        model = models.build_model(name, 10, shape)
+        args = argparse.Namespace(amp="off", sharding="full", offload=False, momentum=0.9,
+                                  batch_size=8, dataset="synthetic", data_on_device=False,
+                                  model=name, image_size=None)
+        saved = memory.saved_for_backward(model, shape, "off")
+        full, grad_op = (fsdp_train.memory_per_gpu(model, args, 2, saved, v)
+                         for v in ("full", "grad-op"))
+        numel = [sum(p.numel() for p in unit.parameters())
+                 for unit in fsdp_train.shard_units(model)]
+        in_units = sum(numel)
+        root = sum(p.numel() for p in model.parameters()) - in_units
+        pair = max(a + b for a, b in zip(numel, numel[1:]))
+        assert full.comm == (root + pair + max(numel)) * 4, name
+        assert full.peak <= grad_op.peak, name
+
+
 # Each rank's --data-on-device loaders against the DataLoader's, over two epochs and an epoch
 # resumed after two steps: the same batches, and while training, the bytes they hold on the
 # device (their ``held`` tensors) equal to the memory model's data_mib.

@@ -158,6 +158,7 @@ class Estimate:
     data: float = 0.0  # --data-on-device: the data the rank holds on the GPU
     inputs: float = 0.0  # the input batches in flight at the peak
     grads_at_peak: bool = True  # False when they are freed before each step, made in backward
+    weights_cast: bool = True  # False when the weights reach autocast in its dtype already
     notes: list = field(default_factory=list)
 
     @property
@@ -167,8 +168,9 @@ class Estimate:
     @property
     def amp_copies(self) -> float:
         """Saved tensors that do not grow with the batch: under --amp, the weights autocast
-        casts to 16 bits (and BatchNorm's per-channel statistics)."""
-        return self.saved.fixed
+        casts to 16 bits (and BatchNorm's per-channel statistics); none where the strategy
+        hands autocast 16-bit weights (FSDP's param_dtype), which it does not copy."""
+        return self.saved.fixed if self.weights_cast else 0.0
 
     @property
     def workspace(self) -> float:
