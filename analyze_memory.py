@@ -118,6 +118,9 @@ GPU_COLUMNS = ("timestamp", "index", "name", "memory.used [MiB]", "memory.total 
 GPU_NEEDED = ("timestamp", "index", "memory.used [MiB]")
 GPU_QUERY = ("nvidia-smi --query-gpu=timestamp,index,name,memory.used,memory.total "
              "--format=csv,nounits -l 5")
+# psrecord --log-format csv's header (--include-io adds four columns after it); its plain
+# header starts "# Elapsed time" (four columns, --include-io: eight)
+CPU_CSV_HEADER = "elapsed_time,nproc,cpu,mem_real,mem_virtual"
 GPU_EXTRA_COLUMNS = {"utilization.gpu [%]": "util", "power.draw [W]": "power_w",
                      "clocks.current.sm [MHz]": "sm_mhz", "temperature.gpu": "temp_c"}
 LOG_DIRS = ("gpu_memory", "cpu_memory")
@@ -153,6 +156,10 @@ def _gpu_header_without(lines) -> str | None:
         columns = [f.strip() for f in line.split(",")]
         if "timestamp" in columns or any(c.startswith("memory.used") for c in columns):
             missing = [c.split(" [")[0] for c in GPU_NEEDED if c not in columns]
+            other = next((c for c in columns if c.startswith("memory.used [")), None)
+            if "memory.used" in missing and other:
+                return (f"its {other} is not in MiB, the unit nvidia-smi writes and this "
+                        f"tool reads: log as launch/node.sh does, {GPU_QUERY}")
             return (f"an nvidia-smi --format=csv log without the column(s) {', '.join(missing)} "
                     f"(its header: {line.strip()[:120]}): log as launch/node.sh does, "
                     f"{GPU_QUERY} (the columns in any order, and more may follow)")
@@ -169,8 +176,8 @@ def _header_kind(line: str) -> str | None:
     line = line.strip()
     if _gpu_columns(line):
         return KIND_GPU
-    if line.startswith("#") and "Elapsed time" in line:     # psrecord's --log header
-        return KIND_CPU
+    if (line.startswith("#") and "Elapsed time" in line) or line.startswith(CPU_CSV_HEADER):
+        return KIND_CPU     # psrecord's --log header, plain or --log-format csv
     return None
 
 
@@ -178,7 +185,7 @@ def _a_cut_header(text: str) -> bool:
     """Whether ``text``, a file's only line and one without its newline, is the start of
     either logger's header line."""
     return any(header.startswith(text) or text.startswith(header)
-               for header in (", ".join(GPU_COLUMNS), "# Elapsed time"))
+               for header in (", ".join(GPU_COLUMNS), "# Elapsed time", CPU_CSV_HEADER))
 
 
 def read_log(path) -> tuple:
@@ -218,6 +225,11 @@ def read_log(path) -> tuple:
                        "stopped as it started (the job ended or was cancelled at once), check "
                        "the job's stderr")
     if kind is None:
+        first = next((line.strip() for line in lines if line.strip()), "")
+        if len(first.split(",")) == len(GPU_COLUMNS) and first.split(",")[1].strip().isdecimal():
+            raise LogError("nvidia-smi lines without their header line (written with "
+                           "--format=csv,noheader?): log with the header, as launch/node.sh "
+                           f"does: {GPU_QUERY}")
         raise LogError(_gpu_header_without(lines) or
                        "not an nvidia-smi --format=csv log or a psrecord log (no header line of "
                        "either); gpu_memory/ and cpu_memory/ should hold only the loggers' files")
@@ -234,8 +246,9 @@ def parse_gpu_lines(lines, skips: Counter, unread: dict | None = None) -> dict:
     """{index: {"used": [MiB], "name", "total": MiB or None, "stamp": [timestamp text],
     "util": [% or None], "power_w": [...], "sm_mhz": [...], "temp_c": [...]}} of an nvidia-smi
     log, one list entry per memory.used sample (an unreadable optional value is None and keeps
-    the sample). unread, if a dict, gets {index: (name, Counter of memory.used texts)} of each
-    GPU with a line whose memory.used is no number ([N/A], [GPU requires reset]).
+    the sample). unread, if a dict, gets {index: (name, Counter of memory.used texts, whether
+    a memory.total was a number)} of each GPU with a line whose memory.used is no number
+    ([N/A], [GPU requires reset]).
     Each header line sets the columns of the lines after it; a value may end with its column's
     unit (a log written with --format=csv alone, without nounits)."""
     gpus, columns = {}, GPU_COLUMNS
@@ -255,7 +268,9 @@ def parse_gpu_lines(lines, skips: Counter, unread: dict | None = None) -> dict:
         if index.startswith("[") or used.startswith("["):   # [N/A], [Unknown Error], ...
             skips[SKIP_UNAVAILABLE] += 1
             if unread is not None and index.isdecimal():
-                unread.setdefault(int(index), (name, Counter()))[1][used] += 1
+                name_, texts, has_total = unread.get(int(index), (name, Counter(), False))
+                texts[used] += 1
+                unread[int(index)] = (name_, texts, has_total or total.isdecimal())
             continue
         if not (index.isdecimal() and used.isdecimal()):
             skips[SKIP_MALFORMED] += 1
@@ -282,14 +297,20 @@ def parse_gpu_lines(lines, skips: Counter, unread: dict | None = None) -> dict:
 
 def parse_cpu_lines(lines, skips: Counter) -> list:
     """[(elapsed s, CPU %, RSS MiB)] of a psrecord --log file (elapsed, CPU %, real, virtual; its
-    header says MB, but psrecord divides bytes by 1024**2)."""
+    header says MB, but psrecord divides bytes by 1024**2); with --include-io four I/O counts
+    follow, which are not read. --log-format csv: elapsed, processes, CPU %, real, virtual."""
     samples = []
     for line in map(str.strip, lines):
         if not line or _header_kind(line) == KIND_CPU:
             continue
+        fields = line.split(",") if "," in line else line.split()
+        if "," in line and len(fields) in (5, 9):
+            del fields[1]   # the csv's process count
         try:
-            elapsed, cpu, rss, virtual = map(float, line.split())
-        except ValueError:      # not four numbers
+            if len(fields) not in (4, 8):
+                raise ValueError
+            elapsed, cpu, rss, virtual = map(float, fields[:4])
+        except ValueError:      # not four numbers (or eight, with the I/O counts)
             skips[SKIP_MALFORMED] += 1
             continue
         # float() also reads "nan", "inf" and 1e400 (as inf): such a value, a negative one or
@@ -335,12 +356,14 @@ def summarize_file(path, notes: list) -> tuple:
     return kind, samples, skips
 
 
-def _never_reported(index: int, name: str, values: Counter) -> str:
-    """Why a GPU of an nvidia-smi log has no sample: what the log holds for its memory."""
+def _never_reported(index: int, name: str, values: Counter, has_total: bool) -> str:
+    """Why a GPU of an nvidia-smi log has no sample: what the log holds for its memory (a GPU
+    whose memory is the CPU's reports no total either)."""
     value = values.most_common(1)[0][0]
     why = ("nvidia-smi gives [N/A] for memory.used on this GPU (its memory is the CPU's: a "
-           "unified-memory GPU, such as GB10 or Jetson)" if value == "[N/A]" else
-           f"nvidia-smi wrote {value} in its place; check the GPU on its node (nvidia-smi -q)")
+           "unified-memory GPU, such as GB10 or Jetson)" if value == "[N/A]" and not has_total
+           else f"nvidia-smi wrote {value} in its place; check the GPU on its node "
+           "(nvidia-smi -q)")
     return f"GPU {index} ({name}) never reported its memory: {why}"
 
 

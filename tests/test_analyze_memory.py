@@ -152,6 +152,47 @@ def test_psrecord_exact_numbers():
     assert not skips2
 
 
+def test_psrecord_logs_with_io_counts_or_as_csv_read_as_the_plain_log(tmp_path):
+    """psrecord --include-io adds four I/O counts after the plain log's four columns, and
+    --log-format csv writes a header of its own with the process count second: both were
+    refused as "not ones its logger writes" / "not a psrecord log"."""
+    (plain,), _ = records_and_skips(N1_CPU)
+    rows = [line.split() for line in N1_CPU.read_text().splitlines()
+            if line.strip() and not line.startswith("#") and len(line.split()) == 4]
+    with_io, as_csv = tmp_path / "io" / "n1.txt", tmp_path / "csv" / "n1.csv"
+    for path in (with_io, as_csv):
+        path.parent.mkdir()
+    with_io.write_text("# Elapsed time   CPU (%)     Real (MB)   Virtual (MB)   Read count  "
+                       "Write count  Read bytes  Write bytes\n"
+                       + "".join(" ".join(row) + " 1 2 4096 8192\n" for row in rows))
+    as_csv.write_text("elapsed_time,nproc,cpu,mem_real,mem_virtual,read_count,write_count,"
+                      "read_bytes,write_bytes\n"
+                      + "".join(f"{row[0]},3,{','.join(row[1:])},1,2,4096,8192\n" for row in rows))
+    for path in (with_io, as_csv):
+        (record,), skips = records_and_skips(path)
+        assert not skips
+        assert ({k: record[k] for k in ("samples", "peak_rss_mib", "avg_rss_mib", "peak_cpu_pct")}
+                == {k: plain[k] for k in ("samples", "peak_rss_mib", "avg_rss_mib",
+                                          "peak_cpu_pct")}), path
+
+
+def test_nvidia_smi_lines_without_their_header_or_in_another_unit_name_the_query(tmp_path):
+    no_header, in_gib = tmp_path / "n1.csv", tmp_path / "n2.csv"
+    no_header.write_text("2026/12/07 10:00:00.000, 0, NVIDIA H100, 1000, 81559\n")
+    in_gib.write_text("timestamp, index, name, memory.used [GiB], memory.total [GiB]\n"
+                      "2026/12/07 10:00:00.000, 0, NVIDIA H100, 1, 80\n")
+    query = ("nvidia-smi --query-gpu=timestamp,index,name,memory.used,memory.total "
+             "--format=csv,nounits -l 5")
+    p = run_cli(no_header)
+    assert (p.returncode, p.stderr) == (2, f"error: {no_header}: nvidia-smi lines without their "
+                                           f"header line (written with --format=csv,noheader?): "
+                                           f"log with the header, as launch/node.sh does: {query}\n")
+    p = run_cli(in_gib)
+    assert (p.returncode, p.stderr) == (2, f"error: {in_gib}: its memory.used [GiB] is not in "
+                                           f"MiB, the unit nvidia-smi writes and this tool reads: "
+                                           f"log as launch/node.sh does, {query}\n")
+
+
 def test_kind_is_detected_by_content_not_extension(tmp_path):
     gpu_as_txt = tmp_path / "whatever.txt"
     shutil.copy(N1_GPU, gpu_as_txt)
@@ -986,6 +1027,13 @@ def test_a_gpu_that_never_reported_its_memory_is_named(tmp_path):
     assert (f"{h100}: GPU 1 (NVIDIA H100) never reported its memory: nvidia-smi wrote [GPU "
             f"requires reset] in its place; check the GPU on its node (nvidia-smi -q); it is "
             f"left out of the summary") in notes
+    # [N/A] from a GPU that reports its total is no unified-memory GPU
+    h100.write_text(header + "2025/01/01 12:00:00.000, 0, NVIDIA H100, [N/A], 81559\n")
+    notes = []
+    _gpu, _cpu, problems = am.summarize_paths([h100], notes)
+    assert [p["message"] for p in problems] == [
+        f"{h100}: no usable samples: GPU 0 (NVIDIA H100) never reported its memory: nvidia-smi "
+        f"wrote [N/A] in its place; check the GPU on its node (nvidia-smi -q)"]
 
 
 def test_cli_plot_notes_a_time_zone_mismatch(tmp_path):
