@@ -45,7 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Data-parallel training with nn.DataParallel (one process, all GPUs).",
         formatter_class=flags.HelpFormatter)
     flags.add_common_args(parser)
-    flags.hide_from_help(parser, "--share-gpus", "--simulate-world-size")  # refused below
+    flags.refuse_flags(parser, {
+        "--share-gpus": "--share-gpus lets several processes share a GPU, and DataParallel is "
+                        "one process: use ddp_train.py or fsdp_train.py --share-gpus",
+        "--simulate-world-size": "--simulate-world-size simulates the ranks of a process "
+                                 "group, and DataParallel has none: use ddp_train.py or "
+                                 "fsdp_train.py"})
     g = parser.add_argument_group("DataParallel")
     g.add_argument("--gpus", type=flags.positive_int, default=None,
                    help="number of GPUs to use (default: all visible)")
@@ -54,12 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def setup_devices(args, env: distributed.DistEnv):
     """No process group: one process, the GPUs it drives, or the CPU."""
-    if args.share_gpus:
-        raise UsageError("--share-gpus lets several processes share a GPU, and DataParallel is "
-                         "one process: use ddp_train.py or fsdp_train.py --share-gpus")
-    if args.simulate_world_size:
-        raise UsageError("--simulate-world-size simulates the ranks of a process group, and "
-                         "DataParallel has none: use ddp_train.py or fsdp_train.py")
     if env.world_size > 1:  # torchrun --nproc-per-node 2, or srun with several tasks
         raise UsageError("dp_train.py is a single process that drives all GPUs itself: run it "
                          "with python, not torchrun --nproc-per-node > 1 or srun with several "

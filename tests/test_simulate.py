@@ -160,7 +160,9 @@ def refusals(request):
 
 
 @pytest.mark.parametrize("script, args, message", [
-    ("dp_train.py", ["--simulate-world-size", "4"], "DataParallel has none"),
+    # no "simulation, rank 0 of 4:" prefix: nothing is simulated
+    ("dp_train.py", ["--simulate-world-size", "4"], "error: --simulate-world-size simulates "
+     "the ranks of a process group, and DataParallel has none"),
     ("ddp_train.py", ["--simulate-world-size", "1"], "at least 2, got 1"),
     ("ddp_train.py", ["--simulate-world-size", "4", "--checkpoint-dir", "x", "--save-model",
                       "m.pt"], "drop --checkpoint-dir and --save-model"),

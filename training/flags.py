@@ -249,6 +249,14 @@ def hide_from_help(parser: argparse.ArgumentParser, *options: str) -> None:
             action.help = argparse.SUPPRESS
 
 
+def refuse_flags(parser: argparse.ArgumentParser, refusals: dict) -> None:
+    """Common flags this script cannot serve ({option: the sentence that refuses it, naming
+    the script to use}): left out of --help, and refused by check_flags, before anything
+    starts (a simulation's "rank 0 of N" prefix too) and in launch/check_args.py."""
+    hide_from_help(parser, *refusals)
+    parser.set_defaults(refused_flags=refusals)  # check_flags takes it out of args again
+
+
 def default_workers(env: DistEnv) -> int:
     """Loader workers per process when --num-workers is not given: the process's share of the
     task's usable CPUs (allocation.usable_cpus) less one for the training, at most 8."""
@@ -285,6 +293,9 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
     """Reject impossible flag values, without the machine: run() first thing, check_args.py
     before a job or a study. data_known=False: no --dataset or data dir yet (the job's site.sh
     may set $DATA_DIR), so what depends on the dataset waits for the job."""
+    for option, sentence in vars(args).pop("refused_flags", {}).items():  # refuse_flags'
+        if getattr(args, option.removeprefix("--").replace("-", "_")):
+            raise UsageError(sentence)
     implied = args.dataset is None and args.data_dir  # TinyImageNet, as the user may not know
     if args.dataset is None:
         args.dataset = "tinyimagenet" if args.data_dir else "synthetic"
