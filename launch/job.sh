@@ -170,8 +170,15 @@ if [ -z "$own_script" ] && [ "$restarts" = 0 ]; then
     2>&1 >/dev/null) || check_rc=$?
   refused=${refused##*$'\n'}  # the refusal (argparse's or check_flags') is its last line
   if [ "$check_rc" = 2 ] && [[ $refused == *": error: "* ]]; then
-    echo "error: the training arguments are refused: $refused (python" \
-      "$(basename "$TRAIN_SCRIPT") --help lists its flags)" >&2
+    fix="python $(basename "$TRAIN_SCRIPT") --help lists its flags"
+    case " ${refused##*unrecognized arguments: }" in  # sbatch's, after the .slurm file
+      *" --nodes"* | *" --gpus-per-node"* | *" --gres"* | *" --time"* | *" --partition"* | \
+        *" --account"* | *" --ntasks"* | *" --cpus-per-task"* | *" --mem"* | *" --qos"* | \
+        *" --constraint"* | *" --exclusive"* | *" --job-name"* | *" --output"*)
+        fix="sbatch's own options go before the .slurm file:"
+        fix+=" sbatch --nodes=2 launch/multi_node.slurm [TRAINING ARGS]" ;;
+    esac
+    echo "error: the training arguments are refused: $refused ($fix)" >&2
     exit 2
   fi
   if [ "$check_rc" = 3 ] && [ -z "${SRUN_EXTRA_ARGS:-}" ]; then
@@ -182,6 +189,16 @@ if [ -z "$own_script" ] && [ "$restarts" = 0 ]; then
 fi
 
 # ---- layout: from Slurm, or this one machine --------------------------------------------------
+# Whether TCP port $1 is in use on this host, as torchrun's store would bind it
+PORT_IN_USE='
+import errno, socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("", int(sys.argv[1])))
+except OSError as e:
+    sys.exit(e.errno != errno.EADDRINUSE)
+sys.exit(1)'
 if [ -n "${SLURM_JOB_ID:-}" ]; then
   job_id=$SLURM_JOB_ID
   job_name=${SLURM_JOB_NAME:-job}
@@ -192,6 +209,21 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   export MASTER_ADDR=${nodes[0]}
   export PEER_ADDR=${nodes[1]:-}  # the master node's way to the others (gloo's interface)
   export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))  # differs for two jobs sharing a node
+  # A port another process holds on the master node (this one) left the rendezvous waiting a
+  # minute in silence, then every node's traceback: take the next free one, and say so.
+  # (python3 exits 0 for a port in use; 1 for a free one, or where it cannot tell)
+  if [ "${SLURMD_NODENAME:-}" = "$MASTER_ADDR" ]; then
+    port=$MASTER_PORT
+    while [ "$port" -lt $((MASTER_PORT + 50)) ] && python3 -c "$PORT_IN_USE" "$port" 2>/dev/null
+    do
+      port=$((port + 1))
+    done
+    if [ "$port" != "$MASTER_PORT" ] && [ "$port" -lt $((MASTER_PORT + 50)) ]; then
+      echo "note: port $MASTER_PORT on $MASTER_ADDR is taken (another process holds it): the" \
+        "rendezvous uses port $port"
+      MASTER_PORT=$port
+    fi
+  fi
   export RDZV_ENDPOINT="$MASTER_ADDR:$MASTER_PORT" RDZV_ID=$SLURM_JOB_ID
 else
   job_id=$(date +%Y%m%d-%H%M%S)-$$
@@ -252,7 +284,8 @@ if [ -n "${CHECKPOINT_DIR:-}" ] && [ -e "$CHECKPOINT_DIR" ] && [ ! -d "$CHECKPOI
     "or unset it for \$RUN_DIR/checkpoints (CHECKPOINT_DIR= for none)" >&2
   exit 2
 fi
-if ! mkdir -p "$RUN_DIR/gpu_memory" "$RUN_DIR/cpu_memory" 2>/dev/null; then
+# (-w too: mkdir -p succeeds on a continued run's folders on a read-only file system)
+if ! mkdir -p "$RUN_DIR/gpu_memory" "$RUN_DIR/cpu_memory" 2>/dev/null || [ ! -w "$RUN_DIR" ]; then
   fix="set RUNS_DIR to a writable folder (default: runs/ where you start or submit the job)"
   if [ -n "$continued" ]; then fix="make RUN_DIR writable, or unset it for a new run directory"; fi
   echo "error: cannot create the run directory $RUN_DIR (and its gpu_memory/, cpu_memory/):" \
@@ -275,7 +308,15 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   # sbatch (the task gets one CPU and its loader workers starve): pass it, and export
   # SRUN_CPUS_PER_TASK, which srun reads, for any srun started under this job (site.sh's,
   # SRUN_EXTRA_ARGS'). training/allocation.py warns when a task still has fewer CPUs.
-  launch=(srun --kill-on-bad-exit=1 --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1)
+  # --export=ALL: this job's environment (site.sh's included) for the step, also where sbatch
+  # ran with --export=NONE (some sites' default), which srun would inherit: no PATH, no bash.
+  # --gpus-per-node: the job's GPUs, also where `sbatch --gres=gpu:2` overrode the file's
+  # --gpus-per-node=4, whose SLURM_GPUS_PER_NODE=4 srun would inherit and ask for.
+  launch=(srun --kill-on-bad-exit=1 --export=ALL --nodes="$nnodes" --ntasks="$nnodes"
+    --ntasks-per-node=1)
+  if [ -n "${SLURM_GPUS_ON_NODE:-}" ] && [ "${SLURM_GPUS_ON_NODE}" != 0 ]; then
+    launch+=(--gpus-per-node="$SLURM_GPUS_ON_NODE")
+  fi
   if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
     export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
     launch+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
@@ -303,6 +344,8 @@ else
   data_shown="built-in synthetic data (no --dataset, --data-dir or DATA_DIR)"
 fi
 
+gloo_shown="<auto>"  # node.sh's rule when GLOO_SOCKET_IFNAME is unset
+if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then gloo_shown="<per node, from NCCL_SOCKET_IFNAME>"; fi
 start=$(date '+%Y-%m-%d %H:%M:%S')
 printf '%s=%q\n' JOB_ID "$job_id" JOB_NAME "$job_name" STRATEGY "$STRATEGY" \
   NODES "$nnodes" NODELIST "${nodes[*]:0:$nnodes}" GPUS_PER_NODE "$gpus_per_node" \
@@ -322,7 +365,7 @@ processes     : $world_size ($per_node)
 rendezvous    : ${RDZV_ENDPOINT:-standalone}
 data          : $data_shown
 NCCL          : NCCL_DEBUG=$NCCL_DEBUG NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-<auto>} \
-GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-<${NCCL_SOCKET_IFNAME:+per node, from NCCL_SOCKET_IFNAME}${NCCL_SOCKET_IFNAME:-auto}>}
+GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$gloo_shown}
 run dir       : $RUN_DIR
 checkpoints   : ${CHECKPOINT_DIR:-none}
 restarts      : $restarts

@@ -37,6 +37,10 @@
 # Until the USR1 trap below is set, a USR1 is ignored, not fatal (it may reach this script while
 # it starts, on a loaded node seconds after srun): job.sh sends it again until the training stops.
 trap '' USR1
+# USR2 asks the training processes for their Python stacks (docs/hangs.md): ignored here and in
+# everything this script starts, so `scancel --signal=USR2 JOBID`, which reaches every process
+# of the step, ends none (the training scripts install their own handler)
+trap '' USR2
 {
 set -euo pipefail
 launch_dir=$(dirname "${BASH_SOURCE[0]}")

@@ -25,6 +25,7 @@ import select
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -893,12 +894,20 @@ def test_an_edit_of_the_launchers_during_a_job_does_not_change_the_job(tmp_path)
     assert read_env_file(run_dir / "job.env")["EXIT_CODE"] == "0"
 
 
-@pytest.mark.parametrize("args,refusal", [
-    (["--epochs", "1", "--bogus"], "unrecognized arguments: --bogus"),
+HELP = "python ddp_train.py --help lists its flags"
+
+
+@pytest.mark.parametrize("args,refusal,fix", [
+    (["--epochs", "1", "--bogus"], "unrecognized arguments: --bogus", HELP),
     # parses, but check_flags refuses it (it used to fail in torchrun: traceback, exit 1)
-    (["--epochs", "0"], "--epochs must be at least 1, got 0"),
+    (["--epochs", "0"], "--epochs must be at least 1, got 0", HELP),
+    # sbatch's own option after the .slurm file
+    (["--nodes=3", "--epochs", "1"], "unrecognized arguments: --nodes=3",
+     "sbatch's own options go before the .slurm file: sbatch --nodes=2 "
+     "launch/multi_node.slurm [TRAINING ARGS]"),
 ])
-def test_a_bad_training_flag_is_one_sentence_before_anything_starts(tmp_path, args, refusal):
+def test_a_bad_training_flag_is_one_sentence_before_anything_starts(tmp_path, args, refusal,
+                                                                     fix):
     """Checked by the script's own parser and check_flags in job.sh: no run directory, no
     loggers, no torchrun (whose traceback used to follow argparse's line), exit 2."""
     env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs")}
@@ -906,7 +915,7 @@ def test_a_bad_training_flag_is_one_sentence_before_anything_starts(tmp_path, ar
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert (res.returncode, res.stdout) == (2, "")
     assert res.stderr == (f"error: the training arguments are refused: ddp_train.py: error: "
-                          f"{refusal} (python ddp_train.py --help lists its flags)\n")
+                          f"{refusal} ({fix})\n")
     assert not (tmp_path / "runs").exists()
 
 
@@ -923,6 +932,42 @@ def test_the_job_exit_code_is_the_trainings_under_torchrun(tmp_path):
     assert "training exit code: 2" in res.stdout
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert read_env_file(run_dir / "job.env")["EXIT_CODE"] == "2"
+    # torchrun's one line after the worker's sentence, not its 40-line traceback and table
+    assert "torchrun: 1 worker(s) failed; the first: rank 0 (pid " in res.stdout + res.stderr
+    assert "exitcode: 2; its own lines above say why" in res.stdout + res.stderr
+    assert "Traceback" not in res.stdout + res.stderr and "ChildFailedError" not in res.stdout
+
+
+def test_a_continued_run_dir_that_cannot_be_written_is_one_sentence(tmp_path):
+    """A run directory to continue, its folders all there, on a read-only file system (root:
+    a read-only bind mount) or without write permission: mkdir -p succeeded, and the job
+    ended in bash's own 'job.env: Read-only file system' line, exit 1."""
+    old = tmp_path / "old"
+    for folder in ("gpu_memory", "cpu_memory"):
+        (old / folder).mkdir(parents=True)
+    (old / "job.env").write_text("JOB_ID=1\n")
+    mounted = False
+    if os.geteuid() == 0:
+        bind = subprocess.run(f"mount --bind {old} {old} && mount -o remount,bind,ro {old}",
+                              shell=True, capture_output=True, text=True)
+        mounted = bind.returncode == 0
+        if not mounted:
+            subprocess.run(["umount", str(old)], capture_output=True)
+            pytest.skip(f"root, and no read-only bind mount here: {bind.stderr.strip()}")
+    else:
+        old.chmod(0o555)
+    try:
+        env = base_env(tmp_path) | {"RUN_DIR": str(old)}
+        res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--", *TINY], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(old)], capture_output=True)
+        old.chmod(0o755)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.splitlines()[-1] == (
+        f"error: cannot create the run directory {old} (and its gpu_memory/, cpu_memory/): "
+        f"make RUN_DIR writable, or unset it for a new run directory")
 
 
 @pytest.mark.parametrize("bad", ["RUNS_DIR", "PYTHON", "RUN_DIR"])
@@ -1725,3 +1770,51 @@ def test_slurm_allocation_two_jobs_on_one_node(slurm_lab, tmp_path):
                   r"does, or keep the node to this job with `#SBATCH --exclusive`", fixed_out)
     assert m and holder_id in m.group(1).split(", "), fixed_out[-3000:]
     assert fixed_out.count("is fixed") == 1  # once per node, not per rank
+
+
+def test_slurm_a_sites_ways_reach_the_training_and_usr2_ends_nothing(slurm_lab, tmp_path):
+    """One job that met four things of real sites, each of which broke it:
+    - sbatch --export of a few variables only (as --export=NONE, some sites' default): srun
+      inherited it, and node.sh started without PATH ("execve(): bash: No such file");
+    - --gres=gpu:2 over the file's --gpus-per-node=4: srun asked for 4 ("Unable to create
+      step");
+    - its rendezvous port held by another process on the first node: a minute of silence,
+      then every node's traceback;
+    - `scancel --signal=USR2 JOBID`, docs/hangs.md's way to ask for the stacks: it ended
+      node.sh (and the job) at USR2's default action.
+    The site file gives the environment (PATH, the lab's SLURM_CONF) and NCCL_SOCKET_IFNAME,
+    which the header showed as "<per node, from NCCL_SOCKET_IFNAMElo>"."""
+    site = tmp_path / "site.sh"
+    env = base_env(tmp_path)
+    site.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in (
+        ("PATH", env["PATH"]), ("SLURM_CONF", slurm_lab["SLURM_CONF"]), ("LOG_INTERVAL", "1"),
+        ("PYTHONUNBUFFERED", "1"), ("NCCL_SOCKET_IFNAME", "lo"))))
+    job = Job(slurm_lab, tmp_path / "site", "multi_gpu.slurm",
+              ["--hold", "-w", "n3", "--gres=gpu:2", "--job-name=site",
+               f"--export=SITE_SH={site}"], LOCAL_STOP_RUN)
+    port = 20000 + job.id % 20000
+    holder = socket.socket()
+    holder.bind(("", port))  # bound, not listening: a connect to it is refused, not answered
+    try:
+        released = subprocess.run(["scontrol", "release", str(job.id)], env=job.env,
+                                  capture_output=True, text=True, timeout=60)
+        assert released.returncode == 0, released.stderr
+        out_file = job.tmp / f"site-{job.id}.out"
+        assert wait_for(lambda: out_file.exists() and "Epoch [1/" in out_file.read_text(),
+                        JOB_TIMEOUT_S), out_file.read_text() if out_file.exists() else "no output"
+    finally:
+        holder.close()
+    signalled = subprocess.run(["scancel", "--signal=USR2", str(job.id)], env=job.env,
+                               capture_output=True, text=True, timeout=60)
+    assert signalled.returncode == 0, signalled.stderr
+    state, code, out, run_dir = job.result()
+    assert (state, code) == ("COMPLETED", 0), out[-4000:]
+    assert f"note: port {port} on n3 is taken (another process holds it): the rendezvous " \
+           f"uses port {port + 1}" in out
+    assert read_env_file(run_dir / "job.env")["MASTER_PORT"] == str(port + 1)
+    assert "GPUs per node : 2" in out and "processes     : 2 (2 per node)" in out
+    assert "GLOO_SOCKET_IFNAME=<per node, from NCCL_SOCKET_IFNAME>\n" in out
+    # both ranks printed their stacks (faulthandler: "Thread 0x... (most recent call first)")
+    # and went on; the launchers and torchrun ignored it
+    assert out.count("(most recent call first)") >= 2, out[-4000:]
+    assert "User defined signal 2" not in out and "Epoch [3/3]" in out
