@@ -711,8 +711,8 @@ def study(args, train_args: list, argv: list) -> int:
                  else f"strong scaling, global batch {settings['global_batch']}")
     header = (f"# study {study_dir}: {mode_text}; {len(planned)} configurations, "
               f"{sum(bool(p.skipped) for p in planned)} skipped, {len(todo)} to run")
-    if args.dry_run:
-        print("\n".join([header] + lines))
+    if args.dry_run:  # a script to run as it is: sbatch's --output needs the folder first
+        print("\n".join([header, f"mkdir -p {shlex.quote(str(study_dir))}"] + lines))
         return 0
 
     entries = record_plan(study_dir, manifest, settings, planned, args.resume, argv)

@@ -90,7 +90,8 @@ def rb(*args, fakebin: Path | None = None, env: dict | None = None, timeout=600,
 
 
 def commands(stdout: str) -> list:
-    return [ln for ln in stdout.splitlines() if ln and not ln.startswith("#")]
+    return [ln for ln in stdout.splitlines()
+            if ln and not ln.startswith(("#", "mkdir -p "))]
 
 
 def sbatch(name, strategy, nodes, gpus, study, script, batch, train, extra=()) -> str:
@@ -148,6 +149,8 @@ def test_dry_run_prints_the_multi_node_matrix(tmp_path):
     assert "# skip dp-2n4g: DataParallel (dp) is one process on one node" in proc.stdout
     assert "8 configurations, 2 skipped, 6 to run" in proc.stdout
     assert not study.exists()  # a dry run writes nothing
+    # a script to run as it is: sbatch's --output needs the study folder (exit 0:53 without)
+    assert proc.stdout.splitlines()[1] == f"mkdir -p {study}"
 
 
 def test_the_workshops_two_tables_and_strong_scaling(tmp_path):
