@@ -4,6 +4,7 @@ whose advice, followed, gives flags that pass; what does nothing is said."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import re
@@ -107,6 +108,18 @@ def test_estimate_memory_leaves_the_flags_as_resolved(capsys):
     # --save-model onto the checkpoint it resumed from replaced it with the weights alone
     (["--resume", "{ck}", "--save-model", "{ck}"],
      "--save-model {ck} is the checkpoint --resume reads"),
+    # --save-model named like a checkpoint in the run's own --checkpoint-dir replaced it
+    (["--save-model", "{ck}"], "--save-model {ck} is named like a checkpoint, and --resume "
+     "auto would take it for one (in a --checkpoint-dir, it can replace this run's own): give "
+     "it another name, e.g. --save-model model.pt"),
+    # an OverflowError traceback in the schedule; a silent start-up that filled the memory
+    (["--warmup-epochs", "1e308"], "--warmup-epochs must be 0 or a positive number of epochs "
+     "up to 1,000,000, got 1e+308"),
+    (["--synthetic-size", str(10**12)], "--synthetic-size is at most 100,000,000 images, got "
+     "1,000,000,000,000"),
+    # --data-dir "$DATA" with DATA unset trained on synthetic data with a note
+    (["--data-dir", ""], "--data-dir is empty (a variable that was not set?): give the "
+     "dataset's folder, or drop --data-dir for built-in synthetic data"),
     # past float32: a RuntimeError traceback in the optimizer's first step, or at the first
     # decay of the learning rate, after an epoch of training
     (["--lr", "1e39"], "--lr 1e+39 must be below the largest float32, 3.4e+38 (0.01 to 1 is "
@@ -237,3 +250,11 @@ def test_a_torchrun_flag_after_the_script_is_one_sentence(script, argv, said):
     proc = subprocess.run([sys.executable, str(REPO / script), *argv], capture_output=True,
                           text=True, timeout=120)
     assert (proc.returncode, proc.stderr, proc.stdout) == (2, said + "\n", "")
+
+
+def test_a_strategys_positive_flag_has_an_upper_bound():
+    """--bucket-cap-mb 1e308 passed the type and ended in DDP's OverflowError traceback."""
+    assert flags.positive("25") == 25.0
+    for text in ("0", "-1", "nan", "inf", "1e308", "abc"):
+        with pytest.raises(argparse.ArgumentTypeError, match="above 0 and below 1e12"):
+            flags.positive(text)

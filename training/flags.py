@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
 import torch
 
-from training import allocation, board, contract, devices, schedule
+from training import allocation, board, checkpoint, contract, devices, schedule
 from training.distributed import DistEnv, print0
 from training.faults import UsageError, make_folder
 from training.models import check_model, grey_channels, synthetic_shape
@@ -30,6 +31,8 @@ MAX_DIST_TIMEOUT = 86400  # seconds; far beyond it, gloo's and NCCL's own timers
 KEEP_CHECKPOINTS = 2  # --keep-checkpoints' default
 TENSORBOARD_EVERY = 5  # --tensorboard-every's default, in seconds
 SYNTHETIC_SIZE = 2048  # --synthetic-size's default
+MAX_SYNTHETIC = 10**8  # --synthetic-size's largest (TinyImageNet has 10**5 images)
+MAX_EPOCHS = 10**6  # --warmup-epochs' largest
 DEFAULT_MODEL = {"tinyimagenet": "resnet50", "cifar10": "cnn", "mnist": "mnist_net",
                  "fashion-mnist": "mnist_net", "synthetic": "resnet50"}
 # --clip-grad-norm's default per model; 0 (off) for the others. The CIFAR CNN has no BatchNorm
@@ -42,14 +45,16 @@ DEFAULT_CLIP_GRAD_NORM = {"cnn": 1.0}
 
 
 def positive(text: str) -> float:
-    """An argparse type: a finite number above 0, for a strategy's own flags (the shared ones
-    are checked in check_flags, whose sentences also name the fix)."""
+    """An argparse type: a number above 0 and below 1e12, for a strategy's own flags (the
+    shared ones are checked in check_flags, whose sentences also name the fix); a larger one
+    (1e308) overflowed where torch made it an integer, a traceback."""
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text!r}")
+    if not 0 < value < 1e12:
+        raise argparse.ArgumentTypeError(f"must be a number above 0 and below 1e12, got "
+                                         f"{text!r}")
     return value
 
 
@@ -296,6 +301,9 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
     for option, sentence in vars(args).pop("refused_flags", {}).items():  # refuse_flags'
         if getattr(args, option.removeprefix("--").replace("-", "_")):
             raise UsageError(sentence)
+    if args.data_dir is not None and not args.data_dir.strip():  # --data-dir "$UNSET_VAR"
+        raise UsageError("--data-dir is empty (a variable that was not set?): give the "
+                         "dataset's folder, or drop --data-dir for built-in synthetic data")
     implied = args.dataset is None and args.data_dir  # TinyImageNet, as the user may not know
     if args.dataset is None:
         args.dataset = "tinyimagenet" if args.data_dir else "synthetic"
@@ -330,9 +338,12 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
     if not args.weight_decay < f32_max:
         raise UsageError(f"--weight-decay must be below the largest float32 ({f32_max:.3g}), "
                          f"got {args.weight_decay:g} (5e-4 is common)")
-    if not 0 <= args.warmup_epochs < math.inf:
-        raise UsageError(f"--warmup-epochs must be 0 or a positive number of epochs, got "
-                         f"{args.warmup_epochs}")
+    if not 0 <= args.warmup_epochs <= MAX_EPOCHS:  # 1e308: an OverflowError, in steps
+        raise UsageError(f"--warmup-epochs must be 0 or a positive number of epochs up to "
+                         f"{MAX_EPOCHS:,}, got {args.warmup_epochs}")
+    if args.synthetic_size > MAX_SYNTHETIC:  # its labels are made up front: minutes, then RAM
+        raise UsageError(f"--synthetic-size is at most {MAX_SYNTHETIC:,} images, got "
+                         f"{args.synthetic_size:,}")
     if not 1 <= args.dist_timeout <= MAX_DIST_TIMEOUT:
         raise UsageError(f"--dist-timeout is in seconds and at most {MAX_DIST_TIMEOUT} (a day) "
                          f"and at least 1, got {args.dist_timeout}")
@@ -345,6 +356,11 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
         raise UsageError(f"--save-model {args.save_model} is the checkpoint --resume reads: "
                          f"the weights alone would replace it; give another file, e.g. "
                          f"--save-model model.pt")
+    if args.save_model and re.match(checkpoint.CHECKPOINT_RE, Path(args.save_model).name):
+        raise UsageError(f"--save-model {args.save_model} is named like a checkpoint, and "
+                         f"--resume auto would take it for one (in a --checkpoint-dir, it can "
+                         f"replace this run's own): give it another name, e.g. --save-model "
+                         f"model.pt")
     if args.cuda_graph and args.compile:
         raise UsageError("--cuda-graph and --compile each replace the eager step with their own "
                          "graphs: drop one of them")
