@@ -685,3 +685,21 @@ def test_no_more_cache_workers_than_chunks_of_images(tiny_imagenet, tmp_path, mo
         tinyimagenet.build_split(tmp_path / "cache", "train", samples, "x", False, 200,
                                  lambda line: None, tiny_imagenet[0])
     assert started == [1, 2]
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_split_whose_every_image_is_unreadable_is_refused_by_the_cache(tiny_imagenet, tmp_path,
+                                                                       split):
+    """Every val image unreadable: the cache held none, and the run reported val_loss 0 and
+    val_acc 0% (of 0 images) as results, exit 0. Every train image: "lower --batch-size",
+    which no batch size fixes. The folder path already says the data dir is damaged."""
+    root = tmp_path / "data"
+    shutil.copytree(tiny_imagenet[0], root)
+    folder = root / "val" / "images" if split == "val" else root / "train"
+    for image in folder.rglob("*.JPEG"):
+        image.write_bytes(b"")
+    with pytest.raises(faults.UsageError, match=rf"none of the \d+ {split} images of {root} could be "
+                                         rf"decoded \(e\.g\. .*\): the data dir is damaged; "
+                                         rf"restore it from the dataset archive"):
+        tinyimagenet.prepare(root, tmp_path / "cache", log=lambda line: None)
+    assert not list((tmp_path / "cache").rglob(f"{split}_*"))  # no empty cache to reuse

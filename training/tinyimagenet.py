@@ -394,6 +394,10 @@ def build_split(directory: Path, split: str, samples, checksum: str, strict: boo
         except BaseException:
             pool.shutdown(cancel_futures=True)
             raise
+    if samples and not labels:  # an empty split trained nothing, or evaluated to 0 of 0
+        raise UsageError(f"none of the {len(samples)} {split} images of {root} could be "
+                         f"decoded (e.g. {bad[0][0]}: {bad[0][1]}): the data dir is damaged; "
+                         f"restore it from the dataset archive")
     parts = [directory / f"{split}_{name}{tag}" for name in ("u8.npy", "labels.npy",
                                                              "meta.json")]
     try:
