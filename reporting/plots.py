@@ -96,13 +96,15 @@ def log_limits(values: list) -> tuple:
     """The 1-2-5 ticks (0.5, 1, 2, 5, 10, 20, ...) just below and just above ``values`` (all
     above 0): the limits of a log axis whose extreme points then lie between labelled ticks
     (autoscaled, the lowest label could sit above the lowest point)."""
-    def ticks_near(v):
-        decade = 10 ** math.floor(math.log10(v))
-        return [decade * m for m in (0.5, 1, 2, 5, 10, 20)]
+    def ticks_near(v):  # floats: an int tick of a huge value (a damaged line's 1e18 img/s)
+        decade = 10.0 ** math.floor(math.log10(v))  # was past numpy's int64, a TypeError
+        return [t for t in (decade * m for m in (0.5, 1, 2, 5, 10, 20)) if math.isfinite(t)]
     low, high = min(values), max(values)
     below = max(t for t in ticks_near(low) if t <= low * (1 + 1e-9))
-    # one value on a tick: the next tick up, so that the axis has a range
-    return below, min(t for t in ticks_near(high) if t >= high * (1 - 1e-9) and t > below)
+    # one value on a tick: the next tick up, so that the axis has a range (none above the
+    # largest float: the value itself)
+    return below, min((t for t in ticks_near(high) if t >= high * (1 - 1e-9) and t > below),
+                      default=high)
 
 
 #: Each strategy's colour in the study's line plots.

@@ -1268,6 +1268,10 @@ def test_a_log_axis_ends_on_labelled_ticks_around_every_point():
     assert plots.log_limits([0.5, 1.65]) == (0.5, 2)
     assert plots.log_limits([155, 640]) == (100, 1000)
     assert plots.log_limits([50]) == (50, 100)  # one point on a tick: still a range
+    # a damaged log's absurd figure: floats, not ints past numpy's int64 (a TypeError in
+    # set_ylim, and no plot written), and no tick past the largest float
+    assert plots.log_limits([320, 3e18]) == (200, 5e18)
+    assert plots.log_limits([1e308]) == (1e308, 1e308)
 
 
 def test_the_model_assumes_a_stated_settable_bandwidth_between_nodes_none_measured(tmp_path):
