@@ -275,7 +275,10 @@ else
   RUN_DIR="${RUNS_DIR:-$submit_dir/runs}/$job_name-$job_id"
 fi
 for arg in "$@"; do  # the training arguments' own --checkpoint-dir wins over CHECKPOINT_DIR
-  case $arg in --checkpoint-dir | --checkpoint-dir=*) CHECKPOINT_DIR="" ;; esac
+  case $arg in  # argparse's abbreviations too: --checkpoint-d was overridden by ours, silently
+    --checkpoint-d | --checkpoint-di | --checkpoint-dir | --checkpoint-d=* | --checkpoint-di=* | \
+      --checkpoint-dir=*) CHECKPOINT_DIR="" ;;
+  esac
 done
 # A CHECKPOINT_DIR that is a file: refused here, not by the training once torchrun ran it,
 # as --checkpoint-dir, with torchrun's report below (and a run directory left behind)
@@ -319,8 +322,19 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   fi
   if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
     export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK
-    launch+=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
   fi
+  step_cpus=${SLURM_CPUS_PER_TASK:-}
+  # `#SBATCH --ntasks-per-node=4`: Slurm gave the node 4 tasks' CPUs, and this one task (torchrun
+  # starts the processes) got one task's share, the rest idle: it gets the node's CPUs instead
+  if [[ ${SLURM_NTASKS_PER_NODE:-1} =~ ^[0-9]+$ ]] && [ "${SLURM_NTASKS_PER_NODE:-1}" -gt 1 ] &&
+    [[ ${SLURM_CPUS_ON_NODE:-} =~ ^[0-9]+$ ]]; then
+    step_cpus=$SLURM_CPUS_ON_NODE
+    echo "note: the job asked for --ntasks-per-node=$SLURM_NTASKS_PER_NODE; the launchers start" \
+      "one task per node (torchrun starts the training's processes in it), so it gets the" \
+      "node's $step_cpus CPUs (\`#SBATCH --ntasks-per-node=1\` and --cpus-per-task say it" \
+      "directly)"
+  fi
+  if [ -n "$step_cpus" ]; then launch+=(--cpus-per-task="$step_cpus"); fi
   read -ra srun_extra <<<"${SRUN_EXTRA_ARGS:-}"
   launch+=("${srun_extra[@]}")
 fi

@@ -1160,6 +1160,20 @@ def test_local_sh_check_only_and_bad_run_dir(tmp_path):
     assert "does not exist" in res.stderr
 
 
+def test_an_abbreviated_checkpoint_dir_of_the_training_wins_over_the_launchers(tmp_path):
+    """argparse takes --checkpoint-d for --checkpoint-dir, and job.sh, which looked for the
+    whole flag only, added its own after it, which won: the user's folder got nothing."""
+    env = base_env(tmp_path) | {"RUNS_DIR": str(tmp_path / "runs"), "CHECK_ONLY": "1"}
+    mine = tmp_path / "mine"
+    res = subprocess.run(["bash", str(LAUNCH / "local.sh"), "--nproc-per-node", "1", "--",
+                          *TINY, "--checkpoint-d", str(mine)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"--checkpoint-d {mine} --check" in res.stdout and "/checkpoints" not in res.stdout
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert read_env_file(run_dir / "job.env")["CHECKPOINT_DIR"] == ""
+
+
 @pytest.mark.parametrize("value, read", [
     ("1", "1"), ("true", "1"), ("YES", "1"), ("on", "1"),
     ("0", "0"), ("false", "0"), ("No", "0"), ("off", "0"), ("", "1"),  # empty: the default
@@ -1782,6 +1796,7 @@ def test_slurm_a_sites_ways_reach_the_training_and_usr2_ends_nothing(slurm_lab, 
       then every node's traceback;
     - `scancel --signal=USR2 JOBID`, docs/hangs.md's way to ask for the stacks: it ended
       node.sh (and the job) at USR2's default action.
+    - --ntasks-per-node=2: the launchers' one task per node got one task's CPUs, silently.
     The site file gives the environment (PATH, the lab's SLURM_CONF) and NCCL_SOCKET_IFNAME,
     which the header showed as "<per node, from NCCL_SOCKET_IFNAMElo>"."""
     site = tmp_path / "site.sh"
@@ -1790,8 +1805,8 @@ def test_slurm_a_sites_ways_reach_the_training_and_usr2_ends_nothing(slurm_lab, 
         ("PATH", env["PATH"]), ("SLURM_CONF", slurm_lab["SLURM_CONF"]), ("LOG_INTERVAL", "1"),
         ("PYTHONUNBUFFERED", "1"), ("NCCL_SOCKET_IFNAME", "lo"))))
     job = Job(slurm_lab, tmp_path / "site", "multi_gpu.slurm",
-              ["--hold", "-w", "n3", "--gres=gpu:2", "--job-name=site",
-               f"--export=SITE_SH={site}"], LOCAL_STOP_RUN)
+              ["--hold", "-w", "n3", "--gres=gpu:2", "--job-name=site", "--ntasks-per-node=2",
+               "--cpus-per-task=2", f"--export=SITE_SH={site}"], LOCAL_STOP_RUN)
     port = 20000 + job.id % 20000
     holder = socket.socket()
     holder.bind(("", port))  # bound, not listening: a connect to it is refused, not answered
@@ -1813,6 +1828,11 @@ def test_slurm_a_sites_ways_reach_the_training_and_usr2_ends_nothing(slurm_lab, 
            f"uses port {port + 1}" in out
     assert read_env_file(run_dir / "job.env")["MASTER_PORT"] == str(port + 1)
     assert "GPUs per node : 2" in out and "processes     : 2 (2 per node)" in out
+    # --ntasks-per-node=2: the one task per node got one task's 2 CPUs, the other 2 idle
+    assert "note: the job asked for --ntasks-per-node=2; the launchers start one task per " \
+           "node (torchrun starts the training's processes in it), so it gets the node's 4 " \
+           "CPUs" in out
+    assert "--cpus-per-task=4 " in read_env_file(run_dir / "job.env")["COMMAND"]
     assert "GLOO_SOCKET_IFNAME=<per node, from NCCL_SOCKET_IFNAME>\n" in out
     # both ranks printed their stacks (faulthandler: "Thread 0x... (most recent call first)")
     # and went on; the launchers and torchrun ignored it
