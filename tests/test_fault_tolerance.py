@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from training import checkpoint, contract, faults
+from training import checkpoint, contract, faults, models
 from conftest import (REPO, check_ok, env_for_tests, epoch_lines, metrics, read_until, run_script,
                       wait_for)
 
@@ -450,7 +450,8 @@ def test_resume_past_the_end_never_and_missing_path(tmp_path):
     other = run_script("ddp_train.py", RUN + ["--checkpoint-dir", str(ck), "--model", "resnet18"])
     (only,) = checkpoint.list_checkpoints(ck)
     assert other.returncode == 2 and f"checkpoint {only} could not be loaded" in other.stderr
-    assert "or of another --model loads only with those" in other.stderr
+    assert ("or of another --model or --dataset (another number of classes) loads only with "
+            "those") in other.stderr
     assert "trying the previous one" not in other.stdout  # there is none
     # FSDP given DDP's checkpoint, a file: "unreadable: its meta.pt (Not a directory); make it
     # readable (chmod ...)", and no word of the other script
@@ -820,3 +821,16 @@ def test_a_checkpoint_the_run_may_not_read_is_passed_over_with_the_chmod_that_fi
                 f"__0_0.distcp ({why}, on rank 0)); trying the previous one") in out
         assert (f" (to resume from it instead, stop the run, make it readable: chmod -R u+rX "
                 f"{newest}, and start it again)" in out) == hint, out
+
+
+def test_a_checkpoint_of_another_dataset_is_named_by_its_size_mismatch():
+    """The same --model trained on another dataset (another number of classes): the warning
+    gave load_state_dict's first line alone, "Error(s) in loading state_dict for Net:", and
+    the reason, on the line after it, was lost."""
+    ten, four = (models.build_model("cnn", n, (3, 32, 32)) for n in (10, 4))
+    with pytest.raises(RuntimeError) as failed:
+        ten.load_state_dict(four.state_dict())
+    said = checkpoint._first_line(failed.value)
+    assert said.startswith("RuntimeError: Error(s) in loading state_dict for ")
+    assert "size mismatch for " in said and "torch.Size([4" in said, said
+    assert checkpoint._first_line(ValueError("one line")) == "ValueError: one line"

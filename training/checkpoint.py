@@ -335,7 +335,8 @@ def load_newest(candidates: list, load_one, explicit: bool = False):
         which = (f"checkpoint {candidates[0]} could not" if len(candidates) == 1 else
                  f"none of the {len(candidates)} checkpoints in {candidates[0].parent} could")
         hint = (": a checkpoint of another script (fsdp_train.py writes folders, ddp_train.py "
-                "and dp_train.py files) or of another --model loads only with those" if others
+                "and dp_train.py files) or of another --model or --dataset (another number of "
+                "classes) loads only with those" if others
                 else "")
         raise UsageError(f"{which} be loaded (why is above){hint}; to start fresh, give "
                          f"another --checkpoint-dir, or pass --resume never (it sets them "
@@ -366,8 +367,12 @@ def same_candidates(candidates: list) -> list:
 
 
 def _first_line(exc: BaseException) -> str:
-    first = (str(exc).strip().splitlines() or [""])[0][:160]
-    return f"{exc.__class__.__name__}: {first}"
+    """The exception's class and first line; a first line that ends in ":" with the line after
+    it (load_state_dict's "Error(s) in loading state_dict for ResNet:" says why only there,
+    e.g. a size mismatch of the classifier: another dataset's classes)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+    first = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+    return f"{exc.__class__.__name__}: {first[:240]}"
 
 
 #: The first bytes of every file torch.save writes (a zip archive's first entry).
@@ -591,7 +596,8 @@ def _resume_path_error(path, what: str | None, exc: BaseException) -> str:
         return f"--resume {path} is {what}; {fix}"
     return (f"--resume {path} could not be loaded ({_first_line(exc)}): a checkpoint of "
             f"another script (fsdp_train.py writes folders, ddp_train.py and dp_train.py files) "
-            f"or of another --model loads only with those; {fix}")
+            f"or of another --model or --dataset (another number of classes) loads only with "
+            f"those; {fix}")
 
 
 def damaged_member(path) -> str | None:
