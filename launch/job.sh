@@ -210,18 +210,24 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   export PEER_ADDR=${nodes[1]:-}  # the master node's way to the others (gloo's interface)
   export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))  # differs for two jobs sharing a node
   # A port another process holds on the master node (this one) left the rendezvous waiting a
-  # minute in silence, then every node's traceback: take the next free one, and say so.
-  # (python3 exits 0 for a port in use; 1 for a free one, or where it cannot tell)
+  # minute in silence, then every node's traceback: take the first free one of 49 others, and
+  # say so. They lie below the derived ports (10000-19999) and step 1009 apart, so the next
+  # job's own port or list is not this one's (training/allocation.py job_ports: the same
+  # rule). python3 exits 0 for a port in use; 1 for a free one, or where it cannot tell.
   if [ "${SLURMD_NODENAME:-}" = "$MASTER_ADDR" ]; then
-    port=$MASTER_PORT
-    while [ "$port" -lt $((MASTER_PORT + 50)) ] && python3 -c "$PORT_IN_USE" "$port" 2>/dev/null
-    do
-      port=$((port + 1))
+    chosen=""
+    for k in $(seq -1 48); do
+      port=$MASTER_PORT
+      if [ "$k" -ge 0 ]; then port=$((10000 + (SLURM_JOB_ID + k * 1009) % 10000)); fi
+      if ! python3 -c "$PORT_IN_USE" "$port" 2>/dev/null; then chosen=$port; break; fi
     done
-    if [ "$port" != "$MASTER_PORT" ] && [ "$port" -lt $((MASTER_PORT + 50)) ]; then
+    if [ -z "$chosen" ]; then
+      echo "note: port $MASTER_PORT on $MASTER_ADDR and the 49 others this job may take are" \
+        "all in use: the rendezvous tries $MASTER_PORT"
+    elif [ "$chosen" != "$MASTER_PORT" ]; then
       echo "note: port $MASTER_PORT on $MASTER_ADDR is taken (another process holds it): the" \
-        "rendezvous uses port $port"
-      MASTER_PORT=$port
+        "rendezvous uses port $chosen"
+      MASTER_PORT=$chosen
     fi
   fi
   export RDZV_ENDPOINT="$MASTER_ADDR:$MASTER_PORT" RDZV_ID=$SLURM_JOB_ID
@@ -317,7 +323,9 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   # --gpus-per-node=4, whose SLURM_GPUS_PER_NODE=4 srun would inherit and ask for.
   launch=(srun --kill-on-bad-exit=1 --export=ALL --nodes="$nnodes" --ntasks="$nnodes"
     --ntasks-per-node=1)
-  if [ -n "${SLURM_GPUS_ON_NODE:-}" ] && [ "${SLURM_GPUS_ON_NODE}" != 0 ]; then
+  # (only then: SLURM_GPUS_ON_NODE is the batch node's, and nodes may differ, --gpus=6 on 2)
+  if [ -n "${SLURM_GPUS_PER_NODE:-}" ] && [ -n "${SLURM_GPUS_ON_NODE:-}" ] &&
+    [ "${SLURM_GPUS_PER_NODE#*:}" != "$SLURM_GPUS_ON_NODE" ]; then
     launch+=(--gpus-per-node="$SLURM_GPUS_ON_NODE")
   fi
   if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
@@ -326,9 +334,10 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   step_cpus=${SLURM_CPUS_PER_TASK:-}
   # `#SBATCH --ntasks-per-node=4`: Slurm gave the node 4 tasks' CPUs, and this one task (torchrun
   # starts the processes) got one task's share, the rest idle: it gets the node's CPUs instead
+  # (where every node has as many: SLURM_JOB_CPUS_PER_NODE "16" or "16(x2)", not "16,8")
   if [[ ${SLURM_NTASKS_PER_NODE:-1} =~ ^[0-9]+$ ]] && [ "${SLURM_NTASKS_PER_NODE:-1}" -gt 1 ] &&
-    [[ ${SLURM_CPUS_ON_NODE:-} =~ ^[0-9]+$ ]]; then
-    step_cpus=$SLURM_CPUS_ON_NODE
+    [[ ${SLURM_JOB_CPUS_PER_NODE:-} =~ ^[0-9]+(\(x[0-9]+\))?$ ]]; then
+    step_cpus=${SLURM_JOB_CPUS_PER_NODE%%(*}
     echo "note: the job asked for --ntasks-per-node=$SLURM_NTASKS_PER_NODE; the launchers start" \
       "one task per node (torchrun starts the training's processes in it), so it gets the" \
       "node's $step_cpus CPUs (\`#SBATCH --ntasks-per-node=1\` and --cpus-per-task say it" \

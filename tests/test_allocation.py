@@ -147,6 +147,13 @@ def test_a_fixed_port_with_another_job_on_the_node_is_named(slurm, monkeypatch):
     slurm(MASTER_PORT=37605, TORCHELASTIC_RUN_ID="4242",
           RDZV_ENDPOINT=f"n1:{allocation.derived_port('4242')}")
     assert allocation.problems(TORCHRUN_2, "cpu", False, 0)[1] == []
+    # a port launch/job.sh took because another process held the derived one: its own, not
+    # "fixed" (it said so), and none of them is the next job's derived port or list
+    ports = allocation.job_ports("4242")
+    slurm(RDZV_ENDPOINT=f"n1:{ports[1]}")
+    assert ports[1] == 10000 + 4242 % 10000 and len(set(ports)) == 50
+    assert allocation.problems(TORCHRUN_2, "cpu", False, 0)[1] == []
+    assert not set(ports) & set(allocation.job_ports("4243"))
     slurm(RDZV_ENDPOINT="n1:29400")
     assert allocation.problems(TORCHRUN_2, "cpu", False, 0)[1][0].startswith(
         "warning: the rendezvous port of RDZV_ENDPOINT=29400 is fixed, and job(s) 4243")

@@ -26,6 +26,13 @@ def derived_port(job_id: str) -> int:
     return 20000 + int(job_id) % 20000
 
 
+def job_ports(job_id: str) -> list:
+    """The rendezvous ports launch/job.sh may give a Slurm job: derived_port, else (another
+    process holds it) the first free one of 10000 + (job + k * 1009) % 10000, k = 0 to 48."""
+    return [derived_port(job_id)] + [10000 + (int(job_id) + k * 1009) % 10000
+                                     for k in range(49)]
+
+
 def _int(name: str) -> int | None:
     value = os.environ.get(name, "").strip()
     return int(value) if value.isdigit() else None
@@ -140,7 +147,8 @@ def problems(env: DistEnv, device: str, share_gpus: bool, workers: int) -> tuple
 
     # The port: a fixed one collides when another job on this node takes it too.
     name, port = rendezvous_port(env)
-    if env.world_size > 1 and env.local_rank == 0 and port and port != str(derived_port(job)):
+    if (env.world_size > 1 and env.local_rank == 0 and port
+            and port not in map(str, job_ports(job))):
         others = other_jobs_on(node, job)
         if others:
             warnings.append(
