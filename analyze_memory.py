@@ -299,18 +299,21 @@ def parse_cpu_lines(lines, skips: Counter) -> list:
     """[(elapsed s, CPU %, RSS MiB)] of a psrecord --log file (elapsed, CPU %, real, virtual; its
     header says MB, but psrecord divides bytes by 1024**2); with --include-io four I/O counts
     follow, which are not read. --log-format csv: elapsed, processes, CPU %, real, virtual."""
-    samples = []
+    samples, csv = [], False    # each header sets the layout of the lines after it
     for line in map(str.strip, lines):
-        if not line or _header_kind(line) == KIND_CPU:
+        if not line:
             continue
-        fields = line.split(",") if "," in line else line.split()
-        if "," in line and len(fields) in (5, 9):
-            del fields[1]   # the csv's process count
+        if _header_kind(line) == KIND_CPU:
+            csv = line.startswith(CPU_CSV_HEADER)
+            continue
+        fields = line.split(",") if csv else line.split()
         try:
-            if len(fields) not in (4, 8):
+            if len(fields) not in ((5, 9) if csv else (4, 8)):
                 raise ValueError
+            if csv:
+                del fields[1]   # the process count
             elapsed, cpu, rss, virtual = map(float, fields[:4])
-        except ValueError:      # not four numbers (or eight, with the I/O counts)
+        except ValueError:      # not four numbers (or eight, with the I/O counts; csv: one more)
             skips[SKIP_MALFORMED] += 1
             continue
         # float() also reads "nan", "inf" and 1e400 (as inf): such a value, a negative one or

@@ -171,6 +171,13 @@ def test_psrecord_logs_with_io_counts_or_as_csv_read_as_the_plain_log(tmp_path):
     for path in (with_io, as_csv):
         (record,), skips = records_and_skips(path)
         assert not skips
+    # the layout is the header's: a csv line that lost its start (4 fields) is no sample, nor
+    # a plain line with commas
+    as_csv.write_text(as_csv.read_text() + "1.0,50.0,2000.0,9000.0\n")
+    with_io.write_text(with_io.read_text() + "1.0,3,50.0,2000.0,9000.0\n")
+    for path in (with_io, as_csv):
+        (record,), skips = records_and_skips(path)
+        assert skips == {am.SKIP_MALFORMED: 1}, path
         assert ({k: record[k] for k in ("samples", "peak_rss_mib", "avg_rss_mib", "peak_cpu_pct")}
                 == {k: plain[k] for k in ("samples", "peak_rss_mib", "avg_rss_mib",
                                           "peak_cpu_pct")}), path
