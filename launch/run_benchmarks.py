@@ -287,8 +287,12 @@ def check_train_args_parse(train_args: list, strategies: list) -> None:
         proc = subprocess.CompletedProcess([], 1, "", str(e))
     last = (proc.stderr.strip().splitlines() or [""])[-1]
     if proc.returncode == 2 and ": error: " in last:  # the refusal: argparse's or check_flags'
-        raise StudyError(f"the training arguments after -- are refused ({last}); fix them "
-                         f"(python {last.split(':')[0]} --help lists its flags)")
+        script = last.split(":")[0]
+        fix = f"fix them (python {script} --help lists its flags)"
+        if script == "dp_train.py" and "use ddp_train.py or fsdp_train.py" in last:
+            # a flag DataParallel cannot serve (flags.refuse_flags), e.g. --share-gpus
+            fix = "leave DataParallel out of the study: --strategies ddp fsdp"
+        raise StudyError(f"the training arguments after -- are refused ({last}); {fix}")
     if proc.returncode != 0:
         print(f"note: the training arguments after -- were not checked ({last[:200]}); a "
               f"wrong one fails every run", file=sys.stderr)

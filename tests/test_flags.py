@@ -118,8 +118,9 @@ def test_estimate_memory_leaves_the_flags_as_resolved(capsys):
     (["--synthetic-size", str(10**12)], "--synthetic-size is at most 100,000,000 images, got "
      "1,000,000,000,000"),
     # --data-dir "$DATA" with DATA unset trained on synthetic data with a note
-    (["--data-dir", ""], "--data-dir is empty (a variable that was not set?): give the "
-     "dataset's folder, or drop --data-dir for built-in synthetic data"),
+    (["--data-dir", ""], "--data-dir (or $DATA_DIR, its default) is empty (a variable that "
+     "was not set?): give the dataset's folder, or drop --data-dir for built-in synthetic "
+     "data"),
     # past float32: a RuntimeError traceback in the optimizer's first step, or at the first
     # decay of the learning rate, after an epoch of training
     (["--lr", "1e39"], "--lr 1e+39 must be below the largest float32, 3.4e+38 (0.01 to 1 is "

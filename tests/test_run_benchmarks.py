@@ -233,6 +233,9 @@ def test_training_arguments_unchecked_where_the_scripts_cannot_be_imported(tmp_p
     (["--strategies", "ddp", "fsdp", "--", "--sharding", "hybrid"],
      "(ddp_train.py: error: unrecognized arguments: --sharding hybrid)"),
     (["--", "--model", "nosuch"], "are refused (dp_train.py: error: unknown --model 'nosuch'"),
+    # a flag DataParallel refuses: not "--help lists its flags", which hides it
+    (["--", "--share-gpus"], "use ddp_train.py or fsdp_train.py --share-gpus); leave "
+                             "DataParallel out of the study: --strategies ddp fsdp"),
 ])
 def test_bad_flags_are_one_clear_sentence(tmp_path, args, says):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]

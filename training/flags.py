@@ -302,8 +302,9 @@ def check_flags(args: argparse.Namespace, data_known: bool = True) -> None:
         if getattr(args, option.removeprefix("--").replace("-", "_")):
             raise UsageError(sentence)
     if args.data_dir is not None and not args.data_dir.strip():  # --data-dir "$UNSET_VAR"
-        raise UsageError("--data-dir is empty (a variable that was not set?): give the "
-                         "dataset's folder, or drop --data-dir for built-in synthetic data")
+        raise UsageError("--data-dir (or $DATA_DIR, its default) is empty (a variable that "
+                         "was not set?): give the dataset's folder, or drop --data-dir for "
+                         "built-in synthetic data")
     implied = args.dataset is None and args.data_dir  # TinyImageNet, as the user may not know
     if args.dataset is None:
         args.dataset = "tinyimagenet" if args.data_dir else "synthetic"
