@@ -202,7 +202,7 @@ def train(args, env: distributed.DistEnv) -> int:
         return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
     device, backend = setup_distributed(args, env)
     flags.resolve_args(args, env, device)  # what needs the device: --amp, --num-workers
-    cudagraph.check(args, device, STRATEGY)  # --cuda-graph where it cannot capture
+    cudagraph.check(args, device)  # --cuda-graph where it cannot capture
     rank, world = distributed.rank_and_world()  # the process group's, now that it is up
     common.print_start(args, env, device, backend)
 

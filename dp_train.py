@@ -172,7 +172,7 @@ def train(args, env: distributed.DistEnv) -> int:
         return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
     device, gpu_ids = setup_devices(args, env)
     flags.resolve_args(args, env, device)  # what needs the device: --amp, --num-workers
-    cudagraph.check(args, device, STRATEGY)  # --cuda-graph where it cannot capture
+    cudagraph.check(args, device)  # --cuda-graph where it cannot capture
     world = max(1, len(gpu_ids))  # no process group: one process, `world` GPUs
     common.print_start(args, env, device, "none (single process)",
                        on_cpu="DataParallel runs on the CPU as a single device")

@@ -60,8 +60,8 @@ except ImportError:  # torch before 2.6: common.run() stops it with one sentence
     CPUOffloadPolicy = MixedPrecisionPolicy = fully_shard = None
 from torch.utils.data import DistributedSampler
 
-from training import (bandwidth, checkpoint, common, cudagraph, datasets, distributed, flags,
-                      loading, loop, memory, models, schedule, simulate, stopping)
+from training import (bandwidth, checkpoint, common, datasets, distributed, flags, loading,
+                      loop, memory, models, schedule, simulate, stopping)
 from training.distributed import print0
 from training.faults import UsageError, disk_full, end_process
 
@@ -78,7 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "and optimizer state sharded across processes.",
         formatter_class=flags.HelpFormatter)
     flags.add_common_args(parser)
-    flags.hide_from_help(parser, "--cuda-graph")  # refused (cudagraph.check)
+    flags.refuse_flags(parser, {
+        "--cuda-graph": "--cuda-graph cannot capture FSDP's step: FSDP2 allocates and frees "
+                        "each block's gathered parameters (storage resizes) in every forward "
+                        "and backward, which a replayed graph cannot repeat; drop --cuda-graph, "
+                        "or use ddp_train.py --cuda-graph"})
     g = parser.add_argument_group("FSDP")
     g.add_argument("--sharding", choices=SHARDING, default="full",
                    help="full: reshard parameters after forward (least memory); grad-op: keep "
@@ -367,7 +371,6 @@ def train(args, env: distributed.DistEnv) -> int:
         return memory.estimate_only(args, memory_per_gpu, MEMORY_VARIANTS)
     device, backend, mesh = setup_distributed(args, env)
     flags.resolve_args(args, env, device)  # what needs the device: --amp, --num-workers
-    cudagraph.check(args, device, STRATEGY)  # --cuda-graph where it cannot capture
     rank, world = distributed.rank_and_world()  # the process group's, now that it is up
     common.print_start(args, env, device, backend)
     print0(f"sharding: {args.sharding} over mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}")

@@ -42,6 +42,11 @@ from training.stopping import holding_ctrl_c
 
 CHECKPOINT_RE = r"^ckpt-e(\d+)-s(\d+)(\.pt)?$"
 
+#: Why a whole checkpoint may not load, where the load's own exception says it in its terms.
+OTHER_RUN = ("a checkpoint of another script (fsdp_train.py writes folders, ddp_train.py and "
+             "dp_train.py files) or of another --model or --dataset (another number of classes) "
+             "loads only with those")
+
 
 def checkpoint_name(epoch: int, step: int) -> str:
     """Name of the checkpoint taken after ``step`` steps of epoch index ``epoch`` (0-based);
@@ -334,10 +339,7 @@ def load_newest(candidates: list, load_one, explicit: bool = False):
     if candidates:
         which = (f"checkpoint {candidates[0]} could not" if len(candidates) == 1 else
                  f"none of the {len(candidates)} checkpoints in {candidates[0].parent} could")
-        hint = (": a checkpoint of another script (fsdp_train.py writes folders, ddp_train.py "
-                "and dp_train.py files) or of another --model or --dataset (another number of "
-                "classes) loads only with those" if others
-                else "")
+        hint = f": {OTHER_RUN}" if others else ""
         raise UsageError(f"{which} be loaded (why is above){hint}; to start fresh, give "
                          f"another --checkpoint-dir, or pass --resume never (it sets them "
                          f"aside)")
@@ -594,10 +596,7 @@ def _resume_path_error(path, what: str | None, exc: BaseException) -> str:
                 f"fresh")
     if what is not None:
         return f"--resume {path} is {what}; {fix}"
-    return (f"--resume {path} could not be loaded ({_first_line(exc)}): a checkpoint of "
-            f"another script (fsdp_train.py writes folders, ddp_train.py and dp_train.py files) "
-            f"or of another --model or --dataset (another number of classes) loads only with "
-            f"those; {fix}")
+    return f"--resume {path} could not be loaded ({_first_line(exc)}): {OTHER_RUN}; {fix}"
 
 
 def damaged_member(path) -> str | None:

@@ -63,15 +63,11 @@ WARMUP_STEPS = 3
 DDP_WARMUP_STEPS = 11
 
 
-def check(args, device: torch.device, strategy: str) -> None:
-    """One sentence, exit 2, for every setup --cuda-graph cannot capture."""
+def check(args, device: torch.device) -> None:
+    """One sentence, exit 2, for every setup --cuda-graph cannot capture (fsdp_train.py
+    refuses the flag itself, flags.refuse_flags: FSDP's step cannot be captured)."""
     if not getattr(args, "cuda_graph", False):
         return
-    if strategy == "fsdp":
-        raise UsageError("--cuda-graph cannot capture FSDP's step: FSDP2 allocates and frees "
-                         "each block's gathered parameters (storage resizes) in every forward and "
-                         "backward, which a replayed graph cannot repeat; drop --cuda-graph, or "
-                         "use ddp_train.py --cuda-graph")
     if getattr(args, "zero1", False):
         raise UsageError("--cuda-graph cannot capture --zero1's step: ZeroRedundancyOptimizer "
                          "decides in Python which rank broadcasts which parameters; drop one of "

@@ -245,20 +245,14 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def hide_from_help(parser: argparse.ArgumentParser, *options: str) -> None:
-    """Leave these common flags out of this script's --help and usage line: it refuses them
-    with a sentence that names the script to use (dp_train.py's --share-gpus), so listing them
-    there offered what the script cannot do."""
-    for action in parser._actions:  # argparse's one list of them; no public accessor
-        if set(action.option_strings) & set(options):
-            action.help = argparse.SUPPRESS
-
-
 def refuse_flags(parser: argparse.ArgumentParser, refusals: dict) -> None:
     """Common flags this script cannot serve ({option: the sentence that refuses it, naming
-    the script to use}): left out of --help, and refused by check_flags, before anything
-    starts (a simulation's "rank 0 of N" prefix too) and in launch/check_args.py."""
-    hide_from_help(parser, *refusals)
+    the script to use}): left out of --help and its usage line (listing them offered what the
+    script cannot do), and refused by check_flags, before anything starts (the process group,
+    a simulation's "rank 0 of N" prefix) and in launch/check_args.py."""
+    for action in parser._actions:  # argparse's one list of them; no public accessor
+        if set(action.option_strings) & set(refusals):
+            action.help = argparse.SUPPRESS
     parser.set_defaults(refused_flags=refusals)  # check_flags takes it out of args again
 
 
